@@ -1,0 +1,5 @@
+"""Architecture adapters and the built-in table."""
+
+from .adapter import ArchitectureAdapter
+
+__all__ = ["ArchitectureAdapter"]

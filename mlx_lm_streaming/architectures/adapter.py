@@ -1,0 +1,38 @@
+"""Architecture adapters: declarative notes on where a model family keeps its routed experts.
+
+mlx-lm builds, sanitizes and quantizes the model; an adapter only says which modules are the routed
+experts (by default every ``SwitchGLU``) and how a raw Hugging Face checkpoint names one expert's tensor
+(by default ``{parent}.experts.{expert}.{proj}.{part}``, ``parent`` being the module that holds the
+``switch_mlp``). Converted (stacked) checkpoints need no naming at all.
+"""
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+from mlx_lm.models.switch_layers import SwitchGLU
+
+DEFAULT_RAW_KEY = "{parent}.experts.{expert}.{proj}.{part}"
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """Where one family of mlx-lm models keeps its routed experts."""
+
+    # mlx-lm model modules this adapter covers (``mlx_lm.models.<name>``)
+    model_types: Tuple[str, ...]
+    # how a raw HF checkpoint names one expert's tensor; None: only converted checkpoints
+    raw_key: Optional[str] = DEFAULT_RAW_KEY
+    # stock projection name -> raw checkpoint name (Mixtral: gate_proj -> w1)
+    raw_projections: Mapping[str, str] = field(default_factory=dict)
+    # the module class that holds the routed experts
+    experts_class: type = SwitchGLU
+
+    def is_routed_experts(self, path: str, module) -> bool:
+        return isinstance(module, self.experts_class)
+
+    def raw_name(self, path: str, expert: int, proj: str, part: str) -> Optional[str]:
+        if self.raw_key is None:
+            return None
+        parent = path.rsplit(".", 1)[0]
+        proj = self.raw_projections.get(proj, proj)
+        return self.raw_key.format(parent=parent, expert=expert, proj=proj, part=part)

@@ -1,0 +1,326 @@
+"""Expert index: where every routed expert's bytes live in the checkpoint.
+
+Only safetensors headers are read, never tensor data. ``CheckpointFiles`` parses the header of every
+``model*.safetensors`` (the files mlx-lm's ``load_model`` reads) into ``TensorRef`` records: file, absolute
+byte offset, length, dtype and shape, each validated against the file size. ``ExpertIndex`` then maps
+(layer, expert, projection, part) to the byte range of that one expert, for both layouts:
+
+- stacked ``...switch_mlp.{gate,up,down}_proj.{weight,scales,...}`` of shape ``(num_experts, ...)``
+  (converted checkpoints): expert ``e`` is the contiguous range ``offset + e * stride``;
+- one tensor per expert, as Hugging Face ships them (named by the architecture adapter).
+"""
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .errors import CheckpointChangedError, CheckpointError
+
+# safetensors dtype name -> (mlx dtype, bytes per element)
+DTYPES = {
+    "BOOL": (mx.bool_, 1),
+    "U8": (mx.uint8, 1),
+    "I8": (mx.int8, 1),
+    "U16": (mx.uint16, 2),
+    "I16": (mx.int16, 2),
+    "F16": (mx.float16, 2),
+    "BF16": (mx.bfloat16, 2),
+    "U32": (mx.uint32, 4),
+    "I32": (mx.int32, 4),
+    "F32": (mx.float32, 4),
+    "U64": (mx.uint64, 8),
+    "I64": (mx.int64, 8),
+}
+
+# The safetensors format caps headers at 100 MB; a larger length field is a lie.
+MAX_HEADER_BYTES = 100_000_000
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One contiguous byte range of a checkpoint file holding one tensor."""
+
+    file: Path
+    name: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def mx_dtype(self):
+        return DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What we saw of a file at load time; a later mismatch means it changed on disk."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def read_header(path: Path) -> Tuple[Dict[str, TensorRef], FileIdentity]:
+    """Parse one safetensors header into ``TensorRef`` records, checking every range."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: file is {size} bytes, too short for a safetensors header "
+                    "(truncated download?)"
+                )
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER_BYTES or hlen > size - 8:
+                raise CheckpointError(
+                    f"{path}: header length field says {hlen} bytes but the file holds "
+                    f"{size - 8} after it (truncated or not a safetensors file)"
+                )
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+
+    data_start = 8 + hlen
+    data_len = size - data_start
+    refs = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        refs[name] = _parse_entry(path, name, entry, data_start, data_len)
+        spans.append((refs[name].offset, refs[name].offset + refs[name].nbytes, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(
+                f"{path}: tensors {n0!r} and {n1!r} overlap in the file (damaged header)"
+            )
+    return refs, FileIdentity.of(st)
+
+
+def _parse_entry(path, name, entry, data_start, data_len) -> TensorRef:
+    def bad(why):
+        return CheckpointError(f"{path}: tensor {name!r}: {why}")
+
+    if not isinstance(entry, dict):
+        raise bad("header entry is not an object")
+    dtype = entry.get("dtype")
+    if dtype not in DTYPES:
+        raise bad(f"unsupported dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise bad(f"data_offsets {offsets!r} is not a pair of integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise bad(f"data_offsets {offsets} are reversed or negative")
+    if end > data_len:
+        raise bad(
+            f"data_offsets end at byte {end} but the file's data section holds only "
+            f"{data_len} bytes (truncated file?)"
+        )
+    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    if nbytes != end - begin:
+        raise bad(
+            f"shape {shape} of {dtype} needs {nbytes} bytes but data_offsets give "
+            f"{end - begin}"
+        )
+    return TensorRef(path, name, data_start + begin, nbytes, dtype, tuple(shape))
+
+
+class CheckpointFiles:
+    """The safetensors shards of one model directory, with every header parsed."""
+
+    def __init__(self, model_path, files: Optional[Sequence[Path]] = None):
+        self.model_path = Path(model_path)
+        if files is None:
+            files = sorted(self.model_path.glob("model*.safetensors"))
+            self._check_index(files)
+        if not files:
+            raise CheckpointError(f"No safetensors found in {self.model_path}")
+        self.tensors: Dict[str, TensorRef] = {}
+        self.identity: Dict[Path, FileIdentity] = {}
+        for f in files:
+            refs, ident = read_header(f)
+            self.identity[Path(f)] = ident
+            self.tensors.update(refs)
+
+    def _check_index(self, files):
+        index_file = self.model_path / "model.safetensors.index.json"
+        if not index_file.exists():
+            return
+        try:
+            weight_map = json.loads(index_file.read_text("utf-8"))["weight_map"]
+            names = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index_file}: not a valid weight index: {e}") from e
+        present = {f.name for f in files}
+        for name in sorted(names):
+            if not isinstance(name, str) or Path(name).name != name:
+                raise CheckpointError(
+                    f"{index_file}: shard name {name!r} is not a plain file name inside "
+                    f"{self.model_path}"
+                )
+            if name not in present:
+                raise CheckpointError(
+                    f"{index_file}: names shard {name!r}, which is missing from "
+                    f"{self.model_path} (incomplete download?)"
+                )
+
+    def check_unchanged(self, path: Path, st: os.stat_result) -> None:
+        """Raise if ``path`` is not the file whose header we parsed."""
+        if FileIdentity.of(st) != self.identity[path]:
+            raise CheckpointChangedError(
+                f"{path} changed on disk after the model was loaded (size, mtime or inode "
+                "differ); reload the model"
+            )
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One tensor of one projection of one expert: e.g. ``gate_proj.scales``."""
+
+    proj: str
+    part: str
+    dtype: str
+    shape: Tuple[int, ...]  # of one expert
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+class LayerExperts:
+    """Byte ranges of every routed expert of one MoE layer."""
+
+    def __init__(self, path: str, num_experts: int, parts: List[PartSpec], refs):
+        self.path = path
+        self.num_experts = num_experts
+        self.parts = parts
+        # refs[i][e] is the TensorRef of parts[i] for expert e
+        self._refs = refs
+
+    @property
+    def expert_nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def refs(self, expert: int) -> List[TensorRef]:
+        return [r[expert] for r in self._refs]
+
+    def files(self) -> set:
+        return {ref.file for r in self._refs for ref in r}
+
+
+RawKey = Callable[[str, int, str, str], Optional[str]]
+
+
+class ExpertIndex:
+    """(layer, expert, projection, part) -> byte range, validated against the model's shapes."""
+
+    def __init__(self, files: CheckpointFiles):
+        self.files = files
+        self.layers: Dict[str, LayerExperts] = {}
+
+    def add_layer(
+        self,
+        path: str,
+        num_experts: int,
+        expected: Dict[Tuple[str, str], Tuple[int, ...]],
+        raw_key: Optional[RawKey] = None,
+    ) -> LayerExperts:
+        """Index one layer. ``expected[(proj, part)]`` is the stacked shape the config implies."""
+        parts, refs = [], []
+        for (proj, part), shape in expected.items():
+            per_expert = self._locate(path, num_experts, proj, part, shape, raw_key)
+            dtypes = {r.dtype for r in per_expert}
+            if len(dtypes) != 1:
+                raise CheckpointError(
+                    f"{path}.{proj}.{part}: experts disagree on dtype ({sorted(dtypes)})"
+                )
+            parts.append(PartSpec(proj, part, per_expert[0].dtype, tuple(shape[1:])))
+            refs.append(per_expert)
+        layer = LayerExperts(path, num_experts, parts, refs)
+        self.layers[path] = layer
+        return layer
+
+    def _locate(self, path, num_experts, proj, part, shape, raw_key) -> List[TensorRef]:
+        name = f"{path}.{proj}.{part}"
+        tensors = self.files.tensors
+        if name in tensors:
+            ref = tensors[name]
+            if ref.shape != tuple(shape):
+                raise CheckpointError(
+                    f"{ref.file}: tensor {name!r} has shape {list(ref.shape)} but the "
+                    f"config implies {list(shape)} (wrong config.json or quantization?)"
+                )
+            stride = ref.nbytes // num_experts
+            return [
+                TensorRef(
+                    ref.file,
+                    name,
+                    ref.offset + e * stride,
+                    stride,
+                    ref.dtype,
+                    ref.shape[1:],
+                )
+                for e in range(num_experts)
+            ]
+        raw_names = (
+            [raw_key(path, e, proj, part) for e in range(num_experts)] if raw_key else []
+        )
+        if not raw_names or raw_names[0] not in tensors:
+            looked = f" or {raw_names[0]!r}" if raw_names and raw_names[0] else ""
+            raise CheckpointError(
+                f"routed-expert tensor {name!r}{looked} not found in any of "
+                f"{sorted(str(f.name) for f in self.files.identity)} in "
+                f"{self.files.model_path} (incomplete or mismatched checkpoint?)"
+            )
+        out = []
+        for e, raw in enumerate(raw_names):
+            if raw not in tensors:
+                raise CheckpointError(
+                    f"routed-expert tensor {raw!r} (expert {e} of {path}) not found in "
+                    f"{self.files.model_path}"
+                )
+            ref = tensors[raw]
+            if ref.shape != tuple(shape[1:]):
+                raise CheckpointError(
+                    f"{ref.file}: tensor {raw!r} has shape {list(ref.shape)} but the "
+                    f"config implies {list(shape[1:])}"
+                )
+            out.append(ref)
+        return out
+
+    def expert_names(self) -> Iterable[str]:
+        """Every checkpoint tensor name the index serves (so loading can skip them)."""
+        return {ref.name for layer in self.layers.values() for r in layer._refs for ref in r}

@@ -1,0 +1,5 @@
+"""Expert kernels and the selector that chooses among them."""
+
+from .base import ExpertKernel, backend
+
+__all__ = ["ExpertKernel", "backend"]

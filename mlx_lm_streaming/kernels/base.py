@@ -1,0 +1,47 @@
+"""The kernel interface: how the selected experts of one layer are computed from its slot bank.
+
+A kernel gets the layer's input ``x`` (``(..., D)``), the router's choices already turned into slot ids
+(``slots``, ``(..., K)``, as an ``mx.array`` and as a numpy copy for host-side planning), the
+``LayerBank`` and the layer's own activation, and returns ``(..., K, D)`` exactly as mlx-lm's
+``SwitchGLU`` would.
+
+Each kernel says whether it can run on the current backend (``available``), whether it is bit-identical
+to stock mlx-lm there (``exact``), whether it handles a bank's quantization (``supports``) and how much
+it wants the job (``priority``). Like mlx-lm's ``gated_delta`` kernels, one that cannot run reports so
+and the selector falls back. Exactness is a measured fact per backend: never claim it unverified.
+"""
+
+import mlx.core as mx
+
+
+def backend() -> str:
+    """``metal``, ``cuda`` or ``cpu``: where the default device computes."""
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if hasattr(mx, "cuda") and mx.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+class ExpertKernel:
+    """Computes ``SwitchGLU(x, indices)`` over a slot bank."""
+
+    name = "base"
+    # backends on which the kernel was measured bit-identical to stock mlx-lm
+    exact_on = ()
+
+    def available(self) -> bool:
+        return True
+
+    def exact(self, backend: str) -> bool:
+        return backend in self.exact_on
+
+    def supports(self, bank) -> bool:
+        return True
+
+    def priority(self, backend: str, bank, rows: int) -> float:
+        return 0.0
+
+    def __call__(self, x, slots, slots_np, bank) -> mx.array:
+        raise NotImplementedError

@@ -1,0 +1,71 @@
+"""Kernel selector: picks the kernel for each layer call by backend, quantization and row count.
+
+``auto`` takes the highest-priority kernel that is available on this backend, exact here, and supports
+the bank. A kernel named explicitly is used even if inexact (that is the user's opt-in, warned once); if
+it cannot run on this backend, or does not support the bank, the selector says so once and falls back
+to ``auto``.
+"""
+
+import warnings
+
+from .. import plugins
+from ..errors import ConfigurationError
+from .base import backend
+
+
+class KernelSelector:
+    def __init__(self, choice: str = "auto"):
+        self.kernels = plugins.kernels()
+        if choice != "auto" and choice not in self.kernels:
+            raise ConfigurationError(
+                f"unknown expert kernel {choice!r} (--expert-kernel / kernel=); registered: "
+                f"auto, {', '.join(sorted(self.kernels))}"
+            )
+        self.choice = choice
+        self.backend = backend()
+        self._warned = set()
+        self._memo = {}
+
+    def _warn_once(self, key, msg):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    def select(self, bank, rows: int):
+        key = (id(bank), rows)
+        kernel = self._memo.get(key)
+        if kernel is None:
+            kernel = self._memo[key] = self._select(bank, rows)
+        return kernel
+
+    def _select(self, bank, rows):
+        if self.choice != "auto":
+            kernel = self.kernels[self.choice]
+            if not kernel.available():
+                self._warn_once(
+                    ("na", kernel.name),
+                    f"expert kernel {kernel.name!r} cannot run on {self.backend}; using auto",
+                )
+            elif not kernel.supports(bank):
+                self._warn_once(
+                    ("ns", kernel.name, bank.path),
+                    f"expert kernel {kernel.name!r} does not support {bank.path}; using auto",
+                )
+            else:
+                if not kernel.exact(self.backend):
+                    self._warn_once(
+                        ("inexact", kernel.name),
+                        f"expert kernel {kernel.name!r} is not bit-identical to stock mlx-lm on "
+                        f"{self.backend}; outputs may differ slightly",
+                    )
+                return kernel
+        candidates = [
+            k
+            for k in self.kernels.values()
+            if k.available() and k.exact(self.backend) and k.supports(bank)
+        ]
+        if not candidates:
+            raise ConfigurationError(
+                f"no exact expert kernel supports {bank.path} on {self.backend}"
+            )
+        return max(candidates, key=lambda k: k.priority(self.backend, bank, rows))

@@ -1,0 +1,200 @@
+"""Build a streaming model with mlx-lm's own ``load_model``.
+
+mlx-lm builds the model from config, sanitizes the checkpoint's (lazy) tensors and quantizes the modules
+as usual. Just before the weights are put into the model, ``load_weights`` is intercepted: every routed
+``SwitchGLU`` is swapped for a ``StreamingSwitchGLU`` over a slot bank, its tensors are dropped from the
+weight list (they were never read: ``mx.load`` is lazy), and the rest loads through mlx-lm unchanged. The
+shapes the index checks the checkpoint against are those of the quantized stock modules, i.e. the config's.
+"""
+
+import atexit
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Dict, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import plugins
+from .cache import GB, ExpertCache
+from .errors import UnsupportedModelError
+from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
+from .kernels.selector import KernelSelector
+from .options import CONFIG_KEY, StreamingOptions
+from .switch import StreamingSwitchGLU
+
+# Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
+# for the OS page cache, the KV cache and activations.
+DEFAULT_CACHE_SHARE = 0.5
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes: int) -> int:
+    """``clamp(0.5 * (RAM - resident weights), one expert per layer, every expert)``."""
+    free = physical_memory_bytes() - resident_bytes
+    return int(min(total_expert_bytes, max(min_bytes, DEFAULT_CACHE_SHARE * free)))
+
+
+class StreamingState:
+    """What a streaming model carries besides its parameters (``model.expert_streaming``)."""
+
+    def __init__(self, model_path: Path, options: StreamingOptions):
+        self.model_path = Path(model_path)
+        self.options = options
+        self.files = CheckpointFiles(self.model_path)
+        self.index = ExpertIndex(self.files)
+        self.store = plugins.make_store(options.store, self.files, **options.store_options)
+        budget = None
+        if options.expert_cache_gb is not None:
+            budget = int(options.expert_cache_gb * GB)
+        self.cache = ExpertCache(self.store, budget)
+        self.selector = KernelSelector(options.kernel)
+        self.resident_bytes = 0
+
+    def stats(self) -> Dict[str, float]:
+        return self.cache.summary()
+
+    def stats_line(self) -> str:
+        s = self.stats()
+        return (
+            f"[streaming] hit rate {s['hit_rate']:.1%}, experts read {s['experts_read']}, "
+            f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
+            f"cache {s['cache_gb']:.3f} GB"
+        )
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _module_at(model, path: str):
+    parent = model
+    parts = path.split(".")
+    for p in parts[:-1]:
+        parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+    return parent, parts[-1]
+
+
+def adapter_for(model, config: dict):
+    module = type(model).__module__.rsplit(".", 1)[-1]
+    adapters = plugins.architectures()
+    adapter = adapters.get(module)
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"model_type {config.get('model_type')!r} (mlx_lm.models.{module}) has no "
+            f"streaming adapter; supported: {', '.join(sorted(adapters))}. Load it without "
+            "--streaming-experts, or register an adapter (docs/plugins.md)"
+        )
+    return adapter
+
+
+def convert_model(model, weights: dict, config: dict, state: StreamingState) -> dict:
+    """Swap routed experts for streaming ones; return the weights still to load."""
+    adapter = adapter_for(model, config)
+    routed = [
+        (path, m)
+        for path, m in model.named_modules()
+        if adapter.is_routed_experts(path, m)
+    ]
+    if not routed:
+        raise UnsupportedModelError(
+            f"model_type {config.get('model_type')!r}: no routed-expert modules "
+            f"({adapter.experts_class.__name__}) found to stream"
+        )
+    for path, glu in routed:
+        expected = {}
+        for proj in PROJECTIONS:
+            for part, arr in tree_flatten(glu[proj].parameters()):
+                expected[(proj, part)] = tuple(arr.shape)
+                weights.pop(f"{path}.{proj}.{part}", None)
+        num_experts = expected[("gate_proj", "weight")][0]
+        layer = state.index.add_layer(path, num_experts, expected, adapter.raw_name)
+        bank = state.cache.register(layer, glu)
+        parent, name = _module_at(model, path)
+        parent[name] = StreamingSwitchGLU(bank, state.selector)
+    # raw HF names that sanitize did not consume (strict loading would reject them)
+    for name in state.index.expert_names():
+        weights.pop(name, None)
+    state.resident_bytes = sum(v.nbytes for v in weights.values())
+    if state.cache.budget_bytes is None:
+        state.cache.budget_bytes = default_budget_bytes(
+            state.resident_bytes,
+            state.cache.total_expert_bytes,
+            sum(b.layer.expert_nbytes for b in state.cache.banks),
+        )
+    # fail at load, not at the first token, if the budget is too small
+    state.cache.slots_for_budget()
+    return weights
+
+
+def load_streaming_model(
+    stock_load_model,
+    model_path,
+    options: StreamingOptions,
+    lazy: bool = False,
+    strict: bool = True,
+    model_config: Optional[dict] = None,
+    get_model_classes=None,
+    trust_remote_code: bool = False,
+):
+    """Like mlx-lm's ``load_model``, with the routed experts streamed."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    model_path = Path(model_path)
+    model_config = {k: v for k, v in (model_config or {}).items() if k != CONFIG_KEY}
+    config = {**load_config(model_path), **model_config}
+    if config.get("model_file") is not None:
+        raise UnsupportedModelError(
+            f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
+            "be streamed; load without --streaming-experts"
+        )
+    get_model_classes = get_model_classes or _get_classes
+    state = StreamingState(model_path, options)
+
+    def classes(config):
+        model_class, args_class = get_model_classes(config=config)
+
+        def build(args):
+            model = model_class(args)
+            stock_load_weights = model.load_weights
+
+            def load_weights(file_or_weights, strict=True):
+                if isinstance(file_or_weights, (str, Path)):
+                    file_or_weights = list(mx.load(str(file_or_weights)).items())
+                remaining = convert_model(model, dict(file_or_weights), config, state)
+                return stock_load_weights(list(remaining.items()), strict=strict)
+
+            model.load_weights = load_weights
+            return model
+
+        return build, args_class
+
+    try:
+        model, config = stock_load_model(
+            model_path,
+            lazy=lazy,
+            strict=strict,
+            model_config=model_config,
+            get_model_classes=classes,
+            trust_remote_code=trust_remote_code,
+        )
+    except BaseException:
+        state.close()
+        raise
+    del model.load_weights  # back to the class method
+    model.expert_streaming = state
+    weakref.finalize(model, state.close)
+    if options.stats:
+        _print_stats_at_exit(state)
+    return model, config
+
+
+def _print_stats_at_exit(state: StreamingState) -> None:
+    atexit.register(lambda: print(state.stats_line(), file=sys.stderr, flush=True))

@@ -1,0 +1,109 @@
+"""Streaming options and the three ways to ask for them.
+
+1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
+2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
+   ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
+   ``MLX_LM_STREAMING_STATS``;
+3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
+   for the process (see ``integration``).
+
+An explicit ``model_config`` entry wins over the environment; ``{"streaming_experts": False}`` turns
+streaming off even when the environment asks for it.
+"""
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, Optional
+
+from .errors import ConfigurationError
+
+CONFIG_KEY = "streaming_experts"
+ENV = {
+    "enabled": "MLX_LM_STREAMING_EXPERTS",
+    "expert_cache_gb": "MLX_LM_STREAMING_CACHE_GB",
+    "store": "MLX_LM_STREAMING_STORE",
+    "kernel": "MLX_LM_STREAMING_KERNEL",
+    "stats": "MLX_LM_STREAMING_STATS",
+}
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass
+class StreamingOptions:
+    """What to stream through: cache budget, store backend, kernel choice."""
+
+    expert_cache_gb: Optional[float] = None  # None: derived from memory (docs/usage.md)
+    store: str = "safetensors"
+    kernel: str = "auto"
+    stats: bool = False  # print one summary line at exit
+    store_options: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.expert_cache_gb is not None:
+            try:
+                self.expert_cache_gb = float(self.expert_cache_gb)
+            except (TypeError, ValueError):
+                raise ConfigurationError(
+                    f"expert_cache_gb must be a number of GB, got {self.expert_cache_gb!r}"
+                ) from None
+            if not self.expert_cache_gb > 0:
+                raise ConfigurationError(
+                    f"expert_cache_gb must be positive, got {self.expert_cache_gb}"
+                )
+        for name in ("store", "kernel"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigurationError(f"{name} must be a non-empty name")
+
+    @classmethod
+    def from_value(cls, value) -> Optional["StreamingOptions"]:
+        """From a ``model_config["streaming_experts"]`` value: bool, dict or options."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = set(value) - known - {"enabled"}
+            if unknown:
+                raise ConfigurationError(
+                    f"unknown streaming_experts option(s) {sorted(unknown)}; known: "
+                    f"{sorted(known)}"
+                )
+            if value.get("enabled", True) in (False, 0):
+                return None
+            return cls(**{k: v for k, v in value.items() if k in known})
+        raise ConfigurationError(
+            f"model_config['streaming_experts'] must be a bool or a dict, got {value!r}"
+        )
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> Optional["StreamingOptions"]:
+        flag = environ.get(ENV["enabled"], "").strip().lower()
+        if flag in FALSE:
+            return None
+        if flag not in TRUE:
+            raise ConfigurationError(
+                f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
+            )
+        kwargs = {}
+        for name in ("expert_cache_gb", "store", "kernel"):
+            if environ.get(ENV[name]):
+                kwargs[name] = environ[ENV[name]]
+        kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE
+        try:
+            return cls(**kwargs)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"from the environment: {e}") from None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def requested(model_config: Optional[dict]) -> Optional[StreamingOptions]:
+    """The options asked for by ``model_config`` or, failing that, the environment."""
+    if model_config and CONFIG_KEY in model_config:
+        return StreamingOptions.from_value(model_config[CONFIG_KEY])
+    return StreamingOptions.from_env()

@@ -1,0 +1,106 @@
+"""Plugin registry: one pluggy ``PluginManager`` for architectures, stores and kernels.
+
+Plugins are found through the ``mlx_lm_streaming`` entry-point group; our own built-ins are registered
+through that same group (see pyproject.toml). From a source checkout that was never installed the group is
+empty, so the built-in modules are registered by name instead.
+
+``MLX_LM_STREAMING_BLOCK_PLUGINS`` blocks external plugins: ``1`` or ``all`` blocks every plugin that is
+not built in; a comma-separated list blocks those entry-point names only.
+"""
+
+import importlib
+import os
+import threading
+from typing import Dict
+
+import pluggy
+
+from . import hookspecs
+from .errors import ConfigurationError
+
+GROUP = "mlx_lm_streaming"
+BUILTIN_PLUGINS = {
+    "architectures": "mlx_lm_streaming.architectures.builtin",
+    "stores": "mlx_lm_streaming.stores.builtin",
+    "kernels": "mlx_lm_streaming.kernels.builtin",
+}
+BLOCK_ENV = "MLX_LM_STREAMING_BLOCK_PLUGINS"
+
+pm = pluggy.PluginManager(GROUP)
+pm.add_hookspecs(hookspecs)
+
+_loaded = False
+_lock = threading.Lock()
+
+
+def _blocked_names():
+    from importlib.metadata import entry_points
+
+    value = os.environ.get(BLOCK_ENV, "").strip()
+    if not value:
+        return set()
+    if value.lower() in ("1", "all", "true", "yes"):
+        return {
+            ep.name for ep in entry_points(group=GROUP) if ep.value not in BUILTIN_PLUGINS.values()
+        }
+    return {name.strip() for name in value.split(",") if name.strip()} - set(BUILTIN_PLUGINS)
+
+
+def load_plugins() -> pluggy.PluginManager:
+    """Register built-ins and entry-point plugins once; later calls return the same manager."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return pm
+        for name in _blocked_names():
+            pm.set_blocked(name)
+        pm.load_setuptools_entrypoints(GROUP)
+        for name, module in BUILTIN_PLUGINS.items():
+            if pm.get_plugin(name) is None and not pm.is_blocked(name):
+                pm.register(importlib.import_module(module), name=name)
+        pm.check_pending()
+        _loaded = True
+        return pm
+
+
+def _collect(hook_name: str, key):
+    found: Dict[str, object] = {}
+
+    def register(*args):
+        item = args[-1]
+        found[key(*args)] = item
+
+    getattr(load_plugins().hook, hook_name)(register=register)
+    return found
+
+
+def architectures():
+    """model_type -> ArchitectureAdapter, from every registered plugin."""
+    found = {}
+
+    def register(adapter):
+        for model_type in adapter.model_types:
+            found[model_type] = adapter
+
+    load_plugins().hook.register_architectures(register=register)
+    return found
+
+
+def stores():
+    """store name -> factory."""
+    return _collect("register_stores", lambda name, factory: name)
+
+
+def kernels():
+    """kernel name -> ExpertKernel."""
+    return _collect("register_kernels", lambda kernel: kernel.name)
+
+
+def make_store(name: str, files, **options):
+    available = stores()
+    if name not in available:
+        raise ConfigurationError(
+            f"unknown expert store {name!r} (--expert-store / store=); registered: "
+            f"{', '.join(sorted(available))}"
+        )
+    return available[name](files, **options)

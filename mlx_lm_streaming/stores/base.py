@@ -1,0 +1,62 @@
+"""The store interface: read exact byte ranges of a checkpoint into caller-owned buffers.
+
+A store gets the parsed ``CheckpointFiles`` and is asked for ``TensorRef`` ranges. It never decides
+what to read; the expert cache does. To add a store, subclass ``ExpertStore``, implement
+``read_into`` (and ``read_many`` if you can do better than one range at a time) and register a factory
+through the ``register_stores`` hook (see docs/plugins.md).
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+from ..index import CheckpointFiles, TensorRef
+
+
+@dataclass
+class StoreStats:
+    """Counters every store keeps; the expert cache and ``--streaming-stats`` report them."""
+
+    reads: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, reads: int, nbytes: int, seconds: float) -> None:
+        with self.lock:
+            self.reads += reads
+            self.bytes_read += nbytes
+            self.seconds += seconds
+
+
+class ExpertStore:
+    """Reads byte ranges described by ``TensorRef`` into writable buffers."""
+
+    name = "base"
+
+    def __init__(self, files: CheckpointFiles, **options):
+        self.files = files
+        self.stats = StoreStats()
+
+    def read_into(self, ref: TensorRef, out: memoryview) -> None:
+        """Fill ``out`` (exactly ``ref.nbytes`` long) with the bytes of ``ref``."""
+        raise NotImplementedError
+
+    def read_many(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        """Fill every buffer; the default reads them one after another."""
+        start = time.perf_counter()
+        for ref, out in jobs:
+            self.read_into(ref, out)
+        self.stats.add(
+            len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
+        )
+
+    def close(self) -> None:
+        """Release files and threads; the store may not be used afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

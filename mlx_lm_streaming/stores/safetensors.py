@@ -1,0 +1,116 @@
+"""``safetensors`` (default): positional reads from the checkpoint in place, no conversion.
+
+Each file is opened once; ranges are read with ``os.preadv`` straight into the caller's buffers (the GIL
+is released during the read), in parallel on a small thread pool when several ranges are asked for at
+once. Short reads and EINTR are retried; other errors raise ``ExpertIOError`` naming file and tensor.
+Before a batch touches a file, its size, mtime and inode are compared with what the index saw, so a
+checkpoint replaced or rewritten after load is an error, never silently different logits.
+"""
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from ..errors import CheckpointChangedError, ExpertIOError
+from ..index import TensorRef
+from .base import ExpertStore
+
+DEFAULT_THREADS = 4
+MAX_RETRIES = 8
+
+
+class SafetensorsStore(ExpertStore):
+    """Reads expert byte ranges straight from the safetensors shards."""
+
+    name = "safetensors"
+
+    def __init__(self, files, threads: int = DEFAULT_THREADS, **options):
+        super().__init__(files)
+        self.threads = max(1, int(threads))
+        self._fds: Dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._pool = None
+        self._closed = False
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if self._closed:
+                raise ExpertIOError(f"store for {self.files.model_path} is closed")
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as e:
+                    raise ExpertIOError(f"{path}: cannot open checkpoint shard: {e}") from e
+                try:
+                    self.files.check_unchanged(path, os.fstat(fd))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fds[path] = fd
+            return fd
+
+    def _check(self, paths) -> None:
+        for path in paths:
+            fd = self._fd(path)
+            self.files.check_unchanged(path, os.fstat(fd))
+
+    def read_into(self, ref: TensorRef, out: memoryview) -> None:
+        fd = self._fd(ref.file)
+        done, retries = 0, 0
+        while done < ref.nbytes:
+            try:
+                n = os.preadv(fd, [out[done:]], ref.offset + done)
+            except InterruptedError:
+                retries += 1
+                if retries > MAX_RETRIES:
+                    raise ExpertIOError(
+                        f"{ref.file}: reading tensor {ref.name!r} was interrupted "
+                        f"{MAX_RETRIES} times in a row"
+                    )
+                continue
+            except OSError as e:
+                raise ExpertIOError(
+                    f"{ref.file}: reading tensor {ref.name!r} ({ref.nbytes} bytes at offset "
+                    f"{ref.offset}) failed: {e}"
+                ) from e
+            if n == 0:
+                raise CheckpointChangedError(
+                    f"{ref.file}: ended early while reading tensor {ref.name!r} (file "
+                    "truncated after load?)"
+                )
+            # a short read is progress: ask again for the rest
+            done += n
+            retries = 0
+
+    def read_many(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        if not jobs:
+            return
+        start = time.perf_counter()
+        self._check({ref.file for ref, _ in jobs})
+        if self.threads == 1 or len(jobs) == 1:
+            for ref, out in jobs:
+                self.read_into(ref, out)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="mlx-lm-streaming-read"
+                )
+            # list() re-raises the first error of any read
+            list(self._pool.map(lambda job: self.read_into(*job), jobs))
+        self.stats.add(
+            len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            fds, self._fds = self._fds, {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for fd in fds.values():
+            os.close(fd)
