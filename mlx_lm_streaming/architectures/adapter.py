@@ -7,7 +7,7 @@ experts (by default every ``SwitchGLU``) and how a raw Hugging Face checkpoint n
 """
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple, Union
 
 from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -20,8 +20,9 @@ class ArchitectureAdapter:
 
     # mlx-lm model modules this adapter covers (``mlx_lm.models.<name>``)
     model_types: Tuple[str, ...]
-    # how a raw HF checkpoint names one expert's tensor; None: only converted checkpoints
-    raw_key: Optional[str] = DEFAULT_RAW_KEY
+    # how a raw HF checkpoint names one expert's tensor: a template, a function
+    # (path, expert, proj, part) -> name or None, or None: only converted checkpoints stream
+    raw_key: Union[str, Callable, None] = DEFAULT_RAW_KEY
     # stock projection name -> raw checkpoint name (Mixtral: gate_proj -> w1)
     raw_projections: Mapping[str, str] = field(default_factory=dict)
     # the module class that holds the routed experts
@@ -33,6 +34,8 @@ class ArchitectureAdapter:
     def raw_name(self, path: str, expert: int, proj: str, part: str) -> Optional[str]:
         if self.raw_key is None:
             return None
+        if callable(self.raw_key):
+            return self.raw_key(path, expert, proj, part)
         parent = path.rsplit(".", 1)[0]
         proj = self.raw_projections.get(proj, proj)
         return self.raw_key.format(parent=parent, expert=expert, proj=proj, part=part)

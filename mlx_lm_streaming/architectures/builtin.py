@@ -1,7 +1,21 @@
 """Built-in architectures. Loaded through the ``mlx_lm_streaming`` entry-point group."""
 
+import re
+
 from ..hookspecs import hookimpl
 from .adapter import ArchitectureAdapter
+
+V41_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def deepseek_v41_raw_key(path, expert, proj, part):
+    """``layers.{l}.ffn.experts.{e}.w1.weight``: only unquantized weights map byte for byte (the
+    published fp8/fp4 experts are repacked by sanitize, so those need mlx_lm.convert first)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.switch_mlp", path)
+    if m is None or part != "weight":
+        return None
+    return f"layers.{m.group(1)}.ffn.experts.{expert}.{V41_PROJ[proj]}.weight"
+
 
 ADAPTERS = [
     # mlp.experts.{e}.{gate,up,down}_proj
@@ -13,13 +27,22 @@ ADAPTERS = [
     ),
     # group-limited routing (v2), noaux_tc with n_group > 1 (v3; kimi_k2 maps to deepseek_v3)
     ArchitectureAdapter(("deepseek_v2", "deepseek_v3")),
-    # clipped SwiGLU lives in the SwitchGLU's own activation; raw v4.1 checkpoints are fp8/fp4 that
-    # sanitize repacks, so only converted checkpoints stream
-    ArchitectureAdapter(("deepseek_v41",), raw_key=None),
+    # clipped SwiGLU lives in the SwitchGLU's own activation
+    ArchitectureAdapter(("deepseek_v41",), raw_key=deepseek_v41_raw_key),
+]
+
+# Generic: any mlx-lm model whose routed experts are a SwitchGLU, enabled one by one as each passes
+# the parity suite (tests/test_parity.py; docs/architectures.md lists them).
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+GENERIC = [
+    ArchitectureAdapter(("olmoe", "glm4_moe", "ernie4_5_moe")),
+    ArchitectureAdapter(("phimoe", "minimax"), raw_projections=MIXTRAL_NAMES),
+    # Hugging Face ships these with fused expert tensors: only converted checkpoints stream
+    ArchitectureAdapter(("granitemoe", "gpt_oss", "llama4"), raw_key=None),
 ]
 
 
 @hookimpl(tryfirst=True)
 def register_architectures(register):
-    for adapter in ADAPTERS:
+    for adapter in ADAPTERS + GENERIC:
         register(adapter)

@@ -1,0 +1,33 @@
+"""Shared test helpers: load a checkpoint stock or streaming, with the environment held out."""
+
+import os
+from contextlib import contextmanager
+
+import mlx_lm.utils
+
+from mlx_lm_streaming.integration import install
+from mlx_lm_streaming.options import ENV
+
+
+@contextmanager
+def clean_env():
+    """No MLX_LM_STREAMING_* variable from the caller's shell leaks into a test."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in ENV.values()}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def load_stock(path):
+    install()
+    with clean_env():
+        model, config = mlx_lm.utils.load_model(path)
+    assert not hasattr(model, "expert_streaming")
+    return model, config
+
+
+def load_streaming(path, **options):
+    install()
+    with clean_env():
+        return mlx_lm.utils.load_model(path, model_config={"streaming_experts": options})
