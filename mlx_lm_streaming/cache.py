@@ -62,7 +62,12 @@ class LayerBank:
         return self.layer.path
 
     def allocate(self, slots: int) -> None:
-        """Give the bank ``slots`` slots (zeroed lazily: memory is taken at first use)."""
+        """Give the bank ``slots`` slots, zeroed.
+
+        The banks are evaluated here and after every update: MLX ties a lazy array to the stream of
+        the thread that built it, and evaluating it from another thread fails ("There is no Stream(cpu,
+        N) in current thread"), so a bank must never be left lazy for the next caller's thread.
+        """
         self.slots = slots
         self.slot_of[:] = -1
         self.expert_of = np.full(slots, -1, dtype=np.int64)
@@ -70,6 +75,7 @@ class LayerBank:
         for spec in self.layer.parts:
             proj = self.glu[spec.proj]
             proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=_mx_dtype(spec.dtype))
+        mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]
@@ -121,6 +127,8 @@ class LayerBank:
             bank = self.array(spec.proj, spec.part)
             # in place: the SwitchGLU's own array object is updated
             bank[idx] = values.reshape(len(experts), *spec.shape)
+        # evaluated now, in this thread (see ``allocate``)
+        mx.eval([self.array(spec.proj, spec.part) for spec in parts])
 
 
 def _mx_dtype(name: str):
