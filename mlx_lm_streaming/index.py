@@ -278,6 +278,12 @@ class ExpertIndex:
         tensors = self.files.tensors
         if name in tensors:
             ref = tensors[name]
+            scales = f"{path}.{proj}.scales"
+            if part == "weight" and ref.dtype == "U32" and scales not in tensors:
+                raise CheckpointError(
+                    f"{ref.file}: tensor {name!r} is quantized (packed uint32) but its "
+                    f"{scales!r} tensor is missing from {self.files.model_path}"
+                )
             if ref.shape != tuple(shape):
                 raise CheckpointError(
                     f"{ref.file}: tensor {name!r} has shape {list(ref.shape)} but the "

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from . import plugins
 from .cache import GB, ExpertCache
-from .errors import UnsupportedModelError
+from .errors import CheckpointError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
@@ -164,6 +164,19 @@ def load_streaming_model(
         def build(args):
             model = model_class(args)
             stock_load_weights = model.load_weights
+            stock_sanitize = getattr(model, "sanitize", None)
+
+            def sanitize(weights):
+                try:
+                    return stock_sanitize(weights)
+                except KeyError as e:
+                    raise CheckpointError(
+                        f"{model_path}: tensor {e.args[0]!r} is missing (needed by "
+                        f"{type(model).__module__}.sanitize; incomplete checkpoint?)"
+                    ) from e
+
+            if stock_sanitize is not None:
+                model.sanitize = sanitize
 
             def load_weights(file_or_weights, strict=True):
                 if isinstance(file_or_weights, (str, Path)):
@@ -188,7 +201,10 @@ def load_streaming_model(
     except BaseException:
         state.close()
         raise
-    del model.load_weights  # back to the class method
+    # back to the class methods
+    del model.load_weights
+    if "sanitize" in model.__dict__:
+        del model.sanitize
     model.expert_streaming = state
     weakref.finalize(model, state.close)
     if options.stats:

@@ -67,25 +67,25 @@ def assert_exact(stock_out, stream_out, what):
         )
 
 
-@pytest.mark.parametrize("arch,variant", TABLE, ids=[f"{a}-{v}" for a, v in TABLE])
-def test_parity(checkpoint, arch, variant):
-    path = checkpoint(arch, variant)
+def check_parity(path, **options):
     stock, config = load_stock(path)
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     expected = {b: run(stock, prompts(b, vocab), DECODE_STEPS) for b in (1, 2)}
 
-    full, _ = load_streaming(path)
+    full, _ = load_streaming(path, **options)
     assert not [k for k, _ in tree_flatten(full.parameters()) if "switch_mlp" in k]
     every = (full.expert_streaming.cache.total_expert_bytes + 0.5) / GB
     budgets = {"all": every, "small": small_budget_gb(full)}
     del full
     for name, budget in budgets.items():
-        model, _ = load_streaming(path, expert_cache_gb=budget)
+        model, _ = load_streaming(path, expert_cache_gb=budget, **options)
         for b in (1, 2):
             got = run(model, prompts(b, vocab), DECODE_STEPS)
-            assert_exact(expected[b], got, f"{arch}/{variant} budget={name} batch={b}")
+            assert_exact(expected[b], got, f"{path.name} {options} budget={name} batch={b}")
         cache = model.expert_streaming.cache
         banks = cache.banks
+        chosen = model.expert_streaming.selector.select(banks[0], 2)
+        assert chosen.name == options.get("kernel", "gather")
         if name == "small":
             assert all(bk.slots == 3 for bk in banks)
             assert cache.stats.evictions > 0
@@ -93,3 +93,20 @@ def test_parity(checkpoint, arch, variant):
         else:
             assert all(bk.slots == bk.num_experts for bk in banks)
         assert cache.stats.misses > 0
+
+
+@pytest.mark.parametrize("arch,variant", TABLE, ids=[f"{a}-{v}" for a, v in TABLE])
+def test_parity(checkpoint, arch, variant):
+    check_parity(checkpoint(arch, variant))
+
+
+# half-precision activations and scales (quantized; CPU gather_mm is float32 only)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_parity_half_precision(checkpoint, dtype):
+    check_parity(checkpoint("qwen3_moe", "affine4", dtype=dtype))
+
+
+# the per-expert kernel is exact on CPU; chosen by name it must match stock too
+@pytest.mark.parametrize("variant", ["affine4", "mixed", "mxfp4", "float32_hf"])
+def test_parity_per_expert_kernel(checkpoint, variant):
+    check_parity(checkpoint("mixtral", variant), kernel="per_expert")

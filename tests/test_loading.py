@@ -1,0 +1,189 @@
+"""Loading: no routed-expert bytes read, memory at load, the Python API, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from support import clean_env, load_streaming
+
+import mlx_lm_streaming
+from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
+from mlx_lm_streaming.synthetic import build_checkpoint
+
+
+def test_load_reads_no_expert_bytes(checkpoint):
+    model, _ = load_streaming(checkpoint("qwen3_moe", "affine4"))
+    state = model.expert_streaming
+    assert state.store.stats.bytes_read == 0 and state.cache.stats.misses == 0
+    params = dict(tree_flatten(model.parameters()))
+    assert not [k for k in params if "switch_mlp" in k or ".experts." in k]
+    mx.eval(model(mx.array([[1, 2, 3]])))
+    assert state.store.stats.bytes_read > 0
+    assert state.store.stats.bytes_read % state.cache.banks[0].layer.expert_nbytes == 0
+
+
+def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):
+    path = checkpoint("mixtral", "affine4")
+    with clean_env():
+        model, tokenizer = mlx_lm_streaming.load(str(path), expert_cache_gb=0.001)
+        model2, tokenizer2, config = mlx_lm_streaming.load(
+            str(path), kernel="per_expert", store="memory", return_config=True
+        )
+    assert model.expert_streaming.options.expert_cache_gb == 0.001
+    assert type(tokenizer) is type(tokenizer2)
+    assert config["model_type"] == "mixtral" and "streaming_experts" not in config
+    assert model2.expert_streaming.store.name == "memory"
+    text = tokenizer.decode(tokenizer.encode("hello world"))
+    assert "hello" in text
+
+
+RSS_SCRIPT = textwrap.dedent(
+    """
+    import sys, mlx_lm.utils
+    from mlx_lm_streaming.integration import install
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    install()
+    import mlx.core as mx
+    mx.eval(mx.zeros(1))
+    before = rss()
+    model, _ = mlx_lm.utils.load_model(
+        __import__("pathlib").Path(sys.argv[1]),
+        model_config={"streaming_experts": {"expert_cache_gb": 0.05}},
+    )
+    after = rss()
+    state = model.expert_streaming
+    print(after - before, state.cache.total_expert_bytes, state.store.stats.bytes_read)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_load_memory_with_a_gigabyte_of_experts(tmp_path):
+    # 3 layers x 128 float32 experts of 3 x 512 x 512: 1.2 GB of routed experts
+    path = build_checkpoint(
+        tmp_path / "big",
+        "qwen3_moe",
+        "float32_hf",
+        num_layers=3,
+        overrides={"hidden": 512, "moe_intermediate": 512, "experts": 128, "top_k": 2},
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING")},
+    )
+    growth, expert_bytes, read = map(int, out.stdout.split())
+    assert expert_bytes >= 1 << 30
+    assert read == 0
+    assert growth < 0.10 * expert_bytes, (growth, expert_bytes)
+
+
+def _rewrite_shard(path, drop=None):
+    """Rewrite the shard holding tensor ``drop`` without it (index updated)."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = path / index["weight_map"].pop(drop)
+    weights = mx.load(str(shard))
+    del weights[drop]
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    index_file.write_text(json.dumps(index))
+
+
+def _fresh(tmp_path, arch="qwen3_moe", variant="affine4"):
+    return build_checkpoint(tmp_path / f"{arch}-{variant}", arch, variant)
+
+
+def test_missing_stacked_expert_tensor_is_named(tmp_path):
+    path = _fresh(tmp_path)
+    name = "model.layers.1.mlp.switch_mlp.up_proj.scales"
+    _rewrite_shard(path, drop=name)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_streaming(path)
+
+
+def test_missing_raw_expert_tensor_is_named(tmp_path):
+    path = _fresh(tmp_path, "mixtral", "float32_hf")
+    name = "model.layers.0.block_sparse_moe.experts.5.w3.weight"
+    _rewrite_shard(path, drop=name)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_streaming(path)
+
+
+def test_truncated_shard_is_named(tmp_path):
+    path = _fresh(tmp_path)
+    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_streaming(path)
+
+
+def test_shape_disagreeing_with_config_names_file_and_tensor(tmp_path):
+    path = _fresh(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["moe_intermediate_size"] = 128
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model-0000\d-of-00002\.safetensors.*switch_mlp"):
+        load_streaming(path)
+
+
+def test_architecture_without_adapter_names_model_type(tmp_path):
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 128,
+    }
+    model_class, args_class = _get_classes(config)
+    save_model(tmp_path, model_class(args_class.from_dict(config)))
+    save_config(config, tmp_path / "config.json")
+    with pytest.raises(UnsupportedModelError, match="'llama'"):
+        load_streaming(tmp_path)
+
+
+def test_budget_below_one_expert_per_layer_is_an_error(checkpoint):
+    with pytest.raises(ConfigurationError, match="expert_cache_gb"):
+        load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=1e-9)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"store": "nope"}, "unknown expert store 'nope'"),
+        ({"kernel": "nope"}, "unknown expert kernel 'nope'"),
+        ({"expert_cache_gb": -1}, "expert_cache_gb must be positive"),
+        ({"cache": 1}, r"unknown streaming_experts option\(s\) \['cache'\]"),
+    ],
+)
+def test_bad_options_are_named(checkpoint, options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        load_streaming(checkpoint("qwen3_moe"), **options)
+
+
+def test_streaming_off_is_stock(checkpoint, monkeypatch):
+    import mlx_lm.utils
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
+    model, config = mlx_lm.utils.load_model(
+        checkpoint("qwen3_moe"), model_config={"streaming_experts": False}
+    )
+    assert not hasattr(model, "expert_streaming")
+    assert any("switch_mlp" in k for k, _ in tree_flatten(model.parameters()))
