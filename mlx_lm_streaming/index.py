@@ -13,6 +13,7 @@ byte offset, length, dtype and shape, each validated against the file size. ``Ex
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ DTYPES = {
 
 # The safetensors format caps headers at 100 MB; a larger length field is a lie.
 MAX_HEADER_BYTES = 100_000_000
+# model.safetensors.index.json of a 1T-parameter model is a few MB
+MAX_INDEX_BYTES = 100_000_000
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -73,12 +76,52 @@ class FileIdentity:
         return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
+def _brief(value, limit: int = 120) -> str:
+    """``repr(value)``, cut short: a damaged header must not make a megabyte error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _open_regular(path: Path):
+    """Open a checkpoint file for reading; anything but a regular file (a FIFO would block, a device
+    never end) is refused."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        return os.fdopen(fd, "rb"), st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            # readers disagree on which duplicate wins: refuse rather than guess
+            raise ValueError(f"key {_brief(key)} appears twice")
+        out[key] = value
+    return out
+
+
+def _parse_json(path: Path, raw: bytes, what: str):
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} JSON is nested too deeply") from None
+    except ValueError as e:  # also UnicodeDecodeError and over-long integers
+        raise CheckpointError(f"{path}: {what} is not valid JSON: {e}") from e
+
+
 def read_header(path: Path) -> Tuple[Dict[str, TensorRef], FileIdentity]:
     """Parse one safetensors header into ``TensorRef`` records, checking every range."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
+        f, st = _open_regular(path)
+        with f:
             size = st.st_size
             head = f.read(8)
             if len(head) < 8:
@@ -95,10 +138,7 @@ def read_header(path: Path) -> Tuple[Dict[str, TensorRef], FileIdentity]:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
+    header = _parse_json(path, raw, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
 
@@ -122,25 +162,25 @@ def read_header(path: Path) -> Tuple[Dict[str, TensorRef], FileIdentity]:
 
 def _parse_entry(path, name, entry, data_start, data_len) -> TensorRef:
     def bad(why):
-        return CheckpointError(f"{path}: tensor {name!r}: {why}")
+        return CheckpointError(f"{path}: tensor {_brief(name)}: {why}")
 
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype = entry.get("dtype")
     if dtype not in DTYPES:
-        raise bad(f"unsupported dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        raise bad(f"unsupported dtype {_brief(dtype)} (known: {', '.join(DTYPES)})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        raise bad(f"shape {_brief(shape)} is not a list of non-negative integers")
     offsets = entry.get("data_offsets")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
     ):
-        raise bad(f"data_offsets {offsets!r} is not a pair of integers")
+        raise bad(f"data_offsets {_brief(offsets)} is not a pair of integers")
     begin, end = offsets
     if not 0 <= begin <= end:
         raise bad(f"data_offsets {offsets} are reversed or negative")
@@ -149,10 +189,17 @@ def _parse_entry(path, name, entry, data_start, data_len) -> TensorRef:
             f"data_offsets end at byte {end} but the file's data section holds only "
             f"{data_len} bytes (truncated file?)"
         )
-    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    # multiplied step by step and stopped once past the file: a header of a million huge dims
+    # would otherwise take minutes of big-integer arithmetic
+    nbytes = 0 if 0 in shape else DTYPES[dtype][1]
+    for d in shape:
+        nbytes *= d
+        if nbytes > data_len:
+            break
     if nbytes != end - begin:
+        needs = f"more than {data_len}" if nbytes > data_len else f"{nbytes}"
         raise bad(
-            f"shape {shape} of {dtype} needs {nbytes} bytes but data_offsets give "
+            f"shape {_brief(shape)} of {dtype} needs {needs} bytes but data_offsets give "
             f"{end - begin}"
         )
     return TensorRef(path, name, data_start + begin, nbytes, dtype, tuple(shape))
@@ -166,6 +213,8 @@ class CheckpointFiles:
         if files is None:
             files = sorted(self.model_path.glob("model*.safetensors"))
             self._check_index(files)
+            for f in files:
+                self._check_inside(f)
         if not files:
             raise CheckpointError(f"No safetensors found in {self.model_path}")
         self.tensors: Dict[str, TensorRef] = {}
@@ -176,26 +225,61 @@ class CheckpointFiles:
             self.tensors.update(refs)
 
     def _check_index(self, files):
+        """Every shard the index names must be a plain file name present in the directory.
+
+        The index is never used to choose what to open (that is the ``model*.safetensors`` glob, as in
+        mlx-lm); it is checked so an incomplete download or a tampered index fails at load."""
         index_file = self.model_path / "model.safetensors.index.json"
         if not index_file.exists():
             return
         try:
-            weight_map = json.loads(index_file.read_text("utf-8"))["weight_map"]
-            names = set(weight_map.values())
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index_file}: not a valid weight index: {e}") from e
+            f, st = _open_regular(index_file)
+            with f:
+                if st.st_size > MAX_INDEX_BYTES:
+                    raise CheckpointError(
+                        f"{index_file}: {st.st_size} bytes is too large for a weight index"
+                    )
+                raw = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{index_file}: cannot read weight index: {e}") from e
+        data = _parse_json(index_file, raw, "weight index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_file}: not a valid weight index (no weight_map object)")
         present = {f.name for f in files}
-        for name in sorted(names):
-            if not isinstance(name, str) or Path(name).name != name:
+        for tensor, name in weight_map.items():
+            if (
+                not isinstance(name, str)
+                or name in ("", ".", "..")
+                or Path(name).name != name
+                or "\\" in name
+                or "\0" in name
+            ):
                 raise CheckpointError(
-                    f"{index_file}: shard name {name!r} is not a plain file name inside "
-                    f"{self.model_path}"
+                    f"{index_file}: tensor {_brief(tensor)} is mapped to shard {_brief(name)}, "
+                    f"which is not a plain file name inside {self.model_path}"
                 )
+        for tensor, name in weight_map.items():
             if name not in present:
                 raise CheckpointError(
-                    f"{index_file}: names shard {name!r}, which is missing from "
-                    f"{self.model_path} (incomplete download?)"
+                    f"{index_file}: tensor {_brief(tensor)} is in shard {_brief(name)}, which "
+                    f"is missing from {self.model_path} (incomplete download?)"
                 )
+
+    def _check_inside(self, path: Path) -> None:
+        """A shard may be a symlink only to a file inside the model directory or, for a Hugging Face
+        cache snapshot (``<repo>/snapshots/<rev>/``), inside that repo's ``blobs/``."""
+        root = self.model_path.resolve()
+        real = path.resolve()
+        if real.is_relative_to(root):
+            return
+        if root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs":
+            return
+        raise CheckpointError(
+            f"{path}: shard is a symlink to {real}, outside the model directory {root}; "
+            "streaming reads only files inside it (copy the file in, or symlink the whole "
+            "model directory instead)"
+        )
 
     def check_unchanged(self, path: Path, st: os.stat_result) -> None:
         """Raise if ``path`` is not the file whose header we parsed."""
