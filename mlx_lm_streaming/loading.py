@@ -206,10 +206,20 @@ def load_streaming_model(
     if "sanitize" in model.__dict__:
         del model.sanitize
     model.expert_streaming = state
+    if hasattr(model, "shard"):
+        model.shard = _tensor_parallel_unsupported
     weakref.finalize(model, state.close)
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+def _tensor_parallel_unsupported(*args, **kwargs):
+    raise UnsupportedModelError(
+        "tensor parallelism (model.shard / sharded_load with a tensor group) is not supported "
+        "with streaming experts yet: each rank would need a slice of every expert. Use pipeline "
+        "parallelism instead (sharded_load(..., pipeline_group=group), mlx_lm.server --pipeline)"
+    )
 
 
 def _print_stats_at_exit(state: StreamingState) -> None:
