@@ -1,28 +1,87 @@
 """Patches that make stock mlx-lm entry points build streaming models when asked.
 
-mlx-lm has no plugin mechanism, so ``install()`` rebinds ``mlx_lm.utils.load_model`` to a wrapper that
-builds a streaming model when ``model_config["streaming_experts"]`` or ``MLX_LM_STREAMING_EXPERTS`` asks
-for one, and calls the stock function untouched otherwise. ``load`` needs no patch of its own: it looks
-``load_model`` up in its module at call time.
+mlx-lm has no plugin mechanism. The startup hook (``_bootstrap``) calls ``patch_module`` on each mlx-lm
+module listed there right after it is imported:
+
+- ``mlx_lm.utils``: ``load_model`` is rebound to a wrapper that builds a streaming model when
+  ``model_config["streaming_experts"]`` or ``MLX_LM_STREAMING_EXPERTS`` asks for one, and calls the
+  stock function with the same arguments otherwise. No other binding needs a patch: ``load`` and
+  ``sharded_load`` look ``load_model`` up in ``mlx_lm.utils`` at call time, and every module that
+  imported ``load`` by value (``mlx_lm.load``, ``mlx_lm.generate.load``, ``mlx_lm.server.load`` ...)
+  holds that same ``load``. No module imports ``load_model`` by value (checked for mlx-lm 0.32.2).
+- the command-line modules (``generate``, ``chat``, ``server`` ...): ``main`` is wrapped so that the
+  first ``ArgumentParser`` it parses with also takes the ``--streaming-experts`` flags and turns them
+  into the environment variables of ``options.ENV``. That works whether or not the module has a
+  ``setup_arg_parser()`` (``server`` builds its parser inline) and covers ``python -m mlx_lm <cmd>``,
+  which calls the same ``main``.
 """
 
+import argparse
 import functools
+import os
+import signal
+import sys
+import threading
 
-from .options import requested
+from .options import CONFIG_KEY, ENV, TRUE, StreamingOptions, requested
 
-_installed = False
+# command-line modules whose main() takes the streaming flags
+CLI_MODULES = (
+    "mlx_lm.generate",
+    "mlx_lm.chat",
+    "mlx_lm.server",
+    "mlx_lm.cache_prompt",
+    "mlx_lm.evaluate",
+    "mlx_lm.perplexity",
+)
+FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
+# argparse dest -> environment variable it sets
+FLAG_ENV = {
+    "streaming_experts": ENV["enabled"],
+    "expert_cache_gb": ENV["expert_cache_gb"],
+    "expert_store": ENV["store"],
+    "expert_kernel": ENV["kernel"],
+    "streaming_stats": ENV["stats"],
+}
 
 
-def install() -> None:
-    """Idempotently wrap ``mlx_lm.utils.load_model``."""
-    global _installed
-    if _installed:
+def patch_module(module) -> None:
+    """Apply our patch to a freshly imported mlx-lm module (called by the startup hook)."""
+    name = module.__name__
+    if name == "mlx_lm.utils":
+        install(module)
+    elif name in CLI_MODULES:
+        wrap_cli_main(module)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def install(utils=None) -> None:
+    """Wrap ``mlx_lm.utils.load_model`` (idempotent; again after a reload of the module)."""
+    if utils is None:
+        import mlx_lm.utils as utils
+    if getattr(utils.load_model, "mlx_lm_streaming", False):
         return
-    import mlx_lm.utils as utils
+    utils.load_model = _wrap_load_model(utils.load_model)
 
-    from .loading import load_streaming_model
 
-    stock_load_model = utils.load_model
+def _wrap_load_model(stock_load_model):
+    def stock(
+        model_path, lazy, strict, model_config, get_model_classes, trust_remote_code
+    ):
+        # the stock call, argument for argument (its get_model_classes default is its own)
+        kwargs = {}
+        if get_model_classes is not None:
+            kwargs["get_model_classes"] = get_model_classes
+        return stock_load_model(
+            model_path,
+            lazy,
+            strict,
+            model_config=model_config,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
 
     @functools.wraps(stock_load_model)
     def load_model(
@@ -33,30 +92,225 @@ def install() -> None:
         get_model_classes=None,
         trust_remote_code=False,
     ):
+        args = (
+            model_path,
+            lazy,
+            strict,
+            model_config,
+            get_model_classes,
+            trust_remote_code,
+        )
+        explicit = bool(model_config) and CONFIG_KEY in model_config
         options = requested(model_config)
         if options is None:
-            kwargs = {}
-            if get_model_classes is not None:
-                kwargs["get_model_classes"] = get_model_classes
-            return stock_load_model(
-                model_path,
-                lazy,
-                strict,
-                model_config=model_config,
-                trust_remote_code=trust_remote_code,
-                **kwargs,
-            )
-        return load_streaming_model(
-            stock_load_model,
-            model_path,
-            options,
-            lazy=lazy,
-            strict=strict,
-            model_config=model_config,
-            get_model_classes=get_model_classes,
-            trust_remote_code=trust_remote_code,
-        )
+            if explicit:
+                # streaming_experts=False: mlx-lm must not see our key
+                model_config = {
+                    k: v for k, v in model_config.items() if k != CONFIG_KEY
+                }
+                args = (
+                    model_path,
+                    lazy,
+                    strict,
+                    model_config,
+                    get_model_classes,
+                    trust_remote_code,
+                )
+            return stock(*args)
+        from .errors import UnsupportedModelError
+        from .loading import load_streaming_model
 
+        try:
+            return load_streaming_model(
+                stock_load_model,
+                model_path,
+                options,
+                lazy=lazy,
+                strict=strict,
+                model_config=model_config,
+                get_model_classes=get_model_classes,
+                trust_remote_code=trust_remote_code,
+            )
+        except UnsupportedModelError as e:
+            if explicit:
+                raise
+            # asked for by flag or environment, which also reach draft models and models named
+            # in server requests: a model we cannot stream loads stock
+            print(
+                f"mlx-lm-streaming: {model_path}: {e}; loading it without streaming",
+                file=sys.stderr,
+                flush=True,
+            )
+            return stock(*args)
+
+    load_model.mlx_lm_streaming = True
     load_model.stock = stock_load_model
-    utils.load_model = load_model
-    _installed = True
+    return load_model
+
+
+# -- command-line flags --------------------------------------------------------------------------
+
+
+def _positive_gb(value: str) -> float:
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of GB") from None
+    if not gb > 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: the budget must be positive")
+    return gb
+
+
+def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--streaming-experts`` group to an mlx-lm command's parser."""
+    group = parser.add_argument_group(
+        FLAG_GROUP,
+        "Stream the routed experts of a Mixture-of-Experts model from disk instead of "
+        "loading them into memory. Each flag sets the environment variable named in its help.",
+    )
+    group.add_argument(
+        "--streaming-experts",
+        action="store_true",
+        default=None,
+        help=f"Stream routed experts from disk ({ENV['enabled']}=1).",
+    )
+    group.add_argument(
+        "--expert-cache-gb",
+        type=_positive_gb,
+        metavar="GB",
+        help="Expert cache budget in GB. Default: half of the memory the resident weights "
+        f"leave free, at least one expert per MoE layer ({ENV['expert_cache_gb']}).",
+    )
+    group.add_argument(
+        "--expert-store",
+        metavar="NAME",
+        help=f"Store backend that reads expert bytes. Default: safetensors ({ENV['store']}).",
+    )
+    group.add_argument(
+        "--expert-kernel",
+        metavar="NAME",
+        help="Kernel that computes the selected experts. Default: auto, the fastest one that "
+        f"is bit-identical to stock mlx-lm here ({ENV['kernel']}).",
+    )
+    group.add_argument(
+        "--streaming-stats",
+        action="store_true",
+        default=None,
+        help="Print one line at exit: hit rate, experts read, GB read, seconds in I/O "
+        f"({ENV['stats']}=1).",
+    )
+
+
+def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
+    """Move our flags out of ``namespace`` into the environment that ``options`` reads."""
+    given = {}
+    for dest in FLAG_ENV:
+        value = getattr(namespace, dest, None)
+        if hasattr(namespace, dest):
+            delattr(namespace, dest)
+        if value is not None:
+            given[dest] = value
+    if not given:
+        return
+    enabled = bool(given.get("streaming_experts")) or (
+        environ.get(ENV["enabled"], "").strip().lower() in TRUE
+    )
+    if not enabled:
+        flags = ", ".join("--" + d.replace("_", "-") for d in given)
+        verb = "needs" if len(given) == 1 else "need"
+        parser.error(f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
+    for dest, value in given.items():
+        environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
+    # fail here, with the flag named, rather than at load
+    from . import plugins
+    from .errors import StreamingError
+
+    try:
+        StreamingOptions.from_env(environ)
+        for dest, registered in (
+            ("expert_store", plugins.stores),
+            ("expert_kernel", plugins.kernels),
+        ):
+            name = given.get(dest)
+            if name is None:
+                continue
+            known = set(registered()) | ({"auto"} if dest == "expert_kernel" else set())
+            if name not in known:
+                parser.error(
+                    f"argument --{dest.replace('_', '-')}: unknown name {name!r}; "
+                    f"registered: {', '.join(sorted(known))}"
+                )
+    except StreamingError as e:
+        parser.error(str(e))
+    if given.get("streaming_stats"):
+        _exit_cleanly_on_sigterm()
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    # so that the end-of-run stats line (an atexit handler) is printed for `kill` too; servers
+    # shut down on KeyboardInterrupt
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class _FirstParser:
+    """While active, the first ``ArgumentParser`` to parse gets our flags (once, then restored)."""
+
+    def __init__(self):
+        self.stock = argparse.ArgumentParser.parse_known_args
+        self.active = False
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        stock = self.stock
+        first = self
+
+        @functools.wraps(stock)
+        def parse_known_args(parser, args=None, namespace=None):
+            first.restore()
+            if "--streaming-experts" in parser._option_string_actions:
+                # the parser has such a flag already: it is not ours to extend
+                return stock(parser, args, namespace)
+            add_streaming_arguments(parser)
+            namespace, extras = stock(parser, args, namespace)
+            export_streaming_arguments(parser, namespace)
+            return namespace, extras
+
+        with self.lock:
+            argparse.ArgumentParser.parse_known_args = parse_known_args
+            self.patched = parse_known_args
+            self.active = True
+        return self
+
+    def restore(self):
+        with self.lock:
+            if self.active:
+                self.active = False
+                if argparse.ArgumentParser.parse_known_args is self.patched:
+                    argparse.ArgumentParser.parse_known_args = self.stock
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+def wrap_cli_main(module) -> None:
+    """Wrap ``module.main`` so that its command line takes the streaming flags."""
+    stock_main = getattr(module, "main", None)
+    if stock_main is None or getattr(stock_main, "mlx_lm_streaming", False):
+        return
+
+    @functools.wraps(stock_main)
+    def main(*args, **kwargs):
+        with _FirstParser():
+            return stock_main(*args, **kwargs)
+
+    main.mlx_lm_streaming = True
+    main.stock = stock_main
+    module.main = main

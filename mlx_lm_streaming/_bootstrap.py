@@ -1,0 +1,122 @@
+"""Startup hook: patch mlx-lm when, and only when, it is imported.
+
+``mlx_lm_streaming.pth`` (and, for Python >= 3.15, ``mlx_lm_streaming.start``, PEP 829) in
+site-packages call ``install()`` at interpreter start. It puts ``MlxLmFinder`` first on
+``sys.meta_path``; nothing else happens until a module in ``PATCHED`` is imported. The finder lets the
+other finders find the real module, runs it through its own loader, and once it has executed, hands it
+to ``mlx_lm_streaming.integration.patch_module``.
+
+This module is stdlib only and imports nothing beyond ``sys`` and ``os`` at start-up. Whatever goes
+wrong in the patching, the module stays the stock one and one line is written to stderr.
+``MLX_LM_STREAMING_HOOK=0`` turns the hook off.
+"""
+
+import os
+import sys
+
+HOOK_ENV = "MLX_LM_STREAMING_HOOK"
+# mlx-lm modules whose import triggers a patch (see integration.patch_module)
+PATCHED = frozenset(
+    {
+        "mlx_lm.utils",
+        "mlx_lm.generate",
+        "mlx_lm.server",
+        "mlx_lm.chat",
+        "mlx_lm.cache_prompt",
+        "mlx_lm.evaluate",
+        "mlx_lm.perplexity",
+    }
+)
+
+_warned = False
+
+
+def warn(exc: BaseException) -> None:
+    """Say once, in one line, that mlx-lm runs stock because patching failed."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    try:
+        sys.stderr.write(
+            f"mlx-lm-streaming: not active, mlx-lm runs stock "
+            f"({type(exc).__name__}: {exc}); set {HOOK_ENV}=0 to silence\n"
+        )
+    except Exception:
+        pass
+
+
+def apply(module) -> None:
+    """Patch a freshly imported mlx-lm module; on any error leave it stock."""
+    try:
+        from mlx_lm_streaming.integration import patch_module
+
+        patch_module(module)
+    except Exception as e:
+        warn(e)
+
+
+class PatchingLoader:
+    """Runs the real loader, then ``apply``. The module keeps the real loader as its own."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        spec = module.__spec__
+        if spec is not None and spec.loader is self:
+            spec.loader = self.loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        apply(module)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class MlxLmFinder:
+    """A ``sys.meta_path`` finder that only ever answers for the names in ``PATCHED``."""
+
+    # marks our finder even across copies of this module (reloads, shadowing installs)
+    mlx_lm_streaming = True
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in PATCHED:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "mlx_lm_streaming", None) is True:
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = PatchingLoader(spec.loader)
+        return spec
+
+    def invalidate_caches(self):
+        pass
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` once; patch what is already imported."""
+    try:
+        if os.environ.get(HOOK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            return
+        if any(getattr(f, "mlx_lm_streaming", None) is True for f in sys.meta_path):
+            return
+        sys.meta_path.insert(0, MlxLmFinder())
+        # imported before us (the hook installed late, by hand): patch them now, parents first
+        for name in sorted(n for n in PATCHED if n in sys.modules):
+            apply(sys.modules[name])
+    except Exception as e:
+        warn(e)
