@@ -1,0 +1,142 @@
+"""The ``mlx_lm_streaming`` command: ``mlx_lm_streaming <subcommand> ...``.
+
+Subcommands live in ``SUBCOMMANDS``: each is ``(name, add_arguments(parser), run(args) -> int)``.
+Add one by writing those two functions and listing them there.
+
+- ``info``: whether the startup hook is installed and active, and the registered plugins;
+- ``plan MODEL``: what streaming would do with a model: experts per layer, bytes per expert, the
+  default budget and the slots per layer, without reading any expert bytes.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _hook_files():
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    found = []
+    for d in dirs:
+        for name in ("mlx_lm_streaming.pth", "mlx_lm_streaming.start"):
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                found.append(path)
+    return found
+
+
+def add_info_arguments(parser):
+    pass
+
+
+def run_info(args) -> int:
+    from . import __version__, plugins
+    from ._bootstrap import HOOK_ENV
+
+    print(f"mlx-lm-streaming {__version__}")
+    files = _hook_files()
+    print(
+        f"startup hook files: {', '.join(files) or 'none (not installed from a wheel?)'}"
+    )
+    active = any(getattr(f, "mlx_lm_streaming", None) is True for f in sys.meta_path)
+    off = os.environ.get(HOOK_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    state = "active" if active else f"off ({HOOK_ENV}=0)" if off else "not active"
+    print(f"post-import hook in this interpreter: {state}")
+    try:
+        import mlx.core as mx
+        import mlx_lm
+
+        from .integration import install
+
+        install()
+        print(
+            f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, device {mx.default_device()}"
+        )
+    except Exception as e:  # report, don't fail: this is a diagnostic
+        print(f"mlx-lm: not usable here ({type(e).__name__}: {e})")
+        return 1
+    print(f"architectures: {', '.join(sorted(plugins.architectures()))}")
+    print(f"stores: {', '.join(sorted(plugins.stores()))}")
+    print(f"kernels: auto, {', '.join(sorted(plugins.kernels()))}")
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+
+
+def add_plan_arguments(parser):
+    parser.add_argument("model", help="model directory or Hugging Face repo")
+    parser.add_argument(
+        "--expert-cache-gb", type=float, help="budget to plan for (default: derived)"
+    )
+
+
+def run_plan(args) -> int:
+    import mlx_lm.utils
+
+    from .integration import install
+
+    install()
+    path = Path(args.model)
+    if not path.is_dir():
+        # a hub id: mlx-lm's own resolution (downloads or uses its cache)
+        path = mlx_lm.utils._download(args.model)
+    model, _ = mlx_lm.utils.load_model(
+        path,
+        lazy=True,
+        model_config={"streaming_experts": {"expert_cache_gb": args.expert_cache_gb}},
+    )
+    state = model.expert_streaming
+    cache = state.cache
+    banks = cache.banks
+    per_slot = sum(b.layer.expert_nbytes for b in banks)
+    slots = cache.slots_for_budget()
+    print(f"model: {state.model_path}")
+    print(
+        f"MoE layers: {len(banks)}, experts per layer: "
+        f"{', '.join(sorted({str(b.num_experts) for b in banks}))}"
+    )
+    print(f"one expert of every layer: {_size(per_slot)}")
+    print(f"all routed experts: {_size(cache.total_expert_bytes)}")
+    print(f"resident weights: {_size(state.resident_bytes)}")
+    how = "given" if args.expert_cache_gb is not None else "default"
+    print(f"expert cache budget ({how}): {_size(cache.budget_bytes)}")
+    print(f"slots per layer: {slots} ({_size(slots * per_slot)} used)")
+    state.close()
+    return 0
+
+
+SUBCOMMANDS = [
+    (
+        "info",
+        "show the hook's state and the registered plugins",
+        add_info_arguments,
+        run_info,
+    ),
+    ("plan", "show what streaming would do with a model", add_plan_arguments, run_plan),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlx_lm_streaming",
+        description="Tools for mlx-lm-streaming. To run a model, use mlx-lm's own commands "
+        "with --streaming-experts (see docs/usage.md).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    runners = {}
+    for name, summary, add_arguments, run in SUBCOMMANDS:
+        add_arguments(sub.add_parser(name, help=summary, description=summary))
+        runners[name] = run
+    args = parser.parse_args(argv)
+    return runners[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
