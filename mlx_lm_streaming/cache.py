@@ -107,6 +107,10 @@ class LayerBank:
                 old = self.expert_of[victims]
                 evicted = int((old >= 0).sum())
                 self.slot_of[old[old >= 0]] = -1
+                # free before reading: if the read fails, no slot may still name an evicted expert
+                # (evicting that slot later would unmap the expert from wherever it lives by then)
+                self.expert_of[victims] = -1
+                self.last_used[victims] = -1
                 self._read_into_slots(missing, victims)
                 self.slot_of[missing] = victims
                 self.expert_of[victims] = missing
