@@ -1,9 +1,15 @@
-"""``memory``: serves byte ranges from whole files held in RAM. For tests and fault injection."""
+"""``memory``: serves byte ranges from whole files held in RAM. For tests and fault injection.
+
+Each file is read once, on first use, and checked against what the index saw before and after the read;
+later changes on disk do not matter, since the snapshot it serves is the one the index describes.
+"""
 
 import os
+import threading
 from pathlib import Path
 from typing import Dict
 
+from ..errors import CheckpointChangedError, ExpertIOError
 from ..index import TensorRef
 from .base import ExpertStore
 
@@ -16,13 +22,35 @@ class MemoryStore(ExpertStore):
     def __init__(self, files, **options):
         super().__init__(files)
         self._blobs: Dict[Path, bytes] = {}
+        self._lock = threading.Lock()
+
+    def _blob(self, path: Path) -> bytes:
+        with self._lock:
+            blob = self._blobs.get(path)
+            if blob is not None:
+                return blob
+            try:
+                with open(path, "rb") as f:
+                    self.files.check_unchanged(path, os.fstat(f.fileno()))
+                    blob = f.read()
+                    self.files.check_unchanged(path, os.fstat(f.fileno()))
+            except FileNotFoundError as e:
+                raise CheckpointChangedError(
+                    f"{path} is gone from disk since the model was loaded; reload the model"
+                ) from e
+            except OSError as e:
+                raise ExpertIOError(f"{path}: cannot read checkpoint shard: {e}") from e
+            if len(blob) != self.files.identity[path].size:
+                raise CheckpointChangedError(
+                    f"{path}: read {len(blob)} bytes, the model was loaded from "
+                    f"{self.files.identity[path].size}; reload the model"
+                )
+            self._blobs[path] = blob
+            return blob
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
-        blob = self._blobs.get(ref.file)
-        if blob is None:
-            self.files.check_unchanged(ref.file, os.stat(ref.file))
-            blob = self._blobs[ref.file] = ref.file.read_bytes()
-        out[:] = memoryview(blob)[ref.offset : ref.offset + ref.nbytes]
+        out[:] = memoryview(self._blob(ref.file))[ref.offset : ref.offset + ref.nbytes]
 
     def close(self) -> None:
-        self._blobs.clear()
+        with self._lock:
+            self._blobs.clear()

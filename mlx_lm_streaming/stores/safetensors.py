@@ -3,8 +3,9 @@
 Each file is opened once; ranges are read with ``os.preadv`` straight into the caller's buffers (the GIL
 is released during the read), in parallel on a small thread pool when several ranges are asked for at
 once. Short reads and EINTR are retried; other errors raise ``ExpertIOError`` naming file and tensor.
-Before a batch touches a file, its size, mtime and inode are compared with what the index saw, so a
-checkpoint replaced or rewritten after load is an error, never silently different logits.
+Before and after a batch touches a file, its size, mtime and inode (of the open file and of the path)
+are compared with what the index saw, so a checkpoint replaced, truncated, deleted or rewritten after
+load (even during the read) is an error, never silently different logits.
 """
 
 import os
@@ -43,6 +44,10 @@ class SafetensorsStore(ExpertStore):
             if fd is None:
                 try:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError as e:
+                    raise CheckpointChangedError(
+                        f"{path} is gone from disk since the model was loaded; reload the model"
+                    ) from e
                 except OSError as e:
                     raise ExpertIOError(f"{path}: cannot open checkpoint shard: {e}") from e
                 try:
@@ -54,11 +59,26 @@ class SafetensorsStore(ExpertStore):
             return fd
 
     def _check(self, paths) -> None:
+        """The open file (truncated? rewritten?) and the path (replaced? deleted?) are unchanged."""
         for path in paths:
             fd = self._fd(path)
             self.files.check_unchanged(path, os.fstat(fd))
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as e:
+                raise CheckpointChangedError(
+                    f"{path} is gone from disk since the model was loaded; reload the model"
+                ) from e
+            except OSError as e:
+                raise ExpertIOError(f"{path}: cannot stat checkpoint shard: {e}") from e
+            self.files.check_unchanged(path, st)
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
+        self._check([ref.file])
+        self._read(ref, out)
+        self._check([ref.file])
+
+    def _read(self, ref: TensorRef, out: memoryview) -> None:
         fd = self._fd(ref.file)
         done, retries = 0, 0
         while done < ref.nbytes:
@@ -90,17 +110,24 @@ class SafetensorsStore(ExpertStore):
         if not jobs:
             return
         start = time.perf_counter()
-        self._check({ref.file for ref, _ in jobs})
+        files = {ref.file for ref, _ in jobs}
+        self._check(files)
         if self.threads == 1 or len(jobs) == 1:
             for ref, out in jobs:
-                self.read_into(ref, out)
+                self._read(ref, out)
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.threads, thread_name_prefix="mlx-lm-streaming-read"
-                )
+            with self._lock:
+                if self._closed:
+                    raise ExpertIOError(f"store for {self.files.model_path} is closed")
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        self.threads, thread_name_prefix="mlx-lm-streaming-read"
+                    )
+                pool = self._pool
             # list() re-raises the first error of any read
-            list(self._pool.map(lambda job: self.read_into(*job), jobs))
+            list(pool.map(lambda job: self._read(*job), jobs))
+        # again after: a change that raced with the reads is caught before the bytes are used
+        self._check(files)
         self.stats.add(
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
