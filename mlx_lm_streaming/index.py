@@ -167,7 +167,7 @@ def _parse_entry(path, name, entry, data_start, data_len) -> TensorRef:
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype = entry.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unsupported dtype {_brief(dtype)} (known: {', '.join(DTYPES)})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(
