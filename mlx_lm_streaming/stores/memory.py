@@ -23,9 +23,12 @@ class MemoryStore(ExpertStore):
         super().__init__(files)
         self._blobs: Dict[Path, bytes] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def _blob(self, path: Path) -> bytes:
         with self._lock:
+            if self._closed:
+                raise ExpertIOError(f"store for {self.files.model_path} is closed")
             blob = self._blobs.get(path)
             if blob is not None:
                 return blob
@@ -53,4 +56,5 @@ class MemoryStore(ExpertStore):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._blobs.clear()
