@@ -1,0 +1,166 @@
+"""In-process: mlx-lm's own Python API with a streaming model, and the ``load_model`` wrapper."""
+
+import os
+import shutil
+
+import mlx.core as mx
+import mlx_lm
+import mlx_lm.utils
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from mlx_lm_streaming.errors import UnsupportedModelError
+from mlx_lm_streaming.integration import _wrap_load_model, install
+from mlx_lm_streaming.options import ENV
+
+PROMPTS = ["Tell me a story", "Why is the sky blue? Explain in detail please", "Hi"]
+
+
+@pytest.fixture
+def environ():
+    """Our variables removed for the test, and the environment restored after it."""
+    saved = dict(os.environ)
+    for name in ENV.values():
+        os.environ.pop(name, None)
+    try:
+        yield os.environ
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    """(stock model, streaming model with 3 of 8 experts per layer, tokenizer)."""
+    install()
+    path = checkpoint("qwen3_moe")
+    saved = {k: os.environ.pop(k) for k in ENV.values() if k in os.environ}
+    try:
+        stock, tokenizer = mlx_lm.load(str(path))
+        streaming, _ = mlx_lm.load(
+            str(path),
+            model_config={"streaming_experts": {"expert_cache_gb": 46080 / 2**30}},
+        )
+    finally:
+        os.environ.update(saved)
+    assert streaming.expert_streaming.cache.slots_for_budget() == 3
+    return stock, streaming, tokenizer
+
+
+def test_stream_generate(models):
+    stock, streaming, tokenizer = models
+    texts = [
+        "".join(
+            r.text
+            for r in mlx_lm.stream_generate(m, tokenizer, PROMPTS[1], max_tokens=24)
+        )
+        for m in (stock, streaming)
+    ]
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_batch_generate(models):
+    stock, streaming, tokenizer = models
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    texts = [
+        mlx_lm.batch_generate(m, tokenizer, prompts, max_tokens=16).texts
+        for m in (stock, streaming)
+    ]
+    assert texts[0] == texts[1]
+    assert len(set(texts[0])) > 1
+
+
+def test_saved_and_loaded_prompt_cache(models, tmp_path):
+    stock, streaming, tokenizer = models
+    texts = []
+    for name, model in (("stock", stock), ("streaming", streaming)):
+        cache = make_prompt_cache(model)
+        # prefill the cache with the first prompt, save it, load it, continue from it
+        for _ in mlx_lm.stream_generate(
+            model, tokenizer, PROMPTS[1], max_tokens=1, prompt_cache=cache
+        ):
+            pass
+        save_prompt_cache(str(tmp_path / f"{name}.safetensors"), cache)
+        loaded = load_prompt_cache(str(tmp_path / f"{name}.safetensors"))
+        texts.append(
+            mlx_lm.generate(
+                model, tokenizer, " and then?", max_tokens=16, prompt_cache=loaded
+            )
+        )
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_model_config_forms(checkpoint, environ):
+    path = checkpoint("mixtral")
+    model, _ = mlx_lm.load(str(path), model_config={"streaming_experts": True})
+    assert model.expert_streaming.options.store == "safetensors"
+    model, _ = mlx_lm.load(
+        str(path),
+        model_config={"streaming_experts": {"store": "memory", "kernel": "gather"}},
+    )
+    assert model.expert_streaming.options.store == "memory"
+    environ[ENV["enabled"]] = "1"
+    model, _, config = mlx_lm.load(
+        str(path), model_config={"streaming_experts": False}, return_config=True
+    )
+    assert not hasattr(model, "expert_streaming")
+    # mlx-lm never sees our key
+    assert "streaming_experts" not in config
+
+
+def test_stock_call_is_passed_through_unchanged(environ):
+    calls = []
+
+    def stock(model_path, lazy=False, strict=True, model_config=None, **kwargs):
+        calls.append((model_path, lazy, strict, model_config, kwargs))
+        return "model", "config"
+
+    wrapped = _wrap_load_model(stock)
+    config = {"quantize_activations": False}
+    assert wrapped("p", True, False, model_config=config) == ("model", "config")
+    # get_model_classes left to the stock default; model_config the same object
+    assert calls[-1] == ("p", True, False, config, {"trust_remote_code": False})
+    assert calls[-1][3] is config
+    marker = object()
+    wrapped("p", get_model_classes=marker, trust_remote_code=True)
+    assert calls[-1][4] == {"trust_remote_code": True, "get_model_classes": marker}
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(checkpoint, tmp_path_factory):
+    """A tiny dense llama checkpoint (no experts to stream), with a synthetic tokenizer."""
+    from mlx_lm.models import llama
+
+    path = tmp_path_factory.mktemp("dense")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    }
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mlx_lm.utils.save_model(path, model)
+    mlx_lm.utils.save_config(config, path / "config.json")
+    for f in checkpoint("qwen3_moe").glob("*token*"):
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_unstreamable_model_asked_by_env_loads_stock(dense_checkpoint, environ, capfd):
+    environ[ENV["enabled"]] = "1"
+    model, tokenizer = mlx_lm.load(str(dense_checkpoint))
+    assert not hasattr(model, "expert_streaming")
+    err = capfd.readouterr().err
+    assert "loading it without streaming" in err and str(dense_checkpoint) in err
+    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2) is not None
+
+
+def test_unstreamable_model_asked_in_code_raises(dense_checkpoint, environ):
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        mlx_lm.load(str(dense_checkpoint), model_config={"streaming_experts": True})
