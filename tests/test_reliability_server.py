@@ -1,0 +1,87 @@
+"""The streaming server under 8 concurrent requests: no deadlock, the serial answers, no leaks, clean exit.
+
+``mlx_lm.server --streaming-experts`` with a budget below one layer's experts (every request evicts).
+Each of 8 requests (half of them streamed) is first sent alone, then all 8 at once, twice. The concurrent
+answers must be the serial ones; afterwards the server holds no more threads or file descriptors than
+before the concurrent rounds, and Ctrl-C stops it promptly without a traceback.
+
+Needs the package installed non-editable (``bash tests/run.sh``), like tests/test_integration.py.
+"""
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+from test_integration import budget_below_one_layer, require_hook  # noqa: F401 (autouse fixture)
+from test_integration_server import BIN, START_TIMEOUT, chat, free_port, log_text, post
+
+REQUESTS = 8
+ROUNDS = 2
+
+
+@contextmanager
+def server_process(model, *flags, cwd):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MLX_LM_STREAMING_") and k != "PYTHONPATH"}
+    cmd = [BIN / "mlx_lm.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "WARNING", *flags]
+    log = open(cwd / f"server-{port}.log", "w+")
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log_text(log)}"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, f"server did not start:\n{log_text(log)}"
+                time.sleep(0.1)
+        yield proc, url, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def resources(pid):
+    """(open file descriptors, threads) of a process."""
+    return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
+def ask(url, i):
+    body = chat(i, stream=bool(i % 2))
+    reply = post(url, "/v1/chat/completions", body)
+    return reply if body["stream"] else reply["choices"][0]["message"]["content"]
+
+
+def test_eight_concurrent_streaming_requests(checkpoint, tmp_path):
+    ckpt = checkpoint("qwen3_moe")
+    flags = ["--streaming-experts", "--expert-cache-gb", budget_below_one_layer(ckpt)]
+    with server_process(ckpt, *flags, cwd=tmp_path) as (proc, url, log):
+        serial = [ask(url, i) for i in range(REQUESTS)]
+        assert all(serial) and len(set(serial)) > 1, serial
+        before = resources(proc.pid)
+        for round_ in range(ROUNDS):
+            with ThreadPoolExecutor(REQUESTS) as pool:
+                concurrent = list(pool.map(lambda i: ask(url, i), range(REQUESTS)))
+            assert concurrent == serial, f"round {round_}"
+        # request threads and their sockets go away once the replies are sent
+        deadline = time.monotonic() + 10
+        while resources(proc.pid) > before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = resources(proc.pid)
+        assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        text = log_text(log)
+    assert "Traceback" not in text, text
