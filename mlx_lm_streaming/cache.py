@@ -159,6 +159,11 @@ class ExpertCache:
         self._planned = False
         return bank
 
+    def unregister(self, bank: LayerBank) -> None:
+        """Drop a bank whose layer left the model (a pipeline stage keeps only its own layers)."""
+        self._banks.discard(bank)
+        self._planned = False
+
     @property
     def banks(self) -> List[LayerBank]:
         return sorted(self._banks, key=lambda b: b.path)

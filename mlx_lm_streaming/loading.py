@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from . import plugins
 from .cache import GB, ExpertCache
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
@@ -58,19 +58,27 @@ class StreamingState:
         self.cache = ExpertCache(self.store, budget)
         self.selector = KernelSelector(options.kernel)
         self.resident_bytes = 0
+        # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
+        self.pipeline: Optional[tuple] = None
+        self.closed = False
 
     def stats(self) -> Dict[str, float]:
         return self.cache.summary()
 
     def stats_line(self) -> str:
         s = self.stats()
-        return (
+        line = (
             f"[streaming] hit rate {s['hit_rate']:.1%}, experts read {s['experts_read']}, "
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
+        if self.pipeline is not None:
+            rank, size, start, end = self.pipeline
+            line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
+        return line
 
     def close(self) -> None:
+        self.closed = True
         self.store.close()
 
 
@@ -95,8 +103,14 @@ def adapter_for(model, config: dict):
     return adapter
 
 
-def convert_model(model, weights: dict, config: dict, state: StreamingState) -> dict:
-    """Swap routed experts for streaming ones; return the weights still to load."""
+def convert_model(
+    model, weights: dict, config: dict, state: StreamingState, check_budget: bool = True
+) -> dict:
+    """Swap routed experts for streaming ones; return the weights still to load.
+
+    ``check_budget=False`` (lazy loads) leaves the budget check to ``pipeline`` or the first call:
+    ``sharded_load`` loads lazily and only then keeps the layers of this rank, and a per-rank budget
+    is meant for those layers only."""
     adapter = adapter_for(model, config)
     routed = [
         (path, m)
@@ -130,7 +144,8 @@ def convert_model(model, weights: dict, config: dict, state: StreamingState) -> 
             sum(b.layer.expert_nbytes for b in state.cache.banks),
         )
     # fail at load, not at the first token, if the budget is too small
-    state.cache.slots_for_budget()
+    if check_budget:
+        state.cache.slots_for_budget()
     return weights
 
 
@@ -181,7 +196,9 @@ def load_streaming_model(
             def load_weights(file_or_weights, strict=True):
                 if isinstance(file_or_weights, (str, Path)):
                     file_or_weights = list(mx.load(str(file_or_weights)).items())
-                remaining = convert_model(model, dict(file_or_weights), config, state)
+                remaining = convert_model(
+                    model, dict(file_or_weights), config, state, check_budget=not lazy
+                )
                 return stock_load_weights(list(remaining.items()), strict=strict)
 
             model.load_weights = load_weights
@@ -208,6 +225,7 @@ def load_streaming_model(
     model.expert_streaming = state
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported
+    _stream_per_pipeline_stage(model, state)
     weakref.finalize(model, state.close)
     if options.stats:
         _print_stats_at_exit(state)
@@ -222,5 +240,58 @@ def _tensor_parallel_unsupported(*args, **kwargs):
     )
 
 
+def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
+    """Wrap mlx-lm's ``model.model.pipeline(group)`` so that a pipeline stage streams only its layers.
+
+    After the stock split (which replaces the other stages' layers by ``None``), the banks of the
+    dropped layers leave the cache, a default budget is derived again from this stage's resident
+    weights, and the budget is checked against this stage's layers: each rank's budget is its own.
+    """
+    inner = getattr(model, "model", None)
+    stock_pipeline = getattr(inner, "pipeline", None)
+    if stock_pipeline is None:
+        return
+    model_ref = weakref.ref(model)  # no reference cycle: the model must stay collectable
+
+    def pipeline(group, *args, **kwargs):
+        result = stock_pipeline(group, *args, **kwargs)
+        model = model_ref()
+        kept = {
+            id(m.bank)
+            for _, m in model.named_modules()
+            if isinstance(m, StreamingSwitchGLU)
+        }
+        for bank in state.cache.banks:
+            if id(bank) not in kept:
+                state.cache.unregister(bank)
+        start, end = model.model.start_idx, model.model.end_idx
+        state.pipeline = (group.rank(), group.size(), start, end)
+        stage = f"pipeline rank {group.rank()} of {group.size()} (layers {start}-{end - 1})"
+        if not state.cache.banks:
+            return result
+        if state.options.expert_cache_gb is None:
+            state.resident_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            state.cache.budget_bytes = default_budget_bytes(
+                state.resident_bytes,
+                state.cache.total_expert_bytes,
+                sum(b.layer.expert_nbytes for b in state.cache.banks),
+            )
+        try:
+            state.cache.slots_for_budget()
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{stage}: {e}") from None
+        return result
+
+    inner.pipeline = pipeline
+
+
 def _print_stats_at_exit(state: StreamingState) -> None:
-    atexit.register(lambda: print(state.stats_line(), file=sys.stderr, flush=True))
+    def report():
+        s = state.stats()
+        if state.closed and s["hits"] + s["misses"] == 0:
+            # a model that was dropped unused, e.g. the one sharded_load builds only to see the
+            # model's structure before loading the rank's part
+            return
+        print(state.stats_line(), file=sys.stderr, flush=True)
+
+    atexit.register(report)
