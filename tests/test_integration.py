@@ -142,12 +142,18 @@ def stock_text(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
-def test_generate_cli_streams_and_prints_stock_text(arch, checkpoint, stock_text, tmp_path):
+def test_generate_cli_streams_and_prints_stock_text(
+    arch, checkpoint, stock_text, tmp_path
+):
     ckpt = checkpoint(arch)
     budget = budget_below_one_layer(ckpt)
     out = run(
         generate_cmd(
-            ckpt, "--streaming-experts", "--expert-cache-gb", budget, "--streaming-stats"
+            ckpt,
+            "--streaming-experts",
+            "--expert-cache-gb",
+            budget,
+            "--streaming-stats",
         ),
         tmp_path,
     )
@@ -206,9 +212,15 @@ def test_flags_are_listed_in_help(tmp_path):
     "flags, message",
     [
         (["--expert-cache-gb", "1"], "--expert-cache-gb needs --streaming-experts"),
-        (["--streaming-experts", "--expert-cache-gb", "0"], "argument --expert-cache-gb"),
+        (
+            ["--streaming-experts", "--expert-cache-gb", "0"],
+            "argument --expert-cache-gb",
+        ),
         (["--streaming-experts", "--expert-store", "nope"], "argument --expert-store"),
-        (["--streaming-experts", "--expert-kernel", "nope"], "argument --expert-kernel"),
+        (
+            ["--streaming-experts", "--expert-kernel", "nope"],
+            "argument --expert-kernel",
+        ),
     ],
 )
 def test_bad_flags_are_rejected_naming_the_flag(flags, message, checkpoint, tmp_path):
@@ -237,7 +249,9 @@ def test_draft_model_streams_too(checkpoint, tmp_path):
 
 def chat_reply(stdout: str) -> str:
     """The reply line of an ``mlx_lm.chat`` turn: the line before its ``N tokens ·`` footer."""
-    lines = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x01\x02]", "", l) for l in stdout.splitlines()]
+    lines = [
+        re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x01\x02]", "", l) for l in stdout.splitlines()
+    ]
     footer = next(i for i, l in enumerate(lines) if re.match(r"\s*\d+ tokens", l))
     return lines[footer - 1]
 
@@ -248,7 +262,8 @@ def test_chat_repl_streams(checkpoint, tmp_path):
     env = clean_env(NO_COLOR="1", TERM="dumb")
     stock = run(cmd, tmp_path, env=env, input="hello there\nq\n")
     out = run(
-        cmd + ["--streaming-experts", "--expert-cache-gb", budget_below_one_layer(ckpt)]
+        cmd
+        + ["--streaming-experts", "--expert-cache-gb", budget_below_one_layer(ckpt)]
         + ["--streaming-stats"],
         tmp_path,
         env=env,
