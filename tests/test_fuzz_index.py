@@ -27,7 +27,7 @@ from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 FUZZ = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 100)),
-    deadline=2000,  # ms per example: a hang fails the test
+    deadline=5000,  # ms per example: a slow parse (quadratic, huge allocation) fails the test
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,
 )
@@ -181,7 +181,7 @@ def test_damaged_entry_names_file_and_tensor(tmp_path, tensors, data, mutation):
     start = time.monotonic()
     err = parse_or_named_error(path, culprit=victim)
     assert isinstance(err, CheckpointError), f"{mutation} accepted"
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.0
 
 
 @FUZZ
@@ -242,7 +242,7 @@ def test_lying_header_length(tmp_path, blob, match):
 
 def test_no_allocation_sized_by_the_header(tmp_path):
     """A 1 KB file claiming exabytes: memory use stays that of the file, time stays milliseconds."""
-    header = {"many": {"dtype": "U8", "shape": [2**62] * 50_000, "data_offsets": [0, 4]}}
+    header = {"many": {"dtype": "U8", "shape": [2**62] * 100_000, "data_offsets": [0, 4]}}
     path = write_file(tmp_path / "model.safetensors", json.dumps(header).encode(), b"\0" * 64)
     tracemalloc.start()
     start = time.monotonic()
