@@ -1,0 +1,141 @@
+"""The docs say what the code does: every hook, flag, variable and key is documented, the plugin
+examples in docs/plugins.md run, and the README's commands exist."""
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_lm_streaming import hookspecs, integration, plugins
+from mlx_lm_streaming.options import ENV, StreamingOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS_MD = (ROOT / "docs" / "plugins.md").read_text()
+USAGE_MD = (ROOT / "docs" / "usage.md").read_text()
+README = (ROOT / "README.md").read_text()
+
+
+def hookspec_names():
+    marker = hookspecs.hookspec.project_name + "_spec"
+    return [
+        name
+        for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(f, marker)
+    ]
+
+
+def test_every_hookspec_is_documented():
+    names = hookspec_names()
+    assert names, "no hookspecs found"
+    for name in names:
+        assert (
+            f"### `{name}`" in PLUGINS_MD
+        ), f"docs/plugins.md has no section for {name}"
+    # and no section for a hook that does not exist
+    documented = re.findall(r"^### `(register_\w+)`", PLUGINS_MD, re.M)
+    assert sorted(documented) == sorted(names)
+
+
+def test_every_flag_variable_and_key_is_documented():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    integration.add_streaming_arguments(parser)
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    flags.remove("--help")
+    assert len(flags) == 5
+    for flag in flags:
+        assert f"`{flag}" in USAGE_MD, f"docs/usage.md does not document {flag}"
+    for var in list(ENV.values()) + ["MLX_LM_STREAMING_HOOK", plugins.BLOCK_ENV]:
+        assert f"`{var}" in USAGE_MD, f"docs/usage.md does not document {var}"
+    for key in [f.name for f in fields(StreamingOptions)] + ["enabled"]:
+        assert f"`{key}`" in USAGE_MD, f"docs/usage.md does not document the key {key}"
+    for module in integration.CLI_MODULES:
+        assert f"`{module}`" in USAGE_MD, f"docs/usage.md does not list {module}"
+
+
+def example_modules(tmp_path):
+    """The complete plugin examples of docs/plugins.md (blocks opening with ``# name.py``)."""
+    blocks = re.findall(r"```python\n# (\w+)\.py\n(.*?)```", PLUGINS_MD, re.S)
+    assert {name for name, _ in blocks} == {"pread_store", "dequantized_kernel"}
+    for name, code in blocks:
+        (tmp_path / f"{name}.py").write_text(code)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return {name: importlib.import_module(name) for name, _ in blocks}
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+@pytest.fixture
+def registered_examples(tmp_path):
+    modules = example_modules(tmp_path)
+    pm = plugins.load_plugins()
+    for name, module in modules.items():
+        pm.register(module, name=f"docs-{name}")
+    try:
+        yield modules
+    finally:
+        for module in modules.values():
+            pm.unregister(module)
+        for name in modules:
+            sys.modules.pop(name, None)
+
+
+def test_plugin_examples_run(checkpoint, registered_examples):
+    from support import load_stock, load_streaming
+
+    tokens = mx.array([list(range(1, 70))])  # >= 64 indices: the sorted path in stock
+    for variant in ("affine4", "mixed"):
+        path = checkpoint("qwen3_moe", variant)
+        stock, _ = load_stock(path)
+        expected = stock(tokens)
+        probe, _ = load_streaming(path)
+        one_slot = sum(
+            b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks
+        )
+        probe.expert_streaming.close()
+        budget = 3 * one_slot / 2**30  # 3 of 8 experts per layer: evictions
+        model, _ = load_streaming(path, store="pread", expert_cache_gb=budget)
+        assert type(model.expert_streaming.store).__name__ == "PreadStore"
+        assert mx.array_equal(model(tokens), expected).item()
+        assert model.expert_streaming.stats()["experts_read"] > 0
+        model.expert_streaming.close()
+        model, _ = load_streaming(path, kernel="dequantized", expert_cache_gb=budget)
+        with pytest.warns(UserWarning, match="not bit-identical"):
+            got = model(tokens)
+        assert mx.allclose(got, expected, atol=1e-3).item()
+
+
+def test_readme_has_the_two_commands_and_the_mac_line():
+    block = re.search(r"```\n(bash docs/demo\.sh\nbash tests/run\.sh\n)```", README)
+    assert block, "README must show exactly the demo and test commands in one block"
+    assert "pip install mlx-lm-streaming" in README
+    assert (
+        "'mlx-lm-streaming[cpu]'" in README and "'mlx-lm-streaming[cuda13]'" in README
+    )
+    assert re.search(
+        r"mlx_lm\.generate --model mlx-community/\S+ .*--streaming-experts", README
+    )
+    assert os.access(ROOT / "docs" / "demo.sh", os.X_OK)
+    assert "bash tests/run.sh" in (ROOT / ".ci" / "run").read_text()
+    demo = (ROOT / "docs" / "demo.sh").read_text()
+    assert "python -m mlx_lm_streaming.synthetic" in demo.replace(
+        ".venv/bin/python", "python"
+    )
+    assert "--streaming-experts" in demo and "--streaming-stats" in demo
+
+
+def test_docs_links_exist():
+    for doc in [README, USAGE_MD, PLUGINS_MD]:
+        for target in re.findall(r"\]\(((?:docs/)?[\w/]+\.md)\)", doc):
+            path = (
+                ROOT / target if target.startswith("docs/") else ROOT / "docs" / target
+            )
+            assert path.is_file(), f"broken link to {target}"
