@@ -219,6 +219,13 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
         flags = ", ".join("--" + d.replace("_", "-") for d in given)
         verb = "needs" if len(given) == 1 else "need"
         parser.error(f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
+    if getattr(namespace, "pipeline", None) is False and _distributed_size() > 1:
+        # server and chat shard tensor-parallel without --pipeline; a streaming model refuses that
+        # at load, where the server would only log it and keep running without a model
+        parser.error(
+            "--streaming-experts over several ranks needs --pipeline: tensor parallelism is not "
+            "supported with streaming experts yet (docs/distributed.md)"
+        )
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
     # fail here, with the flag named, rather than at load
@@ -244,6 +251,13 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
         parser.error(str(e))
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
+
+
+def _distributed_size() -> int:
+    # the commands that take --pipeline call mx.distributed.init() right after parsing anyway
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
 
 
 def _exit_cleanly_on_sigterm() -> None:

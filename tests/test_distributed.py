@@ -1,0 +1,426 @@
+"""Streaming under MLX distributed pipeline parallelism: 2 ranks on localhost, ring backend.
+
+Each run goes through ``mlx.launch`` from the test venv (the package installed non-editable, as
+``bash tests/run.sh`` does), on ports found free, with a time limit; the launcher's whole process
+group is killed afterwards, also when a test fails. ``mlx.launch`` exits 0 even when a rank fails, so
+the tests judge each rank by what it wrote.
+
+The reference is single-process stock mlx-lm (``mlx_lm.generate`` / ``mlx_lm.server`` with the startup
+hook off). Checkpoints have 4 layers in 4 shards, so that some shards hold only the other rank's
+experts, and each rank gets an expert budget below one layer's experts.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mlx_lm_streaming.errors import UnsupportedModelError
+
+from support import clean_env
+
+BIN = Path(sys.executable).parent
+LAYERS = 4
+SHARDS = 4
+PROMPT = "Tell me a story about a dragon"
+MAX_TOKENS = 16
+TIMEOUT = 60  # seconds for one launch; a run takes about 6 s here
+GB = 1 << 30
+ARCHS = ["qwen3_moe", "deepseek_v3"]
+STATS_LINE = re.compile(
+    r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), .*, "
+    r"pipeline rank (\d+)/(\d+) \(layers (\d+)-(\d+)\)$",
+    re.M,
+)
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def env(**extra) -> dict:
+    """The caller's environment without our variables or PYTHONPATH, plus ``extra``."""
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MLX_LM_STREAMING_") and k != "PYTHONPATH"
+    }
+    e.update(extra)
+    return e
+
+
+def free_ports(n: int) -> int:
+    """A port p such that p, p+1, ... p+n-1 are all free on 127.0.0.1 now."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def _default_sigint():
+    # a background shell starts children with SIGINT ignored; the ranks must be interruptible
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Started:
+    """A process group started by ``started``: its output goes to files in ``cwd``."""
+
+    def __init__(self, cmd, cwd: Path, environ):
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd = cmd
+        self.out_path, self.err_path = cwd / "stdout.txt", cwd / "stderr.txt"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            # stdin stays an open pipe: at EOF, mlx.launch's input loop spins a core
+            self.proc = subprocess.Popen(
+                [str(c) for c in cmd],
+                cwd=cwd,
+                env=environ,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+                preexec_fn=_default_sigint,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout=TIMEOUT):
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.cmd} did not finish in {timeout} s:\n{self.stderr}")
+        return self.stdout, self.stderr
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+
+
+@contextmanager
+def started(cmd, cwd: Path, environ=None):
+    """Start ``cmd`` in a new process group; kill the whole group on the way out."""
+    proc = Started(cmd, cwd, environ or env())
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def launch_cmd(*command, ranks=2):
+    return [
+        BIN / "mlx.launch",
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(free_ports(ranks)),
+        "--",
+        *command,
+    ]
+
+
+def run_ranks(command, cwd: Path, timeout=TIMEOUT, ranks=2):
+    """Run ``command`` on ``ranks`` ranks; return (stdout, stderr) of the launcher."""
+    with started(launch_cmd(*command, ranks=ranks), cwd) as proc:
+        return proc.wait(timeout)
+
+
+def generated_text(stdout: str) -> str:
+    """The text between the two ``==========`` lines that mlx_lm.generate (and rank 0) print."""
+    parts = stdout.split("==========\n")
+    assert len(parts) >= 3, stdout
+    return parts[1][: -len("\n")]
+
+
+# -- checkpoint facts, read from the files themselves ---------------------------------------------
+
+
+def expert_tensors(ckpt: Path) -> dict:
+    """{layer: {file name: bytes of that layer's routed-expert tensors in the file}}."""
+    layers = {}
+    for f in sorted(ckpt.glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            m = re.search(r"layers\.(\d+)\..*switch_mlp\.", name)
+            if m:
+                start, end = meta["data_offsets"]
+                files = layers.setdefault(int(m.group(1)), {})
+                files[f.name] = files.get(f.name, 0) + end - start
+    return layers
+
+
+def num_experts(ckpt: Path) -> int:
+    config = json.loads((ckpt / "config.json").read_text())
+    for key in ("num_experts", "n_routed_experts"):
+        if key in config:
+            return config[key]
+    raise KeyError(f"{ckpt}: no expert count in config")
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return lambda arch: checkpoint(arch, num_layers=LAYERS, shards=SHARDS)
+
+
+@pytest.fixture(scope="module")
+def stock_text(ckpt):
+    """Single-process stock generation, as ``mlx_lm.generate --temp 0`` does it, per architecture.
+
+    In this process (a subprocess would cost seconds of imports): the stock model, the chat template
+    applied the way mlx_lm.generate applies it, greedy decoding."""
+    texts = {}
+
+    def get(arch):
+        if arch not in texts:
+            with clean_env():
+                model, tokenizer = mlx_lm.load(str(ckpt(arch)))
+            assert not hasattr(model, "expert_streaming")
+            assert tokenizer.has_chat_template
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+            )
+            prompt = tokenizer.encode(prompt, add_special_tokens=False)
+            texts[arch] = mlx_lm.generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+        return texts[arch]
+
+    return get
+
+
+# -- pipeline_generate over 2 ranks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path):
+    path = ckpt(arch)
+    experts = expert_tensors(path)
+    assert sorted(experts) == (
+        [1, 2, 3] if arch == "deepseek_v3" else [0, 1, 2, 3]
+    ), "deepseek_v3 keeps layer 0 dense (first_k_dense_replace=1)"
+    expert_nbytes = {layer: sum(files.values()) // num_experts(path) for layer, files in experts.items()}
+    assert len(set(expert_nbytes.values())) == 1
+    e = expert_nbytes[1]
+    # 6.5 experts: 3 slots a layer on a rank with 2 MoE layers, 6 on a rank with 1 (of 8 experts)
+    budget_gb = 6.5 * e / GB
+
+    stdout, stderr = run_ranks(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_streaming.pipeline_generate",
+            "--model",
+            path,
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            MAX_TOKENS,
+            "--streaming-experts",
+            "--expert-cache-gb",
+            repr(budget_gb),
+            "--streaming-stats",
+            "--stats-json",
+            tmp_path / "rank{rank}.json",
+        ],
+        tmp_path,
+    )
+    reports = {}
+    for rank in (0, 1):
+        f = tmp_path / f"rank{rank}.json"
+        assert f.is_file(), f"rank {rank} wrote no report:\n{stdout}\n{stderr}"
+        reports[rank] = json.loads(f.read_text())
+
+    # the same text as single-process stock mlx-lm, on rank 0's stdout and in both ranks' reports
+    expected = stock_text(arch)
+    assert generated_text(stdout) == expected
+    assert reports[0]["text"] == reports[1]["text"] == expected
+
+    # mlx-lm's split: the first layers go to the last rank
+    ranges = {0: (2, 4), 1: (0, 2)}
+    all_files = {f.name for f in path.glob("model*.safetensors")}
+    for rank, r in reports.items():
+        start, end = ranges[rank]
+        assert tuple(r["layers"]) == (start, end)
+        own = [layer for layer in sorted(experts) if start <= layer < end]
+        # the banks are this rank's MoE layers, and no other
+        assert r["streamed_layers"] == own
+        # the budget is this rank's: slots = budget // (its MoE layers x one expert), below a layer
+        slots = int(budget_gb * GB) // (len(own) * e)
+        assert slots < num_experts(path)
+        assert set(r["slots"].values()) == {slots}
+        assert r["budget_bytes"] == int(budget_gb * GB)
+        # every byte read is a miss of its own layers' experts; with few slots, experts were evicted
+        assert r["misses"] > 0 and r["evictions"] > 0
+        assert r["bytes_read"] == r["misses"] * e
+        # files opened for expert reads hold its own layers' experts; the other rank's only files
+        # were never opened
+        own_files = {name for layer in own for name in experts[layer]}
+        opened = {Path(f).name for f in r["files_opened"]}
+        assert opened and opened <= own_files
+        other_only = all_files - own_files
+        assert other_only, "the checkpoint should have shards with only the other rank's experts"
+        assert not opened & other_only
+
+    # one stats line per rank, naming the rank and its layers
+    lines = {int(m[1]): (m[0], int(m[3]), int(m[4])) for m in STATS_LINE.findall(stderr)}
+    assert sorted(lines) == [0, 1], stderr
+    for rank, (experts_read, start, last) in lines.items():
+        assert (start, last + 1) == ranges[rank]
+        assert int(experts_read) == reports[rank]["misses"]
+
+
+def test_budget_below_one_expert_per_own_layer_fails_on_that_rank(ckpt, tmp_path):
+    path = ckpt("deepseek_v3")
+    e = sum(expert_tensors(path)[1].values()) // num_experts(path)
+    # 1.5 experts: enough for rank 1 (one MoE layer), not for rank 0 (two)
+    stdout, stderr = run_ranks(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_streaming.pipeline_generate",
+            "--model",
+            path,
+            "--max-tokens",
+            "2",
+            "--streaming-experts",
+            "--expert-cache-gb",
+            repr(1.5 * e / GB),
+        ],
+        tmp_path,
+    )
+    assert (
+        "ConfigurationError: pipeline rank 0 of 2 (layers 2-3): expert cache budget" in stderr
+    ), stderr
+    assert "pipeline rank 1 of 2" not in stderr
+
+
+# -- mlx_lm.server --pipeline over 2 ranks --------------------------------------------------------
+
+
+def wait_healthy(port: int, proc: Started, timeout=TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running():
+            pytest.fail(f"server exited: {proc.stderr}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"server on port {port} not up in {timeout} s")
+
+
+def chat(port: int) -> str:
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+        return json.load(r)["choices"][0]["message"]["content"]
+
+
+def rank_pids(launcher_pid: int) -> dict:
+    """{rank: pid} of the processes mlx.launch started (it starts them from threads)."""
+    pids = {}
+    for children in Path(f"/proc/{launcher_pid}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [v for v in environ if v.startswith(b"MLX_RANK=")]
+            if rank:
+                pids[int(rank[0].split(b"=")[1])] = int(pid)
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes in /proc")
+def test_server_pipeline_answers_like_a_stock_server(ckpt, tmp_path):
+    path = ckpt("qwen3_moe")
+    e = sum(expert_tensors(path)[0].values()) // num_experts(path)
+
+    port = free_ports(1)
+    stock = [BIN / "mlx_lm.server", "--model", path, "--port", port]
+    with started(stock, tmp_path / "stock", env(MLX_LM_STREAMING_HOOK="0")) as proc:
+        wait_healthy(port, proc)
+        expected = chat(port)
+
+    port = free_ports(1)
+    server = [BIN / "mlx_lm.server", "--model", path, "--port", port, "--pipeline"]
+    streaming = ["--streaming-experts", "--expert-cache-gb", repr(6.5 * e / GB)]
+    cmd = launch_cmd(*server, *streaming, "--streaming-stats")
+    with started(cmd, tmp_path / "pipeline") as proc:
+        wait_healthy(port, proc)
+        assert chat(port) == expected
+        # stop rank 0 as Ctrl-C would; rank 1 follows when its peer is gone; both print stats
+        pids = rank_pids(proc.pid)
+        assert sorted(pids) == [0, 1]
+        os.kill(pids[0], signal.SIGTERM)
+        _, stderr = proc.wait()
+    lines = {int(m[1]): (int(m[3]), int(m[4])) for m in STATS_LINE.findall(stderr)}
+    assert lines == {0: (2, 3), 1: (0, 1)}, stderr
+
+
+# -- tensor parallelism is refused ----------------------------------------------------------------
+
+
+def test_tensor_parallel_sharded_load_is_refused(ckpt, monkeypatch):
+    from mlx_lm.utils import sharded_load
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism .* not supported"):
+        sharded_load(str(ckpt("qwen3_moe")), tensor_group=mx.distributed.init())
+
+
+def test_server_without_pipeline_exits_with_a_clear_error(ckpt, tmp_path):
+    server = [BIN / "mlx_lm.server", "--model", ckpt("qwen3_moe"), "--port", free_ports(1)]
+    _, stderr = run_ranks([*server, "--streaming-experts"], tmp_path)
+    assert stderr.count("--streaming-experts over several ranks needs --pipeline") == 2, stderr
