@@ -32,8 +32,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(model, *flags, cwd):
-    """A running ``mlx_lm.server`` on a free port; stopped with Ctrl-C (SIGINT) afterwards."""
+def server(model, *flags, cwd, stop=signal.SIGINT):
+    """A running ``mlx_lm.server`` on a free port, stopped with ``stop`` (Ctrl-C) afterwards."""
     port = free_port()
     env = {
         k: v
@@ -63,7 +63,7 @@ def server(model, *flags, cwd):
         yield url, result
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(stop)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -154,6 +154,7 @@ def test_server_streams_and_answers_like_stock(checkpoint, tmp_path):
         budget_below_one_layer(ckpt),
         "--streaming-stats",
         cwd=tmp_path,
+        stop=signal.SIGTERM,  # `kill`: with --streaming-stats, a clean exit that prints the stats
     ) as (url, streaming_run):
         streamed = answers(url, other)
     assert streamed == stock
