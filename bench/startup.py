@@ -99,9 +99,13 @@ def imported_at_startup(python: str) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--python", default=sys.executable, help="interpreter to measure")
+    parser.add_argument(
+        "--python", default=sys.executable, help="interpreter to measure"
+    )
     parser.add_argument("--runs", type=int, default=40, help="runs per setting")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 at >= {LIMIT_MS} ms")
+    parser.add_argument(
+        "--check", action="store_true", help=f"exit 1 at >= {LIMIT_MS} ms"
+    )
     args = parser.parse_args(argv)
 
     pth = hook_file(args.python)
