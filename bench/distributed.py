@@ -45,7 +45,9 @@ QWEN3_30B_SHAPE = {
     "kv_heads": 4,
     "head_dim": 128,
 }
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle."
+)
 
 
 def default_checkpoint() -> Path:
@@ -55,7 +57,12 @@ def default_checkpoint() -> Path:
 
         print(f"building {path} (once) ...", file=sys.stderr, flush=True)
         build_checkpoint(
-            path, "qwen3_moe", "affine4", num_layers=4, shards=4, overrides=QWEN3_30B_SHAPE
+            path,
+            "qwen3_moe",
+            "affine4",
+            num_layers=4,
+            shards=4,
+            overrides=QWEN3_30B_SHAPE,
         )
     return path
 
@@ -104,7 +111,14 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
     else:
         launch = str(Path(python).parent / "mlx.launch")
         cmd = [launch, "-n", str(ranks), "--backend", "ring"]
-        cmd += ["--starting-port", str(free_port_pair()), "--python", python, "--", *command]
+        cmd += [
+            "--starting-port",
+            str(free_port_pair()),
+            "--python",
+            python,
+            "--",
+            *command,
+        ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING_")}
     env.pop("PYTHONPATH", None)
     if not args.warm:
@@ -112,7 +126,11 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
     start = time.perf_counter()
     # stdin stays an open pipe: at EOF, mlx.launch's input loop spins a core
     proc = subprocess.Popen(
-        cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        cmd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         out, err = proc.communicate(timeout=args.timeout)
@@ -158,7 +176,9 @@ def fmt(value, spec: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="Checkpoint (default: built once under /tmp)")
+    parser.add_argument(
+        "--model", type=Path, help="Checkpoint (default: built once under /tmp)"
+    )
     parser.add_argument(
         "--expert-cache-gb",
         type=float,
@@ -167,8 +187,12 @@ def main() -> None:
         "default checkpoint)",
     )
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--warm", action="store_true", help="Keep the page cache between runs")
-    parser.add_argument("--no-stock", action="store_true", help="Skip the stock resident runs")
+    parser.add_argument(
+        "--warm", action="store_true", help="Keep the page cache between runs"
+    )
+    parser.add_argument(
+        "--no-stock", action="store_true", help="Skip the stock resident runs"
+    )
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="Also write the rows here")
@@ -188,8 +212,10 @@ def main() -> None:
             what = "stock" if budget is None else f"{budget:g} GB per rank"
             print(f"done: {ranks} rank(s), {what}", file=sys.stderr, flush=True)
 
-    print(f"model: {model}  tokens: {args.max_tokens}  cpu cores: {os.cpu_count()}  "
-          f"page cache: {'warm' if args.warm else 'dropped before each run'}")
+    print(
+        f"model: {model}  tokens: {args.max_tokens}  cpu cores: {os.cpu_count()}  "
+        f"page cache: {'warm' if args.warm else 'dropped before each run'}"
+    )
     print(f"same text in every run and rank: {len(texts) == 1}")
     print(
         "| ranks | GB/rank | rank | layers | slots/layer | decode tok/s | prompt tok/s | hit rate "
@@ -197,7 +223,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        budget = "stock" if r["budget_gb_per_rank"] is None else f"{r['budget_gb_per_rank']:g}"
+        budget = (
+            "stock"
+            if r["budget_gb_per_rank"] is None
+            else f"{r['budget_gb_per_rank']:g}"
+        )
         print(
             f"| {r['ranks']} | {budget} | {r['rank']} | {r['layers']} "
             f"| {','.join(map(str, r['slots'])) or '-'} | {r['decode_tok_s']:.2f} "
@@ -206,7 +236,9 @@ def main() -> None:
             f"| {fmt(r['io_s'], '.2f')} |"
         )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "same_text": len(texts) == 1}, indent=1))
+        args.json.write_text(
+            json.dumps({"rows": rows, "same_text": len(texts) == 1}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Pipeline-parallel generation over mlx.launch ranks, experts streamed per rank."
     )
-    parser.add_argument("--model", required=True, help="Model directory or Hugging Face repo.")
+    parser.add_argument(
+        "--model", required=True, help="Model directory or Hugging Face repo."
+    )
     parser.add_argument("--prompt", "-p", default="hello", help="Message to the model.")
     parser.add_argument("--max-tokens", "-m", type=int, default=100)
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
@@ -66,7 +68,9 @@ def format_prompt(tokenizer, prompt: str, use_chat_template: bool = True) -> lis
     use_chat_template = use_chat_template and tokenizer.has_chat_template
     if use_chat_template:
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
     return tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
 
@@ -138,7 +142,9 @@ def main(argv=None) -> None:
         print(text)
         print("=" * 10)
         if last is not None:
-            print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+            print(
+                f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec"
+            )
             print(
                 f"Generation: {last.generation_tokens} tokens, "
                 f"{last.generation_tps:.3f} tokens-per-sec"

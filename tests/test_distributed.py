@@ -27,10 +27,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
+from support import clean_env
 
 from mlx_lm_streaming.errors import UnsupportedModelError
-
-from support import clean_env
 
 BIN = Path(sys.executable).parent
 LAYERS = 4
@@ -221,10 +220,14 @@ def stock_text(ckpt):
             assert not hasattr(model, "expert_streaming")
             assert tokenizer.has_chat_template
             prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": PROMPT}],
+                tokenize=False,
+                add_generation_prompt=True,
             )
             prompt = tokenizer.encode(prompt, add_special_tokens=False)
-            texts[arch] = mlx_lm.generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+            texts[arch] = mlx_lm.generate(
+                model, tokenizer, prompt, max_tokens=MAX_TOKENS
+            )
         return texts[arch]
 
     return get
@@ -240,7 +243,10 @@ def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path
     assert sorted(experts) == (
         [1, 2, 3] if arch == "deepseek_v3" else [0, 1, 2, 3]
     ), "deepseek_v3 keeps layer 0 dense (first_k_dense_replace=1)"
-    expert_nbytes = {layer: sum(files.values()) // num_experts(path) for layer, files in experts.items()}
+    expert_nbytes = {
+        layer: sum(files.values()) // num_experts(path)
+        for layer, files in experts.items()
+    }
     assert len(set(expert_nbytes.values())) == 1
     e = expert_nbytes[1]
     # 6.5 experts: 3 slots a layer on a rank with 2 MoE layers, 6 on a rank with 1 (of 8 experts)
@@ -300,11 +306,15 @@ def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path
         opened = {Path(f).name for f in r["files_opened"]}
         assert opened and opened <= own_files
         other_only = all_files - own_files
-        assert other_only, "the checkpoint should have shards with only the other rank's experts"
+        assert (
+            other_only
+        ), "the checkpoint should have shards with only the other rank's experts"
         assert not opened & other_only
 
     # one stats line per rank, naming the rank and its layers
-    lines = {int(m[1]): (m[0], int(m[3]), int(m[4])) for m in STATS_LINE.findall(stderr)}
+    lines = {
+        int(m[1]): (m[0], int(m[3]), int(m[4])) for m in STATS_LINE.findall(stderr)
+    }
     assert sorted(lines) == [0, 1], stderr
     for rank, (experts_read, start, last) in lines.items():
         assert (start, last + 1) == ranges[rank]
@@ -331,7 +341,8 @@ def test_budget_below_one_expert_per_own_layer_fails_on_that_rank(ckpt, tmp_path
         tmp_path,
     )
     assert (
-        "ConfigurationError: pipeline rank 0 of 2 (layers 2-3): expert cache budget" in stderr
+        "ConfigurationError: pipeline rank 0 of 2 (layers 2-3): expert cache budget"
+        in stderr
     ), stderr
     assert "pipeline rank 1 of 2" not in stderr
 
@@ -379,7 +390,9 @@ def rank_pids(launcher_pid: int) -> dict:
     return pids
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank processes in /proc")
+@pytest.mark.skipif(
+    not Path("/proc").is_dir(), reason="finds the rank processes in /proc"
+)
 def test_server_pipeline_answers_like_a_stock_server(ckpt, tmp_path):
     path = ckpt("qwen3_moe")
     e = sum(expert_tensors(path)[0].values()) // num_experts(path)
@@ -416,11 +429,21 @@ def test_tensor_parallel_sharded_load_is_refused(ckpt, monkeypatch):
 
     install()
     monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism .* not supported"):
+    with pytest.raises(
+        UnsupportedModelError, match="tensor parallelism .* not supported"
+    ):
         sharded_load(str(ckpt("qwen3_moe")), tensor_group=mx.distributed.init())
 
 
 def test_server_without_pipeline_exits_with_a_clear_error(ckpt, tmp_path):
-    server = [BIN / "mlx_lm.server", "--model", ckpt("qwen3_moe"), "--port", free_ports(1)]
+    server = [
+        BIN / "mlx_lm.server",
+        "--model",
+        ckpt("qwen3_moe"),
+        "--port",
+        free_ports(1),
+    ]
     _, stderr = run_ranks([*server, "--streaming-experts"], tmp_path)
-    assert stderr.count("--streaming-experts over several ranks needs --pipeline") == 2, stderr
+    assert (
+        stderr.count("--streaming-experts over several ranks needs --pipeline") == 2
+    ), stderr
