@@ -177,7 +177,7 @@ def generated_text(stdout: str) -> str:
 
 
 def expert_tensors(ckpt: Path) -> dict:
-    """{layer: {file name: bytes of that layer's routed-expert tensors in the file}}."""
+    """{layer: [(file name, first byte, end byte) of each routed-expert tensor]}, from the headers."""
     layers = {}
     for f in sorted(ckpt.glob("model*.safetensors")):
         with open(f, "rb") as fh:
@@ -187,9 +187,38 @@ def expert_tensors(ckpt: Path) -> dict:
             m = re.search(r"layers\.(\d+)\..*switch_mlp\.", name)
             if m:
                 start, end = meta["data_offsets"]
-                files = layers.setdefault(int(m.group(1)), {})
-                files[f.name] = files.get(f.name, 0) + end - start
+                tensors = layers.setdefault(int(m.group(1)), [])
+                tensors.append((f.name, 8 + n + start, 8 + n + end))
     return layers
+
+
+def expert_nbytes(tensors: list, experts: int) -> int:
+    return sum(end - start for _, start, end in tensors) // experts
+
+
+# Runs pipeline_generate with os.preadv / os.pread recorded: every byte range the rank read from a
+# checkpoint shard (mlx's own loading reads through C++, not these) goes to reads{rank}.json.
+RECORD_READS = """
+import json, os, sys
+import mlx.core as mx
+from mlx_lm_streaming import pipeline_generate
+
+reads = []
+
+def recorded(read):
+    def wrapper(fd, buffers_or_n, offset, *args):
+        n = read(fd, buffers_or_n, offset, *args)
+        size = n if isinstance(n, int) else len(n)
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, size))
+        return n
+    return wrapper
+
+os.preadv = recorded(os.preadv)
+os.pread = recorded(os.pread)
+pipeline_generate.main(sys.argv[1:])
+with open(f"reads{mx.distributed.init().rank()}.json", "w") as f:
+    json.dump(reads, f)
+"""
 
 
 def num_experts(ckpt: Path) -> int:
@@ -239,24 +268,23 @@ def stock_text(ckpt):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path):
     path = ckpt(arch)
+    n_experts = num_experts(path)
     experts = expert_tensors(path)
     assert sorted(experts) == (
         [1, 2, 3] if arch == "deepseek_v3" else [0, 1, 2, 3]
     ), "deepseek_v3 keeps layer 0 dense (first_k_dense_replace=1)"
-    expert_nbytes = {
-        layer: sum(files.values()) // num_experts(path)
-        for layer, files in experts.items()
-    }
-    assert len(set(expert_nbytes.values())) == 1
-    e = expert_nbytes[1]
+    sizes = {expert_nbytes(tensors, n_experts) for tensors in experts.values()}
+    assert len(sizes) == 1
+    e = sizes.pop()
     # 6.5 experts: 3 slots a layer on a rank with 2 MoE layers, 6 on a rank with 1 (of 8 experts)
     budget_gb = 6.5 * e / GB
+    script = tmp_path / "record_reads.py"
+    script.write_text(RECORD_READS)
 
     stdout, stderr = run_ranks(
         [
             sys.executable,
-            "-m",
-            "mlx_lm_streaming.pipeline_generate",
+            script,
             "--model",
             path,
             "--prompt",
@@ -272,11 +300,12 @@ def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path
         ],
         tmp_path,
     )
-    reports = {}
+    reports, reads = {}, {}
     for rank in (0, 1):
         f = tmp_path / f"rank{rank}.json"
         assert f.is_file(), f"rank {rank} wrote no report:\n{stdout}\n{stderr}"
         reports[rank] = json.loads(f.read_text())
+        reads[rank] = json.loads((tmp_path / f"reads{rank}.json").read_text())
 
     # the same text as single-process stock mlx-lm, on rank 0's stdout and in both ranks' reports
     expected = stock_text(arch)
@@ -294,21 +323,41 @@ def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path
         assert r["streamed_layers"] == own
         # the budget is this rank's: slots = budget // (its MoE layers x one expert), below a layer
         slots = int(budget_gb * GB) // (len(own) * e)
-        assert slots < num_experts(path)
+        assert slots < n_experts
         assert set(r["slots"].values()) == {slots}
         assert r["budget_bytes"] == int(budget_gb * GB)
-        # every byte read is a miss of its own layers' experts; with few slots, experts were evicted
+        # with fewer slots than experts, experts were evicted and read again
         assert r["misses"] > 0 and r["evictions"] > 0
-        assert r["bytes_read"] == r["misses"] * e
-        # files opened for expert reads hold its own layers' experts; the other rank's only files
-        # were never opened
-        own_files = {name for layer in own for name in experts[layer]}
+
+        # what the rank read, as the OS saw it: every range lies in one expert's slice of one of
+        # its own layers' expert tensors, and the ranges add up to the store's count
+        own_tensors = [t for layer in own for t in experts[layer]]
+        for file, offset, size in reads[rank]:
+            tensor = [
+                (s, t_end)
+                for name, s, t_end in own_tensors
+                if name == Path(file).name and s <= offset and offset + size <= t_end
+            ]
+            assert (
+                tensor
+            ), f"rank {rank} read {size} bytes at {offset} of {file}: not its expert"
+            s, t_end = tensor[0]
+            stride = (t_end - s) // n_experts
+            assert (offset - s) // stride == (offset + size - 1 - s) // stride
+        assert sum(size for _, _, size in reads[rank]) == r["bytes_read"]
+        # bytes read = experts read x one expert's bytes; an expert is read on a miss, or ahead of
+        # time by the prefetcher (then its later miss uses those bytes, or they are dropped)
+        ahead = sum(r.get("staged_experts", {}).values())
+        used = sum(r.get("used_experts", {}).values())
+        assert r["bytes_read"] == (r["misses"] + ahead - used) * e
+        # files opened for expert reads hold its own layers' experts; shards holding only the
+        # other rank's experts were never opened for reading
+        own_files = {name for name, _, _ in own_tensors}
         opened = {Path(f).name for f in r["files_opened"]}
         assert opened and opened <= own_files
+        assert {Path(f).name for f, _, _ in reads[rank]} <= opened
         other_only = all_files - own_files
-        assert (
-            other_only
-        ), "the checkpoint should have shards with only the other rank's experts"
+        assert other_only, "some shards should hold only the other rank's experts"
         assert not opened & other_only
 
     # one stats line per rank, naming the rank and its layers
@@ -323,7 +372,7 @@ def test_two_ranks_stream_only_their_own_layers(arch, ckpt, stock_text, tmp_path
 
 def test_budget_below_one_expert_per_own_layer_fails_on_that_rank(ckpt, tmp_path):
     path = ckpt("deepseek_v3")
-    e = sum(expert_tensors(path)[1].values()) // num_experts(path)
+    e = expert_nbytes(expert_tensors(path)[1], num_experts(path))
     # 1.5 experts: enough for rank 1 (one MoE layer), not for rank 0 (two)
     stdout, stderr = run_ranks(
         [
@@ -395,7 +444,7 @@ def rank_pids(launcher_pid: int) -> dict:
 )
 def test_server_pipeline_answers_like_a_stock_server(ckpt, tmp_path):
     path = ckpt("qwen3_moe")
-    e = sum(expert_tensors(path)[0].values()) // num_experts(path)
+    e = expert_nbytes(expert_tensors(path)[0], num_experts(path))
 
     port = free_ports(1)
     stock = [BIN / "mlx_lm.server", "--model", path, "--port", port]
