@@ -13,7 +13,9 @@ and, unless ``--no-stock``, the stock resident model (no streaming) on 1 and 2 r
 the pipeline itself costs here.
 
 Reported: decode tok/s and prompt tok/s (rank 0, from ``stream_generate``), the generated text's
-equality across runs, and per rank its layers, slots per layer, hit rate, experts and GB read.
+equality across runs, and per rank its layers, slots per layer, hit rate, misses (experts read when a
+layer needed them), experts staged (read ahead of time by the prefetcher, where there is one), GB read
+and seconds in I/O.
 
 Without ``--model``, a Qwen3-30B-A3B-shaped checkpoint (hidden 2048, 128 experts of 768, top 8,
 affine 4-bit, float32 scales) with 4 layers is built once under /tmp (1.5 GB). Unless ``--warm``,
@@ -109,8 +111,16 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
     if ranks == 1:
         cmd = [python, *command]
     else:
-        launch = str(Path(python).parent / "mlx.launch")
-        cmd = [launch, "-n", str(ranks), "--backend", "ring"]
+        launch = [str(Path(python).parent / "mlx.launch")]
+        if not Path(
+            launch[0]
+        ).is_file():  # mlx installed with --target: no console script
+            launch = [
+                python,
+                "-c",
+                "from mlx._distributed_utils.launch import main; main()",
+            ]
+        cmd = [*launch, "-n", str(ranks), "--backend", "ring"]
         cmd += [
             "--starting-port",
             str(free_port_pair()),
@@ -120,7 +130,6 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
             *command,
         ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING_")}
-    env.pop("PYTHONPATH", None)
     if not args.warm:
         drop_page_cache(model)
     start = time.perf_counter()
@@ -162,6 +171,10 @@ def summarize(result: dict) -> list:
                 "prompt_tok_s": r0["prompt_tps"],
                 "hit_rate": r.get("hit_rate"),
                 "experts_read": r.get("experts_read"),
+                # read ahead by the prefetcher (used later, or dropped)
+                "experts_staged": (
+                    sum(r["staged_experts"].values()) if "staged_experts" in r else None
+                ),
                 "gb_read": r.get("gb_read"),
                 "io_s": r.get("io_seconds"),
                 "wall_s": result["wall_s"],
@@ -219,9 +232,9 @@ def main() -> None:
     print(f"same text in every run and rank: {len(texts) == 1}")
     print(
         "| ranks | GB/rank | rank | layers | slots/layer | decode tok/s | prompt tok/s | hit rate "
-        "| experts read | GB read | s in I/O |"
+        "| misses | staged | GB read | s in I/O |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         budget = (
             "stock"
@@ -232,7 +245,8 @@ def main() -> None:
             f"| {r['ranks']} | {budget} | {r['rank']} | {r['layers']} "
             f"| {','.join(map(str, r['slots'])) or '-'} | {r['decode_tok_s']:.2f} "
             f"| {r['prompt_tok_s']:.1f} | {fmt(r['hit_rate'], '.1%')} "
-            f"| {fmt(r['experts_read'], 'd')} | {fmt(r['gb_read'], '.3f')} "
+            f"| {fmt(r['experts_read'], 'd')} | {fmt(r['experts_staged'], 'd')} "
+            f"| {fmt(r['gb_read'], '.3f')} "
             f"| {fmt(r['io_s'], '.2f')} |"
         )
     if args.json:
