@@ -108,6 +108,8 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
     ]
     if budget_gb is not None:
         command += ["--streaming-experts", "--expert-cache-gb", repr(budget_gb)]
+    if args.device is not None:
+        command += ["--device", args.device]
     if ranks == 1:
         cmd = [python, *command]
     else:
@@ -207,6 +209,9 @@ def main() -> None:
         "--no-stock", action="store_true", help="Skip the stock resident runs"
     )
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), help="MLX device of every rank"
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="Also write the rows here")
     args = parser.parse_args()
@@ -227,6 +232,7 @@ def main() -> None:
 
     print(
         f"model: {model}  tokens: {args.max_tokens}  cpu cores: {os.cpu_count()}  "
+        f"device: {args.device or 'default'}  "
         f"page cache: {'warm' if args.warm else 'dropped before each run'}"
     )
     print(f"same text in every run and rank: {len(texts) == 1}")

@@ -54,6 +54,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="Use the raw prompt, without the tokenizer's chat template.",
     )
     parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        help="Run on this device instead of MLX's default.",
+    )
+    parser.add_argument(
         "--stats-json",
         metavar="PATH",
         help="Write this rank's text and streaming counters as JSON; '{rank}' in PATH becomes "
@@ -111,6 +116,9 @@ def main(argv=None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     export_streaming_arguments(parser, args)
+    if args.device is not None:
+        # before mlx_lm.generate is imported: it makes its stream on the default device
+        mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
 
     install()
     from mlx_lm import stream_generate
