@@ -23,6 +23,7 @@ from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
+from .prefetch import find_router
 from .switch import StreamingSwitchGLU
 
 # Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
@@ -79,6 +80,7 @@ class StreamingState:
 
     def close(self) -> None:
         self.closed = True
+        self.cache.close()  # background reads first
         self.store.close()
 
 
@@ -132,6 +134,7 @@ def convert_model(
         layer = state.index.add_layer(path, num_experts, expected, adapter.raw_name)
         bank = state.cache.register(layer, glu)
         parent, name = _module_at(model, path)
+        bank.router = find_router(parent, num_experts)  # for the previous layer's lookahead
         parent[name] = StreamingSwitchGLU(bank, state.selector)
     # raw HF names that sanitize did not consume (strict loading would reject them)
     for name in state.index.expert_names():

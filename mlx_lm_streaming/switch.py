@@ -5,15 +5,25 @@ one host sync to read the router's expert ids, then all host work for the layer 
 experts resident in the layer's slot bank, map expert ids to slot ids, and hand both to the kernel the
 selector picks.
 
+When the layer's bank holds every expert in its own slot (``complete``, see ``cache``), there is nothing
+to load and no id to map: the router's indices go straight to the kernel, with no host sync, so the
+graph is stock mlx-lm's and mlx-lm's ``async_eval`` pipelining is kept.
+
+The host sync also evaluates the next MoE layer's router applied to this layer's input (lookahead): its
+predicted experts are read in the background while this layer computes (``prefetch``).
+
 If a call needs more distinct experts than the bank has slots (prefill with a small budget), the experts
 are processed in waves of at most ``slots``: each wave's experts are loaded (never evicting one the wave
-uses), its rows computed and evaluated, then the next wave goes. Every (token, expert) row is computed
-exactly once, so the result is the same as in one go.
+uses), its rows computed and evaluated, then the next wave goes; the next wave's experts are read in the
+background meanwhile. Every (token, expert) row is computed exactly once, so the result is the same as in
+one go.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from .prefetch import LOOKAHEAD, WAVE, predict
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -35,30 +45,68 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         bank = self._bank
+        cache = bank.cache
+        cache.ensure_planned()
+        if bank.complete and cache.skip_sync:
+            kernel = self._selector.select(bank, indices.size)
+            if not getattr(kernel, "needs_host_slots", True):
+                # every expert in its own slot: expert ids are slot ids, the stock graph, no sync
+                return kernel(x, indices, None, bank)
         indices = mx.stop_gradient(indices)
+        ahead = self._lookahead(x, indices)
+        if ahead is not None:
+            mx.eval(indices, ahead[1])  # one sync for this layer's ids and the next one's guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
         experts = np.unique(idx)
-        bank.cache.ensure_planned()
-        if len(experts) <= bank.slots:
-            with bank.lock:
-                bank.load(experts)
-                slots_np = bank.slot_of[idx]
-                slots = mx.array(slots_np.astype(np.uint32))
-                kernel = self._selector.select(bank, idx.size)
-                return kernel(x, slots, slots_np, bank)
-        return self._waves(x, idx, experts)
+        try:
+            if len(experts) <= bank.slots:
+                with bank.lock:
+                    bank.load(experts)
+                    if ahead is not None:
+                        _stage_ahead(*ahead)
+                    if bank.identity and not bank.complete:
+                        cache.request_fill(bank)
+                    kernel = self._selector.select(bank, idx.size)
+                    if bank.identity:
+                        return kernel(x, indices, idx, bank)
+                    slots_np = bank.slot_of[idx]
+                    slots = mx.array(slots_np.astype(np.uint32))
+                    return kernel(x, slots, slots_np, bank)
+            return self._waves(x, idx, experts, ahead)
+        finally:
+            bank.drop_staged()
 
-    def _waves(self, x, idx, experts):
+    def _lookahead(self, x, indices):
+        """(next bank, its predicted expert ids, lazy) or None."""
+        bank = self._bank
+        cache = bank.cache
+        if not cache.lookahead:
+            return None
+        nxt = cache.next_bank(bank)
+        # identity banks are filled in the background instead
+        if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
+            return None
+        guess = predict(nxt.router, x, indices.shape[-1])
+        return None if guess is None else (nxt, guess)
+
+    def _waves(self, x, idx, experts, ahead):
         bank = self._bank
         k = idx.shape[-1]
         flat = idx.reshape(-1)
         x_flat = x.reshape(-1, x.shape[-1])
+        size = bank.slots
+        waves = [experts[i : i + size] for i in range(0, len(experts), size)]
         outs, rows_done = [], []
-        for start in range(0, len(experts), bank.slots):
-            wave = experts[start : start + bank.slots]
+        for w, wave in enumerate(waves):
             rows = np.nonzero(np.isin(flat, wave))[0]
             with bank.lock:
                 bank.load(wave)
+                # read ahead while this wave computes: the next wave, or after the last one the
+                # next layer's guess
+                if w + 1 < len(waves):
+                    bank.stage(waves[w + 1], "wave", WAVE, fit=True)
+                elif ahead is not None:
+                    _stage_ahead(*ahead)
                 slots_np = bank.slot_of[flat[rows]][:, None]
                 slots = mx.array(slots_np.astype(np.uint32))
                 xw = x_flat[mx.array(rows // k)]
@@ -71,3 +119,14 @@ class StreamingSwitchGLU(nn.Module):
         order = np.argsort(np.concatenate(rows_done), kind="stable")
         y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
+
+
+def _stage_ahead(bank, guess) -> None:
+    """Start reading the experts the next layer is predicted to use (most wanted first)."""
+    ids, counts = np.unique(np.array(guess, copy=False), return_counts=True)
+    if len(ids) > bank.slots:
+        # more than fit at once (prefill): the lowest ids, which the first wave takes
+        ids = ids[: bank.slots]
+    else:
+        ids = ids[np.argsort(-counts, kind="stable")]
+    bank.stage(ids, "lookahead", LOOKAHEAD, fit=True)

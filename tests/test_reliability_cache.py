@@ -221,7 +221,9 @@ def test_waves_never_exceed_slots_and_stay_exact(wave_models, slots, tokens, bat
     finally:
         for bank in banks:
             del bank.load
-    assert sizes and all(n <= s for n, s in sizes), sizes
+    # a bank holding every expert (complete) loads nothing: its layer skips the host sync
+    assert sizes or all(b.complete for b in banks)
+    assert all(n <= s for n, s in sizes), sizes
     assert mx.array_equal(got, stock(x)).item()
     cache = model.expert_streaming.cache
     assert cache.resident_bytes <= cache.budget_bytes

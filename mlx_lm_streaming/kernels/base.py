@@ -30,6 +30,9 @@ class ExpertKernel:
     name = "base"
     # backends on which the kernel was measured bit-identical to stock mlx-lm
     exact_on = ()
+    # whether it reads ``slots_np`` (host copy of the slot ids); if not, a complete bank whose slots
+    # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync
+    needs_host_slots = True
 
     def available(self) -> bool:
         return True

@@ -12,6 +12,7 @@ from .base import ExpertKernel
 class GatherKernel(ExpertKernel):
     name = "gather"
     exact_on = ("cpu", "cuda", "metal")
+    needs_host_slots = False
 
     def priority(self, backend, bank, rows):
         return 10.0

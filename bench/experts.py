@@ -1,0 +1,937 @@
+"""Expert streaming benchmark: ours vs stock resident and vs the seed designs, side by side in one run.
+
+    python bench/experts.py [--quick] [--device-kind cpu|gpu] [--archs qwen3,mixtral,dsv2]
+                            [--ckpt-dir DIR] [--out docs/benchmarks] [--tag NAME]
+
+For each architecture a synthetic checkpoint with the real expert shapes is built once (stock mlx-lm
+classes, random weights, affine 4-bit, group 64; float32 on CPU, bfloat16 on GPU) under ``--ckpt-dir``:
+
+- ``qwen3``:   Qwen3-30B-A3B experts (hidden 2048, moe_intermediate 768, 128 experts, top 8), 4 of 48 layers
+- ``mixtral``: Mixtral-8x7B experts (hidden 4096, intermediate 14336, 8 experts, top 2), 2 of 32 layers
+- ``dsv2``:    DeepSeek-V2-Lite experts (hidden 2048, moe_intermediate 1408, 64 routed + 2 shared, top 6),
+               4 of 27 layers, all MoE
+
+The vocabulary is 512 tokens (the head is not what is measured). In one process, every configuration
+is loaded, then timed in interleaved rounds (each round runs every configuration once), so noise from
+a shared machine hits them alike; ratios are medians of per-round ratios.
+
+Configurations: ``stock`` (mlx-lm, every weight resident); ``warm`` (ours, budget = every expert, after
+the background fill completed); ``cold`` (ours, budget = 25% of the expert bytes, the checkpoint
+dropped from the page cache with ``posix_fadvise(DONTNEED)`` before every token, so every miss reads
+the disk); the seeds ``seed_loop`` and ``seed_stack`` (``bench/seeds.py``) under the same cold
+conditions; and ablations (``cold_nolookahead``, ``warm_sync``, ``cold_packed``, ...).
+
+Measured: decode tok/s; prefill of a 512-token prompt (stock, warm, cold with empty banks and cold
+page cache); bytes read per token; hit rate; seconds waiting for I/O vs the rest; lookahead
+precision / recall; the disk's own bandwidth for reads of one expert (1 and 4 threads, buffered and
+O_DIRECT); peak RSS of stock / warm / cold, each in a process of its own. Writes
+``<out>/<tag>.json``, ``<out>/<tag>.md`` and ``<out>/<tag>.png``.
+"""
+
+import argparse
+import gc
+import json
+import math
+import mmap
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+GB = 1 << 30
+MB = 1 << 20
+COLD_SHARE = 0.25
+PREFILL_TOKENS = 512
+
+ARCHS = {
+    "qwen3": dict(
+        label="Qwen3-30B-A3B",
+        arch="qwen3_moe",
+        layers=4,
+        real_layers=48,
+        overrides={
+            "hidden": 2048,
+            "moe_intermediate": 768,
+            "experts": 128,
+            "top_k": 8,
+            "heads": 32,
+            "kv_heads": 4,
+            "head_dim": 128,
+        },
+    ),
+    "mixtral": dict(
+        label="Mixtral-8x7B",
+        arch="mixtral",
+        layers=2,
+        real_layers=32,
+        overrides={
+            "hidden": 4096,
+            "moe_intermediate": 14336,
+            "experts": 8,
+            "top_k": 2,
+            "heads": 32,
+            "kv_heads": 8,
+            "head_dim": 128,
+        },
+    ),
+    "dsv2": dict(
+        label="DeepSeek-V2-Lite",
+        arch="deepseek_v2",
+        layers=4,
+        real_layers=27,
+        overrides={
+            "hidden": 2048,
+            "moe_intermediate": 1408,
+            "experts": 64,
+            "top_k": 6,
+            "n_shared_experts": 2,
+            "heads": 16,
+            "kv_heads": 16,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+        },
+    ),
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# -- checkpoints and the page cache ---------------------------------------------------------------
+
+
+def checkpoint(ckpt_dir: Path, name: str, dtype: str) -> Path:
+    spec = ARCHS[name]
+    path = ckpt_dir / f"{name}-{spec['layers']}l-{dtype}"
+    if (path / ".complete").is_file():
+        return path
+    from mlx_lm_streaming.synthetic import build_checkpoint
+
+    log(f"building {path} ({spec['label']} experts, {spec['layers']} layers, {dtype}) ...")
+    start = time.time()
+    build_checkpoint(
+        path,
+        spec["arch"],
+        "affine4",
+        num_layers=spec["layers"],
+        overrides=spec["overrides"],
+        dtype=dtype,
+    )
+    (path / ".complete").write_text("ok")
+    log(f"built in {time.time() - start:.0f} s")
+    return path
+
+
+def shards(path: Path):
+    return sorted(Path(path).glob("model*.safetensors"))
+
+
+def drop_page_cache(files) -> float:
+    """Drop ``files`` from the OS page cache; returns the seconds it took."""
+    start = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+# -- disk bandwidth -------------------------------------------------------------------------------
+
+
+def disk_bandwidth(files, read_bytes: int, total_bytes: int, threads: int, direct: bool):
+    """GB/s of random ``read_bytes`` reads (4 KiB-aligned offsets), page cache dropped first."""
+    read_bytes = -(-read_bytes // 4096) * 4096
+    n = max(4, total_bytes // read_bytes)
+    sizes = [os.path.getsize(f) for f in files]
+    rng = random.Random(0)
+    jobs = []
+    for _ in range(n):
+        i = rng.randrange(len(files))
+        off = rng.randrange(0, max(1, sizes[i] - read_bytes)) // 4096 * 4096
+        jobs.append((i, off))
+    drop_page_cache(files)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = [os.open(f, flags) for f in files]
+    bufs = [mmap.mmap(-1, read_bytes) for _ in range(threads)]
+
+    def read(t, job):
+        i, off = job
+        return os.preadv(fds[i], [bufs[t]], off)
+
+    start = time.perf_counter()
+    try:
+        if threads == 1:
+            got = sum(read(0, j) for j in jobs)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                got = sum(pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(jobs)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    seconds = time.perf_counter() - start
+    return got / seconds / GB
+
+
+# -- configurations -------------------------------------------------------------------------------
+
+
+class Config:
+    """One model under test, with its own KV cache and counters."""
+
+    def __init__(self, name, model, cold=False, files=(), lru=None):
+        self.name = name
+        self.model = model
+        self.cold = cold
+        self.files = files
+        self.lru = lru  # seeds
+        self.kv = None
+        self.stream = None
+        self.pos = 0
+        self.decode_s = []  # per token
+        self.tokens = []
+        self.drop_s = 0.0
+        self.stats0 = None
+
+    @property
+    def cache(self):
+        state = getattr(self.model, "expert_streaming", None)
+        return None if state is None or self.lru is not None else state.cache
+
+    def counters(self):
+        if self.lru is not None:
+            return {
+                "hits": self.lru.hits,
+                "misses": self.lru.misses,
+                "bytes_read": self.lru.bytes_read,
+                "io_wait_seconds": self.lru.io_seconds,
+            }
+        cache = self.cache
+        if cache is None:
+            return {}
+        s = cache.summary()
+        return {
+            "hits": s["hits"],
+            "misses": s["misses"],
+            "bytes_read": cache.store.stats.bytes_read,
+            "io_wait_seconds": s["io_wait_seconds"],
+            "install_seconds": s["install_seconds"],
+            "prefetch": _prefetch_counts(cache),
+        }
+
+
+def _prefetch_counts(cache):
+    p = cache._prefetcher
+    if p is None:
+        return {}
+    st = p.stats
+    return {
+        "lookahead_staged": st.staged["lookahead"],
+        "lookahead_used": st.used["lookahead"],
+        "wave_staged": st.staged["wave"],
+        "wave_used": st.used["wave"],
+        "demand": st.demand,
+        "dropped": st.dropped,
+        "staged_wait_s": st.waited_s,
+    }
+
+
+def precision_recall(p):
+    if not p:
+        return {}
+    staged, used, demand = (
+        p.get("lookahead_staged", 0),
+        p.get("lookahead_used", 0),
+        p.get("demand", 0),
+    )
+    return {
+        "lookahead_precision": used / staged if staged else None,
+        "lookahead_recall": used / demand if demand else None,
+        **p,
+    }
+
+
+def delta(a, b):
+    out = {}
+    for k, v in b.items():
+        if isinstance(v, (int, float)) and k in a:
+            out[k] = v - a[k]
+        elif isinstance(v, dict) and k in a:
+            out[k] = delta(a[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def reset_banks(model):
+    """Empty every slot bank (as after load) and zero the counters, keeping the model."""
+    from mlx_lm_streaming.cache import CacheStats
+
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    for bank in cache.banks:
+        bank.allocate(bank.slots)
+    cache.stats = CacheStats()
+
+
+def prefill(cfg, tokens):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kv = make_prompt_cache(cfg.model)
+    start = time.perf_counter()
+    logits = cfg.model(tokens[None], cache=kv)
+    mx.eval(logits)
+    return time.perf_counter() - start, kv, logits
+
+
+class ForcedSampler:
+    """Feeds a fixed random token stream (the same for every configuration) instead of sampling.
+
+    Greedy decoding of a random-weight model soon repeats one token, hence one routing, and every
+    expert would be a hit; a random stream routes like varied text (worse than real text, which
+    reuses experts more). The argmax of each step's logits is recorded to compare configurations."""
+
+    def __init__(self, stream, start):
+        self.stream = stream
+        self.i = start
+        self.argmax = []
+
+    def __call__(self, logprobs):
+        import mlx.core as mx
+
+        self.argmax.append(mx.argmax(logprobs, axis=-1))
+        tok = self.stream[self.i % len(self.stream)]
+        self.i += 1
+        return mx.array([tok], dtype=mx.uint32)
+
+
+def decode_block(cfg, n):
+    """Decode steps with mlx-lm's generate_step (async pipelining and all), continuing ``cfg``'s KV
+    cache, fed the forced token stream. generate_step(max_tokens=n) runs n + 1 single-token steps
+    (it computes one step ahead of what it yields); all are timed, through a final synchronize, so
+    nothing of this configuration runs into the next one's timing. Returns seconds per step."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    sampler = ForcedSampler(cfg.stream, cfg.pos)
+    prompt = mx.array([cfg.stream[cfg.pos - 1]])
+    if cfg.cold:
+        cfg.drop_s += drop_page_cache(cfg.files)
+    excluded = 0.0
+    start = time.perf_counter()
+    for _ in generate_step(prompt, cfg.model, max_tokens=n, prompt_cache=cfg.kv, sampler=sampler):
+        if cfg.cold:
+            # generate_step builds step i+1 (host syncs and reads included) before it yields step
+            # i, so a drop here precedes every read of step i+2: every step reads from the disk.
+            # The drop itself is left out of the timing.
+            d = drop_page_cache(cfg.files)
+            cfg.drop_s += d
+            excluded += d
+    mx.synchronize()
+    seconds = time.perf_counter() - start - excluded
+    steps = sampler.i - cfg.pos
+    cfg.pos = sampler.i
+    cfg.tokens.extend(int(a.item()) for a in sampler.argmax)
+    return [seconds / steps] * steps
+
+
+# -- one architecture, paired ---------------------------------------------------------------------
+
+
+def load_stock(path):
+    import mlx_lm.utils
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    model, config = mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": False})
+    assert not hasattr(model, "expert_streaming")
+    return model, config
+
+
+def load_streaming(path, **options):
+    import mlx_lm.utils
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
+
+
+def run_arch(name, path, args, device):
+    import mlx.core as mx
+    import seeds
+
+    files = shards(path)
+    spec = ARCHS[name]
+    res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
+
+    stock, config = load_stock(path)
+    probe, _ = load_streaming(path, expert_cache_gb=1e6)
+    probe_cache = probe.expert_streaming.cache
+    total_expert = probe_cache.total_expert_bytes
+    banks = probe_cache.banks
+    expert_nbytes = banks[0].layer.expert_nbytes
+    per_slot = sum(b.layer.expert_nbytes for b in banks)
+    resident = probe.expert_streaming.resident_bytes
+    res.update(
+        total_expert_bytes=total_expert,
+        expert_bytes=expert_nbytes,
+        moe_layers=len(banks),
+        experts=banks[0].num_experts,
+        resident_bytes=resident,
+        checkpoint_bytes=sum(os.path.getsize(f) for f in files),
+    )
+    del probe, probe_cache, banks
+    cold_gb = COLD_SHARE * total_expert / GB
+    cold_slots = int(COLD_SHARE * total_expert) // per_slot
+    res["cold_budget_bytes"] = cold_slots * per_slot
+    res["cold_slots"] = cold_slots
+
+    # the disk's own bandwidth for reads of one expert
+    total = (
+        min(512 * MB, res["checkpoint_bytes"])
+        if not args.quick
+        else min(256 * MB, res["checkpoint_bytes"])
+    )
+    bw = {}
+    for threads in (1, 4):
+        for direct in (False, True):
+            try:
+                bw[f"t{threads}{'_direct' if direct else ''}"] = disk_bandwidth(
+                    files, expert_nbytes, total, threads, direct
+                )
+            except OSError as e:
+                bw[f"t{threads}{'_direct' if direct else ''}"] = None
+                log(f"disk bandwidth threads={threads} direct={direct}: {e}")
+    res["disk_gbps"] = bw
+    disk = max(v for v in bw.values() if v)
+    res["disk_best_gbps"] = disk
+    log(f"[{name}] disk GB/s: {bw}")
+
+    configs = {"stock": Config("stock", stock)}
+    warm, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
+    configs["warm"] = Config("warm", warm)
+    cold, _ = load_streaming(path, expert_cache_gb=cold_gb)
+    configs["cold"] = Config("cold", cold, cold=True, files=files)
+    ablations = args.ablations
+    if "warm_sync" in ablations:
+        m, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
+        m.expert_streaming.cache.skip_sync = False
+        configs["warm_sync"] = Config("warm_sync", m)
+    if "cold_nolookahead" in ablations:
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb)
+        m.expert_streaming.cache.lookahead = False
+        configs["cold_nolookahead"] = Config("cold_nolookahead", m, cold=True, files=files)
+    for store, label in (("packed", "cold_packed"), ("packed_direct", "cold_packed_direct")):
+        if label in ablations:
+            opts = {"direct": True} if store == "packed_direct" else {}
+            try:
+                m, _ = load_streaming(
+                    path, expert_cache_gb=cold_gb, store="packed", store_options=opts
+                )
+            except Exception as e:  # no pack file yet, or the store is missing
+                log(f"[{name}] {label} skipped: {e}")
+                continue
+            configs[label] = Config(label, m, cold=True, files=pack_files(path))
+    for kind in ("seed_loop", "seed_stack"):
+        if kind in args.seeds:
+            m, _ = load_streaming(path, expert_cache_gb=cold_gb)
+            lru = seeds.install(m, res["cold_budget_bytes"], kind)
+            configs[kind] = Config(kind, m, cold=True, files=files, lru=lru)
+
+    # warm-up: stock once; warm until its background fill completed
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    rng = random.Random(1)
+    short = mx.array([rng.randrange(vocab) for _ in range(16)])
+    long = mx.array([rng.randrange(vocab) for _ in range(args.prefill_tokens)])
+    res["prefill_tokens"] = args.prefill_tokens
+    prefill(configs["stock"], short)
+    for key in ("warm", "warm_sync"):
+        if key in configs:
+            cfg = configs[key]
+            start = time.perf_counter()
+            calls = 0
+            cache = cfg.model.expert_streaming.cache
+            while True:
+                prefill(cfg, short)
+                calls += 1
+                if all(b.complete for b in cache.banks) or calls > 200:
+                    break
+                time.sleep(0.05)
+            res[f"{key}_fill"] = {
+                "seconds": time.perf_counter() - start,
+                "calls": calls,
+                "complete": all(b.complete for b in cache.banks),
+            }
+            log(f"[{name}] {key} filled: {res[f'{key}_fill']}")
+
+    # prefill of 512 tokens: stock, warm; cold from empty banks and a cold page cache
+    pre = {k: [] for k in ("stock", "warm", "cold") if k in configs}
+    pre_stats = {}
+    for rep in range(args.prefill_reps):
+        for key in pre:
+            cfg = configs[key]
+            if cfg.cold:
+                reset_banks(cfg.model)
+                drop_page_cache(cfg.files)
+                c0 = cfg.counters()
+            t, _, _ = prefill(cfg, long)
+            pre[key].append(t)
+            if cfg.cold:
+                pre_stats[key] = delta(c0, cfg.counters())
+                pre_stats[key]["prefetch"] = precision_recall(pre_stats[key].get("prefetch"))
+            log(f"[{name}] prefill {key}: {t:.2f} s")
+    res["prefill_s"] = {k: min(v) for k, v in pre.items()}
+    res["prefill_all_s"] = pre
+    res["prefill_stats"] = pre_stats
+
+    # decode: each config prefills a short prompt, then interleaved rounds
+    stream = [rng.randrange(vocab) for _ in range(4096)]
+    for cfg in configs.values():
+        if cfg.cache is not None and cfg.cold:
+            reset_banks(cfg.model)
+        _, cfg.kv, logits = prefill(cfg, short)
+        cfg.stream, cfg.pos = stream, 1
+        # one warm-up block (allocations, first reads) outside the measurement
+        decode_block(cfg, 2)
+        cfg.tokens = []
+        cfg.stats0 = cfg.counters()
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for key, cfg in configs.items():
+            n = 1 if key.startswith("seed_stack") else args.block
+            times = decode_block(cfg, n)
+            cfg.decode_s.extend(times)
+            row[key] = sum(times) / len(times)
+        rounds.append(row)
+        log(
+            f"[{name}] round {r}: "
+            + ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items())
+            + " tok/s"
+        )
+    res["rounds"] = rounds
+    dec = {}
+    for key, cfg in configs.items():
+        n = len(cfg.decode_s)
+        c = delta(cfg.stats0, cfg.counters())
+        asked = c.get("hits", 0) + c.get("misses", 0)
+        dec[key] = {
+            "tokens": n,
+            "s_per_token_mean": sum(cfg.decode_s) / n,
+            "s_per_token_median": statistics.median(cfg.decode_s),
+            "tok_s": n / sum(cfg.decode_s),
+            "hit_rate": (c["hits"] / asked) if asked else None,
+            "bytes_per_token": c.get("bytes_read", 0) / n,
+            "miss_bytes_per_token": c.get("misses", 0) * expert_nbytes / n,
+            "io_wait_s_per_token": c.get("io_wait_seconds", 0.0) / n,
+            "install_s_per_token": c.get("install_seconds", 0.0) / n,
+            "prefetch": precision_recall(c.get("prefetch")),
+        }
+    res["decode"] = dec
+    # exactness across configurations: identical greedy tokens
+    ref = configs["stock"].tokens
+    res["same_tokens"] = {k: cfg.tokens == ref[: len(cfg.tokens)] for k, cfg in configs.items()}
+    res["ratios"] = ratios(res, rounds)
+    del configs, stock, warm, cold
+    gc.collect()
+    return res
+
+
+def paired(rounds, num, den):
+    """Median over rounds of (time of ``den``) / (time of ``num``): speed of num relative to den."""
+    vals = [r[den] / r[num] for r in rounds if num in r and den in r]
+    return statistics.median(vals) if vals else None
+
+
+def ratios(res, rounds):
+    dec = res["decode"]
+    disk = res["disk_best_gbps"] * GB
+    out = {}
+    out["warm_vs_stock"] = paired(rounds, "warm", "stock")
+    # cold: limit per token = max(stock compute time, bytes the misses need / disk bandwidth)
+    limits = []
+    for r in rounds:
+        if "cold" in r:
+            io = dec["cold"]["miss_bytes_per_token"] / disk
+            limits.append(max(r["stock"], io) / r["cold"])
+    out["cold_vs_limit"] = statistics.median(limits) if limits else None
+    out["cold_limit_io_s_per_token"] = dec["cold"]["miss_bytes_per_token"] / disk
+    for key in dec:
+        if key != "stock":
+            out[f"{key}_vs_stock"] = paired(rounds, key, "stock")
+    for seed in ("seed_loop", "seed_stack"):
+        if seed in dec:
+            out[f"cold_vs_{seed}"] = paired(rounds, "cold", seed)
+    pre = res["prefill_s"]
+    if "cold" in pre:
+        read_once = res["total_expert_bytes"] / disk
+        out["prefill_limit_s"] = max(pre["stock"], read_once)
+        out["prefill_cold_vs_limit"] = out["prefill_limit_s"] / pre["cold"]
+    if "warm" in pre:
+        out["prefill_warm_vs_stock"] = pre["stock"] / pre["warm"]
+    return out
+
+
+# -- peak RSS, one process per configuration ------------------------------------------------------
+
+
+def rss_child(path, which, prefill_tokens, decode_tokens):
+    import mlx.core as mx
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if which == "stock":
+        model, config = load_stock(path)
+        budget = 0
+        resident = None
+    else:
+        probe, config = load_streaming(path, expert_cache_gb=1e6)
+        total = probe.expert_streaming.cache.total_expert_bytes
+        del probe
+        gc.collect()
+        gb = total / GB * (1.001 if which == "warm" else COLD_SHARE)
+        drop_page_cache(shards(path))
+        model, config = load_streaming(path, expert_cache_gb=gb)
+        cache = model.expert_streaming.cache
+        cache.ensure_planned()
+        budget = cache.resident_bytes
+        resident = model.expert_streaming.resident_bytes
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    rng = random.Random(1)
+    tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
+    from mlx_lm.generate import generate_step
+
+    for _ in generate_step(tokens, model, max_tokens=decode_tokens):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {
+        "which": which,
+        "peak_rss": peak,
+        "rss_after_imports": base,
+        "budget": budget,
+        "resident_bytes": resident,
+        "mlx_peak": mx.get_peak_memory(),
+    }
+    if which != "stock":
+        out["staging_limit"] = model.expert_streaming.cache.prefetcher.max_bytes
+    print("RSS_JSON " + json.dumps(out), flush=True)
+
+
+def measure_rss(path, args):
+    out = {}
+    for which in ("stock", "warm", "cold"):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--rss-child",
+            which,
+            "--rss-path",
+            str(path),
+            "--rss-prefill",
+            str(args.prefill_tokens),
+            "--rss-decode",
+            str(8),
+        ]
+        if args.device_kind == "gpu":
+            cmd += ["--device-kind", "gpu"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
+        if p.returncode or not line:
+            log(f"rss child {which} failed: {p.stderr[-2000:]}")
+            continue
+        out[which] = json.loads(line[-1][9:])
+        log(f"rss {which}: {out[which]['peak_rss'] / GB:.2f} GB")
+    return out
+
+
+def pack_files(path):
+    return sorted(Path(path).glob("*.pack"))
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+TARGETS = [
+    ("warm decode vs stock resident", "warm_vs_stock", ">= 0.95 (GPU: >= 0.9)"),
+    ("cold decode vs max(stock compute, miss bytes / disk bandwidth)", "cold_vs_limit", ">= 0.87"),
+    (
+        "prefill 512 (cold) vs max(stock prefill, reading each expert once)",
+        "prefill_cold_vs_limit",
+        ">= 0.75",
+    ),
+    ("peak RSS (cold) vs resident weights + cache budget", "rss_cold_over_budget", "<= +15%"),
+]
+
+
+def fmt(v, pct=False):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if pct:
+        return f"{v:+.0%}"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def markdown(report):
+    lines = [f"# Expert streaming benchmark: {report['tag']}", ""]
+    m = report["machine"]
+    lines += [f"Machine: {m['summary']}. Command: `{report['command']}`. {report['when']}.", ""]
+    for res in report["archs"]:
+        r = res["ratios"]
+        lines += [
+            f"## {res['label']} experts ({res['layers']} layers, {res['experts']} experts of "
+            f"{res['expert_bytes'] / MB:.2f} MB, {res['total_expert_bytes'] / GB:.2f} GB of experts)",
+            "",
+            "| target | measured | goal |",
+            "|---|---|---|",
+        ]
+        for label, key, goal in TARGETS:
+            lines.append(f"| {label} | {fmt(r.get(key), pct=key.startswith('rss'))} | {goal} |")
+        for seed in ("seed_loop", "seed_stack"):
+            if f"cold_vs_{seed}" in r:
+                lines.append(
+                    f"| cold decode vs {seed} (same budget, same disk) | "
+                    f"{fmt(r[f'cold_vs_{seed}'])} | > 1 |"
+                )
+        lines += [
+            "",
+            "| configuration | tok/s | vs stock (paired) | hit rate | MB read / token | "
+            "I/O wait ms / token | install ms / token | same tokens |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for key, d in res["decode"].items():
+            hr = d["hit_rate"]
+            lines.append(
+                f"| {key} | {d['tok_s']:.2f} | {fmt(r.get(f'{key}_vs_stock')) if key != 'stock' else '1'} | "
+                f"{'' if hr is None else f'{hr:.1%}'} | {d['bytes_per_token'] / MB:.1f} | "
+                f"{d['io_wait_s_per_token'] * 1e3:.0f} | {d['install_s_per_token'] * 1e3:.0f} | "
+                f"{res['same_tokens'].get(key, 'n/a')} |"
+            )
+        p = res["decode"].get("cold", {}).get("prefetch") or {}
+        if p:
+            lines += [
+                "",
+                f"Lookahead (cold): precision {fmt(p.get('lookahead_precision'))}, recall "
+                f"{fmt(p.get('lookahead_recall'))}.",
+            ]
+        lines += ["", f"| prefill {res['prefill_tokens']} tokens | seconds |", "|---|---|"]
+        for key, v in res["prefill_s"].items():
+            lines.append(f"| {key} | {v:.2f} |")
+        lines.append(
+            f"| limit: max(stock, experts once / disk) | {fmt(r.get('prefill_limit_s'))} |"
+        )
+        lines += [
+            "",
+            "Disk GB/s (reads of one expert, page cache dropped): "
+            + ", ".join(f"{k} {fmt(v)}" for k, v in res["disk_gbps"].items()),
+        ]
+        rss = res.get("rss", {})
+        if rss:
+            lines += [
+                "",
+                "| peak RSS | GB | net of interpreter | weights + budget |",
+                "|---|---|---|---|",
+            ]
+            for k, v in rss.items():
+                want = (v.get("resident_bytes") or 0) + v.get("budget", 0)
+                lines.append(
+                    f"| {k} | {v['peak_rss'] / GB:.2f} | {(v['peak_rss'] - v['rss_after_imports']) / GB:.2f} | "
+                    f"{want / GB if k != 'stock' else res['checkpoint_bytes'] / GB:.2f} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    archs = report["archs"]
+    fig, axes = plt.subplots(1, len(archs), figsize=(5 * len(archs), 4), squeeze=False)
+    for ax, res in zip(axes[0], archs):
+        keys = list(res["decode"])
+        vals = [res["decode"][k]["tok_s"] for k in keys]
+        ax.bar(
+            range(len(keys)),
+            vals,
+            color=[
+                "#555" if k == "stock" else "#2a7" if k.startswith(("warm", "cold")) else "#c53"
+                for k in keys
+            ],
+        )
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels(keys, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"{res['label']} ({res['layers']} layers, {report['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def machine(device):
+    import mlx.core as mx
+
+    info = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import importlib.metadata as md
+
+        info["mlx"] = md.version("mlx")
+        info["mlx_lm"] = md.version("mlx-lm")
+    except Exception:
+        pass
+    try:
+        info["ram_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    except (ValueError, OSError):
+        pass
+    info["device"] = str(mx.default_device())
+    if device == "gpu":
+        try:
+            info["gpu"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        except OSError:
+            pass
+    info["summary"] = (
+        f"{info.get('gpu') or platform.processor() or platform.machine()}, "
+        f"{info['cpus']} CPUs, {info.get('ram_gb', 0):.0f} GiB RAM, mlx {info.get('mlx')}, "
+        f"mlx-lm {info.get('mlx_lm')}, default device {info['device']}"
+    )
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="qwen3 only, fewer rounds (a few minutes)")
+    ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--archs", default=None, help="comma-separated of " + ",".join(ARCHS))
+    ap.add_argument(
+        "--ckpt-dir",
+        default=os.environ.get(
+            "MLX_LM_STREAMING_BENCH_DIR", str(Path.home() / ".cache" / "mlx_lm_streaming_bench")
+        ),
+    )
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--block", type=int, default=4, help="tokens per configuration per round")
+    ap.add_argument("--prefill-reps", type=int, default=1)
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=None,
+        help=f"default {PREFILL_TOKENS} ({PREFILL_TOKENS // 4} with --quick: the CPU is slow)",
+    )
+    ap.add_argument(
+        "--ablations",
+        default=None,
+        help="comma-separated: warm_sync,cold_nolookahead,cold_packed,cold_packed_direct",
+    )
+    ap.add_argument("--seeds", default="seed_loop,seed_stack")
+    ap.add_argument("--no-rss", action="store_true")
+    ap.add_argument(
+        "--pack", action="store_true", help="pack the checkpoints first (for cold_packed)"
+    )
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-prefill", type=int, default=PREFILL_TOKENS, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-decode", type=int, default=8, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    if args.device_kind == "gpu":
+        mx.set_default_device(mx.gpu)
+    else:
+        mx.set_default_device(mx.cpu)
+    if args.rss_child:
+        return rss_child(Path(args.rss_path), args.rss_child, args.rss_prefill, args.rss_decode)
+
+    archs = args.archs.split(",") if args.archs else (["qwen3"] if args.quick else list(ARCHS))
+    args.rounds = args.rounds or (3 if args.quick else 6)
+    args.prefill_tokens = args.prefill_tokens or (
+        PREFILL_TOKENS // 4 if args.quick else PREFILL_TOKENS
+    )
+    if args.ablations is None:
+        args.ablations = (
+            "warm_sync,cold_nolookahead"
+            if args.quick
+            else "warm_sync,cold_nolookahead,cold_packed,cold_packed_direct"
+        )
+    args.ablations = [a for a in args.ablations.split(",") if a]
+    args.seeds = [s for s in args.seeds.split(",") if s]
+    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
+    tag = args.tag or f"{args.device_kind}{'-quick' if args.quick else ''}"
+    ckpt_dir = Path(args.ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    report = {
+        "tag": tag,
+        "device": args.device_kind,
+        "command": " ".join(["python", "bench/experts.py"] + sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(args.device_kind),
+        "archs": [],
+    }
+    for name in archs:
+        path = checkpoint(ckpt_dir, name, dtype)
+        if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
+            try:
+                from mlx_lm_streaming.pack import pack_checkpoint
+
+                pack_checkpoint(path, progress=False)
+            except ImportError:
+                pass
+        res = run_arch(name, path, args, args.device_kind)
+        if not args.no_rss:
+            res["rss"] = measure_rss(path, args)
+            cold = res["rss"].get("cold")
+            if cold:
+                net = cold["peak_rss"] - cold["rss_after_imports"]
+                want = cold["resident_bytes"] + cold["budget"]
+                res["ratios"]["rss_cold_over_budget"] = net / want - 1
+        report["archs"].append(res)
+        print(json.dumps({"arch": name, "ratios": res["ratios"]}, indent=1), flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / f"{tag}.md").write_text(markdown(report))
+    note = plot(report, out / f"{tag}.png")
+    if note:
+        log(note)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Background reads (lookahead, next wave, fill) and the no-sync path of complete banks stay exact.
+
+Prefetching only moves reads off the critical path: logits must equal stock mlx-lm's bit for bit with
+it on, with it off, when background reads fail, and once a bank holding every expert is complete and
+the layer passes the router's indices straight to the kernel without a host sync.
+"""
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from support import load_stock, load_streaming
+
+from mlx_lm_streaming.cache import GB
+from mlx_lm_streaming.prefetch import find_router
+from mlx_lm_streaming.synthetic import build_checkpoint
+
+STEPS = 6
+
+
+def run(model, tokens, steps=STEPS):
+    cache = make_prompt_cache(model)
+    logits = model(tokens, cache=cache)
+    out = [logits]
+    for i in range(steps):
+        # varied inputs (not greedy: a random model soon repeats one token)
+        nxt = mx.array([[(37 * i + 11) % 512] * tokens.shape[0]]).T
+        logits = model(nxt, cache=cache)
+        out.append(logits)
+    mx.eval(out)
+    return out
+
+
+def same(a, b):
+    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def per_slot(model):
+    return sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory):
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("prefetch") / "q3",
+        "qwen3_moe",
+        "affine4",
+        num_layers=3,
+        overrides={"experts": 16},
+    )
+    stock, _ = load_stock(path)
+    tokens = mx.array(
+        [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
+    )
+    return path, tokens, run(stock, tokens)
+
+
+def test_lookahead_is_exact_and_reads_ahead(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    budget = (4 * per_slot(probe) + 0.5) / GB
+    model, _ = load_streaming(path, expert_cache_gb=budget)
+    cache = model.expert_streaming.cache
+    assert cache.lookahead
+    assert all(b.router is not None for b in cache.banks)
+    assert same(want, run(model, tokens))
+    stats = cache.prefetch_stats
+    assert stats.staged["lookahead"] > 0 and stats.staged["wave"] > 0
+    assert stats.demand > 0
+    s = cache.summary()
+    assert 0 <= s["lookahead_precision"] <= 1 and 0 <= s["lookahead_recall"] <= 1
+    assert cache.resident_bytes <= budget * GB
+    model.expert_streaming.close()
+
+
+def test_lookahead_off_is_exact(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    assert same(want, run(model, tokens))
+    assert cache.prefetch_stats.staged["lookahead"] == 0
+
+
+def test_complete_banks_skip_the_host_sync(q3):
+    path, tokens, want = q3
+    model, _ = load_streaming(path)  # default budget: every expert here
+    cache = model.expert_streaming.cache
+    assert same(want, run(model, tokens))
+    deadline = time.time() + 30
+    while not all(b.complete for b in cache.banks) and time.time() < deadline:
+        run(model, tokens[:, :2], steps=0)  # loads install what the fill staged
+        time.sleep(0.01)
+    assert all(b.complete and b.identity for b in cache.banks)
+    assert cache.stats.evictions == 0
+    loads = []
+    for bank in cache.banks:
+        bank.load = lambda experts, bank=bank: loads.append(bank.path)
+    real = np.array
+    syncs = []
+
+    def counting_array(obj, *a, **k):
+        if isinstance(obj, mx.array):
+            syncs.append(obj.shape)
+        return real(obj, *a, **k)
+
+    np.array = counting_array
+    try:
+        got = run(model, tokens)
+    finally:
+        np.array = real
+        for bank in cache.banks:
+            del bank.load
+    assert not loads and not syncs
+    assert same(want, got)
+
+
+def test_failed_background_reads_fall_back_to_demand_reads(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    store = model.expert_streaming.store
+    real = store.read_many
+    main = threading.main_thread()
+
+    def flaky(jobs):
+        if threading.current_thread().name.startswith("mlx-lm-streaming-prefetch"):
+            raise OSError("injected background read failure")
+        return real(jobs)
+
+    store.read_many = flaky
+    assert same(want, run(model, tokens))
+    assert threading.current_thread() is main
+    assert model.expert_streaming.cache.prefetch_stats.staged["lookahead"] > 0
+
+
+def test_staged_bytes_stay_within_the_bound(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    one = max(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.staging_bytes = 3 * one
+    prefetcher = cache.prefetcher
+    assert prefetcher.max_bytes == 3 * one
+    seen = []
+    real = prefetcher.reserve
+
+    def reserve(nbytes, block):
+        ok = real(nbytes, block)
+        seen.append(prefetcher.staged_bytes)
+        return ok
+
+    prefetcher.reserve = reserve
+    assert same(want, run(model, tokens))
+    assert seen and max(seen) <= 3 * one
+
+
+def test_close_stops_background_threads(q3):
+    path, tokens, _ = q3
+    before = {t.ident for t in threading.enumerate()}
+    model, _ = load_streaming(path)
+    run(model, tokens)
+    model.expert_streaming.close()
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in before and t.name.startswith("mlx-lm-streaming")
+    ]
+    assert not left
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+def test_routers_are_found(checkpoint, arch):
+    model, _ = load_streaming(checkpoint(arch, "affine4"))
+    banks = model.expert_streaming.cache.banks
+    assert banks and all(b.router is not None for b in banks)
+    x = mx.zeros((1, 2, model.args.hidden_size))
+    for b in banks:
+        assert b.router(x).shape[-1] == b.num_experts
+
+
+def test_find_router_ignores_modules_without_one():
+    import mlx.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 5)
+
+    assert find_router(Block(), 4) is None
+    assert find_router(None, 4) is None
