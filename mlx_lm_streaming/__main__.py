@@ -6,6 +6,8 @@ Add one by writing those two functions and listing them there.
 - ``info``: whether the startup hook is installed and active, and the registered plugins;
 - ``plan MODEL``: what streaming would do with a model: experts per layer, bytes per expert, the
   default budget and the slots per layer, without reading any expert bytes.
+- ``pack MODEL``: write ``MODEL/experts.pack``, the routed experts repacked for one aligned read each
+  (``--expert-store packed``); see ``pack.py``.
 """
 
 import argparse
@@ -112,6 +114,18 @@ def run_plan(args) -> int:
     return 0
 
 
+def add_pack_arguments(parser):
+    from .pack import add_arguments
+
+    add_arguments(parser)
+
+
+def run_pack(args) -> int:
+    from .pack import run
+
+    return run(args)
+
+
 SUBCOMMANDS = [
     (
         "info",
@@ -120,6 +134,7 @@ SUBCOMMANDS = [
         run_info,
     ),
     ("plan", "show what streaming would do with a model", add_plan_arguments, run_plan),
+    ("pack", "repack the routed experts for one aligned read each", add_pack_arguments, run_pack),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from ..hookspecs import hookimpl
 from .memory import MemoryStore
+from .packed import PackedStore
 from .safetensors import SafetensorsStore
 
 
@@ -9,3 +10,4 @@ from .safetensors import SafetensorsStore
 def register_stores(register):
     register(SafetensorsStore.name, SafetensorsStore)
     register(MemoryStore.name, MemoryStore)
+    register(PackedStore.name, PackedStore)

@@ -1,0 +1,296 @@
+"""``packed``: one aligned read per expert from ``experts.pack`` (made by ``mlx_lm_streaming pack``).
+
+The expert cache asks for an expert's tensors as separate ranges of the safetensors shards; this store
+finds them in the pack (by shard and offset), and when the ranges asked for are one expert's tensors
+back to back it reads them with one ``preadv`` that scatters straight into the caller's buffers.
+
+Options (``store_options``): ``path`` (default ``MODEL/experts.pack``); ``direct=True`` opens the pack
+with O_DIRECT (reads bypass the page cache, through an aligned bounce buffer per thread);
+``verify``: ``"first"`` (default) checks each expert's crc32 on its first read, ``"always"`` on every
+read, ``"off"`` never; ``threads`` (default 4).
+
+Opening checks the magic, the header's sha256, that the file is exactly as long as the header says
+(a partial pack is rejected), and that every source shard has the size and safetensors header the pack
+was made from. A range the pack does not hold is read from the shard itself.
+"""
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
+from ..index import FileIdentity, TensorRef
+from ..pack import ALIGN, MAGIC, PACK_NAME, PREFIX, VERSION, align_up, shard_fingerprint
+from .base import ExpertStore
+from .safetensors import SafetensorsStore
+
+BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
+HINT = "run `mlx_lm_streaming pack MODEL --force` again, or use the default store"
+
+
+class PackFile:
+    """A validated pack: its header and entries, and an open file descriptor."""
+
+    def __init__(self, path: Path, model_path: Path, direct: bool = False):
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open the expert pack: {e}; {HINT}") from e
+        try:
+            st = os.fstat(fd)
+            prefix = os.pread(fd, PREFIX, 0)
+            if len(prefix) < PREFIX or prefix[:8] != MAGIC:
+                raise CheckpointError(f"{self.path}: not an expert pack (bad magic); {HINT}")
+            (hlen,) = struct.unpack("<Q", prefix[8:16])
+            if hlen > st.st_size - PREFIX:
+                raise CheckpointError(f"{self.path}: header runs past the end of the file; {HINT}")
+            header = os.pread(fd, hlen, PREFIX)
+            if hashlib.sha256(header).digest() != prefix[16:48]:
+                raise CheckpointError(f"{self.path}: header checksum mismatch (damaged); {HINT}")
+            meta = json.loads(header)
+            if meta.get("version") != VERSION:
+                raise CheckpointError(
+                    f"{self.path}: pack format version {meta.get('version')}, this reader knows "
+                    f"{VERSION}; {HINT}"
+                )
+            end = meta["data_start"] + meta["data_bytes"]
+            if st.st_size != end:
+                raise CheckpointError(
+                    f"{self.path}: is {st.st_size} bytes but its header says {end} (partial or "
+                    f"damaged pack); {HINT}"
+                )
+            for name, want in meta["sources"].items():
+                shard = Path(model_path) / name
+                if not shard.is_file():
+                    raise CheckpointError(f"{self.path}: made from {name}, missing now; {HINT}")
+                if shard_fingerprint(shard) != want:
+                    raise CheckpointError(
+                        f"{self.path}: {shard} changed since the pack was made; {HINT}"
+                    )
+        except BaseException:
+            os.close(fd)
+            raise
+        self.identity = FileIdentity.of(st)
+        self.fd = fd
+        self.direct_fd = None
+        if direct:
+            try:
+                self.direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except (OSError, AttributeError) as e:
+                os.close(fd)
+                raise ConfigurationError(f"{self.path}: O_DIRECT not available here: {e}") from e
+        self.entries = meta["entries"]
+        self.align = meta.get("align", ALIGN)
+        # (shard name, offset) -> (entry number, offset inside the expert)
+        self.where: Dict[Tuple[str, int], Tuple[int, int]] = {}
+        for i, entry in enumerate(self.entries):
+            inner = 0
+            for _, fname, off, n in entry["parts"]:
+                self.where[(fname, off)] = (i, inner)
+                inner += n
+        self.verified = bytearray(len(self.entries))
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.direct_fd = None
+
+
+class PackedStore(ExpertStore):
+    """Reads experts from a pack file: one aligned read per expert."""
+
+    name = "packed"
+
+    def __init__(self, files, path=None, direct=False, verify="first", threads=4, **options):
+        super().__init__(files)
+        if verify not in ("first", "always", "off"):
+            raise ConfigurationError(f"packed store: verify={verify!r}; use first, always or off")
+        self.verify = verify
+        self.threads = max(1, int(threads))
+        self.pack = PackFile(
+            Path(path) if path else files.model_path / PACK_NAME,
+            files.model_path,
+            direct=bool(direct),
+        )
+        self.direct = bool(direct)
+        self._fallback = None
+        self._pool = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ExpertIOError(f"store for {self.files.model_path} is closed")
+        if FileIdentity.of(os.fstat(self.pack.fd)) != self.pack.identity:
+            raise CheckpointChangedError(f"{self.pack.path} changed on disk after it was opened")
+
+    def _bounce(self):
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, BOUNCE)  # page-aligned
+        return buf
+
+    def _read_entry(self, i: int, outs: List[Tuple[int, memoryview]]) -> None:
+        """Read expert ``i``'s bytes into ``outs`` ((inner offset, buffer), contiguous from 0)."""
+        entry = self.pack.entries[i]
+        total = sum(len(o) for _, o in outs)
+        bufs = [o for _, o in outs]
+        align = self.pack.align
+        if not self.direct:
+            self._pread(self.pack.fd, bufs, entry["offset"], total)
+        elif all(len(b) % align == 0 and _address(b) % align == 0 for b in bufs):
+            self._pread(self.pack.direct_fd, bufs, entry["offset"], total)
+        else:
+            # O_DIRECT needs aligned memory: through a page-aligned bounce buffer, in chunks
+            bounce = self._bounce()
+            pos = 0
+            while pos < total:
+                n = min(BOUNCE, total - pos)
+                self._pread(
+                    self.pack.direct_fd,
+                    [memoryview(bounce)[: align_up(n, align)]],
+                    entry["offset"] + pos,
+                    n,
+                )
+                _scatter(memoryview(bounce), n, bufs, pos)
+                pos += n
+        if total == entry["nbytes"] and (
+            self.verify == "always" or (self.verify == "first" and not self.pack.verified[i])
+        ):
+            crc = 0
+            for b in bufs:
+                crc = zlib.crc32(b, crc)
+            if f"{crc:08x}" != entry["crc32"]:
+                raise CheckpointError(
+                    f"{self.pack.path}: expert {entry['expert']} of {entry['layer']} fails its "
+                    f"checksum (damaged pack); {HINT}"
+                )
+            self.pack.verified[i] = 1
+
+    def _pread(self, fd, bufs, offset, total) -> None:
+        done = 0
+        while done < total:
+            try:
+                n = os.preadv(fd, _skip(bufs, done), offset + done)
+            except InterruptedError:
+                continue
+            except OSError as e:
+                raise ExpertIOError(
+                    f"{self.pack.path}: read of {total} bytes at {offset}: {e}"
+                ) from e
+            if n == 0:
+                raise CheckpointChangedError(f"{self.pack.path}: ended early (truncated?)")
+            done += n
+
+    def read_into(self, ref: TensorRef, out: memoryview) -> None:
+        self.read_many([(ref, out)])
+
+    def read_many(self, jobs) -> None:
+        if not jobs:
+            return
+        start = time.perf_counter()
+        self._check()
+        groups: Dict[int, List[Tuple[int, memoryview]]] = {}
+        rest = []
+        for ref, out in jobs:
+            hit = self.pack.where.get((ref.file.name, ref.offset))
+            if hit is None or ref.nbytes != len(out):
+                rest.append((ref, out))
+            else:
+                groups.setdefault(hit[0], []).append((hit[1], out))
+        tasks = []
+        for i, outs in groups.items():
+            outs.sort(key=lambda t: t[0])
+            pos = 0
+            contiguous = True
+            for inner, o in outs:
+                contiguous &= inner == pos
+                pos = inner + len(o)
+            if contiguous:
+                tasks.append((i, outs))
+            else:
+                # a subset with gaps: read each tensor on its own
+                for inner, o in outs:
+                    tasks.append((i, [(inner, o)], inner))
+
+        def run(task):
+            if len(task) == 2:
+                self._read_entry(*task)
+            else:
+                i, outs, inner = task
+                self._pread(
+                    self.pack.fd,
+                    [outs[0][1]],
+                    self.pack.entries[i]["offset"] + inner,
+                    len(outs[0][1]),
+                )
+
+        if self.threads == 1 or len(tasks) <= 1:
+            for t in tasks:
+                run(t)
+        else:
+            if self._pool is None:
+                with self._lock:
+                    if self._pool is None and not self._closed:
+                        self._pool = ThreadPoolExecutor(
+                            self.threads, thread_name_prefix="mlx-lm-streaming-read"
+                        )
+            list(self._pool.map(run, tasks))
+        if rest:
+            if self._fallback is None:
+                self._fallback = SafetensorsStore(self.files, threads=self.threads)
+            self._fallback.read_many(rest)
+        self._check()
+        self.stats.add(len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._fallback is not None:
+            self._fallback.close()
+        self.pack.close()
+
+
+def _address(buf: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _scatter(src, n: int, bufs, pos: int) -> None:
+    """Copy ``src[:n]``, which holds bytes ``pos..pos+n`` of the concatenated ``bufs``, into them."""
+    start = 0
+    for b in bufs:
+        end = start + len(b)
+        lo, hi = max(start, pos), min(end, pos + n)
+        if lo < hi:
+            b[lo - start : hi - start] = src[lo - pos : hi - pos]
+        start = end
+
+
+def _skip(bufs, n: int):
+    """The buffers after the first ``n`` bytes (for a short read)."""
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out

@@ -1,0 +1,202 @@
+"""``mlx_lm_streaming pack`` and the ``packed`` store: exact round trip, one read per expert, and bad or
+partial packs rejected with a named error."""
+
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from support import load_stock, load_streaming
+
+from mlx_lm_streaming.__main__ import main as cli
+from mlx_lm_streaming.cache import GB
+from mlx_lm_streaming.errors import CheckpointError
+from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, pack_checkpoint
+from mlx_lm_streaming.synthetic import build_checkpoint
+
+
+def run(model, steps=4):
+    tokens = mx.array([[(7 * i + 3) % 512 for i in range(10)]])
+    cache = make_prompt_cache(model)
+    out = [model(tokens, cache=cache)]
+    for i in range(steps):
+        out.append(model(mx.array([[(13 * i + 5) % 512]]), cache=cache))
+    mx.eval(out)
+    return out
+
+
+def same(a, b):
+    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("pack") / "q3", "qwen3_moe", "affine4", overrides={"experts": 8}
+    )
+    assert cli(["pack", str(path), "--quiet"]) == 0
+    stock, _ = load_stock(path)
+    return path, run(stock)
+
+
+def small_budget(path):
+    probe, _ = load_streaming(path)
+    per_slot = sum(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
+    probe.expert_streaming.close()
+    return (3 * per_slot + 0.5) / GB
+
+
+@pytest.mark.parametrize("options", [{}, {"verify": "always"}, {"direct": True}, {"threads": 1}])
+def test_packed_store_is_exact(packed, options):
+    path, want = packed
+    if options.get("direct") and not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT here")
+    model, _ = load_streaming(
+        path, expert_cache_gb=small_budget(path), store="packed", store_options=options
+    )
+    store = model.expert_streaming.store
+    assert store.name == "packed"
+    assert same(want, run(model))
+    cache = model.expert_streaming.cache
+    assert cache.stats.misses > 0 and cache.stats.evictions > 0
+    assert store.pack.verified.count(1) > 0
+    model.expert_streaming.close()
+
+
+def test_one_read_per_expert(packed):
+    path, _ = packed
+    model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
+    model.expert_streaming.cache.lookahead = False  # wrong guesses would be reads too
+    store = model.expert_streaming.store
+    calls = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset, *a):
+        if fd == store.pack.fd:
+            calls.append((offset, len(bufs)))
+        return real(fd, bufs, offset, *a)
+
+    os.preadv = counting
+    try:
+        run(model)
+    finally:
+        os.preadv = real
+    misses = model.expert_streaming.cache.stats.misses
+    assert calls and len(calls) == misses
+    assert all(off % ALIGN == 0 for off, _ in calls)
+    parts = len(model.expert_streaming.cache.banks[0].layer.parts)
+    assert all(n == parts for _, n in calls)
+    model.expert_streaming.close()
+
+
+def test_pack_is_kept_when_valid_and_rewritten_with_force(packed):
+    path, _ = packed
+    pack = path / PACK_NAME
+    before = pack.stat().st_mtime_ns
+    pack_checkpoint(path, progress=False)
+    assert pack.stat().st_mtime_ns == before
+    pack_checkpoint(path, progress=False, force=True)
+    assert pack.stat().st_mtime_ns != before
+    assert not list(path.glob(PACK_NAME + ".tmp-*"))
+
+
+def corrupt_copy(path, tmp_path, damage):
+    """A copy of the checkpoint whose pack ``damage(bytearray)`` edits."""
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in path.iterdir():
+        if f.is_file():
+            os.link(f, dst / f.name) if f.name != PACK_NAME else None
+    data = bytearray((path / PACK_NAME).read_bytes())
+    damage(data)
+    (dst / PACK_NAME).write_bytes(bytes(data))
+    return dst
+
+
+def flip_data_byte(data):
+    (hlen,) = struct.unpack("<Q", bytes(data[8:16]))
+    start = -(-(PREFIX + hlen) // ALIGN) * ALIGN
+    data[start + 100] ^= 0xFF
+
+
+CASES = {
+    "truncated": (lambda d: d.__delitem__(slice(len(d) - ALIGN, None)), "partial"),
+    "bad magic": (lambda d: d.__setitem__(slice(0, 8), b"NOTAPACK"), "bad magic"),
+    "header edited": (lambda d: d.__setitem__(60, d[60] ^ 1), "checksum"),
+    "extra bytes": (lambda d: d.extend(b"\0" * ALIGN), "partial"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_packs_are_rejected_at_load(packed, tmp_path, case):
+    path, _ = packed
+    damage, message = CASES[case]
+    bad = corrupt_copy(path, tmp_path, damage)
+    with pytest.raises(CheckpointError, match=message):
+        load_streaming(bad, store="packed")
+
+
+def test_damaged_expert_fails_its_checksum(packed, tmp_path):
+    path, _ = packed
+    bad = corrupt_copy(path, tmp_path, flip_data_byte)
+    model, _ = load_streaming(bad, store="packed")
+    with pytest.raises(CheckpointError, match="checksum"):
+        run(model)
+    model.expert_streaming.close()
+
+
+def test_changed_source_shard_is_rejected(packed, tmp_path):
+    path, _ = packed
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in path.iterdir():
+        if f.is_file():
+            os.link(f, dst / f.name)
+    shard = sorted(dst.glob("model*.safetensors"))[0]
+    st = shard.stat()
+    try:
+        # rewritten in place: same size and header, new mtime
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with pytest.raises(CheckpointError, match="changed since the pack"):
+            load_streaming(dst, store="packed")
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_missing_pack_names_the_fix(tmp_path, packed):
+    path, _ = packed
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in path.iterdir():
+        if f.is_file() and f.name != PACK_NAME:
+            os.link(f, dst / f.name)
+    with pytest.raises(CheckpointError, match="mlx_lm_streaming pack"):
+        load_streaming(dst, store="packed")
+
+
+def test_interrupted_pack_leaves_no_pack(packed, tmp_path, monkeypatch):
+    path, _ = packed
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in path.iterdir():
+        if f.is_file() and f.name != PACK_NAME:
+            os.link(f, dst / f.name)
+    import mlx_lm_streaming.pack as pack_mod
+
+    real = pack_mod.zlib.crc32
+    calls = []
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pack_mod.zlib, "crc32", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pack_checkpoint(dst, progress=False)
+    assert not (dst / PACK_NAME).exists()
+    assert not list(dst.glob(PACK_NAME + ".tmp-*"))
