@@ -206,6 +206,7 @@ class Config:
         self.files = files
         self.lru = lru  # seeds
         self.kv = None
+        self.routing = None
         self.stream = None
         self.pos = 0
         self.decode_s = []  # per token
@@ -250,6 +251,8 @@ def _prefetch_counts(cache):
         "lookahead_used": st.used["lookahead"],
         "wave_staged": st.staged["wave"],
         "wave_used": st.used["wave"],
+        "predicted": st.predicted,
+        "predicted_hit": st.predicted_hit,
         "demand": st.demand,
         "dropped": st.dropped,
         "staged_wait_s": st.waited_s,
@@ -259,16 +262,76 @@ def _prefetch_counts(cache):
 def precision_recall(p):
     if not p:
         return {}
-    staged, used, demand = (
-        p.get("lookahead_staged", 0),
-        p.get("lookahead_used", 0),
-        p.get("demand", 0),
-    )
+    pred, hit, demand = p.get("predicted", 0), p.get("predicted_hit", 0), p.get("demand", 0)
     return {
-        "lookahead_precision": used / staged if staged else None,
-        "lookahead_recall": used / demand if demand else None,
+        "lookahead_precision": hit / pred if pred else None,
+        "lookahead_recall": hit / demand if demand else None,
         **p,
     }
+
+
+class ForcedRouting:
+    """Replaces a layer's router choice by uniformly random experts, the same in every configuration.
+
+    A random-weight model routes almost every token to the same few experts (measured: Mixtral-shaped,
+    2 experts for every token; Qwen3-shaped, ~35 distinct experts of 128 over 64 tokens past layer 0),
+    which would leave nothing to stream. Uniform routing is the hard case instead: a 25% budget hits
+    25% of the time, and no router predicts the next layer. The choice depends only on (layer, call
+    number), so every configuration computes the same thing and logits stay comparable."""
+
+    def __init__(self, num_experts: int, seed: int = 0):
+        self.num_experts = num_experts
+        self.seed = seed
+        self.calls = {}
+
+    def wrap(self, model):
+        import mlx.nn as nn
+        from mlx_lm.models.switch_layers import SwitchGLU
+
+        from mlx_lm_streaming.switch import StreamingSwitchGLU
+
+        import seeds
+
+        kinds = (SwitchGLU, StreamingSwitchGLU, seeds._SeedSwitch)
+        found = [(p, m) for p, m in model.named_modules() if isinstance(m, kinds)]
+        for layer_no, (path, module) in enumerate(found):
+            parent = model
+            parts = path.split(".")
+            for q in parts[:-1]:
+                parent = parent[int(q)] if isinstance(parent, list) else parent[q]
+            parent[parts[-1]] = _Forced(module, self, layer_no)
+        return len(found)
+
+    def indices(self, layer_no, shape):
+        import mlx.core as mx
+        import numpy as np
+
+        call = self.calls.get(layer_no, 0)
+        self.calls[layer_no] = call + 1
+        rng = np.random.default_rng([self.seed, layer_no, call])
+        rows = int(np.prod(shape[:-1]))
+        pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
+        return mx.array(pick.astype(np.uint32).reshape(shape))
+
+
+def _forced_class():
+    import mlx.nn as nn
+
+    class _ForcedSwitch(nn.Module):
+        def __init__(self, inner, routing, layer_no):
+            super().__init__()
+            object.__setattr__(self, "_inner", inner)
+            object.__setattr__(self, "_routing", routing)
+            object.__setattr__(self, "_layer_no", layer_no)
+
+        def __call__(self, x, indices):
+            return self._inner(x, self._routing.indices(self._layer_no, indices.shape))
+
+    return _ForcedSwitch
+
+
+def _Forced(inner, routing, layer_no):
+    return _forced_class()(inner, routing, layer_no)
 
 
 def delta(a, b):
@@ -416,7 +479,7 @@ def run_arch(name, path, args, device):
         else min(256 * MB, res["checkpoint_bytes"])
     )
     bw = {}
-    for threads in (1, 4):
+    for threads in (1, 4, 8):
         for direct in (False, True):
             try:
                 bw[f"t{threads}{'_direct' if direct else ''}"] = disk_bandwidth(
@@ -433,20 +496,28 @@ def run_arch(name, path, args, device):
     configs = {"stock": Config("stock", stock)}
     warm, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
     configs["warm"] = Config("warm", warm)
-    cold, _ = load_streaming(path, expert_cache_gb=cold_gb)
+    sopts = {"store_options": {"threads": args.store_threads}} if args.store_threads else {}
+    cold, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
     configs["cold"] = Config("cold", cold, cold=True, files=files)
     ablations = args.ablations
     if "warm_sync" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
         m.expert_streaming.cache.skip_sync = False
         configs["warm_sync"] = Config("warm_sync", m)
+    if "cold_t8" in ablations:
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": 8})
+        configs["cold_t8"] = Config("cold_t8", m, cold=True, files=files)
     if "cold_nolookahead" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.lookahead = False
         configs["cold_nolookahead"] = Config("cold_nolookahead", m, cold=True, files=files)
     for store, label in (("packed", "cold_packed"), ("packed_direct", "cold_packed_direct")):
         if label in ablations:
             opts = {"direct": True} if store == "packed_direct" else {}
+            if args.store_threads:
+                opts["threads"] = args.store_threads
+            # crc32 of each expert's first read is left out: it is CPU time (2.2 GB/s here), not I/O
+            opts["verify"] = "off"
             try:
                 m, _ = load_streaming(
                     path, expert_cache_gb=cold_gb, store="packed", store_options=opts
@@ -457,9 +528,15 @@ def run_arch(name, path, args, device):
             configs[label] = Config(label, m, cold=True, files=pack_files(path))
     for kind in ("seed_loop", "seed_stack"):
         if kind in args.seeds:
-            m, _ = load_streaming(path, expert_cache_gb=cold_gb)
+            m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
             lru = seeds.install(m, res["cold_budget_bytes"], kind)
             configs[kind] = Config(kind, m, cold=True, files=files, lru=lru)
+
+    res["routing"] = args.routing
+    if args.routing == "uniform":
+        for cfg in configs.values():
+            cfg.routing = ForcedRouting(res["experts"])
+            cfg.routing.wrap(cfg.model)
 
     # warm-up: stock once; warm until its background fill completed
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
@@ -487,10 +564,16 @@ def run_arch(name, path, args, device):
             }
             log(f"[{name}] {key} filled: {res[f'{key}_fill']}")
 
+    def same_routing_from_here():
+        for cfg in configs.values():
+            if cfg.routing is not None:
+                cfg.routing.calls = {}
+
     # prefill of 512 tokens: stock, warm; cold from empty banks and a cold page cache
     pre = {k: [] for k in ("stock", "warm", "cold") if k in configs}
     pre_stats = {}
     for rep in range(args.prefill_reps):
+        same_routing_from_here()
         for key in pre:
             cfg = configs[key]
             if cfg.cold:
@@ -509,6 +592,7 @@ def run_arch(name, path, args, device):
 
     # decode: each config prefills a short prompt, then interleaved rounds
     stream = [rng.randrange(vocab) for _ in range(4096)]
+    same_routing_from_here()
     for cfg in configs.values():
         if cfg.cache is not None and cfg.cold:
             reset_banks(cfg.model)
@@ -598,10 +682,34 @@ def ratios(res, rounds):
 # -- peak RSS, one process per configuration ------------------------------------------------------
 
 
-def rss_child(path, which, prefill_tokens, decode_tokens):
+def peak_rss() -> int:
+    """This process's peak RSS in bytes (VmHWM: ru_maxrss would include the parent's, kept over exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def num_experts(model):
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_lm_streaming.switch import StreamingSwitchGLU
+
+    for _, m in model.named_modules():
+        if isinstance(m, StreamingSwitchGLU):
+            return m.num_experts
+        if isinstance(m, SwitchGLU):
+            return m.gate_proj["weight"].shape[0]
+    raise ValueError("no MoE layer")
+
+
+def rss_child(path, which, prefill_tokens, decode_tokens, routing):
     import mlx.core as mx
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss()
     if which == "stock":
         model, config = load_stock(path)
         budget = 0
@@ -623,9 +731,12 @@ def rss_child(path, which, prefill_tokens, decode_tokens):
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
     from mlx_lm.generate import generate_step
 
+    if routing == "uniform":
+        ForcedRouting(num_experts(model)).wrap(model)
+
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     out = {
         "which": which,
         "peak_rss": peak,
@@ -653,6 +764,8 @@ def measure_rss(path, args):
             str(args.prefill_tokens),
             "--rss-decode",
             str(8),
+            "--routing",
+            args.routing,
         ]
         if args.device_kind == "gpu":
             cmd += ["--device-kind", "gpu"]
@@ -860,6 +973,20 @@ def main():
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument(
+        "--routing",
+        choices=["uniform", "model"],
+        default="uniform",
+        help="uniform: random experts per token and layer, the same for every "
+        "configuration (default; a random-weight model's own routing barely varies); "
+        "model: the checkpoint's routers",
+    )
+    ap.add_argument(
+        "--store-threads",
+        type=int,
+        default=None,
+        help="reader threads of the store (default: the store's own)",
+    )
+    ap.add_argument(
         "--pack", action="store_true", help="pack the checkpoints first (for cold_packed)"
     )
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
@@ -875,7 +1002,9 @@ def main():
     else:
         mx.set_default_device(mx.cpu)
     if args.rss_child:
-        return rss_child(Path(args.rss_path), args.rss_child, args.rss_prefill, args.rss_decode)
+        return rss_child(
+            Path(args.rss_path), args.rss_child, args.rss_prefill, args.rss_decode, args.routing
+        )
 
     archs = args.archs.split(",") if args.archs else (["qwen3"] if args.quick else list(ARCHS))
     args.rounds = args.rounds or (3 if args.quick else 6)
@@ -884,9 +1013,9 @@ def main():
     )
     if args.ablations is None:
         args.ablations = (
-            "warm_sync,cold_nolookahead"
+            "warm_sync,cold_nolookahead,cold_packed"
             if args.quick
-            else "warm_sync,cold_nolookahead,cold_packed,cold_packed_direct"
+            else "warm_sync,cold_nolookahead,cold_t8,cold_packed,cold_packed_direct"
         )
     args.ablations = [a for a in args.ablations.split(",") if a]
     args.seeds = [s for s in args.seeds.split(",") if s]
@@ -922,15 +1051,18 @@ def main():
                 res["ratios"]["rss_cold_over_budget"] = net / want - 1
         report["archs"].append(res)
         print(json.dumps({"arch": name, "ratios": res["ratios"]}, indent=1), flush=True)
+        write(report, Path(args.out), tag)  # after each architecture: a cut-short run keeps some
+    print(markdown(report))
 
-    out = Path(args.out)
+
+def write(report, out: Path, tag: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(report, indent=1, default=str))
     (out / f"{tag}.md").write_text(markdown(report))
     note = plot(report, out / f"{tag}.png")
     if note:
+        report["plot"] = note
         log(note)
-    print(markdown(report))
 
 
 if __name__ == "__main__":

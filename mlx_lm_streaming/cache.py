@@ -80,6 +80,10 @@ class LayerBank:
         self.staged: Dict[int, StagedBatch] = {}
         # x -> router logits of this layer (for lookahead from the layer before), or None
         self.router = None
+        # the previous layer's guess of this layer's misses, scored at the next load; a running
+        # precision decides whether guesses are read or only scored
+        self.predicted: Optional[set] = None
+        self.ahead_precision = cache.lookahead_min_precision  # first guesses are read
         self._fill_requested = False
 
     @property
@@ -95,6 +99,8 @@ class LayerBank:
         """
         with self.lock:
             self._drop_staged(everything=True)
+        self.predicted = None
+        self.ahead_precision = self.cache.lookahead_min_precision
         self.slots = slots
         self.identity = slots == self.num_experts
         self.complete = False
@@ -130,6 +136,8 @@ class LayerBank:
             hit = slots >= 0
             self.last_used[slots[hit]] = tick
             missing = experts[~hit]
+            if self.predicted is not None:
+                self._score_guess(missing)
             evicted = 0
             if len(missing):
                 if self.identity:
@@ -154,13 +162,21 @@ class LayerBank:
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
 
+    def _score_guess(self, missing: np.ndarray) -> None:
+        guess, self.predicted = self.predicted, None
+        hit = len(guess.intersection(missing.tolist()))
+        stats = self.cache.prefetch_stats
+        with stats.lock:
+            stats.predicted += len(guess)
+            stats.predicted_hit += hit
+            stats.demand += len(missing)
+        if guess:
+            self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
+
     def _read_into_slots(self, experts: np.ndarray, slots: np.ndarray) -> None:
         """Bytes from staged background reads where there are, from the store for the rest."""
         start = time.perf_counter()
         stats = self.cache.prefetch_stats
-        if self.cache.counts_demand(self):
-            with stats.lock:
-                stats.demand += len(experts)
         groups = []  # (batch, rows of the batch, slots)
         rest = []
         by_batch: Dict[int, tuple] = {}
@@ -326,6 +342,9 @@ class ExpertCache:
         # background reads: next-layer lookahead, filling identity banks; a complete identity bank
         # skips the host sync. Each only moves or drops work; none changes what is computed.
         self.lookahead = lookahead
+        # a layer's guesses are read only while their running precision is at least this; below it
+        # they are only scored (a wrong guess costs a read: on an I/O-bound machine, a demand read)
+        self.lookahead_min_precision = 0.5
         self.fill = fill
         self.skip_sync = skip_sync
         # bound on bytes staged by background reads; None: max(10% of the budget, 2 experts)
@@ -370,13 +389,6 @@ class ExpertCache:
         except ValueError:
             return None
         return order[i + 1] if i + 1 < len(order) else None
-
-    def counts_demand(self, bank: LayerBank) -> bool:
-        """Whether ``bank``'s misses count in the lookahead's recall (its layer is predicted)."""
-        if not self.lookahead or bank.router is None or bank.identity:
-            return False
-        order = self._order if self._order is not None else self.banks
-        return bool(order) and order[0] is not bank
 
     # -- background reads ------------------------------------------------------------------------
 

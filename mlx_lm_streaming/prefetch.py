@@ -107,14 +107,21 @@ def staging_buffer(rows: int, nbytes: int):
 
 
 class PrefetchStats:
-    """How well background reads served the layers."""
+    """How well background reads served the layers, and how good the lookahead's guesses are.
+
+    Guesses are scored whether or not they were read (a layer whose recent guesses were poor only
+    predicts, see ``ExpertCache.lookahead_min_precision``): ``predicted`` experts were guessed and not
+    resident, ``predicted_hit`` of them were then missed by the layer, out of ``demand`` misses of
+    predicted layers. Precision = predicted_hit / predicted, recall = predicted_hit / demand."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.staged = {"lookahead": 0, "wave": 0, "fill": 0}  # experts read in the background
         self.used = {"lookahead": 0, "wave": 0, "fill": 0}  # of which a load used
         self.dropped = 0  # lookaheads that did not fit the staging bound
-        self.demand = 0  # misses at calls that had a lookahead
+        self.predicted = 0
+        self.predicted_hit = 0
+        self.demand = 0
         self.waited_s = 0.0  # time loads spent waiting for background reads
 
     def add(self, what: str, kind: str, n: int) -> None:
@@ -122,12 +129,10 @@ class PrefetchStats:
             getattr(self, what)[kind] += n
 
     def summary(self):
-        look = self.staged["lookahead"]
+        nan = float("nan")
         return {
-            "lookahead_precision": self.used["lookahead"] / look if look else float("nan"),
-            "lookahead_recall": (
-                self.used["lookahead"] / self.demand if self.demand else float("nan")
-            ),
+            "lookahead_precision": (self.predicted_hit / self.predicted if self.predicted else nan),
+            "lookahead_recall": self.predicted_hit / self.demand if self.demand else nan,
             "staged_experts": dict(self.staged),
             "used_experts": dict(self.used),
             "dropped_lookaheads": self.dropped,

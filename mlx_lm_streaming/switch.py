@@ -122,11 +122,17 @@ class StreamingSwitchGLU(nn.Module):
 
 
 def _stage_ahead(bank, guess) -> None:
-    """Start reading the experts the next layer is predicted to use (most wanted first)."""
+    """Read the experts the next layer is predicted to miss (most wanted first), if its recent
+    guesses were good enough; score the guess either way."""
     ids, counts = np.unique(np.array(guess, copy=False), return_counts=True)
     if len(ids) > bank.slots:
         # more than fit at once (prefill): the lowest ids, which the first wave takes
         ids = ids[: bank.slots]
     else:
         ids = ids[np.argsort(-counts, kind="stable")]
-    bank.stage(ids, "lookahead", LOOKAHEAD, fit=True)
+    with bank.lock:
+        ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
+        bank.predicted = set(ids)
+        good = bank.ahead_precision >= bank.cache.lookahead_min_precision
+    if ids and good:
+        bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)

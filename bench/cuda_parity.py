@@ -1,0 +1,83 @@
+"""Parity on the device the benchmark runs on (CUDA on the H200): streaming logits equal stock's.
+
+    python bench/cuda_parity.py [--out FILE.json]
+
+The parity runner of ``tests/test_parity.py`` (prompt + 8 decode steps with a KV cache, batch 1 and 2,
+a budget of 3 experts per layer (evictions, waves, lookahead) and one holding every expert (background
+fill, then the no-sync path)) on a small table of architectures, variants and activation dtypes, on the
+default device. Prints one line per case and writes a JSON summary.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+CASES = [
+    ("qwen3_moe", "affine4", "bfloat16"),
+    ("qwen3_moe", "affine4", "float16"),
+    ("qwen3_moe", "affine4", "float32"),
+    ("mixtral", "mxfp4", "bfloat16"),
+    ("deepseek_v2", "affine8", "bfloat16"),
+    ("deepseek_v3", "nvfp4", "bfloat16"),
+    ("qwen3_moe", "nvfp4_global", "bfloat16"),
+    ("qwen3_moe", "float32_hf", "float32"),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import mlx.core as mx
+
+    from mlx_lm_streaming.kernels.base import backend
+    from mlx_lm_streaming.synthetic import build_checkpoint
+    from test_parity import check_parity
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, variant, dtype in CASES:
+            start = time.time()
+            try:
+                path = build_checkpoint(
+                    Path(tmp) / f"{arch}-{variant}-{dtype}", arch, variant, dtype=dtype
+                )
+                check_parity(path)
+                ok, err = True, None
+            except Exception as e:
+                ok, err = False, f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            results.append(
+                {
+                    "arch": arch,
+                    "variant": variant,
+                    "dtype": dtype,
+                    "exact": ok,
+                    "error": err,
+                    "seconds": round(time.time() - start, 1),
+                }
+            )
+            print(f"{arch} {variant} {dtype}: {'exact' if ok else 'FAILED ' + err}", flush=True)
+    report = {"backend": backend(), "device": str(mx.default_device()), "cases": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(
+        json.dumps(
+            {
+                "backend": report["backend"],
+                "exact": sum(r["exact"] for r in results),
+                "of": len(results),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The benchmark and a CUDA parity check on the H200 device machine, in one call (device time is
+# scarce: everything that needs the GPU runs here, results go to $OUT).
+#
+# Before it, from the project root here: ../shared/tools/mlx-cuda-wheels.sh, then one device call
+#   carry [".dev/a"]: mkdir -p /root/stash && cp .dev/a/* /root/stash/
+# then this, in a second call on the same warm machine:
+#   carry [".dev/b"]: bash bench/gpu.sh [bench args...]
+set -u
+mkdir -p /root/stash "$OUT"
+cp .dev/b/* /root/stash/
+( cd /root/stash && cat cuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl \
+  && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+     mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl ) || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())"
+python3 -m pip list 2>/dev/null | grep -i -E "^(matplotlib|numpy|pluggy|tqdm) " || true
+df -h /root | tail -1
+start=$(date +%s)
+timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
+  --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" || true
+echo "bench: $(( $(date +%s) - start )) s"
+timeout ${PARITY_TIMEOUT:-120} python3 bench/cuda_parity.py --out "$OUT/cuda_parity.json" 2>&1 \
+  | tail -20
+echo "total: $(( $(date +%s) - start )) s"
