@@ -32,6 +32,8 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .errors import ExpertIOError, StreamingError
+
 MAGIC = b"MLXSPK01"
 VERSION = 1
 ALIGN = 4096
@@ -227,11 +229,16 @@ def pack_checkpoint(
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, StreamingError):
+            raise ExpertIOError(
+                f"{out}: writing the pack failed ({e}); no partial pack was left and the "
+                "checkpoint is untouched"
+            ) from e
         raise
     finally:
         bar.close()
