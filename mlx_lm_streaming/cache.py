@@ -33,6 +33,9 @@ from .index import LayerExperts
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
 GB = 1 << 30
+# staging buffers (background reads, and demand reads per chunk) are bounded by this share of the
+# budget, but hold at least two experts: peak memory stays within ~2x this over the budget
+STAGING_SHARE = 0.05
 
 
 @dataclass
@@ -80,6 +83,7 @@ class LayerBank:
         self.staged: Dict[int, StagedBatch] = {}
         # x -> router logits of this layer (for lookahead from the layer before), or None
         self.router = None
+        self.while_reading = None  # see ``load``
         # the previous layer's guess of this layer's misses, scored at the next load; a running
         # precision decides whether guesses are read or only scored
         self.predicted: Optional[set] = None
@@ -121,7 +125,13 @@ class LayerBank:
         return self.slots * self.layer.expert_nbytes
 
     def load(self, experts: np.ndarray) -> None:
-        """Make every expert in ``experts`` (unique ids, at most ``slots``) resident."""
+        """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
+
+        ``self.while_reading``, if the caller (holding ``lock``) set it: called once the experts
+        already resident are pinned and before the others are read, when there are both (the layer
+        computes its hit rows meanwhile); it may return a function that waits for that work, called
+        before any slot is written (writing a slot that pending work reads would copy the bank)."""
+        while_reading, self.while_reading = self.while_reading, None
         self.cache.ensure_planned()
         if len(experts) > self.slots:
             raise ValueError(
@@ -154,7 +164,8 @@ class LayerBank:
                 # (evicting that slot later would unmap the expert from wherever it lives by then)
                 self.expert_of[victims] = -1
                 self.last_used[victims] = -1
-                self._read_into_slots(missing, victims)
+                waiter = while_reading() if while_reading is not None and hit.any() else None
+                self._read_into_slots(missing, victims, before_install=waiter)
                 self.slot_of[missing] = victims
                 self.expert_of[victims] = missing
                 self.last_used[victims] = tick
@@ -173,7 +184,7 @@ class LayerBank:
         if guess:
             self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
 
-    def _read_into_slots(self, experts: np.ndarray, slots: np.ndarray) -> None:
+    def _read_into_slots(self, experts: np.ndarray, slots: np.ndarray, before_install=None) -> None:
         """Bytes from staged background reads where there are, from the store for the rest."""
         start = time.perf_counter()
         stats = self.cache.prefetch_stats
@@ -197,17 +208,40 @@ class LayerBank:
                     continue
             rest.append((e, slot))
         groups.extend(by_batch.values())
-        if rest:
-            batch = StagedBatch(self.layer, np.array([e for e, _ in rest]), "demand")
+        io = time.perf_counter() - start
+        install = 0.0
+        wait = [before_install]
+
+        def write(groups):
+            nonlocal install
+            if wait[0] is not None:
+                done, wait[0] = wait[0], None
+                done()
+            t = time.perf_counter()
+            self._install(groups)
+            install += time.perf_counter() - t
+
+        # the rest from the store, in chunks of at most the staging bound (a prefill wave can miss
+        # a whole bank's worth of experts: its bytes need not all be staged at once)
+        chunk = max(1, self.cache.staging_limit // max(1, self.layer.expert_nbytes))
+        for i in range(0, len(rest), chunk):
+            part = rest[i : i + chunk]
+            t = time.perf_counter()
+            batch = StagedBatch(self.layer, np.array([e for e, _ in part]), "demand")
             self.cache.store.read_many(batch.jobs())
-            groups.append((batch, list(range(len(rest))), [s for _, s in rest]))
-        read_done = time.perf_counter()
-        self._install(groups)
+            io += time.perf_counter() - t
+            if groups:  # staged ones after the first read: that read overlaps the layer's work
+                write(groups)
+                groups = []
+            write([(batch, list(range(len(part))), [s for _, s in part])])
+            del batch
+        if groups:
+            write(groups)
         still = {id(b) for b in self.staged.values()}
         for key, batch in popped.items():
             if key not in still:
                 self.cache.release(batch)
-        self.cache.stats.add_time(read_done - start, time.perf_counter() - read_done)
+        self.cache.stats.add_time(io, install)
 
     def _install(self, groups) -> None:
         """Write staged rows into slots, one slice copy per run of consecutive slots, then evaluate.
@@ -347,7 +381,9 @@ class ExpertCache:
         self.lookahead_min_precision = 0.5
         self.fill = fill
         self.skip_sync = skip_sync
-        # bound on bytes staged by background reads; None: max(10% of the budget, 2 experts)
+        # a layer computes the rows of its resident experts while it reads the others
+        self.split_misses = True
+        # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
         self.staging_bytes = staging_bytes
         self.prefetch_threads = prefetch_threads
         self._prefetcher: Optional[ExpertPrefetcher] = None
@@ -405,6 +441,11 @@ class ExpertCache:
         return self._prefetcher
 
     @property
+    def staging_limit(self) -> int:
+        """Bytes of expert staging buffers at once: background reads, and demand reads per chunk."""
+        return self._prefetcher.max_bytes if self._prefetcher is not None else self._staging_limit()
+
+    @property
     def prefetch_stats(self):
         return self.prefetcher.stats
 
@@ -413,7 +454,7 @@ class ExpertCache:
             return int(self.staging_bytes)
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
         budget = self.budget_bytes if self.budget_bytes is not None else self.total_expert_bytes
-        return int(max(0.1 * budget, 2 * biggest))
+        return int(max(STAGING_SHARE * budget, 2 * biggest))
 
     def release(self, batch: StagedBatch, when_done: bool = False) -> None:
         prefetcher = self._prefetcher

@@ -25,6 +25,10 @@ import numpy as np
 
 from .prefetch import LOOKAHEAD, WAVE, predict
 
+# calls of at most this many (token, expert) rows compute their resident experts' rows while the
+# others are read (decode-sized calls; larger ones are prefill, where waves do the overlapping)
+SPLIT_MAX_ROWS = 63
+
 
 class StreamingSwitchGLU(nn.Module):
     """Routed experts read on demand through an ``ExpertCache`` slot bank."""
@@ -61,11 +65,20 @@ class StreamingSwitchGLU(nn.Module):
         try:
             if len(experts) <= bank.slots:
                 with bank.lock:
-                    bank.load(experts)
+                    early = {}
+                    split = cache.split_misses and idx.size <= SPLIT_MAX_ROWS
+                    if split:  # read by load (under the lock we hold), then cleared
+                        bank.while_reading = lambda: self._hits_first(x, idx, early)
+                    try:
+                        bank.load(experts)
+                    finally:
+                        bank.while_reading = None
                     if ahead is not None:
                         _stage_ahead(*ahead)
                     if bank.identity and not bank.complete:
                         cache.request_fill(bank)
+                    if early:
+                        return self._rest_after_hits(x, idx, early)
                     kernel = self._selector.select(bank, idx.size)
                     if bank.identity:
                         return kernel(x, indices, idx, bank)
@@ -75,6 +88,40 @@ class StreamingSwitchGLU(nn.Module):
             return self._waves(x, idx, experts, ahead)
         finally:
             bank.drop_staged()
+
+    def _rows(self, x, idx, rows):
+        """The kernel over the (token, expert) rows ``rows`` of the flattened call, ``(n, D)``."""
+        bank = self._bank
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        slots_np = bank.slot_of[flat[rows]][:, None]
+        slots = mx.array(slots_np.astype(np.uint32))
+        xw = x.reshape(-1, x.shape[-1])[mx.array(rows // k)]
+        kernel = self._selector.select(bank, rows.size)
+        return kernel(xw, slots, slots_np, bank)[:, 0]
+
+    def _hits_first(self, x, idx, early):
+        """Called by ``load`` before it reads the misses: start computing the rows whose experts
+        are resident, so the reads overlap that work. Returns the wait ``load`` does before it
+        writes any slot."""
+        flat = self._bank.slot_of[idx.reshape(-1)]
+        rows = np.nonzero(flat >= 0)[0]
+        if len(rows) == 0 or len(rows) == flat.size:
+            return None
+        y = self._rows(x, idx, rows)
+        mx.async_eval(y)
+        early["rows"], early["y"] = rows, y
+        return lambda: mx.eval(y)
+
+    def _rest_after_hits(self, x, idx, early):
+        """The rows whose experts were just read, then every row back in order. Each row is
+        computed once, by the same kernel, so the result equals the one-pass one (as waves)."""
+        hit_rows = early["rows"]
+        rest = np.setdiff1d(np.arange(idx.size), hit_rows, assume_unique=True)
+        y_rest = self._rows(x, idx, rest)
+        order = np.argsort(np.concatenate([hit_rows, rest]), kind="stable")
+        y = mx.concatenate([early["y"], y_rest], axis=0)[mx.array(order)]
+        return y.reshape(*idx.shape, y.shape[-1])
 
     def _lookahead(self, x, indices):
         """(next bank, its predicted expert ids, lazy) or None."""

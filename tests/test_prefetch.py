@@ -76,6 +76,33 @@ def test_lookahead_is_exact_and_reads_ahead(q3):
     model.expert_streaming.close()
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_hit_rows_computed_while_misses_are_read_is_exact(q3, split):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.split_misses = split
+    from mlx_lm_streaming.switch import StreamingSwitchGLU
+
+    early = []
+    real = StreamingSwitchGLU._hits_first
+
+    def counting(self, x, idx, out):
+        wait = real(self, x, idx, out)
+        early.append(wait is not None)
+        return wait
+
+    StreamingSwitchGLU._hits_first = counting
+    try:
+        got = run(model, tokens, steps=10)
+    finally:
+        StreamingSwitchGLU._hits_first = real
+    stock, _ = load_stock(path)
+    assert same(run(stock, tokens, steps=10), got)
+    assert any(early) == split
+
+
 def test_lookahead_off_is_exact(q3):
     path, tokens, want = q3
     probe, _ = load_streaming(path)
