@@ -92,6 +92,11 @@ def _wrap_load_model(stock_load_model):
         get_model_classes=None,
         trust_remote_code=False,
     ):
+        explicit = bool(model_config) and CONFIG_KEY in model_config
+        options = requested(model_config)
+        if options is None and explicit:
+            # streaming_experts=False: mlx-lm must not see our key
+            model_config = {k: v for k, v in model_config.items() if k != CONFIG_KEY}
         args = (
             model_path,
             lazy,
@@ -100,22 +105,7 @@ def _wrap_load_model(stock_load_model):
             get_model_classes,
             trust_remote_code,
         )
-        explicit = bool(model_config) and CONFIG_KEY in model_config
-        options = requested(model_config)
         if options is None:
-            if explicit:
-                # streaming_experts=False: mlx-lm must not see our key
-                model_config = {
-                    k: v for k, v in model_config.items() if k != CONFIG_KEY
-                }
-                args = (
-                    model_path,
-                    lazy,
-                    strict,
-                    model_config,
-                    get_model_classes,
-                    trust_remote_code,
-                )
             return stock(*args)
         from .errors import UnsupportedModelError
         from .loading import load_streaming_model
