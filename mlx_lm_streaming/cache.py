@@ -15,6 +15,16 @@ once every expert of the layer is resident the bank is ``complete``, and the lay
 indices straight to the kernel with no host sync, the same graph as stock. Such a bank is filled in the
 background (``prefetch``). Background reads (lookahead, next wave, fill) land in staging buffers and are
 written into the banks only by ``load``, on the thread that calls the layer.
+
+Demand reads go straight into the banks (``direct reads``): the store reads each missed expert into its
+slot's memory through a host view of the bank, on reader threads, and ``load`` reports each expert as it
+lands (``ready``), so the layer computes that expert's rows while the others are still read, and no
+staging buffer or copy is needed. Writing bank memory behind MLX's back is safe only when no pending
+MLX work reads the slot being written: the victims are never slots the call uses, and every call that
+used the bank was submitted (``mx.async_eval``) on the same stream before this call's host sync, which
+waits for it (a call on another stream first synchronizes that one). Where that cannot be known
+(a second thread uses the model) or MLX memory has no host view, reads go through staging buffers and
+MLX's own copy-on-write slice updates, as before.
 """
 
 import math
@@ -22,15 +32,16 @@ import re
 import threading
 import time
 import weakref
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts
-from .prefetch import FILL, ExpertPrefetcher, StagedBatch
+from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
 GB = 1 << 30
 # staging buffers (background reads, and demand reads per chunk) are bounded by this share of the
@@ -84,6 +95,12 @@ class LayerBank:
         # x -> router logits of this layer (for lookahead from the layer before), or None
         self.router = None
         self.while_reading = None  # see ``load``
+        # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
+        # addresses they were made for; None where MLX memory has none (see ``_refresh_views``)
+        self.views: Optional[List[np.ndarray]] = None
+        self._addresses: Optional[List[int]] = None
+        # the stream of the last call that used the bank (see the module docstring)
+        self.last_stream = None
         # the previous layer's guess of this layer's misses, scored at the next load; a running
         # precision decides whether guesses are read or only scored
         self.predicted: Optional[set] = None
@@ -116,6 +133,26 @@ class LayerBank:
             proj = self.glu[spec.proj]
             proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=_mx_dtype(spec.dtype))
         mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
+        self.views = self._addresses = None
+        self.last_stream = None
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
+        not be done in place). Called after every MLX update of the banks; views are used only under
+        ``lock``, so a stale one is never written through."""
+        if self.slots == 0 or not self.cache.direct_reads:
+            self.views = self._addresses = None
+            return
+        arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
+        addresses = [host_address(a) for a in arrays]
+        if self.views is not None and addresses == self._addresses:
+            return
+        views = [host_bytes(a) for a in arrays] if None not in addresses else None
+        if views is None or any(v is None for v in views):
+            self.views = self._addresses = None
+            return
+        self.views, self._addresses = views, addresses
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]
@@ -124,13 +161,17 @@ class LayerBank:
     def resident_bytes(self) -> int:
         return self.slots * self.layer.expert_nbytes
 
-    def load(self, experts: np.ndarray) -> None:
+    def load(self, experts: np.ndarray, ready=None, keep=()) -> None:
         """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
 
-        ``self.while_reading``, if the caller (holding ``lock``) set it: called once the experts
-        already resident are pinned and before the others are read, when there are both (the layer
-        computes its hit rows meanwhile); it may return a function that waits for that work, called
-        before any slot is written (writing a slot that pending work reads would copy the bank)."""
+        ``ready(ids)``: called (on this thread) with the experts that were read, as they become
+        resident (with direct reads, one expert or a few at a time while the others are still being
+        read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
+        a wave still computing). ``self.while_reading``, if the caller (holding ``lock``) set it:
+        called once the experts already resident are pinned and before the others are read, when
+        there are both (the layer computes its hit rows meanwhile); it may return a function that
+        waits for that work, called before any slot is written with an MLX update (an update of a
+        bank that pending work reads copies the bank)."""
         while_reading, self.while_reading = self.while_reading, None
         self.cache.ensure_planned()
         if len(experts) > self.slots:
@@ -140,7 +181,8 @@ class LayerBank:
             )
         with self.lock:
             tick = self.cache.tick()
-            if self.identity and self.staged:
+            if self.identity and self.staged and ready is None:
+                # (a caller passing ``ready`` has work pending on the bank: it did this before)
                 self._install_finished()
             slots = self.slot_of[experts]
             hit = slots >= 0
@@ -156,7 +198,15 @@ class LayerBank:
                     # victims: free slots first, then least recently used; pinned slots never
                     priority = self.last_used.copy()
                     priority[slots[hit]] = np.iinfo(np.int64).max
+                    if len(keep):
+                        kept = self.slot_of[np.asarray(keep, dtype=np.int64)]
+                        priority[kept[kept >= 0]] = np.iinfo(np.int64).max
                     victims = np.argsort(priority, kind="stable")[: len(missing)]
+                    if (priority[victims] == np.iinfo(np.int64).max).any():
+                        raise ValueError(
+                            f"{self.path}: {len(missing)} experts to read but fewer slots are "
+                            "free of pinned and kept experts"
+                        )
                 old = self.expert_of[victims]
                 evicted = int((old >= 0).sum())
                 self.slot_of[old[old >= 0]] = -1
@@ -165,10 +215,7 @@ class LayerBank:
                 self.expert_of[victims] = -1
                 self.last_used[victims] = -1
                 waiter = while_reading() if while_reading is not None and hit.any() else None
-                self._read_into_slots(missing, victims, before_install=waiter)
-                self.slot_of[missing] = victims
-                self.expert_of[victims] = missing
-                self.last_used[victims] = tick
+                self._read_into_slots(missing, victims, tick, before_install=waiter, ready=ready)
             self.cache.stats.add(int(hit.sum()), len(missing), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
@@ -184,8 +231,11 @@ class LayerBank:
         if guess:
             self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
 
-    def _read_into_slots(self, experts: np.ndarray, slots: np.ndarray, before_install=None) -> None:
-        """Bytes from staged background reads where there are, from the store for the rest."""
+    def _read_into_slots(
+        self, experts: np.ndarray, slots: np.ndarray, tick: int, before_install=None, ready=None
+    ) -> None:
+        """Bytes from staged background reads where there are, from the store for the rest; each
+        expert is mapped to its slot once its bytes are there, and reported to ``ready``."""
         start = time.perf_counter()
         stats = self.cache.prefetch_stats
         groups = []  # (batch, rows of the batch, slots)
@@ -210,38 +260,104 @@ class LayerBank:
         groups.extend(by_batch.values())
         io = time.perf_counter() - start
         install = 0.0
-        wait = [before_install]
+        wait_first = [before_install]
+
+        def resident(pairs):
+            ids = [e for e, _ in pairs]
+            self.slot_of[ids] = [s for _, s in pairs]
+            self.expert_of[[s for _, s in pairs]] = ids
+            self.last_used[[s for _, s in pairs]] = tick
+            if ready is not None:
+                ready(ids)
 
         def write(groups):
             nonlocal install
-            if wait[0] is not None:
-                done, wait[0] = wait[0], None
+            if wait_first[0] is not None:
+                done, wait_first[0] = wait_first[0], None
                 done()
             t = time.perf_counter()
             self._install(groups)
             install += time.perf_counter() - t
+            for batch, rows, group_slots in groups:
+                resident([(int(batch.experts[r]), s) for r, s in zip(rows, group_slots)])
 
-        # the rest from the store, in chunks of at most the staging bound (a prefill wave can miss
-        # a whole bank's worth of experts: its bytes need not all be staged at once)
-        chunk = max(1, self.cache.staging_limit // max(1, self.layer.expert_nbytes))
-        for i in range(0, len(rest), chunk):
-            part = rest[i : i + chunk]
+        try:
+            if self.direct:
+                # staged ones first: their MLX update must not race with the direct writes
+                if groups:
+                    write(groups)
+                    groups = []
+                io += self._read_direct(rest, resident)
+            else:
+                # the rest from the store, in chunks of at most the staging bound (a prefill wave
+                # can miss a whole bank's worth of experts: its bytes need not all be staged at once)
+                chunk = max(1, self.cache.staging_limit // max(1, self.layer.expert_nbytes))
+                for i in range(0, len(rest), chunk):
+                    part = rest[i : i + chunk]
+                    t = time.perf_counter()
+                    batch = StagedBatch(self.layer, np.array([e for e, _ in part]), "demand")
+                    self.cache.store.read_many(batch.jobs())
+                    io += time.perf_counter() - t
+                    if groups:  # staged ones after the first read: it overlaps the layer's work
+                        write(groups)
+                        groups = []
+                    write([(batch, list(range(len(part))), [s for _, s in part])])
+                    del batch
+                if groups:
+                    write(groups)
+        finally:
+            still = {id(b) for b in self.staged.values()}
+            for key, batch in popped.items():
+                if key not in still:
+                    self.cache.release(batch)
+            self.cache.stats.add_time(io, install)
+
+    @property
+    def direct(self) -> bool:
+        """Whether demand reads go straight into the banks' memory now (module docstring)."""
+        return self.views is not None and self.cache.direct_reads and not self.cache.shared
+
+    def _read_direct(self, pairs, resident) -> float:
+        """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
+        ``resident`` as it lands. Every read has ended when this returns, also on error (the first
+        error is raised then; experts that landed stay resident). Returns the seconds waited."""
+        if not pairs:
+            return 0.0
+        stream = self.last_stream
+        if stream is not None and stream != mx.default_stream(mx.default_device()):
+            mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
+        views, refs = self.views, self.layer.refs
+        store = self.cache.store
+
+        def read(pair):
+            e, slot = pair
+            store.read_many([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
+
+        pool = self.cache.demand_pool
+        futures = {pool.submit(read, p): p for p in pairs}
+        order = {p: i for i, p in enumerate(pairs)}
+        pending, error, waited = set(futures), None, 0.0
+        while pending:
             t = time.perf_counter()
-            batch = StagedBatch(self.layer, np.array([e for e, _ in part]), "demand")
-            self.cache.store.read_many(batch.jobs())
-            io += time.perf_counter() - t
-            if groups:  # staged ones after the first read: that read overlaps the layer's work
-                write(groups)
-                groups = []
-            write([(batch, list(range(len(part))), [s for _, s in part])])
-            del batch
-        if groups:
-            write(groups)
-        still = {id(b) for b in self.staged.values()}
-        for key, batch in popped.items():
-            if key not in still:
-                self.cache.release(batch)
-        self.cache.stats.add_time(io, install)
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            waited += time.perf_counter() - t
+            landed = []
+            for f in done:
+                e = f.exception()
+                if e is None:
+                    landed.append(futures[f])
+                elif error is None:
+                    error = e
+            if landed and error is None:
+                # in submission order: deterministic work order for a given set of landings
+                landed.sort(key=order.__getitem__)
+                try:
+                    resident(landed)
+                except BaseException as e:  # still wait for every read before raising
+                    error = e
+        if error is not None:
+            raise error
+        return waited
 
     def _install(self, groups) -> None:
         """Write staged rows into slots, one slice copy per run of consecutive slots, then evaluate.
@@ -260,6 +376,8 @@ class LayerBank:
                     bank[s : s + n] = values[r : r + n]
         # evaluated now, in this thread (see ``allocate``)
         mx.eval([self.array(spec.proj, spec.part) for spec in parts])
+        if self.views is not None:
+            self._refresh_views()
 
     def _install_finished(self) -> None:
         """Identity banks: write every finished staged expert into its own slot."""
@@ -386,6 +504,10 @@ class ExpertCache:
         # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
         self.staging_bytes = staging_bytes
         self.prefetch_threads = prefetch_threads
+        # demand reads straight into the banks (see the module docstring); off: through staging
+        self.direct_reads = True
+        self._callers: set = set()  # threads that called a layer; direct reads need just one
+        self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
         self._filler: Optional[threading.Thread] = None
         self._fill_queue: List[LayerBank] = []
@@ -425,6 +547,32 @@ class ExpertCache:
         except ValueError:
             return None
         return order[i + 1] if i + 1 < len(order) else None
+
+    @property
+    def shared(self) -> bool:
+        """True once layers were called from more than one thread: direct reads are then off."""
+        return len(self._callers) > 1
+
+    def note_caller(self) -> None:
+        """Record the calling thread (a layer call on a bank that is not complete)."""
+        me = threading.get_ident()
+        if me not in self._callers:
+            with self._lock:
+                self._callers.add(me)
+
+    @property
+    def demand_pool(self) -> ThreadPoolExecutor:
+        """Threads that run the demand reads of one load in parallel, one expert each."""
+        if self._demand_pool is None:
+            with self._lock:
+                if self._closed:
+                    raise ExpertIOError("the expert cache is closed (its model was released)")
+                if self._demand_pool is None:
+                    threads = max(2, int(getattr(self.store, "threads", 4) or 4))
+                    self._demand_pool = ThreadPoolExecutor(
+                        threads, thread_name_prefix="mlx-lm-streaming-demand"
+                    )
+        return self._demand_pool
 
     # -- background reads ------------------------------------------------------------------------
 
@@ -504,6 +652,10 @@ class ExpertCache:
         self._closed = True
         if self._prefetcher is not None:
             self._prefetcher.close()
+        with self._lock:
+            pool, self._demand_pool = self._demand_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         filler = self._filler
         if filler is not None and filler is not threading.current_thread():
             filler.join()

@@ -19,6 +19,7 @@ Staged bytes are bounded (``ExpertPrefetcher.max_bytes``): a lookahead that does
 fill waits for room.
 """
 
+import ctypes
 import heapq
 import itertools
 import threading
@@ -104,6 +105,48 @@ def staging_buffer(rows: int, nbytes: int):
         if ok:
             return arr, view
     return None, np.empty((rows, nbytes), dtype=np.uint8)
+
+
+def host_bytes(arr: mx.array) -> Optional[np.ndarray]:
+    """A writable ``(rows, bytes per row)`` uint8 numpy view of an evaluated, row-contiguous MLX
+    array's own memory, or None where MLX memory has no writable host view (checked by a write that
+    MLX must then see).
+
+    The view holds no reference to the MLX array (a held reference would stop MLX from updating the
+    array in place, see ``LayerBank._install``), so it is valid only while the array keeps this
+    buffer: ``host_address`` tells whether it still does."""
+    if _HOST_VIEWS is False or arr.size == 0:
+        return None
+    address = host_address(arr)
+    if address is None:
+        return None
+    rows = arr.shape[0]
+    raw = (ctypes.c_uint8 * arr.nbytes).from_address(address)
+    view = np.ctypeslib.as_array(raw).reshape(rows, arr.nbytes // rows)
+    # a write through the view must be what MLX reads (then put the byte back)
+    old = int(view[0, 0])
+    view[0, 0] = old ^ 0xFF
+    seen = int(arr.reshape(-1)[:1].view(mx.uint8)[0].item()) if arr.dtype.size >= 1 else -1
+    view[0, 0] = old
+    if seen != old ^ 0xFF:
+        return None
+    return view
+
+
+def host_address(arr: mx.array) -> Optional[int]:
+    """Address of an evaluated, row-contiguous MLX array's memory, or None."""
+    try:
+        flat = arr if arr.dtype in _NUMPY_DTYPES else arr.view(mx.uint8)
+        mx.eval(flat)
+        view = np.array(flat, copy=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if not view.flags.c_contiguous or view.nbytes != arr.nbytes or view.ctypes.data == 0:
+        return None
+    return int(view.ctypes.data)
+
+
+_NUMPY_DTYPES = (mx.uint8, mx.uint16, mx.uint32, mx.int8, mx.int32, mx.float16, mx.float32)
 
 
 class PrefetchStats:

@@ -56,6 +56,7 @@ class StreamingSwitchGLU(nn.Module):
             if not getattr(kernel, "needs_host_slots", True):
                 # every expert in its own slot: expert ids are slot ids, the stock graph, no sync
                 return kernel(x, indices, None, bank)
+        cache.note_caller()
         indices = mx.stop_gradient(indices)
         ahead = self._lookahead(x, indices)
         if ahead is not None:
@@ -63,6 +64,14 @@ class StreamingSwitchGLU(nn.Module):
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
         experts = np.unique(idx)
         try:
+            with bank.lock:
+                if bank.direct:
+                    y = self._as_they_land(x, idx, experts, ahead)
+                    # submitted before the lock is let go: a later call's host sync on this stream
+                    # then waits for it, so no pending work reads a slot that call rewrites
+                    mx.async_eval(y)
+                    bank.last_stream = mx.default_stream(mx.default_device())
+                    return y
             if len(experts) <= bank.slots:
                 with bank.lock:
                     early = {}
@@ -99,6 +108,69 @@ class StreamingSwitchGLU(nn.Module):
         xw = x.reshape(-1, x.shape[-1])[mx.array(rows // k)]
         kernel = self._selector.select(bank, rows.size)
         return kernel(xw, slots, slots_np, bank)[:, 0]
+
+    def _as_they_land(self, x, idx, experts, ahead):
+        """Direct reads (``LayerBank.direct``): the resident experts' rows first, then each read
+        expert's rows as soon as its bytes land, while the others are still read. With more
+        experts than slots, waves of at most half the slots, so that a wave's reads go into the
+        other half while the wave before computes. Each row is computed once, by the same kernel."""
+        bank = self._bank
+        flat = idx.reshape(-1)
+        rows_done, outs = [], []
+
+        def compute(ids):
+            rows = np.nonzero(np.isin(flat, ids))[0]
+            y = self._rows(x, idx, rows)
+            mx.async_eval(y)
+            rows_done.append(rows)
+            outs.append(y)
+
+        if len(experts) <= bank.slots:
+            self._take_staged(experts, experts)
+            hit = experts[bank.slot_of[experts] >= 0]
+            if len(hit):
+                compute(hit)
+            bank.load(experts, ready=compute)
+        else:
+            # resident experts first (no read), then the rest; ids ascending within each
+            resident = bank.slot_of[experts] >= 0
+            ordered = np.concatenate([experts[resident], experts[~resident]])
+            size = max(1, bank.slots // 2)
+            overlap = 2 * size <= bank.slots  # room for a wave next to the one computing
+            waves = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+            ends = []  # len(outs) after each wave
+            for w, wave in enumerate(waves):
+                # the wave whose slots this one may take has finished computing
+                back = w - 2 if overlap else w - 1
+                if back >= 0:
+                    mx.eval(outs[: ends[back]])
+                keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
+                self._take_staged(wave, keep)
+                hit = wave[bank.slot_of[wave] >= 0]
+                if len(hit):
+                    compute(hit)
+                bank.load(wave, ready=compute, keep=keep)
+                ends.append(len(outs))
+        if ahead is not None:
+            _stage_ahead(*ahead)
+        if bank.identity and not bank.complete:
+            bank.cache.request_fill(bank)
+        if len(outs) == 1 and len(rows_done[0]) == flat.size:
+            y = outs[0]  # every row, in order
+        else:
+            order = np.argsort(np.concatenate(rows_done), kind="stable")
+            y = mx.concatenate(outs, axis=0)[mx.array(order)]
+        return y.reshape(*idx.shape, y.shape[-1])
+
+    def _take_staged(self, experts, keep):
+        """Before any of this call's work is pending: write the experts read in the background into
+        their slots (an MLX update, which would copy a bank that pending work reads)."""
+        bank = self._bank
+        if bank.identity and bank.staged:
+            bank._install_finished()
+        staged = [e for e in experts.tolist() if e in bank.staged]
+        if staged:
+            bank.load(np.array(staged, dtype=np.int64), keep=keep)
 
     def _hits_first(self, x, idx, early):
         """Called by ``load`` before it reads the misses: start computing the rows whose experts

@@ -22,12 +22,14 @@ class CountingKernel(GatherKernel):
 
     def __init__(self):
         self.calls = 0
+        self.banks = set()
 
     def priority(self, backend, bank, rows):
         return 100.0
 
     def __call__(self, x, slots, slots_np, bank):
         self.calls += 1
+        self.banks.add(bank.path)
         return super().__call__(x, slots, slots_np, bank)
 
 
@@ -84,7 +86,8 @@ def test_third_party_kernel_and_store_are_used(checkpoint, third_party):
     assert isinstance(model.expert_streaming.store, CountingStore)
     tokens = mx.array([[5, 6, 7, 8]])
     assert mx.array_equal(stock(tokens), model(tokens)).item()
-    assert third_party.kernel.calls == 2  # one per MoE layer
+    # every MoE layer computed its experts with it (once per group of experts as they landed)
+    assert len(third_party.kernel.banks) == 2
 
 
 def test_unavailable_kernel_falls_back(checkpoint, third_party):

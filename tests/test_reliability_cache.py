@@ -207,12 +207,13 @@ def test_waves_never_exceed_slots_and_stay_exact(wave_models, slots, tokens, bat
     for bank in banks:
         loads[bank] = bank.load
 
-        def recording(experts, bank=bank):
+        def recording(experts, bank=bank, **kw):
             sizes.append((len(experts), bank.slots))
-            before = {e: int(bank.slot_of[e]) for e in experts.tolist() if bank.slot_of[e] >= 0}
-            loads[bank](experts)
+            pinned = list(experts.tolist()) + [int(e) for e in kw.get("keep", ())]
+            before = {e: int(bank.slot_of[e]) for e in pinned if bank.slot_of[e] >= 0}
+            loads[bank](experts, **kw)
             for e, slot in before.items():
-                assert bank.slot_of[e] == slot, "pinned expert moved"
+                assert bank.slot_of[e] == slot, "pinned or kept expert moved"
             assert (bank.slot_of[experts] >= 0).all()
 
         bank.load = recording

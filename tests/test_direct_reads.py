@@ -1,0 +1,183 @@
+"""Direct reads: missed experts are read straight into their slots' memory and each expert's rows are
+computed as soon as its bytes land (``LayerBank.direct``, ``StreamingSwitchGLU._as_they_land``).
+
+Writing bank memory behind MLX's back must never change what is computed: logits equal stock mlx-lm's
+bit for bit for every budget (waves of one slot up to decode-sized calls), a second calling thread
+turns direct reads off, views follow a bank that MLX moved, and a failed read leaves no slot naming
+bytes that did not land.
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support import load_stock, load_streaming
+
+from mlx_lm_streaming.cache import GB, LayerBank
+from mlx_lm_streaming.errors import ExpertIOError
+from mlx_lm_streaming.synthetic import build_checkpoint
+from test_prefetch import run, same
+
+
+def per_slot(model):
+    return sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory):
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("direct") / "q3",
+        "qwen3_moe",
+        "affine4",
+        num_layers=3,
+        overrides={"experts": 16},
+    )
+    stock, _ = load_stock(path)
+    tokens = mx.array(
+        [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
+    )
+    return path, tokens, run(stock, tokens)
+
+
+def counting(monkeypatch):
+    """Count direct reads and the ``ready`` reports of each load."""
+    seen = {"direct": 0, "reports": 0, "loads": 0}
+    real_direct, real_load = LayerBank._read_direct, LayerBank.load
+
+    def read_direct(self, pairs, resident):
+        seen["direct"] += len(pairs)
+
+        def report(landed):
+            seen["reports"] += 1
+            return resident(landed)
+
+        return real_direct(self, pairs, report)
+
+    def load(self, experts, ready=None, keep=()):
+        seen["loads"] += 1
+        return real_load(self, experts, ready=ready, keep=keep)
+
+    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(LayerBank, "load", load)
+    return seen
+
+
+# slots per layer: 1 (waves of one, no overlap), 2 and 3 (waves of one next to the one computing),
+# 5 (waves of two), 16 (every expert: identity banks, filled in the background)
+@pytest.mark.parametrize("slots", [1, 2, 3, 5, 16])
+def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(slots * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    cache.ensure_planned()
+    assert all(b.slots == slots and b.direct for b in cache.banks)
+    seen = counting(monkeypatch)
+    assert same(want, run(model, tokens))
+    assert seen["direct"] > 0 and seen["reports"] > 0
+    # nothing went through staging buffers
+    assert cache.stats.install_seconds == 0 or slots == 16
+    assert cache.resident_bytes <= slots * per_slot(probe)
+    model.expert_streaming.close()
+
+
+def test_experts_are_computed_as_they_land(q3, monkeypatch):
+    """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(8 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
+    store, real = cache.store, cache.store.read_many
+
+    def slow(jobs):
+        time.sleep(0.01)  # the layer is done with the expert before the next one lands
+        return real(jobs)
+
+    monkeypatch.setattr(store, "read_many", slow)
+    per_load = []
+    real_direct = LayerBank._read_direct
+
+    def read_direct(self, pairs, resident):
+        landed = []
+        waited = real_direct(self, pairs, lambda ids: (landed.append(ids), resident(ids)))
+        per_load.append((len(pairs), landed))
+        return waited
+
+    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    assert same(want, run(model, tokens))
+    several = [(n, landed) for n, landed in per_load if n >= 2]
+    assert several
+    # one report per expert, as it landed (not one for the whole load)
+    assert all(len(landed) == n and all(len(g) == 1 for g in landed) for n, landed in several)
+    model.expert_streaming.close()
+
+
+def test_a_second_thread_turns_direct_reads_off(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    assert same(want, run(model, tokens))
+    assert all(b.direct for b in cache.banks)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("got", run(model, tokens)))
+    t.start()
+    t.join()
+    assert same(want, out["got"])
+    assert cache.shared and not any(b.direct for b in cache.banks)
+    assert same(want, run(model, tokens))
+    model.expert_streaming.close()
+
+
+def test_views_follow_a_bank_moved_by_mlx(q3):
+    path, _, _ = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(2 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    bank = cache.banks[0]
+    spec = bank.layer.parts[0]
+    before = bank._addresses[0]
+    # a new array for the bank, as an update that could not be done in place leaves it
+    bank.glu[spec.proj][spec.part] = mx.array(np.array(bank.array(spec.proj, spec.part)))
+    mx.eval(bank.array(spec.proj, spec.part))
+    bank._refresh_views()
+    assert bank._addresses[0] != before
+    bank.views[0][1, :4] = 7
+    seen = np.array(bank.array(spec.proj, spec.part)[1].view(mx.uint8)).reshape(-1)[:4]
+    assert (seen == 7).all()
+    model.expert_streaming.close()
+
+
+def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    store = cache.store
+    real = store.read_many
+    calls = {"n": 0}
+
+    def flaky(jobs):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise ExpertIOError("injected: read failed")
+        return real(jobs)
+
+    monkeypatch.setattr(store, "read_many", flaky)
+    with pytest.raises(ExpertIOError, match="injected"):
+        run(model, tokens)
+    for bank in cache.banks:
+        mapped = np.nonzero(bank.slot_of >= 0)[0]
+        assert (bank.expert_of[bank.slot_of[mapped]] == mapped).all()
+    # every mapped slot holds its expert's bytes: with reads working again, logits are stock's
+    monkeypatch.setattr(store, "read_many", real)
+    assert same(want, run(model, tokens))
+    model.expert_streaming.close()
