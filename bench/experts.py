@@ -517,6 +517,11 @@ def run_arch(name, path, args, device):
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.split_misses = False
         configs["cold_nosplit"] = Config("cold_nosplit", m, cold=True, files=files)
+    if "cold_staged" in ablations:
+        # demand reads through staging buffers and an MLX copy into the banks (before direct reads)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
+        m.expert_streaming.cache.direct_reads = False
+        configs["cold_staged"] = Config("cold_staged", m, cold=True, files=files)
     if "cold_nolookahead" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.lookahead = False
@@ -661,6 +666,8 @@ def run_arch(name, path, args, device):
 
     # whether staging buffers are MLX memory written through host views (else numpy + a copy)
     res["staging_host_views"] = prefetch._HOST_VIEWS
+    # whether the cold configuration read straight into its banks (host views of MLX memory)
+    res["direct_reads"] = all(b.direct for b in cold.expert_streaming.cache.banks)
     res["ratios"] = ratios(res, rounds)
     del configs, stock, warm, cold
     gc.collect()
@@ -1021,7 +1028,8 @@ def main():
     ap.add_argument(
         "--ablations",
         default=None,
-        help="comma-separated: warm_sync,cold_nolookahead,cold_packed,cold_packed_direct",
+        help="comma-separated: warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,"
+        "cold_packed,cold_packed_direct",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
     ap.add_argument("--no-rss", action="store_true")
@@ -1074,9 +1082,10 @@ def main():
     )
     if args.ablations is None:
         args.ablations = (
-            "warm_sync,cold_nosplit,cold_nolookahead,cold_packed"
+            "warm_sync,cold_staged,cold_nolookahead,cold_packed"
             if args.quick
-            else "warm_sync,cold_nosplit,cold_nolookahead,cold_t8,cold_packed,cold_packed_direct"
+            else "warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,cold_packed,"
+            "cold_packed_direct"
         )
     args.ablations = [a for a in args.ablations.split(",") if a]
     args.seeds = [s for s in args.seeds.split(",") if s]

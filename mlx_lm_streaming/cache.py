@@ -499,7 +499,8 @@ class ExpertCache:
         self.lookahead_min_precision = 0.5
         self.fill = fill
         self.skip_sync = skip_sync
-        # a layer computes the rows of its resident experts while it reads the others
+        # a layer computes the rows of its resident experts while it reads the others (and, with
+        # direct reads, each read expert's rows as it lands)
         self.split_misses = True
         # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
         self.staging_bytes = staging_bytes

@@ -125,7 +125,12 @@ class StreamingSwitchGLU(nn.Module):
             rows_done.append(rows)
             outs.append(y)
 
-        if len(experts) <= bank.slots:
+        if len(experts) <= bank.slots and not bank.cache.split_misses:
+            # (ablation: every row once all experts are resident)
+            self._take_staged(experts, experts)
+            bank.load(experts)
+            compute(experts)
+        elif len(experts) <= bank.slots:
             self._take_staged(experts, experts)
             hit = experts[bank.slot_of[experts] >= 0]
             if len(hit):
