@@ -99,15 +99,25 @@ class StreamingSwitchGLU(nn.Module):
             bank.drop_staged()
 
     def _rows(self, x, idx, rows):
-        """The kernel over the (token, expert) rows ``rows`` of the flattened call, ``(n, D)``."""
+        """The kernel over the (token, expert) rows ``rows`` of the flattened call, ``(n, D)``.
+
+        Where the kernel's per-row results depend on how many rows it is given (``subset_exact``),
+        the rows are padded to the whole call's count with copies of the first one (dropped after),
+        so that every partial call has stock's shapes."""
         bank = self._bank
         k = idx.shape[-1]
         flat = idx.reshape(-1)
+        n = rows.size
+        kernel = self._selector.select(bank, flat.size)
+        if n < flat.size and not kernel.subset_exact(self._selector.backend):
+            rows = np.concatenate([rows, np.full(flat.size - n, rows[0], dtype=rows.dtype)])
+        else:
+            kernel = self._selector.select(bank, n)
         slots_np = bank.slot_of[flat[rows]][:, None]
         slots = mx.array(slots_np.astype(np.uint32))
         xw = x.reshape(-1, x.shape[-1])[mx.array(rows // k)]
-        kernel = self._selector.select(bank, rows.size)
-        return kernel(xw, slots, slots_np, bank)[:, 0]
+        y = kernel(xw, slots, slots_np, bank)[:, 0]
+        return y if rows.size == n else y[:n]
 
     def _as_they_land(self, x, idx, experts, ahead):
         """Direct reads (``LayerBank.direct``): the resident experts' rows first, then each read
@@ -215,9 +225,7 @@ class StreamingSwitchGLU(nn.Module):
 
     def _waves(self, x, idx, experts, ahead):
         bank = self._bank
-        k = idx.shape[-1]
         flat = idx.reshape(-1)
-        x_flat = x.reshape(-1, x.shape[-1])
         size = bank.slots
         waves = [experts[i : i + size] for i in range(0, len(experts), size)]
         outs, rows_done = [], []
@@ -231,11 +239,7 @@ class StreamingSwitchGLU(nn.Module):
                     bank.stage(waves[w + 1], "wave", WAVE, fit=True)
                 elif ahead is not None:
                     _stage_ahead(*ahead)
-                slots_np = bank.slot_of[flat[rows]][:, None]
-                slots = mx.array(slots_np.astype(np.uint32))
-                xw = x_flat[mx.array(rows // k)]
-                kernel = self._selector.select(bank, rows.size)
-                yw = kernel(xw, slots, slots_np, bank)[:, 0]
+                yw = self._rows(x, idx, rows)
                 # finish this wave before the next one reuses the slots
                 mx.eval(yw)
             outs.append(yw)

@@ -181,3 +181,30 @@ def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
     monkeypatch.setattr(store, "read_many", real)
     assert same(want, run(model, tokens))
     model.expert_streaming.close()
+
+
+def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
+    """A kernel whose per-row bits depend on the row count (gather_qmm on CUDA) always gets the whole
+    call's row count: partial calls (hits, landings, waves) are padded, and the result is unchanged."""
+    from mlx_lm_streaming.kernels.gather import GatherKernel
+
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    monkeypatch.setattr(GatherKernel, "subset_exact_on", ())
+    counts = []
+    real = GatherKernel.__call__
+
+    def call(self, x, slots, slots_np, bank):
+        counts.append(slots.size)
+        return real(self, x, slots, slots_np, bank)
+
+    monkeypatch.setattr(GatherKernel, "__call__", call)
+    for slots in (3, 8):
+        model, _ = load_streaming(path, expert_cache_gb=(slots * per_slot(probe) + 0.5) / GB)
+        model.expert_streaming.cache.lookahead = False
+        counts.clear()
+        assert same(want, run(model, tokens))
+        k = model.args.num_experts_per_tok
+        # prompt: 2 x 12 tokens x top-k rows; decode: 2 x top-k rows
+        assert counts and set(counts) == {tokens.size * k, tokens.shape[0] * k}, set(counts)
+        model.expert_streaming.close()

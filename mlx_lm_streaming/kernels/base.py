@@ -30,6 +30,14 @@ class ExpertKernel:
     name = "base"
     # backends on which the kernel was measured bit-identical to stock mlx-lm
     exact_on = ()
+    # backends on which computing a subset of a call's (token, expert) rows gives each row the same
+    # bits as the whole call: there the layer may compute rows in groups (the resident experts' while
+    # the others are read, each read expert's as it lands, waves). Elsewhere every partial call is
+    # padded to the whole call's row count (repeating a row it has, results dropped), so the kernel
+    # sees the shapes stock mlx-lm gives it. Measured on CUDA (H200, mlx 0.32.4, bf16): gather_qmm
+    # over 8 rows, in groups of 4 or fewer, is not bit-identical to the 8 at once; 16 of 32, 64 of
+    # 512 are (``bench/cuda_rows.py``): the kernel's launch shape depends on the row count.
+    subset_exact_on = ()
     # whether it reads ``slots_np`` (host copy of the slot ids); if not, a complete bank whose slots
     # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync
     needs_host_slots = True
@@ -39,6 +47,9 @@ class ExpertKernel:
 
     def exact(self, backend: str) -> bool:
         return backend in self.exact_on
+
+    def subset_exact(self, backend: str) -> bool:
+        return backend in self.subset_exact_on
 
     def supports(self, bank) -> bool:
         return True

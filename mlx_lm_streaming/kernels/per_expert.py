@@ -16,6 +16,7 @@ from .base import ExpertKernel
 class PerExpertKernel(ExpertKernel):
     name = "per_expert"
     exact_on = ("cpu",)
+    subset_exact_on = ("cpu",)
 
     def supports(self, bank):
         return all(spec.part != "global_scale" for spec in bank.layer.parts)
