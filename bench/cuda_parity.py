@@ -34,7 +34,21 @@ CASES = [
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
+    ap.add_argument(
+        "--no-direct", action="store_true", help="demand reads through staging (no direct reads)"
+    )
     args = ap.parse_args()
+    if args.no_direct:
+        from mlx_lm_streaming import cache as cache_mod
+
+        init = cache_mod.ExpertCache.__init__
+
+        def no_direct(self, *a, **kw):
+            init(self, *a, **kw)
+            self.direct_reads = False
+
+        cache_mod.ExpertCache.__init__ = no_direct
     import mlx.core as mx
 
     from mlx_lm_streaming.kernels.base import backend
@@ -43,7 +57,7 @@ def main():
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arch, variant, dtype in CASES:
+        for arch, variant, dtype in CASES[: args.cases]:
             start = time.time()
             try:
                 path = build_checkpoint(

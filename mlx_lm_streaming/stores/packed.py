@@ -123,6 +123,11 @@ class PackedStore(ExpertStore):
             direct=bool(direct),
         )
         self.direct = bool(direct)
+        # O_DIRECT straight into the caller's buffers (when aligned) only on MLX's CPU backend: the
+        # buffers can be MLX memory, which on CUDA is unified (cudaMallocManaged) memory, and DMA
+        # into it was measured to give wrong bytes on the H200 (logits not bit-identical); there the
+        # reads go through the bounce buffer and a CPU copy
+        self.dma_into_buffers = _mlx_on_cpu()
         self._fallback = None
         self._pool = None
         self._local = threading.local()
@@ -149,7 +154,9 @@ class PackedStore(ExpertStore):
         align = self.pack.align
         if not self.direct:
             self._pread(self.pack.fd, bufs, entry["offset"], total)
-        elif all(len(b) % align == 0 and _address(b) % align == 0 for b in bufs):
+        elif self.dma_into_buffers and all(
+            len(b) % align == 0 and _address(b) % align == 0 for b in bufs
+        ):
             self._pread(self.pack.direct_fd, bufs, entry["offset"], total)
         else:
             # O_DIRECT needs aligned memory: through a page-aligned bounce buffer, in chunks
@@ -265,6 +272,14 @@ class PackedStore(ExpertStore):
         if self._fallback is not None:
             self._fallback.close()
         self.pack.close()
+
+
+def _mlx_on_cpu() -> bool:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return True
+    return mx.default_device() == mx.cpu
 
 
 def _address(buf: memoryview) -> int:
