@@ -58,6 +58,7 @@ class StreamingState:
             budget = int(options.expert_cache_gb * GB)
         self.cache = ExpertCache(self.store, budget)
         self.selector = KernelSelector(options.kernel)
+        self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         self.resident_bytes = 0
         # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
         self.pipeline: Optional[tuple] = None

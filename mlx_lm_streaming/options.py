@@ -3,7 +3,7 @@
 1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``;
+   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -24,6 +24,7 @@ ENV = {
     "store": "MLX_LM_STREAMING_STORE",
     "kernel": "MLX_LM_STREAMING_KERNEL",
     "stats": "MLX_LM_STREAMING_STATS",
+    "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -38,6 +39,9 @@ class StreamingOptions:
     kernel: str = "auto"
     stats: bool = False  # print one summary line at exit
     store_options: Dict[str, Any] = field(default_factory=dict)
+    # demand reads straight into the slot banks (cache.py): None = where verified bit-exact, i.e.
+    # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
+    direct_reads: Optional[bool] = None
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
@@ -54,6 +58,19 @@ class StreamingOptions:
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
+        value = self.direct_reads
+        if isinstance(value, str):
+            word = value.strip().lower()
+            value = None if word == "auto" else True if word in TRUE else False if word in FALSE else value
+        if value is not None and not isinstance(value, bool):
+            raise ConfigurationError(
+                f"direct_reads must be true, false or auto, got {self.direct_reads!r}"
+            )
+        self.direct_reads = value
+
+    def use_direct_reads(self, backend: str) -> bool:
+        """Whether demand reads go straight into the banks on ``backend`` (cpu, cuda, metal)."""
+        return backend == "cpu" if self.direct_reads is None else self.direct_reads
 
     @classmethod
     def from_value(cls, value) -> Optional["StreamingOptions"]:
@@ -89,7 +106,7 @@ class StreamingOptions:
                 f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
             )
         kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel"):
+        for name in ("expert_cache_gb", "store", "kernel", "direct_reads"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
         kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE

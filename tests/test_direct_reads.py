@@ -208,3 +208,26 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
         # prompt: 2 x 12 tokens x top-k rows; decode: 2 x top-k rows
         assert counts and set(counts) == {tokens.size * k, tokens.shape[0] * k}, set(counts)
         model.expert_streaming.close()
+
+
+def test_the_option_turns_direct_reads_on_and_off(q3, monkeypatch):
+    from mlx_lm_streaming.errors import ConfigurationError
+    from mlx_lm_streaming.options import StreamingOptions
+
+    path, tokens, want = q3
+    for value, direct in ((None, True), (False, False), ("0", False), ("auto", True), (True, True)):
+        opts = {} if value is None else {"direct_reads": value}
+        model, _ = load_streaming(path, expert_cache_gb=0.01, **opts)
+        cache = model.expert_streaming.cache
+        cache.ensure_planned()
+        assert all(b.direct == direct for b in cache.banks), value
+        assert same(want, run(model, tokens))
+        model.expert_streaming.close()
+    # auto: only where verified (the CPU backend)
+    assert not StreamingOptions().use_direct_reads("cuda")
+    assert StreamingOptions(direct_reads=True).use_direct_reads("metal")
+    monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
+    monkeypatch.setenv("MLX_LM_STREAMING_DIRECT_READS", "0")
+    assert StreamingOptions.from_env().direct_reads is False
+    with pytest.raises(ConfigurationError, match="direct_reads"):
+        StreamingOptions(direct_reads="sometimes")
