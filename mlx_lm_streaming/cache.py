@@ -44,8 +44,10 @@ from .index import LayerExperts
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
 GB = 1 << 30
-# staging buffers (background reads, and demand reads per chunk) are bounded by this share of the
-# budget, but hold at least two experts: peak memory stays within ~2x this over the budget
+# staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
+# this share of the budget; without direct reads they hold at least two experts (demand reads and the
+# next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
+# not read. Peak memory stays within ~2x this over the budget
 STAGING_SHARE = 0.05
 
 
@@ -603,7 +605,8 @@ class ExpertCache:
             return int(self.staging_bytes)
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
         budget = self.budget_bytes if self.budget_bytes is not None else self.total_expert_bytes
-        return int(max(STAGING_SHARE * budget, 2 * biggest))
+        floor = 0 if self.direct_reads else 2 * biggest
+        return int(max(STAGING_SHARE * budget, floor))
 
     def release(self, batch: StagedBatch, when_done: bool = False) -> None:
         prefetcher = self._prefetcher

@@ -66,6 +66,8 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     model, _ = load_streaming(path, expert_cache_gb=budget)
     cache = model.expert_streaming.cache
     cache.direct_reads = direct
+    # room for a few staged experts (by default 5% of so small a budget holds none)
+    cache.staging_bytes = 4 * cache.banks[0].layer.expert_nbytes
     assert cache.lookahead
     assert all(b.router is not None for b in cache.banks)
     assert same(want, run(model, tokens))
@@ -157,6 +159,7 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
     probe, _ = load_streaming(path)
     model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
     store = model.expert_streaming.store
+    model.expert_streaming.cache.staging_bytes = 4 * per_slot(probe)  # room for lookaheads
     real = store.read_many
     main = threading.main_thread()
 
