@@ -109,7 +109,11 @@ def run_plan(args) -> int:
     print(f"resident weights: {_size(state.resident_bytes)}")
     how = "given" if args.expert_cache_gb is not None else "default"
     print(f"expert cache budget ({how}): {_size(cache.budget_bytes)}")
-    print(f"slots per layer: {slots} ({_size(slots * per_slot)} used)")
+    plan = cache.plan_slots()
+    used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+    more = sum(n > slots for n in plan)
+    extra = f"; {more} layers get {slots + 1}" if more else ""
+    print(f"slots per layer: {slots}{extra} ({_size(used)} used)")
     state.close()
     return 0
 

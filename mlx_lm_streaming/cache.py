@@ -8,7 +8,8 @@ are swapped for the banks. The router's expert ids become slot ids (``slot_of[ex
 
 Loading experts into slots never evicts an expert the current call pins (the experts it is about to
 compute). The budget is global: every layer gets the same number of slots,
-``budget // sum(bytes of one expert of each layer)``, at most the layer's expert count.
+``budget // sum(bytes of one expert of each layer)``, at most the layer's expert count, and what that
+leaves of the budget gives one more slot to layers in model order while it lasts.
 
 A bank with a slot per expert (``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity):
 once every expert of the layer is resident the bank is ``complete``, and the layer passes the router's
@@ -691,10 +692,24 @@ class ExpertCache:
             )
         return min(slots, most)
 
-    def _plan(self) -> None:
+    def plan_slots(self) -> List[int]:
+        """Slots per bank, in model order: ``slots_for_budget()`` each, then what the budget has left
+        gives one more slot to layers in model order while it lasts (8 GiB over a 32-layer
+        Mixtral-8x7B is 2 slots per layer and 1.44 GiB left: a third slot for 13 layers)."""
+        banks = self.banks
         slots = self.slots_for_budget()
-        for bank in self.banks:
-            bank.allocate(min(slots, bank.num_experts))
+        plan = [min(slots, b.num_experts) for b in banks]
+        if self.budget_bytes is not None:
+            left = self.budget_bytes - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+            for i, b in enumerate(banks):
+                if plan[i] < b.num_experts and left >= b.layer.expert_nbytes:
+                    plan[i] += 1
+                    left -= b.layer.expert_nbytes
+        return plan
+
+    def _plan(self) -> None:
+        for bank, slots in zip(self.banks, self.plan_slots()):
+            bank.allocate(slots)
 
     @property
     def resident_bytes(self) -> int:

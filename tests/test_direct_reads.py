@@ -231,3 +231,18 @@ def test_the_option_turns_direct_reads_on_and_off(q3, monkeypatch):
     assert StreamingOptions.from_env().direct_reads is False
     with pytest.raises(ConfigurationError, match="direct_reads"):
         StreamingOptions(direct_reads="sometimes")
+
+
+def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
+    path, tokens, want = q3
+    probe, _ = load_streaming(path)
+    banks = probe.expert_streaming.cache.banks
+    one = banks[0].layer.expert_nbytes
+    # three slots per layer, and room for two more experts: the first two layers get a fourth
+    model, _ = load_streaming(path, expert_cache_gb=(3 * per_slot(probe) + 2 * one + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    assert [b.slots for b in cache.banks] == [4, 4] + [3] * (len(banks) - 2)
+    assert cache.resident_bytes <= cache.budget_bytes
+    assert same(want, run(model, tokens))
+    model.expert_streaming.close()
