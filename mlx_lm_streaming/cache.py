@@ -652,17 +652,19 @@ class ExpertCache:
                     break
                 bank.stage(np.array(todo[i : i + chunk]), "fill", FILL, block=True)
 
-    def close(self) -> None:
-        """Stop background reads (the store is closed by its owner)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop background reads (the store is closed by its owner). ``wait=False`` joins no thread:
+        for the finalizer that runs when a model is garbage collected, which can run inside another
+        thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
         self._closed = True
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self._prefetcher.close(wait=wait)
         with self._lock:
             pool, self._demand_pool = self._demand_pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait)
         filler = self._filler
-        if filler is not None and filler is not threading.current_thread():
+        if wait and filler is not None and filler is not threading.current_thread():
             filler.join()
 
     def tick(self) -> int:

@@ -8,6 +8,7 @@ shapes the index checks the checkpoint against are those of the quantized stock 
 """
 
 import atexit
+import inspect
 import os
 import sys
 import weakref
@@ -79,10 +80,19 @@ class StreamingState:
             line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
         return line
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop background reads, then close the store. ``wait=False`` (the finalizer of a model
+        that was garbage collected): join no thread (see ``ExpertCache.close``)."""
         self.closed = True
-        self.cache.close()  # background reads first
-        self.store.close()
+        self.cache.close(wait=wait)  # background reads first
+        try:
+            takes_wait = "wait" in inspect.signature(self.store.close).parameters
+        except (TypeError, ValueError):
+            takes_wait = False
+        if takes_wait:
+            self.store.close(wait=wait)
+        else:
+            self.store.close()
 
 
 def _module_at(model, path: str):
@@ -230,7 +240,7 @@ def load_streaming_model(
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported
     _stream_per_pipeline_stage(model, state)
-    weakref.finalize(model, state.close)
+    weakref.finalize(model, state.close, wait=False)
     if options.stats:
         _print_stats_at_exit(state)
     return model, config

@@ -279,8 +279,9 @@ class ExpertPrefetcher:
             else:
                 batch.future.set_result(None)
 
-    def close(self) -> None:
-        """Stop the threads; staged batches not yet read are cancelled."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the threads; staged batches not yet read are cancelled. ``wait``: join the
+        threads (their reads in flight end first)."""
         with self._cv:
             self._closed = True
             pending, self._heap = self._heap, []
@@ -288,7 +289,7 @@ class ExpertPrefetcher:
             self._cv.notify_all()
         for _, _, batch in pending:
             batch.future.cancel()
-        for t in workers:
+        for t in workers if wait else ():
             if t is not threading.current_thread():
                 t.join()
 

@@ -52,8 +52,10 @@ class ExpertStore:
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
-    def close(self) -> None:
-        """Release files and threads; the store may not be used afterwards."""
+    def close(self, wait: bool = True) -> None:
+        """Release files and threads; the store may not be used afterwards. ``wait=False``: do not
+        join threads (the call may come from a garbage-collection finalizer, where joining a thread
+        can deadlock). A store whose ``close`` takes no ``wait`` is called without it."""
 
     def __enter__(self):
         return self

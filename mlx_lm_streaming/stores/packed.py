@@ -99,7 +99,8 @@ class PackFile:
                 inner += n
         self.verified = bytearray(len(self.entries))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
         for fd in (self.fd, self.direct_fd):
             if fd is not None:
                 os.close(fd)
@@ -267,7 +268,7 @@ class PackedStore(ExpertStore):
                 return
             self._closed = True
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait)
             self._pool = None
         if self._fallback is not None:
             self._fallback.close()

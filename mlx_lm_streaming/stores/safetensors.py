@@ -132,12 +132,13 @@ class SafetensorsStore(ExpertStore):
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
         with self._lock:
             self._closed = True
             fds, self._fds = self._fds, {}
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait)
             self._pool = None
         for fd in fds.values():
             os.close(fd)
