@@ -51,6 +51,19 @@ def reader_threads():
     return [t for t in threading.enumerate() if t.name.startswith("mlx-lm-streaming")]
 
 
+def settled_reader_threads(timeout=10.0):
+    """Our threads once those of models dropped earlier ended (a garbage-collected model's
+    finalizer joins no thread: they end on their own, promptly)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = reader_threads()
+        time.sleep(0.1)
+        if reader_threads() == before and all(t.is_alive() for t in before):
+            return before
+    return reader_threads()
+
+
 @pytest.fixture(scope="module")
 def setup(checkpoint):
     path = checkpoint("qwen3_moe", "affine4")
@@ -95,8 +108,8 @@ def run_concurrently(model, expected):
 ])
 def test_concurrent_forward_passes_match_serial(setup, store, store_options):
     path, expected, budget = setup
-    gc.collect()
-    fds, threads = open_fds(), reader_threads()
+    threads = settled_reader_threads()
+    fds = open_fds()
     model, _ = load_streaming(path, expert_cache_gb=budget, store=store, store_options=store_options)
     state = model.expert_streaming
     # serial first, then all threads at once, twice (the second run starts from a warm cache)
@@ -119,19 +132,15 @@ def test_concurrent_forward_passes_match_serial(setup, store, store_options):
 
 def test_dropping_the_model_closes_the_store(setup):
     path, expected, budget = setup
-    gc.collect()
-    fds, threads = open_fds(), reader_threads()
+    threads = settled_reader_threads()
+    fds = open_fds()
     model, _ = load_streaming(path, expert_cache_gb=budget, store_options={"threads": 4})
     run_concurrently(model, expected)
     assert len(open_fds()) > len(fds) and reader_threads()
     del model
-    gc.collect()
     # the finalizer joins no thread (it can run inside another thread's start-up): the readers end
     # on their own, promptly
-    deadline = time.monotonic() + 10
-    while reader_threads() != threads and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert reader_threads() == threads
+    assert settled_reader_threads() == threads
     assert open_fds() == fds
 
 
