@@ -135,6 +135,20 @@ class StreamingSwitchGLU(nn.Module):
             rows_done.append(rows)
             outs.append(y)
 
+        # where partial calls are padded to the whole call's rows (GPUs), each costs as much as the
+        # whole call: beyond decode sizes, compute a wave's read experts in one call once read
+        padded = not self._selector.select(bank, flat.size).subset_exact(self._selector.backend)
+        landed = []
+        if padded and flat.size > SPLIT_MAX_ROWS:
+            ready = landed.extend
+        else:
+            ready = compute
+
+        def rest():
+            if landed:
+                compute(np.array(landed))
+                landed.clear()
+
         if len(experts) <= bank.slots and not bank.cache.split_misses:
             # (ablation: every row once all experts are resident)
             self._take_staged(experts, experts)
@@ -145,7 +159,8 @@ class StreamingSwitchGLU(nn.Module):
             hit = experts[bank.slot_of[experts] >= 0]
             if len(hit):
                 compute(hit)
-            bank.load(experts, ready=compute)
+            bank.load(experts, ready=ready)
+            rest()
         else:
             # resident experts first (no read), then the rest; ids ascending within each
             resident = bank.slot_of[experts] >= 0
@@ -164,7 +179,8 @@ class StreamingSwitchGLU(nn.Module):
                 hit = wave[bank.slot_of[wave] >= 0]
                 if len(hit):
                     compute(hit)
-                bank.load(wave, ready=compute, keep=keep)
+                bank.load(wave, ready=ready, keep=keep)
+                rest()
                 ends.append(len(outs))
         if ahead is not None:
             _stage_ahead(*ahead)

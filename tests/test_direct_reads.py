@@ -207,6 +207,13 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
         k = model.args.num_experts_per_tok
         # prompt: 2 x 12 tokens x top-k rows; decode: 2 x top-k rows
         assert counts and set(counts) == {tokens.size * k, tokens.shape[0] * k}, set(counts)
+        # beyond decode sizes, read experts are computed once per wave (each padded call costs
+        # as much as the whole one), still at the whole call's row count
+        long = mx.concatenate([tokens] * 4, axis=1)
+        stock, _ = load_stock(path)
+        counts.clear()
+        assert mx.array_equal(model(long), stock(long)).item()
+        assert set(counts) == {long.size * k}
         model.expert_streaming.close()
 
 
