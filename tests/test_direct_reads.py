@@ -18,28 +18,7 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.cache import GB, LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.synthetic import build_checkpoint
-from test_prefetch import run, same
-
-
-def per_slot(model):
-    return sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
-
-
-@pytest.fixture(scope="module")
-def q3(tmp_path_factory):
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("direct") / "q3",
-        "qwen3_moe",
-        "affine4",
-        num_layers=3,
-        overrides={"experts": 16},
-    )
-    stock, _ = load_stock(path)
-    tokens = mx.array(
-        [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
-    )
-    return path, tokens, run(stock, tokens)
+from test_prefetch import per_slot, q3, run, same  # noqa: F401 (q3: the fixture)
 
 
 def counting(monkeypatch):
