@@ -162,9 +162,13 @@ class StreamingSwitchGLU(nn.Module):
             bank.load(experts, ready=ready)
             rest()
         else:
-            # resident experts first (no read), then the rest; ids ascending within each
+            # resident experts first (no read), then those read in the background (installed with
+            # the first wave, before any of this call's work is pending), then the rest
             resident = bank.slot_of[experts] >= 0
-            ordered = np.concatenate([experts[resident], experts[~resident]])
+            staged = np.array([e in bank.staged for e in experts.tolist()], dtype=bool) & ~resident
+            ordered = np.concatenate(
+                [experts[resident], experts[staged], experts[~resident & ~staged]]
+            )
             size = max(1, bank.slots // 2)
             overlap = 2 * size <= bank.slots  # room for a wave next to the one computing
             waves = [ordered[i : i + size] for i in range(0, len(ordered), size)]
@@ -175,7 +179,12 @@ class StreamingSwitchGLU(nn.Module):
                 if back >= 0:
                     mx.eval(outs[: ends[back]])
                 keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
-                self._take_staged(wave, keep)
+                if w == 0:
+                    self._take_staged(wave, keep)
+                elif bank.staged:
+                    # installing them now (an MLX update of a bank that pending work reads) would
+                    # copy the whole bank: read them again directly instead
+                    bank._drop_staged()
                 hit = wave[bank.slot_of[wave] >= 0]
                 if len(hit):
                     compute(hit)
