@@ -85,7 +85,10 @@ def test_eight_concurrent_streaming_requests(checkpoint, tmp_path):
         while resources(proc.pid) > before and time.monotonic() < deadline:
             time.sleep(0.2)
         after = resources(proc.pid)
-        assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+        # no socket or file is left open; threads: the reader pools (bounded, started on demand,
+        # the prefetch ones ending when idle) may differ by a few, a thread left per request would
+        # show as REQUESTS x ROUNDS more
+        assert after[0] <= before[0] and after[1] < before[1] + REQUESTS, (before, after)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
         text = log_text(log)
