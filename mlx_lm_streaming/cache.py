@@ -151,7 +151,11 @@ class LayerBank:
         addresses = [host_address(a) for a in arrays]
         if self.views is not None and addresses == self._addresses:
             return
-        views = [host_bytes(a) for a in arrays] if None not in addresses else None
+        views = (
+            [host_bytes(a, at) for a, at in zip(arrays, addresses)]
+            if None not in addresses
+            else None
+        )
         if views is None or any(v is None for v in views):
             self.views = self._addresses = None
             return

@@ -107,17 +107,18 @@ def staging_buffer(rows: int, nbytes: int):
     return None, np.empty((rows, nbytes), dtype=np.uint8)
 
 
-def host_bytes(arr: mx.array) -> Optional[np.ndarray]:
+def host_bytes(arr: mx.array, address: Optional[int] = None) -> Optional[np.ndarray]:
     """A writable ``(rows, bytes per row)`` uint8 numpy view of an evaluated, row-contiguous MLX
     array's own memory, or None where MLX memory has no writable host view (checked by a write that
     MLX must then see).
 
     The view holds no reference to the MLX array (a held reference would stop MLX from updating the
     array in place, see ``LayerBank._install``), so it is valid only while the array keeps this
-    buffer: ``host_address`` tells whether it still does."""
+    buffer: ``host_address`` tells whether it still does (``address``: its result, if known)."""
     if _HOST_VIEWS is False or arr.size == 0:
         return None
-    address = host_address(arr)
+    if address is None:
+        address = host_address(arr)
     if address is None:
         return None
     rows = arr.shape[0]

@@ -18,7 +18,7 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.cache import GB, LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
-from test_prefetch import per_slot, q3, run, same  # noqa: F401 (q3: the fixture)
+from test_prefetch import per_slot, q3, run, same, with_slots  # noqa: F401 (q3: the fixture)
 
 
 def counting(monkeypatch):
@@ -49,8 +49,7 @@ def counting(monkeypatch):
 @pytest.mark.parametrize("slots", [1, 2, 3, 5, 16])
 def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(slots * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, slots)
     cache = model.expert_streaming.cache
     cache.lookahead = False
     cache.ensure_planned()
@@ -60,15 +59,14 @@ def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
     assert seen["direct"] > 0 and seen["reports"] > 0
     # nothing went through staging buffers
     assert cache.stats.install_seconds == 0 or slots == 16
-    assert cache.resident_bytes <= slots * per_slot(probe)
+    assert cache.resident_bytes <= slots * per_slot(model)
     model.expert_streaming.close()
 
 
 def test_experts_are_computed_as_they_land(q3, monkeypatch):
     """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(8 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 8)
     cache = model.expert_streaming.cache
     cache.lookahead = False
     cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
@@ -99,8 +97,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
 
 def test_a_second_thread_turns_direct_reads_off(q3):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     assert same(want, run(model, tokens))
     assert all(b.direct for b in cache.banks)
@@ -116,8 +113,7 @@ def test_a_second_thread_turns_direct_reads_off(q3):
 
 def test_views_follow_a_bank_moved_by_mlx(q3):
     path, _, _ = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(2 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 2)
     cache = model.expert_streaming.cache
     cache.ensure_planned()
     bank = cache.banks[0]
@@ -136,8 +132,7 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
 
 def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     cache.lookahead = False
     store = cache.store
@@ -168,7 +163,6 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
     from mlx_lm_streaming.kernels.gather import GatherKernel
 
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
     monkeypatch.setattr(GatherKernel, "subset_exact_on", ())
     counts = []
     real = GatherKernel.__call__
@@ -179,7 +173,7 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
 
     monkeypatch.setattr(GatherKernel, "__call__", call)
     for slots in (3, 8):
-        model, _ = load_streaming(path, expert_cache_gb=(slots * per_slot(probe) + 0.5) / GB)
+        model = with_slots(path, slots)
         model.expert_streaming.cache.lookahead = False
         counts.clear()
         assert same(want, run(model, tokens))

@@ -42,6 +42,13 @@ def per_slot(model):
     return sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
 
 
+def with_slots(path, slots, **options):
+    """A streaming model of ``path`` whose budget holds ``slots`` experts of every MoE layer."""
+    probe, _ = load_streaming(path)
+    budget = (slots * per_slot(probe) + 0.5) / GB
+    return load_streaming(path, expert_cache_gb=budget, **options)[0]
+
+
 @pytest.fixture(scope="module")
 def q3(tmp_path_factory):
     path = build_checkpoint(
@@ -86,8 +93,7 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
 @pytest.mark.parametrize("split", [True, False])
 def test_hit_rows_computed_while_misses_are_read_is_exact(q3, split):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     cache.split_misses = split
     cache.direct_reads = False  # (direct reads compute every row as its expert lands: see below)
@@ -113,8 +119,7 @@ def test_hit_rows_computed_while_misses_are_read_is_exact(q3, split):
 
 def test_lookahead_off_is_exact(q3):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     cache.lookahead = False
     assert same(want, run(model, tokens))
@@ -156,10 +161,9 @@ def test_complete_banks_skip_the_host_sync(q3):
 
 def test_failed_background_reads_fall_back_to_demand_reads(q3):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
     store = model.expert_streaming.store
-    model.expert_streaming.cache.staging_bytes = 4 * per_slot(probe)  # room for lookaheads
+    model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)  # room for lookaheads
     real = store.read_many
     main = threading.main_thread()
 
@@ -176,9 +180,8 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
 
 def test_staged_bytes_stay_within_the_bound(q3):
     path, tokens, want = q3
-    probe, _ = load_streaming(path)
-    one = max(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
-    model, _ = load_streaming(path, expert_cache_gb=(4 * per_slot(probe) + 0.5) / GB)
+    model = with_slots(path, 4)
+    one = max(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
     cache = model.expert_streaming.cache
     cache.staging_bytes = 3 * one
     prefetcher = cache.prefetcher
