@@ -36,19 +36,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
     ap.add_argument(
-        "--no-direct", action="store_true", help="demand reads through staging (no direct reads)"
+        "--direct",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="direct reads into the banks (auto: the option's default for the backend)",
     )
     args = ap.parse_args()
-    if args.no_direct:
-        from mlx_lm_streaming import cache as cache_mod
+    if args.direct != "auto":
+        from mlx_lm_streaming.options import StreamingOptions
 
-        init = cache_mod.ExpertCache.__init__
-
-        def no_direct(self, *a, **kw):
-            init(self, *a, **kw)
-            self.direct_reads = False
-
-        cache_mod.ExpertCache.__init__ = no_direct
+        StreamingOptions.use_direct_reads = lambda self, backend: args.direct == "on"
     import mlx.core as mx
 
     from mlx_lm_streaming.kernels.base import backend
@@ -79,7 +76,12 @@ def main():
                 }
             )
             print(f"{arch} {variant} {dtype}: {'exact' if ok else 'FAILED ' + err}", flush=True)
-    report = {"backend": backend(), "device": str(mx.default_device()), "cases": results}
+    report = {
+        "backend": backend(),
+        "device": str(mx.default_device()),
+        "direct": args.direct,
+        "cases": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(

@@ -439,12 +439,17 @@ def load_stock(path):
     return model, config
 
 
+DIRECT_READS = "auto"  # --direct-reads: the option for every streaming configuration
+
+
 def load_streaming(path, **options):
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration import install
 
     install()
+    if DIRECT_READS != "auto":
+        options.setdefault("direct_reads", DIRECT_READS == "on")
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
 
 
@@ -801,6 +806,8 @@ def measure_rss(path, args):
             str(8),
             "--routing",
             args.routing,
+            "--direct-reads",
+            args.direct_reads,
         ]
         if args.device_kind == "gpu":
             cmd += ["--device-kind", "gpu"]
@@ -1050,12 +1057,20 @@ def main():
     ap.add_argument(
         "--pack", action="store_true", help="pack the checkpoints first (for cold_packed)"
     )
+    ap.add_argument(
+        "--direct-reads",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the direct_reads option for every streaming configuration (cold_staged: off)",
+    )
     ap.add_argument("--render", default=None, help="rewrite the .md and .png of a results JSON")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-prefill", type=int, default=PREFILL_TOKENS, help=argparse.SUPPRESS)
     ap.add_argument("--rss-decode", type=int, default=8, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global DIRECT_READS
+    DIRECT_READS = args.direct_reads
 
     if args.render:
         src = Path(args.render)

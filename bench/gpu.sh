@@ -6,6 +6,7 @@
 #   carry [".dev/a"]: mkdir -p /root/stash && cp .dev/a/* /root/stash/
 # then this, in a second call on the same warm machine:
 #   carry [".dev/b"]: bash bench/gpu.sh [bench args...]
+# GPU_BENCH=0 skips the benchmark; BENCH_TIMEOUT, PARITY_TIMEOUT (0: skip) and PARITY_ARGS as below.
 set -u
 mkdir -p /root/stash "$OUT"
 cp .dev/b/* /root/stash/
@@ -18,9 +19,14 @@ python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 python3 -m pip list 2>/dev/null | grep -i -E "^(matplotlib|numpy|pluggy|tqdm) " || true
 df -h /root | tail -1
 start=$(date +%s)
-timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
-  --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" || true
-echo "bench: $(( $(date +%s) - start )) s"
-timeout ${PARITY_TIMEOUT:-120} python3 bench/cuda_parity.py --out "$OUT/cuda_parity.json" 2>&1 \
-  | tail -20
+if [ "${GPU_BENCH:-1}" = 1 ]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
+    --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" || true
+  echo "bench: $(( $(date +%s) - start )) s"
+fi
+# PARITY_ARGS: e.g. "--cases 2 --direct on"; PARITY_TIMEOUT=0 skips the parity check
+if [ "${PARITY_TIMEOUT:-120}" != 0 ]; then
+  timeout ${PARITY_TIMEOUT:-120} python3 bench/cuda_parity.py --out "$OUT/cuda_parity.json" \
+    ${PARITY_ARGS:-} 2>&1 | tail -40
+fi
 echo "total: $(( $(date +%s) - start )) s"
