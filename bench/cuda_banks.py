@@ -1,0 +1,111 @@
+"""Where streaming logits differ from stock's on a device: the banks' bytes against the store's.
+
+    python bench/cuda_banks.py [--arch qwen3_moe --variant affine4 --dtype bfloat16]
+
+For each configuration (budget holding every expert or 3 per layer; direct reads on or off; with or
+without a device synchronisation before each direct read), runs the parity prompt and 2 decode steps,
+prints whether each step's logits equal stock's, then compares every resident slot's bytes, as MLX
+sees them and through the host view, with the expert's bytes read from the store into host memory.
+One process: the device compiles its kernels once.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3_moe")
+    ap.add_argument("--variant", default="affine4")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--stock-repeats", type=int, default=3, help="stock runs compared to the first")
+    ap.add_argument("--configs", default="all-on,all-off,all-on-sync,small-on,small-off,all-on-nofill")
+    args = ap.parse_args()
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_lm_streaming import cache as cache_mod
+    from mlx_lm_streaming.cache import GB
+    from mlx_lm_streaming.synthetic import build_checkpoint
+    from support import load_stock, load_streaming
+    from test_parity import prompts, run, small_budget_gb
+
+    print("device", mx.default_device(), flush=True)
+    read_direct = cache_mod.LayerBank._read_direct
+
+    def synced(self, pairs, resident):
+        mx.synchronize()
+        return read_direct(self, pairs, resident)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(Path(tmp) / "ckpt", args.arch, args.variant, dtype=args.dtype)
+        stock, config = load_stock(path)
+        vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+        tokens = prompts(1, vocab)
+        t = time.time()
+        expected = run(stock, tokens, args.steps)
+        print(f"stock: {time.time() - t:.1f} s, NaNs {[int(mx.isnan(a).sum()) for a in expected]}")
+        for again in range(args.stock_repeats):
+            got = run(stock, tokens, args.steps)
+            same = [mx.array_equal(a, b, equal_nan=True).item() for a, b in zip(expected, got)]
+            print(f"stock again ({again + 1}): equal to the first run {same}, "
+                  f"NaNs {[int(mx.isnan(a).sum()) for a in got]}", flush=True)
+        for name in args.configs.split(","):
+            budget, direct, *extra = name.split("-")
+            cache_mod.LayerBank._read_direct = synced if "sync" in extra else read_direct
+            probe, _ = load_streaming(path, expert_cache_gb=1e6)
+            gb = (
+                (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB
+                if budget == "all"
+                else small_budget_gb(probe)
+            )
+            del probe
+            model, _ = load_streaming(path, expert_cache_gb=gb, direct_reads=direct == "on")
+            cache = model.expert_streaming.cache
+            if "nofill" in extra:
+                cache.fill = False
+            t = time.time()
+            try:
+                got = run(model, tokens, args.steps)
+            except Exception as e:
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            steps = [
+                "=" if mx.array_equal(a, b, equal_nan=True).item() else f"x(nan {int(mx.isnan(b).sum())})"
+                for a, b in zip(expected, got)
+            ]
+            time.sleep(0.5)  # background fill settles
+            bad_mlx, bad_view, checked = [], [], 0
+            for li, bank in enumerate(cache.banks):
+                with bank.lock:
+                    for slot, e in enumerate(bank.expert_of.tolist()):
+                        if e < 0:
+                            continue
+                        for i, (spec, ref) in enumerate(zip(bank.layer.parts, bank.layer.refs(e))):
+                            arr = bank.array(spec.proj, spec.part)[slot]
+                            seen = np.array(arr.reshape(-1).view(mx.uint8))
+                            want = np.empty(seen.size, dtype=np.uint8)
+                            cache.store.read_many([(ref, memoryview(want))])
+                            checked += 1
+                            if not np.array_equal(seen, want):
+                                bad_mlx.append((li, e, slot, spec.proj, spec.part, int((seen != want).sum())))
+                            if bank.views is not None and not np.array_equal(bank.views[i][slot], want):
+                                bad_view.append((li, e, slot, spec.proj, spec.part))
+            print(
+                f"{name}: {time.time() - t:.1f} s, direct={[b.direct for b in cache.banks][:1]}, "
+                f"steps {' '.join(steps)}; parts checked {checked}, wrong as MLX sees them "
+                f"{len(bad_mlx)} {bad_mlx[:4]}, wrong in host view {len(bad_view)} {bad_view[:4]}",
+                flush=True,
+            )
+            del model, cache
+
+
+if __name__ == "__main__":
+    main()
