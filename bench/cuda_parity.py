@@ -41,7 +41,14 @@ def main():
         default="auto",
         help="direct reads into the banks (auto: the option's default for the backend)",
     )
+    ap.add_argument(
+        "--overrides",
+        default=None,
+        help='JSON of build_checkpoint overrides, e.g. \'{"hidden": 256, "moe_intermediate": 128}\' '
+        "(the default tiny dims gave all-NaN stock decode logits on the H200, finite on the CPU)",
+    )
     args = ap.parse_args()
+    overrides = json.loads(args.overrides) if args.overrides else None
     if args.direct != "auto":
         from mlx_lm_streaming.options import StreamingOptions
 
@@ -50,16 +57,35 @@ def main():
 
     from mlx_lm_streaming.kernels.base import backend
     from mlx_lm_streaming.synthetic import build_checkpoint
-    from test_parity import check_parity
+    from support import load_stock
+    from test_parity import DECODE_STEPS, check_parity, prompts, run
+
+    def stock_nans(path):
+        """NaNs in stock's logits on the default device and on the CPU (the reference)."""
+        model, config = load_stock(path)
+        vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+        counts = []
+        for device in (mx.default_device(), mx.cpu):
+            with mx.stream(device):
+                out = run(model, prompts(1, vocab), DECODE_STEPS)
+            counts.append(sum(int(mx.isnan(a).sum()) for a in out))
+        return counts
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch, variant, dtype in CASES[: args.cases]:
             start = time.time()
+            nans = None
             try:
                 path = build_checkpoint(
-                    Path(tmp) / f"{arch}-{variant}-{dtype}", arch, variant, dtype=dtype
+                    Path(tmp) / f"{arch}-{variant}-{dtype}",
+                    arch,
+                    variant,
+                    dtype=dtype,
+                    overrides=overrides,
                 )
+                nans = stock_nans(path)
+                print(f"stock NaNs (batch 1): {nans[0]} here, {nans[1]} on the CPU", flush=True)
                 check_parity(path)
                 ok, err = True, None
             except Exception as e:
@@ -71,6 +97,7 @@ def main():
                     "variant": variant,
                     "dtype": dtype,
                     "exact": ok,
+                    "stock_nans_here_and_on_cpu": nans,
                     "error": err,
                     "seconds": round(time.time() - start, 1),
                 }
