@@ -107,7 +107,10 @@ class LayerBank:
         # the previous layer's guess of this layer's misses, scored at the next load; a running
         # precision decides whether guesses are read or only scored
         self.predicted: Optional[set] = None
-        self.ahead_precision = cache.lookahead_min_precision  # first guesses are read
+        # guesses are scored from the first call but read only once their running precision
+        # reaches ``lookahead_min_precision`` (four good calls in a row from 0): wrong guesses
+        # would cost staging memory and disk time before the layer has shown it can guess
+        self.ahead_precision = 0.0
         self._fill_requested = False
 
     @property
@@ -124,7 +127,7 @@ class LayerBank:
         with self.lock:
             self._drop_staged(everything=True)
         self.predicted = None
-        self.ahead_precision = self.cache.lookahead_min_precision
+        self.ahead_precision = 0.0
         self.slots = slots
         self.identity = slots == self.num_experts
         self.complete = False

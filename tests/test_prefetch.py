@@ -75,6 +75,7 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     cache.direct_reads = direct
     # room for a few staged experts (by default 5% of so small a budget holds none)
     cache.staging_bytes = 4 * cache.banks[0].layer.expert_nbytes
+    cache.lookahead_min_precision = 0.0  # read every guess, good or not
     assert cache.lookahead
     assert all(b.router is not None for b in cache.banks)
     assert same(want, run(model, tokens))
@@ -88,6 +89,25 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     assert 0 <= s["lookahead_precision"] <= 1 and 0 <= s["lookahead_recall"] <= 1
     assert cache.resident_bytes <= budget * GB
     model.expert_streaming.close()
+
+
+def test_guesses_are_read_only_once_they_have_proven_good(q3):
+    path, tokens, want = q3
+    model = with_slots(path, 4)
+    cache = model.expert_streaming.cache
+    cache.staging_bytes = 4 * per_slot(model)
+    got = run(model, tokens, steps=0)
+    stats = cache.prefetch_stats
+    # the prompt's guesses were scored (one call cannot lift a precision from 0 to 0.5), none read
+    assert stats.predicted > 0
+    assert stats.staged["lookahead"] == 0
+    assert all(b.ahead_precision < cache.lookahead_min_precision for b in cache.banks)
+    for bank in cache.banks:
+        bank.ahead_precision = 1.0  # as after good guesses
+    got += run(model, tokens)[1:]
+    assert stats.staged["lookahead"] > 0
+    stock, _ = load_stock(path)
+    assert same(run(stock, tokens, steps=0) + run(stock, tokens)[1:], got)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -164,6 +184,7 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
     model = with_slots(path, 4)
     store = model.expert_streaming.store
     model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)  # room for lookaheads
+    model.expert_streaming.cache.lookahead_min_precision = 0.0  # read every guess
     real = store.read_many
     main = threading.main_thread()
 
@@ -184,6 +205,7 @@ def test_staged_bytes_stay_within_the_bound(q3):
     one = max(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
     cache = model.expert_streaming.cache
     cache.staging_bytes = 3 * one
+    cache.lookahead_min_precision = 0.0  # every guess is read: the bound is what stops them
     prefetcher = cache.prefetcher
     assert prefetcher.max_bytes == 3 * one
     seen = []
