@@ -518,6 +518,12 @@ def run_arch(name, path, args, device):
     if "cold_t8" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": 8})
         configs["cold_t8"] = Config("cold_t8", m, cold=True, files=files)
+    for hint in ("prefetch", "host"):
+        # CUDA unified-memory hints with direct reads (mlx_lm_streaming/cuda_uvm.py)
+        if f"cold_uvm_{hint}" in ablations:
+            m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=True, **sopts)
+            m.expert_streaming.cache.uvm = hint
+            configs[f"cold_uvm_{hint}"] = Config(f"cold_uvm_{hint}", m, cold=True, files=files)
     if "cold_nosplit" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.split_misses = False
@@ -673,6 +679,13 @@ def run_arch(name, path, args, device):
     res["staging_host_views"] = prefetch._HOST_VIEWS
     # whether the cold configuration read straight into its banks (host views of MLX memory)
     res["direct_reads"] = all(b.direct for b in cold.expert_streaming.cache.banks)
+    if any(k.startswith("cold_uvm_") for k in configs):
+        from mlx_lm_streaming import cuda_uvm
+
+        bank = cold.expert_streaming.cache.banks[0]
+        view = bank.views[0] if bank.views else None
+        res["uvm_hints_work"] = bool(view is not None and cuda_uvm.prefetch(view.ctypes.data, 4096))
+        res["uvm_last_error"] = cuda_uvm.last_error()
     res["ratios"] = ratios(res, rounds)
     del configs, stock, warm, cold
     gc.collect()
@@ -1036,7 +1049,7 @@ def main():
         "--ablations",
         default=None,
         help="comma-separated: warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,"
-        "cold_packed,cold_packed_direct",
+        "cold_packed,cold_packed_direct,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
     ap.add_argument("--no-rss", action="store_true")

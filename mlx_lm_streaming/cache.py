@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts
+from . import cuda_uvm
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
 GB = 1 << 30
@@ -163,6 +164,9 @@ class LayerBank:
             self.views = self._addresses = None
             return
         self.views, self._addresses = views, addresses
+        if self.cache.uvm == "host" and not self.identity:
+            for a, at in zip(arrays, addresses):
+                cuda_uvm.prefer_host(at, a.nbytes)
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]
@@ -339,9 +343,14 @@ class LayerBank:
         views, refs = self.views, self.layer.refs
         store = self.cache.store
 
+        prefetch = self.cache.uvm == "prefetch"
+
         def read(pair):
             e, slot = pair
             store.read_many([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
+            if prefetch:
+                for v in views:
+                    cuda_uvm.prefetch(v[slot].ctypes.data, v.shape[1])
 
         pool = self.cache.demand_pool
         futures = {pool.submit(read, p): p for p in pairs}
@@ -512,6 +521,9 @@ class ExpertCache:
         # a layer computes the rows of its resident experts while it reads the others (and, with
         # direct reads, each read expert's rows as it lands)
         self.split_misses = True
+        # CUDA unified-memory hints for direct reads (cuda_uvm.py; experimental, benchmarks only):
+        # None, "prefetch" (landed experts to the GPU) or "host" (banks stay in host memory)
+        self.uvm: Optional[str] = None
         # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
         self.staging_bytes = staging_bytes
         self.prefetch_threads = prefetch_threads

@@ -226,3 +226,24 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
     assert cache.resident_bytes <= cache.budget_bytes
     assert same(want, run(model, tokens))
     model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("hint", ["prefetch", "host"])
+def test_unified_memory_hints_change_no_result(q3, hint, monkeypatch):
+    """The CUDA hints (cuda_uvm.py) move bytes, never change them; where the hint cannot be given
+    (no CUDA device, as here) it fails soft and the reads go on."""
+    from mlx_lm_streaming import cuda_uvm
+
+    calls = []
+    for name in ("prefetch", "prefer_host"):
+        real = getattr(cuda_uvm, name)
+        monkeypatch.setattr(
+            cuda_uvm, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a)
+        )
+    path, tokens, want = q3
+    model = with_slots(path, 3)
+    cache = model.expert_streaming.cache
+    cache.uvm = hint
+    assert same(want, run(model, tokens))
+    assert all(b.direct for b in cache.banks)
+    assert calls and set(calls) == {"prefetch" if hint == "prefetch" else "prefer_host"}

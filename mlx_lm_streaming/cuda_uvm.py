@@ -1,0 +1,103 @@
+"""CUDA unified-memory hints for the slot banks (experimental, off by default).
+
+MLX's CUDA backend allocates arrays with ``cudaMallocManaged``: a page lives on the host or on the GPU
+and moves on a fault. With direct reads (``cache.py``) a missed expert is written into its slot by the
+CPU, so its pages move to the host, and the GPU faults them back on first use, a page group at a
+time. Two hints, through the CUDA runtime that MLX itself loaded (``ctypes``; nothing is compiled):
+
+- ``prefetch(address, nbytes)``: ``cudaMemPrefetchAsync`` of a landed expert's bytes to the GPU, so
+  they move by DMA while the other experts are read, not by faults when the layer computes.
+- ``prefer_host(address, nbytes)``: ``cudaMemAdvise`` preferred location host and accessed-by the GPU:
+  the pages stay in host memory and the GPU reads them over the bus (no migration either way).
+
+Hints change where bytes live, never their values: results stay bit-identical. Measured only by
+``bench/experts.py`` ablations on the H200 (``docs/benchmarks/README.md``); not used unless
+``ExpertCache.uvm`` is set. Every function returns False where the runtime or the call is unavailable
+(CPU, Metal, a CUDA runtime without these entry points).
+"""
+
+import ctypes
+import ctypes.util
+import threading
+from typing import Optional
+
+# cudaMemLocationType and cudaMemoryAdvise values (CUDA runtime API)
+_LOCATION_DEVICE = 1
+_LOCATION_HOST = 2
+_ADVISE_PREFERRED_LOCATION = 3
+_ADVISE_ACCESSED_BY = 5
+_CPU_DEVICE_ID = -1
+_STREAM_PER_THREAD = ctypes.c_void_p(2)  # cudaStreamPerThread
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+_lock = threading.Lock()
+_runtime = None  # (library, version) once looked up; False where there is none
+
+
+def _cudart():
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = False
+            for name in ("libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
+                if not name:
+                    continue
+                try:
+                    lib = ctypes.CDLL(name)
+                    version = ctypes.c_int(0)
+                    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+                        continue
+                except (OSError, AttributeError):
+                    continue
+                _runtime = (lib, version.value)
+                break
+        return _runtime
+
+
+def available() -> bool:
+    return bool(_cudart())
+
+
+def prefetch(address: int, nbytes: int, device: int = 0) -> bool:
+    """Start moving ``nbytes`` of managed memory at ``address`` to GPU ``device``."""
+    rt = _cudart()
+    if not rt:
+        return False
+    lib, version = rt
+    ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+    if version >= 13000:
+        err = lib.cudaMemPrefetchAsync(
+            ptr, size, _Location(_LOCATION_DEVICE, device), ctypes.c_uint(0), _STREAM_PER_THREAD
+        )
+    else:
+        err = lib.cudaMemPrefetchAsync(ptr, size, ctypes.c_int(device), _STREAM_PER_THREAD)
+    return err == 0
+
+
+def prefer_host(address: int, nbytes: int, device: int = 0) -> bool:
+    """Keep ``nbytes`` at ``address`` in host memory, mapped for GPU ``device`` to read in place."""
+    rt = _cudart()
+    if not rt:
+        return False
+    lib, version = rt
+    ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+    if version >= 13000:
+        a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, _Location(_LOCATION_HOST, 0))
+        b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, _Location(_LOCATION_DEVICE, device))
+    else:
+        a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, ctypes.c_int(_CPU_DEVICE_ID))
+        b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, ctypes.c_int(device))
+    return a == 0 and b == 0
+
+
+def last_error() -> Optional[str]:
+    rt = _cudart()
+    if not rt:
+        return None
+    lib, _ = rt
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib.cudaGetErrorString(lib.cudaGetLastError()).decode()
