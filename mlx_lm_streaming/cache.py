@@ -33,7 +33,8 @@ import re
 import threading
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -41,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import ConfigurationError, ExpertIOError
-from .index import LayerExperts
+from .index import PROJECTIONS, LayerExperts
 from . import cuda_uvm
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
@@ -51,6 +52,11 @@ GB = 1 << 30
 # next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
 # not read. Peak memory stays within ~2x this over the budget
 STAGING_SHARE = 0.05
+# the order in which a phased direct read (``LayerBank._read_direct``) reads an expert's projections:
+# the two the layer can compute from its input first, the one that needs both last
+PHASE_ORDER = ("gate_proj", "up_proj", "down_proj")
+PHASE_MIN_BYTES = 16 << 20
+assert sorted(PHASE_ORDER) == sorted(PROJECTIONS)
 
 
 @dataclass
@@ -175,13 +181,15 @@ class LayerBank:
     def resident_bytes(self) -> int:
         return self.slots * self.layer.expert_nbytes
 
-    def load(self, experts: np.ndarray, ready=None, keep=()) -> None:
+    def load(self, experts: np.ndarray, ready=None, keep=(), part_ready=None) -> None:
         """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
 
         ``ready(ids)``: called (on this thread) with the experts that were read, as they become
         resident (with direct reads, one expert or a few at a time while the others are still being
         read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
-        a wave still computing). ``self.while_reading``, if the caller (holding ``lock``) set it:
+        a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
+        read one projection at a time and this is called as each but the last lands (before the
+        expert is resident: its slot holds that projection's bytes only). ``self.while_reading``, if the caller (holding ``lock``) set it:
         called once the experts already resident are pinned and before the others are read, when
         there are both (the layer computes its hit rows meanwhile); it may return a function that
         waits for that work, called before any slot is written with an MLX update (an update of a
@@ -229,7 +237,9 @@ class LayerBank:
                 self.expert_of[victims] = -1
                 self.last_used[victims] = -1
                 waiter = while_reading() if while_reading is not None and hit.any() else None
-                self._read_into_slots(missing, victims, tick, before_install=waiter, ready=ready)
+                self._read_into_slots(
+                    missing, victims, tick, before_install=waiter, ready=ready, part_ready=part_ready
+                )
             self.cache.stats.add(int(hit.sum()), len(missing), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
@@ -246,7 +256,13 @@ class LayerBank:
             self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
 
     def _read_into_slots(
-        self, experts: np.ndarray, slots: np.ndarray, tick: int, before_install=None, ready=None
+        self,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        tick: int,
+        before_install=None,
+        ready=None,
+        part_ready=None,
     ) -> None:
         """Bytes from staged background reads where there are, from the store for the rest; each
         expert is mapped to its slot once its bytes are there, and reported to ``ready``."""
@@ -301,7 +317,7 @@ class LayerBank:
                 if groups:
                     write(groups)
                     groups = []
-                io += self._read_direct(rest, resident)
+                io += self._read_direct(rest, resident, part_ready)
             else:
                 # the rest from the store, in chunks of at most the staging bound (a prefill wave
                 # can miss a whole bank's worth of experts: its bytes need not all be staged at once)
@@ -331,48 +347,69 @@ class LayerBank:
         """Whether demand reads go straight into the banks' memory now (module docstring)."""
         return self.views is not None and self.cache.direct_reads and not self.cache.shared
 
-    def _read_direct(self, pairs, resident) -> float:
+    def _read_direct(self, pairs, resident, part_landed=None) -> float:
         """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
         ``resident`` as it lands. Every read has ended when this returns, also on error (the first
-        error is raised then; experts that landed stay resident). Returns the seconds waited."""
+        error is raised then; experts that landed stay resident). Returns the seconds waited.
+
+        ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
+        ``PHASE_ORDER``, and this is called (on this thread) as each projection but the last lands,
+        so that the caller can start computing it (``StreamingSwitchGLU._as_they_land``)."""
         if not pairs:
             return 0.0
         stream = self.last_stream
         if stream is not None and stream != mx.default_stream(mx.default_device()):
             mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
-        views, refs = self.views, self.layer.refs
+        views, refs, parts = self.views, self.layer.refs, self.layer.parts
         store = self.cache.store
-
         prefetch = self.cache.uvm == "prefetch"
+        if part_landed is None:
+            groups = [(None, list(range(len(parts))))]
+        else:
+            groups = [
+                (proj, [i for i, spec in enumerate(parts) if spec.proj == proj])
+                for proj in PHASE_ORDER
+            ]
+        events: "queue.SimpleQueue" = queue.SimpleQueue()
 
         def read(pair):
             e, slot = pair
-            store.read_many([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
-            if prefetch:
-                for v in views:
-                    cuda_uvm.prefetch(v[slot].ctypes.data, v.shape[1])
+            try:
+                expert_refs = refs(e)
+                for g, (proj, members) in enumerate(groups):
+                    store.read_many([(expert_refs[i], memoryview(views[i][slot])) for i in members])
+                    if g < len(groups) - 1:
+                        events.put((pair, proj, None))
+                if prefetch:
+                    for v in views:
+                        cuda_uvm.prefetch(v[slot].ctypes.data, v.shape[1])
+            except BaseException as exc:
+                events.put((pair, None, exc))
+                return
+            events.put((pair, None, None))
 
         pool = self.cache.demand_pool
-        futures = {pool.submit(read, p): p for p in pairs}
-        order = {p: i for i, p in enumerate(pairs)}
-        pending, error, waited = set(futures), None, 0.0
+        for p in pairs:
+            pool.submit(read, p)
+        pending, error, waited = len(pairs), None, 0.0
         while pending:
             t = time.perf_counter()
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            pair, proj, exc = events.get()
             waited += time.perf_counter() - t
-            landed = []
-            for f in done:
-                e = f.exception()
-                if e is None:
-                    landed.append(futures[f])
-                elif error is None:
-                    error = e
-            if landed and error is None:
-                # in submission order: deterministic work order for a given set of landings
-                landed.sort(key=order.__getitem__)
+            if proj is not None:
+                if error is None:
+                    try:
+                        part_landed(*pair, proj)
+                    except BaseException as e:  # still wait for every read before raising
+                        error = e
+                continue
+            pending -= 1
+            if exc is not None:
+                error = error or exc
+            elif error is None:
                 try:
-                    resident(landed)
-                except BaseException as e:  # still wait for every read before raising
+                    resident([pair])
+                except BaseException as e:
                     error = e
         if error is not None:
             raise error
@@ -521,6 +558,10 @@ class ExpertCache:
         # a layer computes the rows of its resident experts while it reads the others (and, with
         # direct reads, each read expert's rows as it lands)
         self.split_misses = True
+        # with direct reads, experts at least this big are read one projection at a time and each
+        # projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``): a layer's
+        # first missed expert then stalls the layer for one projection's read, not three
+        self.phase_min_bytes = PHASE_MIN_BYTES
         # CUDA unified-memory hints for direct reads (cuda_uvm.py; experimental, benchmarks only):
         # None, "prefetch" (landed experts to the GPU) or "host" (banks stay in host memory)
         self.uvm: Optional[str] = None

@@ -22,6 +22,7 @@ one go.
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from .prefetch import LOOKAHEAD, WAVE, predict
 
@@ -139,8 +140,11 @@ class StreamingSwitchGLU(nn.Module):
         # whole call: beyond decode sizes, compute a wave's read experts in one call once read
         padded = not self._selector.select(bank, flat.size).subset_exact(self._selector.backend)
         landed = []
+        part_ready = None
         if padded and flat.size > SPLIT_MAX_ROWS:
             ready = landed.extend
+        elif self._phased(flat.size, padded):
+            ready, part_ready = self._by_projection(x, idx, compute, rows_done, outs)
         else:
             ready = compute
 
@@ -159,7 +163,7 @@ class StreamingSwitchGLU(nn.Module):
             hit = experts[bank.slot_of[experts] >= 0]
             if len(hit):
                 compute(hit)
-            bank.load(experts, ready=ready)
+            bank.load(experts, ready=ready, part_ready=part_ready)
             rest()
         else:
             # resident experts first (no read), then those read in the background (installed with
@@ -188,7 +192,7 @@ class StreamingSwitchGLU(nn.Module):
                 hit = wave[bank.slot_of[wave] >= 0]
                 if len(hit):
                     compute(hit)
-                bank.load(wave, ready=ready, keep=keep)
+                bank.load(wave, ready=ready, keep=keep, part_ready=part_ready)
                 rest()
                 ends.append(len(outs))
         if ahead is not None:
@@ -201,6 +205,51 @@ class StreamingSwitchGLU(nn.Module):
             order = np.argsort(np.concatenate(rows_done), kind="stable")
             y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
+
+    def _phased(self, rows: int, padded: bool) -> bool:
+        """Whether this call's direct reads go a projection at a time (``_by_projection``): big
+        experts, decode-sized calls, the gather kernel over mlx-lm's own ``SwitchGLU``, and a backend
+        where a call over some rows gives those rows' stock bits (not padded)."""
+        bank = self._bank
+        if padded or rows > SPLIT_MAX_ROWS or bank.layer.expert_nbytes < bank.cache.phase_min_bytes:
+            return False
+        return type(bank.glu) is SwitchGLU and self._selector.select(bank, 1).name == "gather"
+
+    def _by_projection(self, x, idx, compute, rows_done, outs):
+        """``(ready, part_ready)`` for ``LayerBank.load``: as an expert's gate and up projections
+        land, their rows of this call are computed (``async_eval``); when its down projection lands,
+        the rest. The ops are those of mlx-lm's ``SwitchGLU.__call__`` below 64 indices (no sort),
+        over the same rows and slots as ``_rows`` would give it, so the result is the same bits."""
+        bank = self._bank
+        glu = bank.glu
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        x2 = x.reshape(-1, x.shape[-1])
+        partial = {}  # expert -> (rows, slots, {proj: output})
+
+        def part_ready(e, slot, proj):
+            if e not in partial:
+                rows = np.nonzero(flat == e)[0]
+                slots = mx.array(np.full((len(rows), 1), slot, dtype=np.uint32))
+                xe = mx.expand_dims(x2[mx.array(rows // k)], (-2, -3))
+                partial[e] = (rows, slots, xe, {})
+            _, slots, xe, done = partial[e]
+            done[proj] = getattr(glu, proj)(xe, slots, sorted_indices=False)
+            mx.async_eval(done[proj])
+
+        def ready(ids):
+            for e in ids:
+                if e not in partial:  # installed from staging: no projection landed on its own
+                    compute(np.array([e]))
+                    continue
+                rows, slots, _, done = partial.pop(e)
+                h = glu.activation(done["up_proj"], done["gate_proj"])
+                y = glu.down_proj(h, slots, sorted_indices=False).squeeze(-2)[:, 0]
+                mx.async_eval(y)
+                rows_done.append(rows)
+                outs.append(y)
+
+        return ready, part_ready
 
     def _take_staged(self, experts, keep):
         """Before any of this call's work is pending: write the experts read in the background into

@@ -26,18 +26,18 @@ def counting(monkeypatch):
     seen = {"direct": 0, "reports": 0, "loads": 0}
     real_direct, real_load = LayerBank._read_direct, LayerBank.load
 
-    def read_direct(self, pairs, resident):
+    def read_direct(self, pairs, resident, *args):
         seen["direct"] += len(pairs)
 
         def report(landed):
             seen["reports"] += 1
             return resident(landed)
 
-        return real_direct(self, pairs, report)
+        return real_direct(self, pairs, report, *args)
 
-    def load(self, experts, ready=None, keep=()):
+    def load(self, experts, **kw):
         seen["loads"] += 1
-        return real_load(self, experts, ready=ready, keep=keep)
+        return real_load(self, experts, **kw)
 
     monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
     monkeypatch.setattr(LayerBank, "load", load)
@@ -80,9 +80,9 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
     per_load = []
     real_direct = LayerBank._read_direct
 
-    def read_direct(self, pairs, resident):
+    def read_direct(self, pairs, resident, *args):
         landed = []
-        waited = real_direct(self, pairs, lambda ids: (landed.append(ids), resident(ids)))
+        waited = real_direct(self, pairs, lambda ids: (landed.append(ids), resident(ids)), *args)
         per_load.append((len(pairs), landed))
         return waited
 
@@ -247,3 +247,34 @@ def test_unified_memory_hints_change_no_result(q3, hint, monkeypatch):
     assert same(want, run(model, tokens))
     assert all(b.direct for b in cache.banks)
     assert calls and set(calls) == {"prefetch" if hint == "prefetch" else "prefer_host"}
+
+
+@pytest.mark.parametrize("slots", [2, 3, 16])
+def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
+    """Big experts are read a projection at a time and each projection's rows computed as it lands
+    (phase_min_bytes lowered so that the test's small experts qualify): same bits as stock."""
+    from mlx_lm_streaming import switch
+
+    landed = []
+    real = switch.StreamingSwitchGLU._by_projection
+
+    def by_projection(self, *args):
+        ready, part_ready = real(self, *args)
+
+        def counted(e, slot, proj):
+            landed.append(proj)
+            return part_ready(e, slot, proj)
+
+        return ready, counted
+
+    monkeypatch.setattr(switch.StreamingSwitchGLU, "_by_projection", by_projection)
+    path, tokens, want = q3
+    model = with_slots(path, slots)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    cache.phase_min_bytes = 0
+    assert same(want, run(model, tokens))
+    assert all(b.direct for b in cache.banks)
+    # gate and up are reported as they land; down lands with the expert
+    assert landed and set(landed) == {"gate_proj", "up_proj"}
+    assert landed.count("gate_proj") == landed.count("up_proj")
