@@ -62,14 +62,22 @@ def available() -> bool:
     return bool(_cudart())
 
 
-def prefetch(address: int, nbytes: int, device: int = 0) -> bool:
-    """Start moving ``nbytes`` of managed memory at ``address`` to GPU ``device``."""
+def _range(address: int, nbytes: int):
+    """``(runtime library, CUDA >= 13, pointer, size)`` for a call on a memory range, or None."""
     rt = _cudart()
     if not rt:
-        return False
+        return None
     lib, version = rt
-    ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
-    if version >= 13000:
+    return lib, version >= 13000, ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+
+
+def prefetch(address: int, nbytes: int, device: int = 0) -> bool:
+    """Start moving ``nbytes`` of managed memory at ``address`` to GPU ``device``."""
+    call = _range(address, nbytes)
+    if call is None:
+        return False
+    lib, v13, ptr, size = call
+    if v13:
         err = lib.cudaMemPrefetchAsync(
             ptr, size, _Location(_LOCATION_DEVICE, device), ctypes.c_uint(0), _STREAM_PER_THREAD
         )
@@ -80,12 +88,11 @@ def prefetch(address: int, nbytes: int, device: int = 0) -> bool:
 
 def prefer_host(address: int, nbytes: int, device: int = 0) -> bool:
     """Keep ``nbytes`` at ``address`` in host memory, mapped for GPU ``device`` to read in place."""
-    rt = _cudart()
-    if not rt:
+    call = _range(address, nbytes)
+    if call is None:
         return False
-    lib, version = rt
-    ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
-    if version >= 13000:
+    lib, v13, ptr, size = call
+    if v13:
         a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, _Location(_LOCATION_HOST, 0))
         b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, _Location(_LOCATION_DEVICE, device))
     else:
