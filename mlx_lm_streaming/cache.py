@@ -388,9 +388,15 @@ class LayerBank:
                 return
             events.put((pair, None, None))
 
+        def cancelled(future, pair):
+            # a read that never ran (its pool shut down with cancel_futures) still reports
+            if future.cancelled():
+                error = ExpertIOError(f"{self.path}: the read of expert {pair[0]} was cancelled")
+                events.put((pair, None, error))
+
         pool = self.cache.demand_pool
         for p in pairs:
-            pool.submit(read, p)
+            pool.submit(read, p).add_done_callback(lambda f, p=p: cancelled(f, p))
         pending, error, waited = len(pairs), None, 0.0
         while pending:
             t = time.perf_counter()

@@ -278,3 +278,24 @@ def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
     # gate and up are reported as they land; down lands with the expert
     assert landed and set(landed) == {"gate_proj", "up_proj"}
     assert landed.count("gate_proj") == landed.count("up_proj")
+
+
+def test_a_cancelled_read_is_an_error_not_a_hang(q3):
+    """A read its pool never ran (shut down with cancel_futures) is reported, so the layer raises."""
+    from concurrent.futures import Future
+
+    class Cancelling:
+        def submit(self, fn, *args):
+            future = Future()
+            future.cancel()
+            return future
+
+    path, tokens, _ = q3
+    model = with_slots(path, 2)
+    cache = model.expert_streaming.cache
+    cache.lookahead = False
+    cache.ensure_planned()
+    cache._demand_pool = Cancelling()
+    with pytest.raises(ExpertIOError, match="cancelled"):
+        run(model, tokens)
+    cache._demand_pool = None
