@@ -29,11 +29,11 @@ MLX's own copy-on-write slice updates, as before.
 """
 
 import math
+import queue
 import re
 import threading
 import time
 import weakref
-import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -41,9 +41,9 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import cuda_uvm
 from .errors import ConfigurationError, ExpertIOError
 from .index import PROJECTIONS, LayerExperts
-from . import cuda_uvm
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
 GB = 1 << 30
@@ -189,11 +189,11 @@ class LayerBank:
         read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
         a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
         read one projection at a time and this is called as each but the last lands (before the
-        expert is resident: its slot holds that projection's bytes only). ``self.while_reading``, if the caller (holding ``lock``) set it:
-        called once the experts already resident are pinned and before the others are read, when
-        there are both (the layer computes its hit rows meanwhile); it may return a function that
-        waits for that work, called before any slot is written with an MLX update (an update of a
-        bank that pending work reads copies the bank)."""
+        expert is resident: its slot holds that projection's bytes only). ``self.while_reading``,
+        if the caller (holding ``lock``) set it: called once the experts already resident are pinned
+        and before the others are read, when there are both (the layer computes its hit rows
+        meanwhile); it may return a function that waits for that work, called before any slot is
+        written with an MLX update (an update of a bank that pending work reads copies the bank)."""
         while_reading, self.while_reading = self.while_reading, None
         self.cache.ensure_planned()
         if len(experts) > self.slots:

@@ -225,7 +225,7 @@ class StreamingSwitchGLU(nn.Module):
         k = idx.shape[-1]
         flat = idx.reshape(-1)
         x2 = x.reshape(-1, x.shape[-1])
-        partial = {}  # expert -> (rows, slots, {proj: output})
+        partial = {}  # expert -> (rows, slots, input rows, {proj: output})
 
         def part_ready(e, slot, proj):
             if e not in partial:
