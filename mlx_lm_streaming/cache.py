@@ -388,15 +388,24 @@ class LayerBank:
                 return
             events.put((pair, None, None))
 
-        def cancelled(future, pair):
-            # a read that never ran (its pool shut down with cancel_futures) still reports
-            if future.cancelled():
-                error = ExpertIOError(f"{self.path}: the read of expert {pair[0]} was cancelled")
-                events.put((pair, None, error))
+        def read_in_turn(batch):
+            for pair in batch:
+                read(pair)
 
+        def cancelled(future, batch):
+            # reads that never ran (their pool shut down with cancel_futures) still report
+            if future.cancelled():
+                for pair in batch:
+                    error = ExpertIOError(f"{self.path}: the read of expert {pair[0]} was cancelled")
+                    events.put((pair, None, error))
+
+        # experts in parallel, one thread each; a projection at a time, one expert after the other, so
+        # that the first expert's projections land first rather than share the disk with the others'
+        # (the store still reads a projection's parts in parallel)
+        batches = [[p] for p in pairs] if part_landed is None else [list(pairs)]
         pool = self.cache.demand_pool
-        for p in pairs:
-            pool.submit(read, p).add_done_callback(lambda f, p=p: cancelled(f, p))
+        for batch in batches:
+            pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))
         pending, error, waited = len(pairs), None, 0.0
         while pending:
             t = time.perf_counter()
