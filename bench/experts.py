@@ -524,11 +524,11 @@ def run_arch(name, path, args, device):
             m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=True, **sopts)
             m.expert_streaming.cache.uvm = hint
             configs[f"cold_uvm_{hint}"] = Config(f"cold_uvm_{hint}", m, cold=True, files=files)
-    if "cold_nophase" in ablations:
-        # big experts read whole, not a projection at a time (switch.py ``_by_projection``)
+    if "cold_phased" in ablations:
+        # experts of 16 MB and more read a projection at a time (switch.py ``_by_projection``)
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.phase_min_bytes = float("inf")
-        configs["cold_nophase"] = Config("cold_nophase", m, cold=True, files=files)
+        m.expert_streaming.cache.phase_min_bytes = 16 << 20
+        configs["cold_phased"] = Config("cold_phased", m, cold=True, files=files)
     if "cold_nosplit" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.split_misses = False
@@ -1060,7 +1060,7 @@ def main():
         "--ablations",
         default=None,
         help="comma-separated: warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,"
-        "cold_packed,cold_packed_direct,cold_nophase,cold_uvm_prefetch,cold_uvm_host (CUDA)",
+        "cold_packed,cold_packed_direct,cold_phased,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
     ap.add_argument("--no-rss", action="store_true")

@@ -55,7 +55,6 @@ STAGING_SHARE = 0.05
 # the order in which a phased direct read (``LayerBank._read_direct``) reads an expert's projections:
 # the two the layer can compute from its input first, the one that needs both last
 PHASE_ORDER = ("gate_proj", "up_proj", "down_proj")
-PHASE_MIN_BYTES = 16 << 20
 assert sorted(PHASE_ORDER) == sorted(PROJECTIONS)
 
 
@@ -573,10 +572,11 @@ class ExpertCache:
         # a layer computes the rows of its resident experts while it reads the others (and, with
         # direct reads, each read expert's rows as it lands)
         self.split_misses = True
-        # with direct reads, experts at least this big are read one projection at a time and each
-        # projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``): a layer's
-        # first missed expert then stalls the layer for one projection's read, not three
-        self.phase_min_bytes = PHASE_MIN_BYTES
+        # with direct reads, experts of at least this many bytes are read one projection at a time
+        # and each projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``), so
+        # that a layer's first missed expert stalls it for one projection's read, not three. None:
+        # off (exact, but not measured faster on this project's CPU box: docs/benchmarks/README.md)
+        self.phase_min_bytes: Optional[int] = None
         # CUDA unified-memory hints for direct reads (cuda_uvm.py; experimental, benchmarks only):
         # None, "prefetch" (landed experts to the GPU) or "host" (banks stay in host memory)
         self.uvm: Optional[str] = None

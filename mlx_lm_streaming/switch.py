@@ -211,7 +211,8 @@ class StreamingSwitchGLU(nn.Module):
         experts, decode-sized calls, the gather kernel over mlx-lm's own ``SwitchGLU``, and a backend
         where a call over some rows gives those rows' stock bits (not padded)."""
         bank = self._bank
-        if padded or rows > SPLIT_MAX_ROWS or bank.layer.expert_nbytes < bank.cache.phase_min_bytes:
+        least = bank.cache.phase_min_bytes
+        if least is None or padded or rows > SPLIT_MAX_ROWS or bank.layer.expert_nbytes < least:
             return False
         return type(bank.glu) is SwitchGLU and self._selector.select(bank, 1).name == "gather"
 
