@@ -66,7 +66,21 @@ def test_packed_store_is_exact(packed, options):
     model.expert_streaming.close()
 
 
-def test_one_read_per_expert(packed):
+@pytest.mark.parametrize("wait", [True, False])
+def test_packed_store_closes_after_threaded_reads(packed, wait):
+    """Staged demand reads batch several experts, so the store's reader pool runs; closing it then
+    (``wait=False``: as a garbage-collection finalizer does) stops the pool without error."""
+    path, want = packed
+    model, _ = load_streaming(
+        path, expert_cache_gb=small_budget(path), store="packed", store_options={"threads": 4}
+    )
+    model.expert_streaming.cache.direct_reads = False
+    store = model.expert_streaming.store
+    assert same(want, run(model))
+    assert store._pool is not None
+    store.close(wait=wait)
+    assert store._pool is None and store.pack.fd is None
+    store.close()  # a second close is a no-op
     path, _ = packed
     model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
     model.expert_streaming.cache.lookahead = False  # wrong guesses would be reads too

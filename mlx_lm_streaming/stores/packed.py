@@ -28,6 +28,7 @@ from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
 from ..index import FileIdentity, TensorRef
+from ..kernels.base import backend
 from ..pack import ALIGN, MAGIC, PACK_NAME, PREFIX, VERSION, align_up, shard_fingerprint
 from .base import ExpertStore
 from .safetensors import SafetensorsStore
@@ -99,8 +100,7 @@ class PackFile:
                 inner += n
         self.verified = bytearray(len(self.entries))
 
-    def close(self, wait: bool = True) -> None:
-        """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
+    def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
             if fd is not None:
                 os.close(fd)
@@ -128,7 +128,7 @@ class PackedStore(ExpertStore):
         # buffers can be MLX memory, which on CUDA is unified (cudaMallocManaged) memory, and DMA
         # into it was measured to give wrong bytes on the H200 (logits not bit-identical); there the
         # reads go through the bounce buffer and a CPU copy
-        self.dma_into_buffers = _mlx_on_cpu()
+        self.dma_into_buffers = backend() == "cpu"
         self._fallback = None
         self._pool = None
         self._local = threading.local()
@@ -262,7 +262,8 @@ class PackedStore(ExpertStore):
         self._check()
         self.stats.add(len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
         with self._lock:
             if self._closed:
                 return
@@ -271,16 +272,8 @@ class PackedStore(ExpertStore):
             self._pool.shutdown(wait=wait)
             self._pool = None
         if self._fallback is not None:
-            self._fallback.close()
+            self._fallback.close(wait=wait)
         self.pack.close()
-
-
-def _mlx_on_cpu() -> bool:
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return True
-    return mx.default_device() == mx.cpu
 
 
 def _address(buf: memoryview) -> int:
