@@ -81,6 +81,9 @@ def test_packed_store_closes_after_threaded_reads(packed, wait):
     store.close(wait=wait)
     assert store._pool is None and store.pack.fd is None
     store.close()  # a second close is a no-op
+
+
+def test_one_read_per_expert(packed):
     path, _ = packed
     model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
     model.expert_streaming.cache.lookahead = False  # wrong guesses would be reads too
