@@ -37,9 +37,9 @@ def main():
     ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
     ap.add_argument(
         "--direct",
-        choices=["auto", "on", "off"],
         default="auto",
-        help="direct reads into the banks (auto: the option's default for the backend)",
+        help="direct reads into the banks: auto (the option's default for the backend), on, off, or "
+        "several, comma-separated ('on,off': each case under each, kernels compiled once)",
     )
     ap.add_argument(
         "--overrides",
@@ -49,13 +49,13 @@ def main():
     )
     args = ap.parse_args()
     overrides = json.loads(args.overrides) if args.overrides else None
-    if args.direct != "auto":
-        from mlx_lm_streaming.options import StreamingOptions
-
-        StreamingOptions.use_direct_reads = lambda self, backend: args.direct == "on"
+    modes = args.direct.split(",")
+    if not set(modes) <= {"auto", "on", "off"}:
+        ap.error(f"--direct: {args.direct!r}: each of auto, on, off")
     import mlx.core as mx
 
     from mlx_lm_streaming.kernels.base import backend
+    from mlx_lm_streaming.options import StreamingOptions
     from mlx_lm_streaming.synthetic import build_checkpoint
     from support import load_stock
     from test_parity import DECODE_STEPS, check_parity, prompts, run
@@ -70,6 +70,13 @@ def main():
                 out = run(model, prompts(1, vocab), DECODE_STEPS)
             counts.append(sum(int(mx.isnan(a).sum()) for a in out))
         return counts
+
+    default_direct = StreamingOptions.use_direct_reads
+
+    def direct_reads_as(mode):
+        if mode == "auto":
+            return default_direct
+        return lambda self, backend: mode == "on"
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,27 +93,44 @@ def main():
                 )
                 nans = stock_nans(path)
                 print(f"stock NaNs (batch 1): {nans[0]} here, {nans[1]} on the CPU", flush=True)
-                check_parity(path)
-                ok, err = True, None
             except Exception as e:
-                ok, err = False, f"{type(e).__name__}: {e}"
+                path = None
                 traceback.print_exc()
-            results.append(
-                {
-                    "arch": arch,
-                    "variant": variant,
-                    "dtype": dtype,
-                    "exact": ok,
-                    "stock_nans_here_and_on_cpu": nans,
-                    "error": err,
-                    "seconds": round(time.time() - start, 1),
-                }
-            )
-            print(f"{arch} {variant} {dtype}: {'exact' if ok else 'FAILED ' + err}", flush=True)
+                built_err = f"{type(e).__name__}: {e}"
+            for mode in modes:
+                if path is None:
+                    ok, err = False, built_err
+                else:
+                    StreamingOptions.use_direct_reads = direct_reads_as(mode)
+                    try:
+                        check_parity(path)
+                        ok, err = True, None
+                    except Exception as e:
+                        ok, err = False, f"{type(e).__name__}: {e}"
+                        traceback.print_exc()
+                    finally:
+                        StreamingOptions.use_direct_reads = default_direct
+                results.append(
+                    {
+                        "arch": arch,
+                        "variant": variant,
+                        "dtype": dtype,
+                        "direct": mode,
+                        "exact": ok,
+                        "stock_nans_here_and_on_cpu": nans,
+                        "error": err,
+                        "seconds": round(time.time() - start, 1),
+                    }
+                )
+                print(
+                    f"{arch} {variant} {dtype} direct={mode}: "
+                    f"{'exact' if ok else 'FAILED ' + err}",
+                    flush=True,
+                )
     report = {
         "backend": backend(),
         "device": str(mx.default_device()),
-        "direct": args.direct,
+        "direct": modes,
         "cases": results,
     }
     if args.out:
