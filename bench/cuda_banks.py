@@ -10,6 +10,7 @@ One process: the device compiles its kernels once.
 """
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--stock-repeats", type=int, default=3, help="stock runs compared to the first")
+    ap.add_argument("--overrides", default=None, help="JSON of build_checkpoint overrides")
     ap.add_argument("--configs", default="all-on,all-off,all-on-sync,small-on,small-off,all-on-nofill")
     args = ap.parse_args()
     import mlx.core as mx
@@ -45,7 +47,13 @@ def main():
         return read_direct(self, pairs, resident)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(Path(tmp) / "ckpt", args.arch, args.variant, dtype=args.dtype)
+        path = build_checkpoint(
+            Path(tmp) / "ckpt",
+            args.arch,
+            args.variant,
+            dtype=args.dtype,
+            overrides=json.loads(args.overrides) if args.overrides else None,
+        )
         stock, config = load_stock(path)
         vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
         tokens = prompts(1, vocab)

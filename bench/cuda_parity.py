@@ -31,6 +31,24 @@ CASES = [
 ]
 
 
+def run_by_token(model, tokens, steps):
+    """``test_parity.run`` with the prompt fed one token at a time (same logits' shape)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = mx.concatenate(
+        [model(tokens[:, i : i + 1], cache=cache) for i in range(tokens.shape[1])], axis=1
+    )
+    out = [logits]
+    for _ in range(steps):
+        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        logits = model(nxt, cache=cache)
+        out.append(logits)
+    mx.eval(out)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -47,6 +65,12 @@ def main():
         help='JSON of build_checkpoint overrides, e.g. \'{"hidden": 256, "moe_intermediate": 128}\' '
         "(the default tiny dims gave all-NaN stock decode logits on the H200, finite on the CPU)",
     )
+    ap.add_argument(
+        "--prompt-by-token",
+        action="store_true",
+        help="feed the prompt one token at a time (stock and streaming alike): every call then has "
+        "one token, where stock mlx-cuda 0.32.4 is deterministic (it is not for longer prompts)",
+    )
     args = ap.parse_args()
     overrides = json.loads(args.overrides) if args.overrides else None
     modes = args.direct.split(",")
@@ -58,7 +82,11 @@ def main():
     from mlx_lm_streaming.options import StreamingOptions
     from mlx_lm_streaming.synthetic import build_checkpoint
     from support import load_stock
+    import test_parity
     from test_parity import DECODE_STEPS, check_parity, prompts, run
+
+    if args.prompt_by_token:
+        run = test_parity.run = run_by_token
 
     def stock_nans(path):
         """NaNs in stock's logits on the default device and on the CPU (the reference)."""
@@ -77,6 +105,10 @@ def main():
         if mode == "auto":
             return default_direct
         return lambda self, backend: mode == "on"
+
+    def write(report):
+        if args.out:  # after each case too: a run cut short still reports what it did
+            Path(args.out).write_text(json.dumps(report, indent=1))
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,6 +154,7 @@ def main():
                         "seconds": round(time.time() - start, 1),
                     }
                 )
+                write({"backend": backend(), "cases": results})
                 print(
                     f"{arch} {variant} {dtype} direct={mode}: "
                     f"{'exact' if ok else 'FAILED ' + err}",
@@ -133,8 +166,7 @@ def main():
         "direct": modes,
         "cases": results,
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    write(report)
     print(
         json.dumps(
             {
