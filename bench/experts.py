@@ -511,6 +511,10 @@ def run_arch(name, path, args, device):
     cold, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
     configs["cold"] = Config("cold", cold, cold=True, files=files)
     ablations = args.ablations
+    if "stock_again" in ablations:
+        # a second stock model, timed like the others: stock vs stock_again is the run's noise floor
+        m, _ = load_stock(path)
+        configs["stock_again"] = Config("stock_again", m)
     if "warm_sync" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
         m.expert_streaming.cache.skip_sync = False
@@ -524,11 +528,12 @@ def run_arch(name, path, args, device):
             m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=True, **sopts)
             m.expert_streaming.cache.uvm = hint
             configs[f"cold_uvm_{hint}"] = Config(f"cold_uvm_{hint}", m, cold=True, files=files)
-    if "cold_phased" in ablations:
-        # experts of 16 MB and more read a projection at a time (switch.py ``_by_projection``)
+    if "cold_nophase" in ablations:
+        # every expert read whole (by default experts of 16 MB and more are read a projection at a
+        # time where partial calls are exact: switch.py ``_by_projection``)
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.phase_min_bytes = 16 << 20
-        configs["cold_phased"] = Config("cold_phased", m, cold=True, files=files)
+        m.expert_streaming.cache.phase_min_bytes = None
+        configs["cold_nophase"] = Config("cold_nophase", m, cold=True, files=files)
     if "cold_nosplit" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
         m.expert_streaming.cache.split_misses = False
@@ -936,6 +941,14 @@ def markdown(report):
                 f"Lookahead (cold): precision {fmt(p.get('lookahead_precision'))}, recall "
                 f"{fmt(p.get('lookahead_recall'))}.",
             ]
+        if r.get("stock_again_vs_stock") is not None:
+            again = [x["stock"] / x["stock_again"] for x in res["rounds"]]
+            lines += [
+                "",
+                f"Noise floor: a second stock model timed like the others (`stock_again`) ran at "
+                f"{fmt(r['stock_again_vs_stock'])} of stock (rounds {min(again):.2f}-"
+                f"{max(again):.2f}); ratios closer to each other than that are not resolved.",
+            ]
         lines += ["", f"| prefill {res['prefill_tokens']} tokens | seconds |", "|---|---|"]
         for key, v in res["prefill_s"].items():
             lines.append(f"| {key} | {v:.2f} |")
@@ -1059,8 +1072,9 @@ def main():
     ap.add_argument(
         "--ablations",
         default=None,
-        help="comma-separated: warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,"
-        "cold_packed,cold_packed_direct,cold_phased,cold_uvm_prefetch,cold_uvm_host (CUDA)",
+        help="comma-separated: stock_again (noise floor),warm_sync,cold_staged,cold_nosplit,"
+        "cold_nolookahead,cold_t8,"
+        "cold_packed,cold_packed_direct,cold_nophase,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
     ap.add_argument("--no-rss", action="store_true")

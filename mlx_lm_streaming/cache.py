@@ -55,6 +55,8 @@ STAGING_SHARE = 0.05
 # the order in which a phased direct read (``LayerBank._read_direct``) reads an expert's projections:
 # the two the layer can compute from its input first, the one that needs both last
 PHASE_ORDER = ("gate_proj", "up_proj", "down_proj")
+# experts this big and bigger are read a projection at a time (``ExpertCache.phase_min_bytes``)
+PHASE_MIN_BYTES = 16 << 20
 assert sorted(PHASE_ORDER) == sorted(PROJECTIONS)
 
 
@@ -574,9 +576,11 @@ class ExpertCache:
         self.split_misses = True
         # with direct reads, experts of at least this many bytes are read one projection at a time
         # and each projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``), so
-        # that a layer's first missed expert stalls it for one projection's read, not three. None:
-        # off (exact, but not measured faster on this project's CPU box: docs/benchmarks/README.md)
-        self.phase_min_bytes: Optional[int] = None
+        # that a layer's first missed expert stalls it for one projection's read, not three (only
+        # where partial calls are exact, not padded: MLX's CPU backend). None: off. Mixtral-8x7B
+        # shape on the CPU, paired probes: 0.95 vs 0.92, 0.93 vs 0.88, 0.88 vs 0.84, 0.91 vs 0.75 of
+        # stock (docs/benchmarks/README.md)
+        self.phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
         # CUDA unified-memory hints for direct reads (cuda_uvm.py; experimental, benchmarks only):
         # None, "prefetch" (landed experts to the GPU) or "host" (banks stay in host memory)
         self.uvm: Optional[str] = None
