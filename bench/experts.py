@@ -647,9 +647,10 @@ def run_arch(name, path, args, device):
     order = list(configs)
     for r in range(args.rounds):
         row = {}
-        # rotate the order every round: no configuration always runs after the slow cold ones
-        shift = r % len(order)
-        for key in order[shift:] + order[:shift]:
+        # a new order every round (seeded): rotating one order would keep each configuration's
+        # predecessor fixed, so whatever one leaves behind (a dropped page cache, freed buffers)
+        # would always slow the same next one
+        for key in random.Random(r).sample(order, len(order)):
             cfg = configs[key]
             n = 1 if key.startswith("seed_stack") else args.block
             times = decode_block(cfg, n)
