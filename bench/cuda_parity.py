@@ -9,6 +9,7 @@ default device. Prints one line per case and writes a JSON summary.
 """
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -29,24 +30,6 @@ CASES = [
     ("qwen3_moe", "nvfp4_global", "bfloat16"),
     ("qwen3_moe", "float32_hf", "float32"),
 ]
-
-
-def run_by_token(model, tokens, steps):
-    """``test_parity.run`` with the prompt fed one token at a time (same logits' shape)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    logits = mx.concatenate(
-        [model(tokens[:, i : i + 1], cache=cache) for i in range(tokens.shape[1])], axis=1
-    )
-    out = [logits]
-    for _ in range(steps):
-        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        logits = model(nxt, cache=cache)
-        out.append(logits)
-    mx.eval(out)
-    return out
 
 
 def main():
@@ -86,7 +69,7 @@ def main():
     from test_parity import DECODE_STEPS, check_parity, prompts, run
 
     if args.prompt_by_token:
-        run = test_parity.run = run_by_token
+        run = test_parity.run = functools.partial(run, by_token=True)
 
     def stock_nans(path):
         """NaNs in stock's logits on the default device and on the CPU (the reference)."""

@@ -948,7 +948,8 @@ def markdown(report):
                 "",
                 f"Noise floor: a second stock model timed like the others (`stock_again`) ran at "
                 f"{fmt(r['stock_again_vs_stock'])} of stock (rounds {min(again):.2f}-"
-                f"{max(again):.2f}); ratios closer to each other than that are not resolved.",
+                f"{max(again):.2f}): differences between configurations smaller than its distance "
+                f"from 1 are within this run's noise.",
             ]
         lines += ["", f"| prefill {res['prefill_tokens']} tokens | seconds |", "|---|---|"]
         for key, v in res["prefill_s"].items():

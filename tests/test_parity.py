@@ -45,10 +45,16 @@ def prompts(batch: int, vocab: int):
     return mx.array(rows)
 
 
-def run(model, tokens, steps):
-    """Prompt logits, then greedy decode with a KV cache; returns every step's logits."""
+def run(model, tokens, steps, by_token=False):
+    """Prompt logits, then greedy decode with a KV cache; returns every step's logits. ``by_token``:
+    the prompt fed one token at a time (same logits' shape; bench/cuda_parity.py)."""
     cache = make_prompt_cache(model)
-    logits = model(tokens, cache=cache)
+    if by_token:
+        logits = mx.concatenate(
+            [model(tokens[:, i : i + 1], cache=cache) for i in range(tokens.shape[1])], axis=1
+        )
+    else:
+        logits = model(tokens, cache=cache)
     out = [logits]
     for _ in range(steps):
         nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
