@@ -46,7 +46,7 @@ def main():
         "--overrides",
         default=None,
         help='JSON of build_checkpoint overrides, e.g. \'{"hidden": 256, "moe_intermediate": 128}\' '
-        "(the default tiny dims gave all-NaN stock decode logits on the H200, finite on the CPU)",
+        "(at the default tiny dims stock's own decode logits were all NaN on the H200, finite on the CPU)",
     )
     ap.add_argument(
         "--prompt-by-token",
