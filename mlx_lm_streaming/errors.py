@@ -23,3 +23,7 @@ class ExpertIOError(StreamingError, OSError):
 
 class ConfigurationError(StreamingError, ValueError):
     """An option has a value we cannot use (unknown store or kernel, budget too small)."""
+
+
+class IncompatibleMlxLmError(StreamingError, RuntimeError):
+    """The installed mlx-lm is outside the supported range, or not shaped as we expect."""

@@ -1,7 +1,8 @@
 """Patches that make stock mlx-lm entry points build streaming models when asked.
 
 mlx-lm has no plugin mechanism. The startup hook (``_bootstrap``) calls ``patch_module`` on each mlx-lm
-module listed there right after it is imported:
+module listed there right after it is imported; ``mlx_compat`` checks the mlx-lm version and the shape
+of what is patched first, and applies these patches only where both checks pass:
 
 - ``mlx_lm.utils``: ``load_model`` is rebound to a wrapper that builds a streaming model when
   ``model_config["streaming_experts"]`` or ``MLX_LM_STREAMING_EXPERTS`` asks for one, and calls the
@@ -18,22 +19,14 @@ module listed there right after it is imported:
 
 import argparse
 import functools
+import inspect
 import os
 import signal
 import sys
 import threading
 
+from .mlx_compat import CLI_MODULES  # noqa: F401  (re-exported: the commands we patch)
 from .options import CONFIG_KEY, ENV, TRUE, StreamingOptions, requested
-
-# command-line modules whose main() takes the streaming flags
-CLI_MODULES = (
-    "mlx_lm.generate",
-    "mlx_lm.chat",
-    "mlx_lm.server",
-    "mlx_lm.cache_prompt",
-    "mlx_lm.evaluate",
-    "mlx_lm.perplexity",
-)
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
 # argparse dest -> environment variable it sets
 FLAG_ENV = {
@@ -46,92 +39,70 @@ FLAG_ENV = {
 
 
 def patch_module(module) -> None:
-    """Apply our patch to a freshly imported mlx-lm module (called by the startup hook)."""
-    name = module.__name__
-    if name == "mlx_lm.utils":
-        install(module)
-    elif name in CLI_MODULES:
-        wrap_cli_main(module)
+    """Apply our patch to a freshly imported mlx-lm module (see ``mlx_compat.patch_module``)."""
+    from .mlx_compat import patch_module as guarded_patch_module
+
+    guarded_patch_module(module)
 
 
 # -- loading -------------------------------------------------------------------------------------
 
 
 def install(utils=None) -> None:
-    """Wrap ``mlx_lm.utils.load_model`` (idempotent; again after a reload of the module)."""
+    """Wrap ``mlx_lm.utils.load_model`` (idempotent; again after a reload of the module).
+
+    Raises ``IncompatibleMlxLmError`` (and patches nothing) where ``mlx_compat`` finds an mlx-lm
+    it cannot patch."""
+    from .errors import IncompatibleMlxLmError
+    from .mlx_compat import load_model_problem, problem, refusal
+
     if utils is None:
         import mlx_lm.utils as utils
     if getattr(utils.load_model, "mlx_lm_streaming", False):
         return
+    why = problem() or load_model_problem(utils.load_model)
+    if why is not None:
+        raise IncompatibleMlxLmError(refusal(why))
     utils.load_model = _wrap_load_model(utils.load_model)
 
 
 def _wrap_load_model(stock_load_model):
-    def stock(
-        model_path, lazy, strict, model_config, get_model_classes, trust_remote_code
-    ):
-        # the stock call, argument for argument (its get_model_classes default is its own)
-        kwargs = {}
-        if get_model_classes is not None:
-            kwargs["get_model_classes"] = get_model_classes
-        return stock_load_model(
-            model_path,
-            lazy,
-            strict,
-            model_config=model_config,
-            trust_remote_code=trust_remote_code,
-            **kwargs,
-        )
+    """``load_model`` as a wrapper that takes whatever the stock one takes, by position or name.
+
+    Arguments are bound to the stock signature (so a bad call fails exactly as stock's does) and
+    passed on as given; only ``model_config`` is read, and our key taken out of it."""
+    signature = inspect.signature(stock_load_model)
 
     @functools.wraps(stock_load_model)
-    def load_model(
-        model_path,
-        lazy=False,
-        strict=True,
-        model_config=None,
-        get_model_classes=None,
-        trust_remote_code=False,
-    ):
+    def load_model(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        model_config = bound.arguments.get("model_config")
         explicit = bool(model_config) and CONFIG_KEY in model_config
         options = requested(model_config)
-        if options is None and explicit:
-            # streaming_experts=False: mlx-lm must not see our key
-            model_config = {k: v for k, v in model_config.items() if k != CONFIG_KEY}
-        args = (
-            model_path,
-            lazy,
-            strict,
-            model_config,
-            get_model_classes,
-            trust_remote_code,
-        )
+        if explicit:
+            # mlx-lm must not see our key
+            bound.arguments["model_config"] = {
+                k: v for k, v in model_config.items() if k != CONFIG_KEY
+            }
         if options is None:
-            return stock(*args)
+            return stock_load_model(*bound.args, **bound.kwargs)
         from .errors import UnsupportedModelError
         from .loading import load_streaming_model
 
         try:
-            return load_streaming_model(
-                stock_load_model,
-                model_path,
-                options,
-                lazy=lazy,
-                strict=strict,
-                model_config=model_config,
-                get_model_classes=get_model_classes,
-                trust_remote_code=trust_remote_code,
-            )
+            return load_streaming_model(stock_load_model, bound, options)
         except UnsupportedModelError as e:
             if explicit:
                 raise
             # asked for by flag or environment, which also reach draft models and models named
             # in server requests: a model we cannot stream loads stock
             print(
-                f"mlx-lm-streaming: {model_path}: {e}; loading it without streaming",
+                f"mlx-lm-streaming: {bound.arguments['model_path']}: {e}; "
+                "loading it without streaming",
                 file=sys.stderr,
                 flush=True,
             )
-            return stock(*args)
+            return stock_load_model(*bound.args, **bound.kwargs)
 
     load_model.mlx_lm_streaming = True
     load_model.stock = stock_load_model
@@ -314,6 +285,30 @@ def wrap_cli_main(module) -> None:
     def main(*args, **kwargs):
         with _FirstParser():
             return stock_main(*args, **kwargs)
+
+    main.mlx_lm_streaming = True
+    main.stock = stock_main
+    module.main = main
+
+
+def wrap_cli_main_refusing(module, message: str) -> None:
+    """Where mlx-lm cannot be patched: ``module.main`` runs stock, unless the command line or the
+    environment asks for streaming; then it prints ``message`` (one line) and exits with status 2."""
+    stock_main = module.main
+    if getattr(stock_main, "mlx_lm_streaming", False):
+        return
+
+    @functools.wraps(stock_main)
+    def main(*args, **kwargs):
+        from .mlx_compat import say_refusal, streaming_in_environment
+
+        flags = ["--" + dest.replace("_", "-") for dest in FLAG_ENV]
+        if streaming_in_environment() or any(
+            a.split("=", 1)[0] in flags for a in sys.argv[1:]
+        ):
+            say_refusal(message)
+            raise SystemExit(2)
+        return stock_main(*args, **kwargs)
 
     main.mlx_lm_streaming = True
     main.stock = stock_main

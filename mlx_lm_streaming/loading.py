@@ -163,28 +163,29 @@ def convert_model(
     return weights
 
 
-def load_streaming_model(
-    stock_load_model,
-    model_path,
-    options: StreamingOptions,
-    lazy: bool = False,
-    strict: bool = True,
-    model_config: Optional[dict] = None,
-    get_model_classes=None,
-    trust_remote_code: bool = False,
-):
-    """Like mlx-lm's ``load_model``, with the routed experts streamed."""
+def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
+    """Like mlx-lm's ``load_model``, with the routed experts streamed.
+
+    ``bound``: the caller's arguments bound to ``stock_load_model``'s signature; they are passed on
+    as given (``trust_remote_code`` and whatever else this mlx-lm takes), with ``get_model_classes``
+    replaced by one that intercepts the model's weights."""
     from mlx_lm.utils import _get_classes, load_config
 
-    model_path = Path(model_path)
-    model_config = {k: v for k, v in (model_config or {}).items() if k != CONFIG_KEY}
+    bound = bound.signature.bind(*bound.args, **bound.kwargs)  # the caller's stays as it was
+    arguments = bound.arguments
+    model_path = Path(arguments["model_path"])
+    lazy = arguments.get("lazy", False)
+    model_config = {
+        k: v for k, v in (arguments.get("model_config") or {}).items() if k != CONFIG_KEY
+    }
+    arguments["model_config"] = model_config
     config = {**load_config(model_path), **model_config}
     if config.get("model_file") is not None:
         raise UnsupportedModelError(
             f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
             "be streamed; load without --streaming-experts"
         )
-    get_model_classes = get_model_classes or _get_classes
+    get_model_classes = arguments.get("get_model_classes") or _get_classes
     state = StreamingState(model_path, options)
 
     def classes(config):
@@ -221,14 +222,8 @@ def load_streaming_model(
         return build, args_class
 
     try:
-        model, config = stock_load_model(
-            model_path,
-            lazy=lazy,
-            strict=strict,
-            model_config=model_config,
-            get_model_classes=classes,
-            trust_remote_code=trust_remote_code,
-        )
+        arguments["get_model_classes"] = classes
+        model, config = stock_load_model(*bound.args, **bound.kwargs)
     except BaseException:
         state.close()
         raise

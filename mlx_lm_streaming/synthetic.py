@@ -508,14 +508,16 @@ def _quantize(model: nn.Module, config: dict, variant: str) -> dict:
             )
     # quantize_model prints the bits per weight; keep builds quiet.
     with contextlib.redirect_stdout(io.StringIO()):
+        # global_scale only where asked: mlx-lm before 0.32 does not take the argument
+        extra = {"global_scale": True} if variant == "nvfp4_global" else {}
         _, config = mlx_utils.quantize_model(
             model,
             config,
             group_size,
             bits,
             mode=mode,
-            global_scale=variant == "nvfp4_global",
             quant_predicate=_mixed_predicate if variant == "mixed" else None,
+            **extra,
         )
     return config
 

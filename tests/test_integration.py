@@ -141,6 +141,7 @@ def stock_text(checkpoint, tmp_path_factory):
     return get
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_generate_cli_streams_and_prints_stock_text(
     arch, checkpoint, stock_text, tmp_path
@@ -164,6 +165,7 @@ def test_generate_cli_streams_and_prints_stock_text(
     assert int(stats[0]) > 0
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_plain_script_streams_with_env_var(arch, checkpoint, tmp_path):
     ckpt = checkpoint(arch)

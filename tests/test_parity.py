@@ -103,7 +103,16 @@ def check_parity(path, **options):
         assert cache.stats.misses > 0
 
 
-@pytest.mark.parametrize("arch,variant", TABLE, ids=[f"{a}-{v}" for a, v in TABLE])
+# one architecture per family, run under every supported mlx-lm release (`-m core`, .ci/run)
+CORE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "olmoe"}
+
+
+def _param(arch, variant):
+    marks = [pytest.mark.core] if arch in CORE and variant != "nvfp4" else []
+    return pytest.param(arch, variant, marks=marks, id=f"{arch}-{variant}")
+
+
+@pytest.mark.parametrize("arch,variant", [_param(a, v) for a, v in TABLE])
 def test_parity(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 
