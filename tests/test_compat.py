@@ -10,9 +10,9 @@ import pytest
 from mlx_lm_streaming import mlx_compat
 from mlx_lm_streaming.errors import IncompatibleMlxLmError
 
-from test_integration import BIN, clean_env, generate_cmd, generated_text, run
+from support import BIN, clean_env, generate_cmd, generated_text, run
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.core, pytest.mark.usefixtures("require_hook")]
 
 # an mlx-lm release we have not tested: the guard must refuse it
 UNTESTED = "0.99.0"

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from support import clean_env
+from support import held_out_env
 
 from mlx_lm_streaming.errors import UnsupportedModelError
 
@@ -244,7 +244,7 @@ def stock_text(ckpt):
 
     def get(arch):
         if arch not in texts:
-            with clean_env():
+            with held_out_env():
                 model, tokenizer = mlx_lm.load(str(ckpt(arch)))
             assert not hasattr(model, "expert_streaming")
             assert tokenizer.has_chat_template

@@ -16,19 +16,6 @@ from mlx_lm_streaming.options import ENV
 PROMPTS = ["Tell me a story", "Why is the sky blue? Explain in detail please", "Hi"]
 
 
-@pytest.fixture
-def environ():
-    """Our variables removed for the test, and the environment restored after it."""
-    saved = dict(os.environ)
-    for name in ENV.values():
-        os.environ.pop(name, None)
-    try:
-        yield os.environ
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def models(checkpoint):
     """(stock model, streaming model with 3 of 8 experts per layer, tokenizer)."""

@@ -3,7 +3,6 @@ when our package is broken. Also the command-line flag plumbing of ``integration
 """
 
 import argparse
-import os
 import pkgutil
 import re
 import shutil
@@ -14,18 +13,13 @@ import types
 from pathlib import Path
 
 import pytest
-from test_integration import (
-    BIN,
-    PROMPT,
-    clean_env,
-    generate_cmd,
-    generated_text,
-    require_hook,
-    stock_text,
-)
+from support import BIN, clean_env, generate_cmd, generated_text
 
 from mlx_lm_streaming import _bootstrap, integration
 from mlx_lm_streaming.options import ENV
+
+# the startup hook must be installed (tests/run.sh installs the package non-editable)
+pytestmark = pytest.mark.usefixtures("require_hook")
 
 ROOT = Path(__file__).resolve().parents[1]
 PURELIB = Path(sysconfig.get_paths()["purelib"])
@@ -101,6 +95,7 @@ def test_startup_overhead_below_5_ms(tmp_path):
 PATCHED = """
 import importlib, inspect, sys
 import mlx_lm, mlx_lm.utils, mlx_lm.generate, mlx_lm.server
+
 u, gen = mlx_lm.utils, sys.modules["mlx_lm.generate"]  # mlx_lm.generate is the function
 assert type(u.__loader__).__name__ == "SourceFileLoader", u.__loader__
 assert u.__spec__.loader is u.__loader__
@@ -213,18 +208,6 @@ def test_broken_install_leaves_stock_mlx_lm(case, checkpoint, stock_text, tmp_pa
 
 
 # -- flag plumbing (in process) ------------------------------------------------------------------
-
-
-@pytest.fixture
-def environ():
-    saved = dict(os.environ)
-    for name in ENV.values():
-        os.environ.pop(name, None)
-    try:
-        yield os.environ
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def fake_cli(parse=True, error=None):

@@ -9,7 +9,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from support import clean_env, load_streaming
+from support import held_out_env, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
@@ -29,7 +29,7 @@ def test_load_reads_no_expert_bytes(checkpoint):
 
 def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):
     path = checkpoint("mixtral", "affine4")
-    with clean_env():
+    with held_out_env():
         model, tokenizer = mlx_lm_streaming.load(str(path), expert_cache_gb=0.001)
         model2, tokenizer2, config = mlx_lm_streaming.load(
             str(path), kernel="per_expert", store="memory", return_config=True

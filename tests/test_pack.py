@@ -3,10 +3,8 @@ partial packs rejected with a named error."""
 
 import os
 import struct
-from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming

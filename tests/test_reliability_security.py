@@ -9,7 +9,6 @@ that same repo's ``blobs/``. Anything else is refused at load with the shard nam
 import ast
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -54,10 +53,10 @@ def test_model_file_is_never_executed_by_streaming(model_dir, tmp_path, trust_re
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration import install
-    from support import clean_env
+    from support import held_out_env
 
     install()
-    with clean_env(), pytest.raises(UnsupportedModelError, match="evil.py"):
+    with held_out_env(), pytest.raises(UnsupportedModelError, match="evil.py"):
         mlx_lm.utils.load_model(
             model_dir,
             model_config={"streaming_experts": True},
