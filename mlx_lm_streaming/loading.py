@@ -75,6 +75,11 @@ class StreamingState:
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
+        if s.get("failed_background_reads"):
+            line += (
+                f", background reads of {s['failed_background_reads']} experts failed (read "
+                f"again on demand; first: {s['first_background_error']})"
+            )
         if self.pipeline is not None:
             rank, size, start, end = self.pipeline
             line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
