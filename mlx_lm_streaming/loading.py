@@ -32,11 +32,32 @@ from .switch import StreamingSwitchGLU
 DEFAULT_CACHE_SHARE = 0.5
 
 
+# what the default budget assumes where the OS does not say how much memory there is
+ASSUMED_MEMORY_BYTES = 16 * GB
+_memory_warned = False
+
+
 def physical_memory_bytes() -> int:
+    """This machine's RAM; where the OS does not tell, ``ASSUMED_MEMORY_BYTES``, said once on
+    stderr (the default expert budget depends on it)."""
+    global _memory_warned
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GB
+        page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+        why = f"page size {page}, pages {pages}"
+    except (ValueError, OSError, AttributeError) as e:
+        page, pages, why = 0, 0, f"{type(e).__name__}: {e}"
+    if page > 0 and pages > 0:
+        return page * pages
+    if not _memory_warned:
+        _memory_warned = True
+        print(
+            f"mlx-lm-streaming: cannot read this machine's memory size from the OS ({why}); the "
+            f"default expert cache budget assumes {ASSUMED_MEMORY_BYTES // GB} GB: set "
+            "--expert-cache-gb (MLX_LM_STREAMING_CACHE_GB) to choose it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ASSUMED_MEMORY_BYTES
 
 
 def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes: int) -> int:

@@ -193,6 +193,19 @@ def corrupt_copy(path, tmp_path, damage):
     return dst
 
 
+def test_bad_existing_pack_is_named_then_rewritten(packed, tmp_path, capsys):
+    """``pack`` without ``--force`` over a damaged pack wrote a new one without a word."""
+    path, want = packed
+    dst = corrupt_copy(path, tmp_path, lambda d: d.__setitem__(slice(0, 8), b"NOTAPACK"))
+    capsys.readouterr()
+    pack_checkpoint(dst, progress=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"{dst / PACK_NAME}: not an expert pack (bad magic); writing a new pack"]
+    model, _ = load_streaming(dst, store="packed")
+    assert same(want, run(model))
+    model.expert_streaming.close()
+
+
 def flip_data_byte(data):
     (hlen,) = struct.unpack("<Q", bytes(data[8:16]))
     start = -(-(PREFIX + hlen) // ALIGN) * ALIGN
