@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda_uvm
-from .errors import ConfigurationError, ExpertIOError
+from .errors import ConfigurationError, ExpertIOError, StreamingError
 from .index import PROJECTIONS, LayerExperts
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
@@ -273,6 +273,7 @@ class LayerBank:
         rest = []
         by_batch: Dict[int, tuple] = {}
         popped: Dict[int, StagedBatch] = {}
+        failed = []  # (expert, error) whose background read failed: read again below
         for e, slot in zip(experts.tolist(), slots.tolist()):
             batch = self.staged.pop(e, None)
             if batch is not None:
@@ -287,6 +288,8 @@ class LayerBank:
                     by_batch[id(batch)][2].append(slot)
                     stats.add("used", batch.kind, 1)
                     continue
+                if batch.future.done() and not batch.future.cancelled():
+                    failed.append((e, batch.future.exception()))
             rest.append((e, slot))
         groups.extend(by_batch.values())
         io = time.perf_counter() - start
@@ -336,6 +339,13 @@ class LayerBank:
                     del batch
                 if groups:
                     write(groups)
+        except StreamingError as err:
+            if failed:  # the read again failed too: say that the background read had failed first
+                err.args = (
+                    f"{err} (the background read of expert {failed[0][0]} of {self.path} had "
+                    f"failed first: {type(failed[0][1]).__name__}: {failed[0][1]})",
+                )
+            raise
         finally:
             still = {id(b) for b in self.staged.values()}
             for key, batch in popped.items():

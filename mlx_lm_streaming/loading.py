@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from . import plugins
 from .cache import GB, ExpertCache
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
-from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
+from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
 from .prefetch import find_router
@@ -32,11 +32,32 @@ from .switch import StreamingSwitchGLU
 DEFAULT_CACHE_SHARE = 0.5
 
 
+# what the default budget assumes where the OS does not say how much memory there is
+ASSUMED_MEMORY_BYTES = 16 * GB
+_memory_warned = False
+
+
 def physical_memory_bytes() -> int:
+    """This machine's RAM; where the OS does not tell, ``ASSUMED_MEMORY_BYTES``, said once on
+    stderr (the default expert budget depends on it)."""
+    global _memory_warned
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GB
+        page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+        why = f"page size {page}, pages {pages}"
+    except (ValueError, OSError, AttributeError) as e:
+        page, pages, why = 0, 0, f"{type(e).__name__}: {e}"
+    if page > 0 and pages > 0:
+        return page * pages
+    if not _memory_warned:
+        _memory_warned = True
+        print(
+            f"mlx-lm-streaming: cannot read this machine's memory size from the OS ({why}); the "
+            f"default expert cache budget assumes {ASSUMED_MEMORY_BYTES // GB} GB: set "
+            "--expert-cache-gb (MLX_LM_STREAMING_CACHE_GB) to choose it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ASSUMED_MEMORY_BYTES
 
 
 def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes: int) -> int:
@@ -48,10 +69,14 @@ def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes
 class StreamingState:
     """What a streaming model carries besides its parameters (``model.expert_streaming``)."""
 
-    def __init__(self, model_path: Path, options: StreamingOptions):
+    def __init__(
+        self, model_path: Path, options: StreamingOptions, allow_missing_shards: bool = False
+    ):
         self.model_path = Path(model_path)
         self.options = options
-        self.files = CheckpointFiles(self.model_path)
+        # a lazy, non-strict load (mlx-lm's sharded_load) may lack the shards of other pipeline
+        # ranks' layers: checked once ``pipeline`` says which layers this rank keeps
+        self.files = CheckpointFiles(self.model_path, allow_missing=allow_missing_shards)
         self.index = ExpertIndex(self.files)
         self.store = plugins.make_store(options.store, self.files, **options.store_options)
         budget = None
@@ -75,6 +100,11 @@ class StreamingState:
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
+        if s.get("failed_background_reads"):
+            line += (
+                f", background reads of {s['failed_background_reads']} experts failed (read "
+                f"again on demand; first: {s['first_background_error']})"
+            )
         if self.pipeline is not None:
             rank, size, start, end = self.pipeline
             line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
@@ -135,6 +165,9 @@ def convert_model(
             f"model_type {config.get('model_type')!r}: no routed-expert modules "
             f"({adapter.experts_class.__name__}) found to stream"
         )
+    # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
+    # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)
+    routed = [(p, m) for p, m in routed if not state.files.layer_missing(checkpoint_layer(p))]
     for path, glu in routed:
         expected = {}
         for proj in PROJECTIONS:
@@ -186,7 +219,8 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
             "be streamed; load without --streaming-experts"
         )
     get_model_classes = arguments.get("get_model_classes") or _get_classes
-    state = StreamingState(model_path, options)
+    strict = arguments.get("strict", True)
+    state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
 
     def classes(config):
         model_class, args_class = get_model_classes(config=config)
@@ -276,6 +310,14 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
         start, end = model.model.start_idx, model.model.end_idx
         state.pipeline = (group.rank(), group.size(), start, end)
         stage = f"pipeline rank {group.rank()} of {group.size()} (layers {start}-{end - 1})"
+        needed = state.files.missing_needed(start, end)
+        if needed is not None:
+            tensor, shard = needed
+            raise CheckpointError(
+                f"{stage}: tensor {tensor!r} is in shard {shard!r}, which is missing from "
+                f"{state.model_path}; this rank needs every shard holding its layers and the "
+                "weights outside the layers (incomplete download?)"
+            )
         if not state.cache.banks:
             return result
         if state.options.expert_cache_gb is None:

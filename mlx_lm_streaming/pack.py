@@ -132,13 +132,14 @@ def pack_checkpoint(
     model_path = Path(model_path)
     out = Path(out) if out is not None else model_path / PACK_NAME
     if out.exists() and not force:
-        from .stores.packed import PackFile
+        from .stores.packed import HINT, PackFile
 
         try:
             PackFile(out, model_path).close()
             return out
-        except Exception:
-            pass  # stale or damaged: write it again
+        except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
+            reason = str(e).replace(f"; {HINT}", "")
+            print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
     index = index or index_checkpoint(model_path)
     layers = sorted(index.layers.values(), key=lambda l: layer_order(l.path))
     files = index.files

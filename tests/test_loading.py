@@ -187,3 +187,25 @@ def test_streaming_off_is_stock(checkpoint, monkeypatch):
     )
     assert not hasattr(model, "expert_streaming")
     assert any("switch_mlp" in k for k, _ in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("failure", ["raises", "unsupported"])
+def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
+    """The default budget assumed 16 GB without a word where the OS does not give the RAM size."""
+    from mlx_lm_streaming import loading
+
+    def sysconf(name):
+        if failure == "raises":
+            raise ValueError(f"unrecognized configuration name {name!r}")
+        return -1
+
+    monkeypatch.setattr(loading.os, "sysconf", sysconf)
+    monkeypatch.setattr(loading, "_memory_warned", False)
+    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES == 16 * (1 << 30)
+    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert "cannot read this machine's memory size" in lines[0]
+    assert "assumes 16 GB" in lines[0] and "--expert-cache-gb" in lines[0]
+    if failure == "raises":
+        assert "ValueError: unrecognized configuration name" in lines[0]

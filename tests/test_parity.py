@@ -6,6 +6,11 @@ and 8 greedy decode steps with a KV cache, at batch 1 and batch 2, with a cache 
 experts (evictions mid-forward, waves) and with a budget that holds every expert.
 """
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -13,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_streaming.cache import GB
 
-from support import load_stock, load_streaming
+from support import assert_exact, held_out_env, load_stock, load_streaming
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
 VARIANTS = ["affine4", "mixed", "affine8", "mxfp4", "float32_hf"]
@@ -62,17 +67,6 @@ def run(model, tokens, steps, by_token=False):
         out.append(logits)
     mx.eval(out)
     return out
-
-
-def assert_exact(stock_out, stream_out, what):
-    for step, (a, b) in enumerate(zip(stock_out, stream_out)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        # NaNs (a random model in half precision can make them) compare equal when both have them
-        assert mx.array_equal(a, b, equal_nan=True).item(), (
-            f"{what}: logits differ at step {step} "
-            f"(max abs diff {mx.abs(a - b).max().item()}, NaNs in stock "
-            f"{mx.isnan(a).sum().item()}, in streaming {mx.isnan(b).sum().item()})"
-        )
 
 
 def check_parity(path, **options):
@@ -127,3 +121,32 @@ def test_parity_half_precision(checkpoint, dtype):
 @pytest.mark.parametrize("variant", ["affine4", "mixed", "mxfp4", "float32_hf"])
 def test_parity_per_expert_kernel(checkpoint, variant):
     check_parity(checkpoint("mixtral", variant), kernel="per_expert")
+
+
+def test_assert_exact_rejects_non_finite():
+    # NaN on both sides used to pass (array_equal with equal_nan): parity must be on finite logits
+    good = mx.array([[0.5, -1.0]])
+    for bad in (float("nan"), float("inf")):
+        same = mx.array([[bad, -1.0]])
+        with pytest.raises(AssertionError, match="non-finite logits in stock"):
+            assert_exact([same], [same], "both")
+        with pytest.raises(AssertionError, match="non-finite logits in streaming"):
+            assert_exact([good], [same], "one")
+    with pytest.raises(AssertionError, match="differ"):
+        assert_exact([good], [good + 1], "finite")
+    assert_exact([good], [mx.array(good)], "equal")
+
+
+def test_cuda_banks_bench_runs_on_cpu():
+    # bench/cuda_banks.py once replaced _read_direct with a function of the wrong arity: every *-sync
+    # configuration raised, and was skipped after a printed line; now an error is fatal
+    bench = Path(__file__).resolve().parent.parent / "bench" / "cuda_banks.py"
+    configs = ["all-on-sync", "small-on-sync", "small-off"]
+    cmd = [sys.executable, bench, "--steps", "1", "--stock-repeats", "1"]
+    with held_out_env():
+        done = subprocess.run(
+            cmd + ["--configs", ",".join(configs)], capture_output=True, text=True, timeout=300
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in configs:
+        assert re.search(rf"^{name}: .* steps = =; ", done.stdout, re.M), done.stdout

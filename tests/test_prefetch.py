@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from support import GB, decode, load_stock, load_streaming, per_slot, same, with_slots
 
+from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.prefetch import find_router
 
 
@@ -147,6 +148,40 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
     assert same(want, decode(model, tokens))
     assert threading.current_thread() is main
     assert model.expert_streaming.cache.prefetch_stats.staged["lookahead"] > 0
+    # counted, not dropped without a trace
+    stats = model.expert_streaming.stats()
+    assert stats["failed_background_reads"] > 0
+    assert stats["first_background_error"] == "OSError: injected background read failure"
+    line = model.expert_streaming.stats_line()
+    assert f"background reads of {stats['failed_background_reads']} experts failed" in line
+    assert "first: OSError: injected background read failure" in line
+
+
+def test_demand_read_failing_after_a_background_read_names_both(q3):
+    path, tokens, _ = q3
+    model = with_slots(path, 4)
+    store = model.expert_streaming.store
+    model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)
+    model.expert_streaming.cache.lookahead_min_precision = 0.0
+    real = store.read_many
+    failed = set()  # (file, offset) of every range a background read failed on
+
+    def flaky(jobs):
+        keys = {(ref.file, ref.offset) for ref, _ in jobs}
+        if threading.current_thread().name.startswith("mlx-lm-streaming-prefetch"):
+            failed.update(keys)
+            raise OSError("injected background read failure")
+        if keys & failed:
+            raise ExpertIOError("injected demand read failure")
+        return real(jobs)
+
+    store.read_many = flaky
+    with pytest.raises(ExpertIOError) as info:
+        decode(model, tokens)
+    msg = str(info.value)
+    assert msg.startswith("injected demand read failure (the background read of expert ")
+    assert msg.endswith("had failed first: OSError: injected background read failure)")
+    assert model.expert_streaming.stats()["failed_background_reads"] > 0
 
 
 def test_staged_bytes_stay_within_the_bound(q3):
