@@ -58,6 +58,7 @@ class StreamingState:
         if options.expert_cache_gb is not None:
             budget = int(options.expert_cache_gb * GB)
         self.cache = ExpertCache(self.store, budget)
+        self.cache.policy = options.cache_policy
         self.selector = KernelSelector(options.kernel)
         self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         self.resident_bytes = 0

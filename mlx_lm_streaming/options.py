@@ -3,7 +3,7 @@
 1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``;
+   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .errors import ConfigurationError
+from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
 ENV = {
@@ -25,6 +26,7 @@ ENV = {
     "kernel": "MLX_LM_STREAMING_KERNEL",
     "stats": "MLX_LM_STREAMING_STATS",
     "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
+    "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -42,6 +44,8 @@ class StreamingOptions:
     # demand reads straight into the slot banks (cache.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
+    # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"
+    cache_policy: str = DEFAULT_POLICY
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
@@ -58,6 +62,11 @@ class StreamingOptions:
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
+        if self.cache_policy not in POLICIES:
+            raise ConfigurationError(
+                f"cache_policy {self.cache_policy!r} is unknown; known: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
         value = self.direct_reads
         if isinstance(value, str):
             word = value.strip().lower()
@@ -106,7 +115,7 @@ class StreamingOptions:
                 f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
             )
         kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel", "direct_reads"):
+        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
         kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE

@@ -132,7 +132,9 @@ class SlotTable:
         follows fails); ``place`` maps each missing expert once its bytes are in its slot."""
         experts = np.asarray(experts, dtype=np.int64)
         if len(experts) > self.slots:
-            raise ValueError(f"{len(experts)} experts asked for at once but only {self.slots} slots")
+            raise ValueError(
+                f"{len(experts)} experts asked for at once but only {self.slots} slots"
+            )
         self.policy.used(experts)
         missing = experts[self.slot_of[experts] < 0]
         if len(missing) == 0:

@@ -47,7 +47,7 @@ def replay(
     trace: RoutingTrace, slots: Union[int, Sequence[int]], policy: str = DEFAULT_POLICY
 ) -> ReplayResult:
     """``slots``: per MoE layer (or one count for all). A token that uses more experts in a layer
-    than it has slots would not fit: ``ValueError``."""
+    than it has slots goes in waves of ``slots`` experts, lowest ids first, as the layer does it."""
     plan = _slots(trace, slots)
     tables = []
     for n in plan:
@@ -61,9 +61,15 @@ def replay(
             if not ids:
                 continue
             table = tables[layer]
-            missing, into, _ = table.admit(np.array(ids, dtype=np.int64))
-            table.place(missing, into)
-            result.count(row.phase, layer, len(ids) - len(missing), len(ids))
+            experts = np.array(ids, dtype=np.int64)
+            waves = [experts]
+            if len(experts) > table.slots:
+                experts = np.sort(experts)
+                waves = [experts[i : i + table.slots] for i in range(0, len(experts), table.slots)]
+            for wave in waves:
+                missing, into, _ = table.admit(wave)
+                table.place(missing, into)
+                result.count(row.phase, layer, len(wave) - len(missing), len(wave))
     return result
 
 

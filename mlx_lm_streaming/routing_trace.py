@@ -73,7 +73,7 @@ def _int(value) -> bool:
 
 def _check_header(header, where: str) -> Dict:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise TraceError(f"{where}: not a routing trace (the header needs \"format\": \"{FORMAT}\")")
+        raise TraceError(f'{where}: not a routing trace (the header needs "format": "{FORMAT}")')
     if header.get("version") != VERSION:
         raise TraceError(
             f"{where}: routing trace version {header.get('version')!r} is not supported "
