@@ -551,6 +551,8 @@ class ExpertCache:
         self.stats = CacheStats()
         # which resident expert a bank evicts (``policy.POLICIES``); read when banks are allocated
         self.policy = DEFAULT_POLICY
+        # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
+        self.recorder = None
         # background reads: next-layer lookahead, filling identity banks; a complete identity bank
         # skips the host sync. Each only moves or drops work; none changes what is computed.
         self.lookahead = lookahead

@@ -3,7 +3,8 @@
 1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``;
+   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
+   ``MLX_LM_STREAMING_RECORD_ROUTING``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -27,6 +28,7 @@ ENV = {
     "stats": "MLX_LM_STREAMING_STATS",
     "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
     "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
+    "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -46,6 +48,8 @@ class StreamingOptions:
     direct_reads: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"
     cache_policy: str = DEFAULT_POLICY
+    # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
+    record_routing: Optional[str] = None
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
@@ -62,6 +66,12 @@ class StreamingOptions:
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
+        if self.record_routing is not None:
+            if not isinstance(self.record_routing, (str, os.PathLike)) or not str(
+                self.record_routing
+            ):
+                raise ConfigurationError("record_routing must be a file path")
+            self.record_routing = str(self.record_routing)
         if self.cache_policy not in POLICIES:
             raise ConfigurationError(
                 f"cache_policy {self.cache_policy!r} is unknown; known: "
@@ -115,7 +125,8 @@ class StreamingOptions:
                 f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
             )
         kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy"):
+        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
+                     "record_routing"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
         kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE

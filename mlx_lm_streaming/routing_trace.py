@@ -10,13 +10,16 @@ The first line is a header, then one line per token in the order the model ran t
 token, in the router's rank order (an empty list: the layer did not run for it). ``seq`` numbers
 independent sequences; ``phase`` is ``prefill`` or ``decode``. ``read_trace`` validates a file and
 names the file and line of the first problem; ``TraceWriter`` appends one line per token and flushes
-it, so an interrupted run leaves a valid prefix. Stdlib and numpy only.
+it, so an interrupted run leaves a valid prefix; ``RoutingRecorder`` turns the expert ids each MoE
+layer of a streaming model was called with into such lines (``--record-routing``). Stdlib and numpy
+only.
 """
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import CheckpointError, ConfigurationError
 
@@ -142,7 +145,9 @@ def read_trace(path) -> RoutingTrace:
 class TraceWriter:
     """Appends a trace as a run goes: the header when opened, then one flushed line per token."""
 
-    def __init__(self, path, num_layers: int, num_experts: int, top_k: int, **header):
+    def __init__(self, path, num_layers: int, num_experts: int, top_k: Optional[int], **header):
+        """``top_k`` None: the header is written with the first token, whose longest list of
+        expert ids gives it."""
         self.path = Path(path)
         self.num_layers = num_layers
         try:
@@ -151,7 +156,7 @@ class TraceWriter:
             raise ConfigurationError(
                 f"{self.path}: cannot write the routing trace ({e.strerror or e})"
             ) from None
-        head = {
+        self._header = {
             "format": FORMAT,
             "version": VERSION,
             **header,
@@ -159,7 +164,9 @@ class TraceWriter:
             "num_experts": num_experts,
             "top_k": top_k,
         }
-        self._line(head)
+        if top_k is not None:
+            self._line(self._header)
+            self._header = None
 
     def _line(self, value: Dict) -> None:
         self._file.write(json.dumps(value) + "\n")
@@ -172,6 +179,10 @@ class TraceWriter:
         if len(experts) != self.num_layers:
             raise ValueError(f"{len(experts)} layers given, the trace has {self.num_layers}")
         rows = [[int(e) for e in ids] for ids in experts]
+        if self._header is not None:
+            self._header["top_k"] = max(1, max(len(ids) for ids in rows))
+            self._line(self._header)
+            self._header = None
         self._line({"seq": int(seq), "phase": phase, "experts": rows})
 
     def close(self) -> None:
@@ -183,3 +194,90 @@ class TraceWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def check_writable(path) -> None:
+    """Create (or empty) ``path``; ``ConfigurationError`` naming it if that fails."""
+    try:
+        open(path, "w", encoding="utf-8").close()
+    except OSError as e:
+        raise ConfigurationError(
+            f"{path}: cannot write the routing trace ({e.strerror or e})"
+        ) from None
+
+
+class RoutingRecorder:
+    """Records a streaming model's routing: ``record(bank, idx)`` from each MoE layer's call.
+
+    ``banks()`` gives the model's MoE layer banks in model order (each has ``num_experts``). A token's
+    line is written once every MoE layer has reported its call, or when a layer reports twice (a layer
+    that did not run gets an empty list). A call of more than one token is ``prefill``, of one token
+    ``decode`` (mlx-lm runs the last prompt token in the first one-token step); each row of a batched
+    call is its own sequence, and a prefill after decoding starts new sequences.
+
+    One recorder per file in a process: a second model asking for the same file (a draft model) is
+    not recorded (``claimed``)."""
+
+    _open: set = set()  # resolved paths of the recorders not closed yet
+
+    def __init__(self, path, banks: Callable[[], Sequence], **header):
+        self.path = Path(path)
+        self.banks = banks
+        self.header = header
+        self.lock = threading.Lock()
+        self.writer: Optional[TraceWriter] = None
+        self.layer_of: Dict[int, int] = {}
+        self.pending: Dict[int, object] = {}  # layer -> expert ids of its call
+        self.seq = 0
+        self.width = 1  # sequences in the current batch
+        self.phase = None
+        check_writable(self.path)  # fail at load, not at the first token
+        RoutingRecorder._open.add(self.path.resolve())
+
+    def record(self, bank, idx) -> None:
+        """``idx``: the expert ids of one call of ``bank``'s layer, ``(..., tokens, k)``."""
+        with self.lock:
+            if self.writer is None:
+                banks = list(self.banks())
+                self.layer_of = {id(b): i for i, b in enumerate(banks)}
+                experts = max(b.num_experts for b in banks)
+                self.writer = TraceWriter(self.path, len(banks), experts, None, **self.header)
+            layer = self.layer_of[id(bank)]
+            if layer in self.pending:
+                self._flush()
+            # (batch, tokens, k)
+            self.pending[layer] = (
+                idx.reshape(-1, *idx.shape[-2:]) if idx.ndim > 1 else idx.reshape(1, 1, -1)
+            )
+            if len(self.pending) == self.writer.num_layers:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        first = next(iter(self.pending.values()))
+        batch, tokens = first.shape[0], first.shape[1]
+        phase = "prefill" if tokens > 1 else "decode"
+        if self.phase == "decode" and phase == "prefill":
+            self.seq += self.width  # a new prompt
+        self.phase, self.width = phase, batch
+        for b in range(batch):
+            for t in range(tokens):
+                rows = [
+                    self.pending[i][b, t] if i in self.pending else ()
+                    for i in range(self.writer.num_layers)
+                ]
+                self.writer.token(self.seq + b, phase, rows)
+        self.pending = {}
+
+    @classmethod
+    def claimed(cls, path) -> bool:
+        """Whether an open recorder of this process writes ``path``."""
+        return Path(path).resolve() in cls._open
+
+    def close(self) -> None:
+        with self.lock:
+            RoutingRecorder._open.discard(self.path.resolve())
+            if self.writer is not None:
+                self._flush()
+                self.writer.close()

@@ -373,3 +373,101 @@ def test_plan_names_the_line_of_a_bad_trace(checkpoint, tmp_path):
     assert done.returncode != 0
     (line,) = done.stderr.strip().splitlines()
     assert f"{path}:2: " in line
+
+
+# --- recording ----------------------------------------------------------------------------------
+
+
+def stock_routing(model, steps, monkeypatch):
+    """Run ``steps`` (token arrays) through a stock model; the expert ids each MoE layer picked,
+    as trace rows ``(phase, experts per layer)``."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    seen = []
+    real = SwitchGLU.__call__
+
+    def spy(self, x, indices):
+        seen.append(np.array(indices))
+        return real(self, x, indices)
+
+    monkeypatch.setattr(SwitchGLU, "__call__", spy)
+    prompt_cache = make_prompt_cache(model)
+    rows = []
+    for tokens in steps:
+        seen.clear()
+        mx.eval(model(tokens, cache=prompt_cache))
+        layers = [idx.reshape(-1, idx.shape[-1]) for idx in seen]
+        phase = "prefill" if tokens.shape[1] > 1 else "decode"
+        rows += [(phase, [layer[t].tolist() for layer in layers]) for t in range(tokens.shape[1])]
+    monkeypatch.setattr(SwitchGLU, "__call__", real)
+    return rows
+
+
+def test_recording_writes_the_exact_routing_as_the_run_goes(checkpoint, tmp_path, monkeypatch):
+    path = checkpoint("qwen3_moe")
+    steps = [mx.array([[(7 * i + 3) % 512 for i in range(10)]])]
+    steps += [mx.array([[(37 * i + 11) % 512]]) for i in range(6)]
+    want = stock_routing(load_stock(path)[0], steps, monkeypatch)
+    out = tmp_path / "run.jsonl"
+    probe, _ = load_streaming(path)
+    per_slot = sum(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
+    for budget in (None, (3 * per_slot + 0.5) / GB):  # every expert resident (no sync to skip), 3
+        model, _ = load_streaming(path, expert_cache_gb=budget, record_routing=str(out))
+        prompt_cache = make_prompt_cache(model)
+        done = 0
+        for tokens in steps:
+            mx.eval(model(tokens, cache=prompt_cache))
+            done += tokens.shape[1]
+            # the file is a valid trace after every call, with every token so far
+            trace = read_trace(out)
+            assert [(r.phase, r.experts) for r in trace.rows] == want[:done]
+        assert (trace.num_layers, trace.num_experts, trace.top_k) == (2, 8, 2)
+        assert {r.seq for r in trace.rows} == {0}
+        model.expert_streaming.close()
+
+
+def test_a_prefill_after_decoding_starts_a_new_sequence(checkpoint, tmp_path):
+    out = tmp_path / "two.jsonl"
+    model, _ = load_streaming(checkpoint("qwen3_moe"), record_routing=str(out))
+    for _ in range(2):
+        prompt_cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2, 3]]), cache=prompt_cache))
+        mx.eval(model(mx.array([[4]]), cache=prompt_cache))
+    model.expert_streaming.close()
+    assert [(r.seq, r.phase) for r in read_trace(out).rows] == [
+        (0, "prefill"), (0, "prefill"), (0, "prefill"), (0, "decode"),
+        (1, "prefill"), (1, "prefill"), (1, "prefill"), (1, "decode"),
+    ]  # fmt: skip
+
+
+def test_the_record_routing_flag_and_env_var(checkpoint, tmp_path):
+    ckpt = checkpoint("qwen3_moe")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING")}
+    generate = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(ckpt)]
+    generate += ["--prompt", "hello there", "--max-tokens", "4", "--temp", "0"]
+    flag, var = tmp_path / "flag.jsonl", tmp_path / "env.jsonl"
+    runs = [
+        (generate + ["--streaming-experts", "--record-routing", str(flag)], env),
+        (
+            generate,
+            {**env, "MLX_LM_STREAMING_EXPERTS": "1", "MLX_LM_STREAMING_RECORD_ROUTING": str(var)},
+        ),
+    ]
+    for cmd, run_env in runs:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=120)
+        assert done.returncode == 0, done.stderr
+    a, b = read_trace(flag), read_trace(var)
+    assert [r.experts for r in a.rows] == [r.experts for r in b.rows]
+    assert {"prefill", "decode"} <= {r.phase for r in a.rows}
+    assert a.header["model"] == ckpt.name
+    # replayed by plan
+    done = plan(ckpt, "--routing-trace", flag)
+    assert done.returncode == 0 and "decode hit rate" in done.stdout, done.stderr
+    # an unwritable file is refused at parse time, naming the flag and the file
+    bad = tmp_path / "missing-dir" / "t.jsonl"
+    done = subprocess.run(
+        generate + ["--streaming-experts", "--record-routing", str(bad)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument --record-routing: {bad}: cannot write" in done.stderr.splitlines()[-1]
