@@ -62,9 +62,10 @@ class StreamingState:
         self.cache.policy = options.cache_policy
         self.recorder = None
         if options.record_routing and not RoutingRecorder.claimed(options.record_routing):
+            cache = self.cache
             self.recorder = RoutingRecorder(
                 options.record_routing,
-                lambda: self.cache.banks,
+                lambda: cache.banks,
                 model=self.model_path.name,
                 source="mlx_lm_streaming --record-routing",
                 note="expert ids in the order mlx-lm's router returned them (for most models "

@@ -135,11 +135,9 @@ class SlotTable:
             raise ValueError(
                 f"{len(experts)} experts asked for at once but only {self.slots} slots"
             )
-        self.policy.used(experts)
         missing = experts[self.slot_of[experts] < 0]
-        if len(missing) == 0:
-            return missing, missing.copy(), 0
-        if self.identity:
+        if len(missing) == 0 or self.identity:
+            self.policy.used(experts)
             return missing, missing.copy(), 0
         free = np.nonzero(self.expert_of < 0)[0]
         slots = free[: len(missing)]
@@ -157,15 +155,16 @@ class SlotTable:
                     f"{len(missing)} experts to read but fewer slots are free of pinned and kept "
                     "experts"
                 )
-            chosen = self.policy.victims(candidates, need)
-            if len(chosen) != need or pinned[chosen].any() or (self.slot_of[chosen] < 0).any():
+            chosen = np.asarray(self.policy.victims(candidates, need), dtype=np.int64)
+            valid = len(np.unique(chosen)) == need and np.isin(chosen, candidates).all()
+            if not valid:
                 raise RuntimeError(f"policy {self.policy_name!r} chose invalid victims {chosen}")
             taken = self.slot_of[chosen]
             self.slot_of[chosen] = -1
             self.expert_of[taken] = -1
             slots = np.concatenate([slots, taken])
             evicted = need
-        self.expert_of[slots] = -1
+        self.policy.used(experts)
         return missing, slots, evicted
 
     def place(self, experts, slots) -> None:
