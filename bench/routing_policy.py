@@ -56,7 +56,9 @@ def zipf_drift(layers=48, experts=128, top_k=6, prefill=28, decode=256, seed=0) 
             weights = np.empty(experts)
             weights[order[layer]] = zipf
             weights[again] = 0.0
-            fresh = rng.choice(experts, top_k - len(again), replace=False, p=weights / weights.sum())
+            fresh = rng.choice(
+                experts, top_k - len(again), replace=False, p=weights / weights.sum()
+            )
             picked = np.array(again + fresh.tolist(), dtype=np.int64)
             token.append(picked.tolist())
             previous[layer] = picked
