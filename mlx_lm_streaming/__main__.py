@@ -5,7 +5,9 @@ Add one by writing those two functions and listing them there.
 
 - ``info``: whether the startup hook is installed and active, and the registered plugins;
 - ``plan MODEL``: what streaming would do with a model: experts per layer, bytes per expert, the
-  default budget and the slots per layer, without reading any expert bytes.
+  default budget and the slots per layer, without reading any expert bytes. With
+  ``--routing-trace FILE`` it also replays a recorded routing through the cache's slot tables and
+  eviction policy (``replay.py``): hit rates and the GB each decode token would read.
 - ``pack MODEL``: write ``MODEL/experts.pack``, the routed experts repacked for one aligned read each
   (``--expert-store packed``); see ``pack.py``.
 """
@@ -77,6 +79,17 @@ def add_plan_arguments(parser):
     parser.add_argument(
         "--expert-cache-gb", type=float, help="budget to plan for (default: derived)"
     )
+    parser.add_argument(
+        "--routing-trace",
+        metavar="FILE",
+        help="replay this routing trace (docs/routing.md) through the cache: hit rates and GB "
+        "read per decode token at this budget",
+    )
+    parser.add_argument(
+        "--cache-policy",
+        metavar="NAME",
+        help="eviction policy to replay with (default: the cache's, decay; or lru)",
+    )
 
 
 def run_plan(args) -> int:
@@ -89,10 +102,16 @@ def run_plan(args) -> int:
     if not path.is_dir():
         # a hub id: mlx-lm's own resolution (downloads or uses its cache)
         path = mlx_lm.utils._download(args.model)
+    trace = None
+    if args.routing_trace is not None:
+        from .routing_trace import read_trace
+
+        trace = read_trace(args.routing_trace)  # a bad file fails before the model loads
+    options = {"expert_cache_gb": args.expert_cache_gb}
+    if args.cache_policy is not None:
+        options["cache_policy"] = args.cache_policy
     model, _ = mlx_lm.utils.load_model(
-        path,
-        lazy=True,
-        model_config={"streaming_experts": {"expert_cache_gb": args.expert_cache_gb}},
+        path, lazy=True, model_config={"streaming_experts": options}
     )
     state = model.expert_streaming
     cache = state.cache
@@ -114,8 +133,34 @@ def run_plan(args) -> int:
     more = sum(n > slots for n in plan)
     extra = f"; {more} layers get {slots + 1}" if more else ""
     print(f"slots per layer: {slots}{extra} ({_size(used)} used)")
-    state.close()
+    try:
+        if trace is not None:
+            print(_replay_line(trace, cache, plan))
+    finally:
+        state.close()
     return 0
+
+
+def _replay_line(trace, cache, plan) -> str:
+    """The trace replayed through slot tables with ``plan``'s slots and the cache's policy."""
+    from .replay import replay
+
+    banks = cache.banks
+    counts = {b.num_experts for b in banks}
+    trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
+    result = replay(trace, plan, cache.policy)
+    read = sum(m * b.layer.expert_nbytes for m, b in zip(result.decode_misses, banks))
+    per_token = read / result.decode_tokens / 1e9 if result.decode_tokens else 0.0
+    return (
+        f"routing trace {trace.path.name} ({result.decode_tokens} decode, "
+        f"{len(trace.rows) - result.decode_tokens} prefill tokens; policy {cache.policy}): "
+        f"decode hit rate {_percent(result.hit_rate('decode'))}, prefill hit rate "
+        f"{_percent(result.hit_rate('prefill'))}, {per_token:.4g} GB read per decode token"
+    )
+
+
+def _percent(rate: float) -> str:
+    return "n/a" if rate != rate else f"{rate:.1%}"
 
 
 def add_pack_arguments(parser):
@@ -154,7 +199,14 @@ def main(argv=None) -> int:
         add_arguments(sub.add_parser(name, help=summary, description=summary))
         runners[name] = run
     args = parser.parse_args(argv)
-    return runners[args.command](args)
+    from .errors import StreamingError
+
+    try:
+        return runners[args.command](args)
+    except StreamingError as e:
+        # one line naming what is at fault (a file, an option), no traceback
+        print(f"mlx_lm_streaming {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

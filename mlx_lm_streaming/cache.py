@@ -44,6 +44,7 @@ import numpy as np
 from . import cuda_uvm
 from .errors import ConfigurationError, ExpertIOError, StreamingError
 from .index import PROJECTIONS, LayerExperts
+from .policy import DEFAULT_POLICY, SlotTable
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch, host_address, host_bytes
 
 GB = 1 << 30
@@ -94,9 +95,8 @@ class LayerBank:
         self.glu = glu  # the stock SwitchGLU whose arrays become our banks
         self.num_experts = layer.num_experts
         self.slots = 0
-        self.slot_of = np.full(layer.num_experts, -1, dtype=np.int64)
-        self.expert_of = np.zeros(0, dtype=np.int64)
-        self.last_used = np.zeros(0, dtype=np.int64)
+        # which expert is in which slot, and the eviction policy (``policy.py``)
+        self.table = SlotTable(layer.num_experts, cache.policy)
         self.lock = threading.RLock()
         # slots == num_experts: expert e lives in slot e; complete once all are resident
         self.identity = False
@@ -125,6 +125,16 @@ class LayerBank:
     def path(self) -> str:
         return self.layer.path
 
+    @property
+    def slot_of(self) -> np.ndarray:
+        """``slot_of[expert]``: the expert's slot, -1 if not resident."""
+        return self.table.slot_of
+
+    @property
+    def expert_of(self) -> np.ndarray:
+        """``expert_of[slot]``: the slot's expert, -1 if free."""
+        return self.table.expert_of
+
     def allocate(self, slots: int) -> None:
         """Give the bank ``slots`` slots, zeroed.
 
@@ -140,9 +150,8 @@ class LayerBank:
         self.identity = slots == self.num_experts
         self.complete = False
         self._fill_requested = False
-        self.slot_of[:] = -1
-        self.expert_of = np.full(slots, -1, dtype=np.int64)
-        self.last_used = np.full(slots, -1, dtype=np.int64)
+        self.table = SlotTable(self.num_experts, self.cache.policy)
+        self.table.reset(slots)
         for spec in self.layer.parts:
             proj = self.glu[spec.proj]
             proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=_mx_dtype(spec.dtype))
@@ -203,45 +212,27 @@ class LayerBank:
                 f"{self.slots} slots"
             )
         with self.lock:
-            tick = self.cache.tick()
             if self.identity and self.staged and ready is None:
                 # (a caller passing ``ready`` has work pending on the bank: it did this before)
                 self._install_finished()
-            slots = self.slot_of[experts]
-            hit = slots >= 0
-            self.last_used[slots[hit]] = tick
-            missing = experts[~hit]
+            resident = self.slot_of[experts] >= 0
             if self.predicted is not None:
-                self._score_guess(missing)
-            evicted = 0
+                self._score_guess(experts[~resident])
+            # slots for the missing experts: free ones first, then the policy's victims, never
+            # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
+            # if the read fails, no slot may still name an evicted expert (evicting that slot
+            # later would unmap the expert from wherever it lives by then)
+            try:
+                missing, victims, evicted = self.table.admit(experts, keep)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from None
             if len(missing):
-                if self.identity:
-                    victims = missing.copy()
-                else:
-                    # victims: free slots first, then least recently used; pinned slots never
-                    priority = self.last_used.copy()
-                    priority[slots[hit]] = np.iinfo(np.int64).max
-                    if len(keep):
-                        kept = self.slot_of[np.asarray(keep, dtype=np.int64)]
-                        priority[kept[kept >= 0]] = np.iinfo(np.int64).max
-                    victims = np.argsort(priority, kind="stable")[: len(missing)]
-                    if (priority[victims] == np.iinfo(np.int64).max).any():
-                        raise ValueError(
-                            f"{self.path}: {len(missing)} experts to read but fewer slots are "
-                            "free of pinned and kept experts"
-                        )
-                old = self.expert_of[victims]
-                evicted = int((old >= 0).sum())
-                self.slot_of[old[old >= 0]] = -1
-                # free before reading: if the read fails, no slot may still name an evicted expert
-                # (evicting that slot later would unmap the expert from wherever it lives by then)
-                self.expert_of[victims] = -1
-                self.last_used[victims] = -1
-                waiter = while_reading() if while_reading is not None and hit.any() else None
+                waiter = while_reading() if while_reading is not None and resident.any() else None
                 self._read_into_slots(
-                    missing, victims, tick, before_install=waiter, ready=ready, part_ready=part_ready
+                    missing, victims, before_install=waiter, ready=ready, part_ready=part_ready
                 )
-            self.cache.stats.add(int(hit.sum()), len(missing), evicted)
+            hits = len(experts) - len(missing)
+            self.cache.stats.add(hits, len(missing), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
 
@@ -260,7 +251,6 @@ class LayerBank:
         self,
         experts: np.ndarray,
         slots: np.ndarray,
-        tick: int,
         before_install=None,
         ready=None,
         part_ready=None,
@@ -298,9 +288,7 @@ class LayerBank:
 
         def resident(pairs):
             ids = [e for e, _ in pairs]
-            self.slot_of[ids] = [s for _, s in pairs]
-            self.expert_of[[s for _, s in pairs]] = ids
-            self.last_used[[s for _, s in pairs]] = tick
+            self.table.place(ids, [s for _, s in pairs])
             if ready is not None:
                 ready(ids)
 
@@ -481,9 +469,7 @@ class LayerBank:
             if rows:
                 experts = batch.experts[rows]
                 groups.append((batch, rows, experts.tolist()))
-                self.slot_of[experts] = experts
-                self.expert_of[experts] = experts
-                self.last_used[experts] = self.cache.tick()
+                self.table.place(experts, experts)
                 stats.add("used", batch.kind, len(rows))
         for batch in done:
             for e in batch.experts.tolist():
@@ -573,6 +559,10 @@ class ExpertCache:
         self.store = store
         self.budget_bytes = budget_bytes
         self.stats = CacheStats()
+        # which resident expert a bank evicts (``policy.POLICIES``); read when banks are allocated
+        self.policy = DEFAULT_POLICY
+        # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
+        self.recorder = None
         # background reads: next-layer lookahead, filling identity banks; a complete identity bank
         # skips the host sync. Each only moves or drops work; none changes what is computed.
         self.lookahead = lookahead

@@ -35,6 +35,7 @@ FLAG_ENV = {
     "expert_store": ENV["store"],
     "expert_kernel": ENV["kernel"],
     "streaming_stats": ENV["stats"],
+    "record_routing": ENV["record_routing"],
 }
 
 
@@ -160,6 +161,12 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
         help="Print one line at exit: hit rate, experts read, GB read, seconds in I/O "
         f"({ENV['stats']}=1).",
     )
+    group.add_argument(
+        "--record-routing",
+        metavar="FILE",
+        help="Write the experts each MoE layer picks for each token to FILE as the run goes, "
+        f"a routing trace for `mlx_lm_streaming plan --routing-trace` ({ENV['record_routing']}).",
+    )
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
@@ -208,6 +215,13 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
                     f"argument --{dest.replace('_', '-')}: unknown name {name!r}; "
                     f"registered: {', '.join(sorted(known))}"
                 )
+        if given.get("record_routing"):
+            from .routing_trace import check_writable
+
+            try:
+                check_writable(given["record_routing"])
+            except StreamingError as e:
+                parser.error(f"argument --record-routing: {e}")
     except StreamingError as e:
         parser.error(str(e))
     if given.get("streaming_stats"):

@@ -25,6 +25,7 @@ from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
 from .prefetch import find_router
+from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 
 # Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
@@ -83,6 +84,21 @@ class StreamingState:
         if options.expert_cache_gb is not None:
             budget = int(options.expert_cache_gb * GB)
         self.cache = ExpertCache(self.store, budget)
+        self.cache.policy = options.cache_policy
+        self.recorder = None
+        if options.record_routing and not RoutingRecorder.claimed(options.record_routing):
+            cache = self.cache
+            self.recorder = RoutingRecorder(
+                options.record_routing,
+                lambda: cache.banks,
+                model=self.model_path.name,
+                source="mlx_lm_streaming --record-routing",
+                note="expert ids in the order mlx-lm's router returned them (for most models "
+                "argpartition order, not sorted by score); calls of more than one token are prefill",
+            )
+            self.cache.recorder = self.recorder
+            # every call reports its ids: complete banks must not skip the host sync
+            self.cache.skip_sync = False
         self.selector = KernelSelector(options.kernel)
         self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         self.resident_bytes = 0
@@ -115,6 +131,8 @@ class StreamingState:
         that was garbage collected): join no thread (see ``ExpertCache.close``)."""
         self.closed = True
         self.cache.close(wait=wait)  # background reads first
+        if self.recorder is not None:
+            self.recorder.close()
         try:
             takes_wait = "wait" in inspect.signature(self.store.close).parameters
         except (TypeError, ValueError):

@@ -3,7 +3,8 @@
 1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``;
+   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
+   ``MLX_LM_STREAMING_RECORD_ROUTING``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .errors import ConfigurationError
+from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
 ENV = {
@@ -25,6 +27,8 @@ ENV = {
     "kernel": "MLX_LM_STREAMING_KERNEL",
     "stats": "MLX_LM_STREAMING_STATS",
     "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
+    "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
+    "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -42,6 +46,10 @@ class StreamingOptions:
     # demand reads straight into the slot banks (cache.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
+    # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"
+    cache_policy: str = DEFAULT_POLICY
+    # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
+    record_routing: Optional[str] = None
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
@@ -58,6 +66,17 @@ class StreamingOptions:
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
+        if self.record_routing is not None:
+            if not isinstance(self.record_routing, (str, os.PathLike)) or not str(
+                self.record_routing
+            ):
+                raise ConfigurationError("record_routing must be a file path")
+            self.record_routing = str(self.record_routing)
+        if self.cache_policy not in POLICIES:
+            raise ConfigurationError(
+                f"cache_policy {self.cache_policy!r} is unknown; known: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
         value = self.direct_reads
         if isinstance(value, str):
             word = value.strip().lower()
@@ -106,7 +125,8 @@ class StreamingOptions:
                 f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
             )
         kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel", "direct_reads"):
+        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
+                     "record_routing"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
         kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE

@@ -63,6 +63,8 @@ class StreamingSwitchGLU(nn.Module):
         if ahead is not None:
             mx.eval(indices, ahead[1])  # one sync for this layer's ids and the next one's guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
+        if cache.recorder is not None:
+            cache.recorder.record(bank, idx)
         experts = np.unique(idx)
         try:
             with bank.lock:
