@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 
 def main():
@@ -36,8 +36,7 @@ def main():
     from mlx_lm_streaming import cache as cache_mod
     from mlx_lm_streaming.cache import GB
     from mlx_lm_streaming.synthetic import build_checkpoint
-    from support import load_stock, load_streaming
-    from test_parity import prompts, run, small_budget_gb
+    from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
     print("device", mx.default_device(), flush=True)
     read_direct = cache_mod.LayerBank._read_direct
@@ -80,7 +79,7 @@ def main():
             gb = (
                 (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB
                 if budget == "all"
-                else small_budget_gb(probe)
+                else budget_of_slots(probe, 3)
             )
             del probe
             model, _ = load_streaming(path, expert_cache_gb=gb, direct_reads=direct == "on")

@@ -8,6 +8,7 @@ Add one by writing those two functions and listing them there.
   default budget and the slots per layer, without reading any expert bytes. With
   ``--routing-trace FILE`` it also replays a recorded routing through the cache's slot tables and
   eviction policy (``replay.py``): hit rates and the GB each decode token would read.
+- ``verify MODEL``: stock against streaming logits, bit for bit, on this machine (``parity.py``);
 - ``pack MODEL``: write ``MODEL/experts.pack``, the routed experts repacked for one aligned read each
   (``--expert-store packed``); see ``pack.py``.
 """
@@ -175,6 +176,18 @@ def run_pack(args) -> int:
     return run(args)
 
 
+def add_verify_arguments(parser):
+    from .parity import add_arguments
+
+    add_arguments(parser)
+
+
+def run_verify(args) -> int:
+    from .parity import run_verify
+
+    return run_verify(args)
+
+
 SUBCOMMANDS = [
     (
         "info",
@@ -184,6 +197,12 @@ SUBCOMMANDS = [
     ),
     ("plan", "show what streaming would do with a model", add_plan_arguments, run_plan),
     ("pack", "repack the routed experts for one aligned read each", add_pack_arguments, run_pack),
+    (
+        "verify",
+        "check that streaming gives the stock logits bit for bit on this machine",
+        add_verify_arguments,
+        run_verify,
+    ),
 ]
 
 
