@@ -33,18 +33,18 @@ def main():
     import mlx.core as mx
     import numpy as np
 
-    from mlx_lm_streaming import cache as cache_mod
-    from mlx_lm_streaming.cache import GB
+    from mlx_lm_streaming import bank_io
+    from mlx_lm_streaming.expert_cache import GB
     from mlx_lm_streaming.synthetic import build_checkpoint
     from support import load_stock, load_streaming
     from test_parity import prompts, run, small_budget_gb
 
     print("device", mx.default_device(), flush=True)
-    read_direct = cache_mod.LayerBank._read_direct
+    read_direct = bank_io.read_direct
 
-    def synced(self, pairs, resident):
+    def synced(bank, pairs, resident, *args):
         mx.synchronize()
-        return read_direct(self, pairs, resident)
+        return read_direct(bank, pairs, resident, *args)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(
@@ -67,7 +67,7 @@ def main():
                   f"NaNs {[int(mx.isnan(a).sum()) for a in got]}", flush=True)
         for name in args.configs.split(","):
             budget, direct, *extra = name.split("-")
-            cache_mod.LayerBank._read_direct = synced if "sync" in extra else read_direct
+            bank_io.read_direct = synced if "sync" in extra else read_direct
             probe, _ = load_streaming(path, expert_cache_gb=1e6)
             gb = (
                 (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB

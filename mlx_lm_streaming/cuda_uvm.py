@@ -1,7 +1,7 @@
 """CUDA unified-memory hints for the slot banks (experimental, off by default).
 
 MLX's CUDA backend allocates arrays with ``cudaMallocManaged``: a page lives on the host or on the GPU
-and moves on a fault. With direct reads (``cache.py``) a missed expert is written into its slot by the
+and moves on a fault. With direct reads (``bank_io.py``) a missed expert is written into its slot by the
 CPU, so its pages move to the host, and the GPU faults them back on first use, a page group at a
 time. Two hints, through the CUDA runtime that MLX itself loaded (``ctypes``; nothing is compiled):
 

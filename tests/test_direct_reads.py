@@ -16,15 +16,17 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.cache import GB, LayerBank
+from mlx_lm_streaming import bank_io
+from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
+from mlx_lm_streaming.expert_cache import GB
 from test_prefetch import per_slot, q3, run, same, with_slots  # noqa: F401 (q3: the fixture)
 
 
 def counting(monkeypatch):
     """Count direct reads and the ``ready`` reports of each load."""
     seen = {"direct": 0, "reports": 0, "loads": 0}
-    real_direct, real_load = LayerBank._read_direct, LayerBank.load
+    real_direct, real_load = bank_io.read_direct, LayerBank.load
 
     def read_direct(self, pairs, resident, *args):
         seen["direct"] += len(pairs)
@@ -39,7 +41,7 @@ def counting(monkeypatch):
         seen["loads"] += 1
         return real_load(self, experts, **kw)
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     monkeypatch.setattr(LayerBank, "load", load)
     return seen
 
@@ -78,7 +80,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
 
     monkeypatch.setattr(store, "read_many", slow)
     per_load = []
-    real_direct = LayerBank._read_direct
+    real_direct = bank_io.read_direct
 
     def read_direct(self, pairs, resident, *args):
         landed = []
@@ -86,7 +88,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
         per_load.append((len(pairs), landed))
         return waited
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     assert same(want, run(model, tokens))
     several = [(n, landed) for n, landed in per_load if n >= 2]
     assert several

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_streaming.cache import GB
+from mlx_lm_streaming.expert_cache import GB
 
 from support import load_stock, load_streaming
 
