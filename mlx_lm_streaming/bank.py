@@ -28,7 +28,6 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_uvm
 from .bank_io import install_finished, read_into_slots
 from .index import LayerExperts, mx_dtype
 from .prefetch import StagedBatch, host_address, host_bytes
@@ -128,9 +127,8 @@ class LayerBank:
             self.views = self._addresses = None
             return
         self.views, self._addresses = views, addresses
-        if self.cache.uvm == "host" and not self.identity:
-            for a, at in zip(arrays, addresses):
-                cuda_uvm.prefer_host(at, a.nbytes)
+        if self.cache.on_bank_views is not None:
+            self.cache.on_bank_views(self, arrays, addresses)
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]

@@ -16,7 +16,6 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_uvm
 from .errors import ExpertIOError
 from .index import PROJECTIONS, mx_dtype
 from .prefetch import StagedBatch
@@ -128,7 +127,7 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
     views, refs, parts = bank.views, bank.layer.refs, bank.layer.parts
     store = bank.cache.store
-    prefetch = bank.cache.uvm == "prefetch"
+    written = bank.cache.on_slot_written
     if part_landed is None:
         groups = [(None, list(range(len(parts))))]
     else:
@@ -145,9 +144,9 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
                 store.read_many([(expert_refs[i], memoryview(views[i][slot])) for i in members])
                 if g < len(groups) - 1:
                     events.put((pair, proj, None))
-            if prefetch:
+            if written is not None:
                 for v in views:
-                    cuda_uvm.prefetch(v[slot].ctypes.data, v.shape[1])
+                    written(v[slot])
         except BaseException as exc:
             events.put((pair, None, exc))
             return

@@ -13,7 +13,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -91,9 +91,13 @@ class ExpertCache:
         # where partial calls are exact, not padded: MLX's CPU backend). None: off. Measured in
         # docs/benchmarks/README.md ("A projection at a time")
         self.phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
-        # CUDA unified-memory hints for direct reads (cuda_uvm.py; experimental, benchmarks only):
-        # None, "prefetch" (landed experts to the GPU) or "host" (banks stay in host memory)
-        self.uvm: Optional[str] = None
+        # hooks for experiments on where bank memory lives (bench/cuda_uvm.py sets them; None here):
+        # ``on_slot_written(view)``, with direct reads, on a reader thread, for each part's host view
+        # of a slot once an expert's bytes are in it; ``on_bank_views(bank, arrays, addresses)`` when
+        # a bank's host views are (re)made, with the bank arrays and their addresses. They may move
+        # bytes, never change them
+        self.on_slot_written: Optional[Callable[[np.ndarray], None]] = None
+        self.on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
         # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
         self.staging_bytes = staging_bytes
         self.prefetch_threads = prefetch_threads
