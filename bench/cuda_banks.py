@@ -33,18 +33,18 @@ def main():
     import mlx.core as mx
     import numpy as np
 
-    from mlx_lm_streaming import cache as cache_mod
-    from mlx_lm_streaming.cache import GB
+    from mlx_lm_streaming import bank_io
+    from mlx_lm_streaming.expert_cache import GB
     from mlx_lm_streaming.synthetic import build_checkpoint
     from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
     print("device", mx.default_device(), flush=True)
-    read_direct = cache_mod.LayerBank._read_direct
+    read_direct = bank_io.read_direct
 
-    def synced(self, *args, **kwargs):
-        # whatever _read_direct takes: a fixed signature here once broke every *-sync run
+    def synced(bank, *args, **kwargs):
+        # whatever read_direct takes: a fixed signature here once broke every *-sync run
         mx.synchronize()
-        return read_direct(self, *args, **kwargs)
+        return read_direct(bank, *args, **kwargs)
 
     def equal(a, b):
         # finite and bit-identical: NaN on both sides is not a match
@@ -74,7 +74,7 @@ def main():
                   f"NaNs {[int(mx.isnan(a).sum()) for a in got]}", flush=True)
         for name in args.configs.split(","):
             budget, direct, *extra = name.split("-")
-            cache_mod.LayerBank._read_direct = synced if "sync" in extra else read_direct
+            bank_io.read_direct = synced if "sync" in extra else read_direct
             probe, _ = load_streaming(path, expert_cache_gb=1e6)
             gb = (
                 (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB
@@ -118,7 +118,7 @@ def main():
                 flush=True,
             )
             del model, cache
-    cache_mod.LayerBank._read_direct = read_direct
+    bank_io.read_direct = read_direct
     if differ:
         sys.exit(f"logits differ from stock's in: {', '.join(differ)}")
 

@@ -40,6 +40,17 @@ DTYPES = {
     "I64": (mx.int64, 8),
 }
 
+
+def mx_dtype(name: str):
+    """The mlx dtype of a safetensors dtype name."""
+    return DTYPES[name][0]
+
+
+def natural_key(name: str):
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
+    return [(1, int(p), "") if p.isdigit() else (0, 0, p) for p in re.split(r"(\d+)", name)]
+
+
 # The safetensors format caps headers at 100 MB; a larger length field is a lie.
 MAX_HEADER_BYTES = 100_000_000
 # model.safetensors.index.json of a 1T-parameter model is a few MB

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .cache import GB, ExpertCache
+from .expert_cache import GB, ExpertCache
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector

@@ -43,7 +43,7 @@ class StreamingOptions:
     kernel: str = "auto"
     stats: bool = False  # print one summary line at exit
     store_options: Dict[str, Any] = field(default_factory=dict)
-    # demand reads straight into the slot banks (cache.py): None = where verified bit-exact, i.e.
+    # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"

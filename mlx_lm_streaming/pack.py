@@ -62,12 +62,6 @@ def shard_fingerprint(path: Path) -> dict:
     }
 
 
-def layer_order(path: str):
-    import re
-
-    return [(1, int(p), "") if p.isdigit() else (0, 0, p) for p in re.split(r"(\d+)", path)]
-
-
 def index_checkpoint(model_path: Path):
     """The ``ExpertIndex`` of a checkpoint, built the way loading builds it (no expert bytes read)."""
     import mlx_lm.utils
@@ -140,8 +134,10 @@ def pack_checkpoint(
         except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
             reason = str(e).replace(f"; {HINT}", "")
             print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
+    from .index import natural_key
+
     index = index or index_checkpoint(model_path)
-    layers = sorted(index.layers.values(), key=lambda l: layer_order(l.path))
+    layers = sorted(index.layers.values(), key=lambda l: natural_key(l.path))
     files = index.files
     sources = {p.name: shard_fingerprint(p) for p in sorted(files.identity)}
     entries: List[dict] = []

@@ -113,7 +113,7 @@ def host_bytes(arr: mx.array, address: Optional[int] = None) -> Optional[np.ndar
     MLX must then see).
 
     The view holds no reference to the MLX array (a held reference would stop MLX from updating the
-    array in place, see ``LayerBank._install``), so it is valid only while the array keeps this
+    array in place, see ``bank_io._install``), so it is valid only while the array keeps this
     buffer: ``host_address`` tells whether it still does (``address``: its result, if known)."""
     if _HOST_VIEWS is False or arr.size == 0:
         return None

@@ -16,14 +16,16 @@ import numpy as np
 import pytest
 from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming.cache import GB, LayerBank
+from mlx_lm_streaming import bank_io
+from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
+from mlx_lm_streaming.expert_cache import GB
 
 
 def counting(monkeypatch):
     """Count direct reads and the ``ready`` reports of each load."""
     seen = {"direct": 0, "reports": 0, "loads": 0}
-    real_direct, real_load = LayerBank._read_direct, LayerBank.load
+    real_direct, real_load = bank_io.read_direct, LayerBank.load
 
     def read_direct(self, pairs, resident, *args):
         seen["direct"] += len(pairs)
@@ -38,7 +40,7 @@ def counting(monkeypatch):
         seen["loads"] += 1
         return real_load(self, experts, **kw)
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     monkeypatch.setattr(LayerBank, "load", load)
     return seen
 
@@ -77,7 +79,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
 
     monkeypatch.setattr(store, "read_many", slow)
     per_load = []
-    real_direct = LayerBank._read_direct
+    real_direct = bank_io.read_direct
 
     def read_direct(self, pairs, resident, *args):
         landed = []
@@ -85,7 +87,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
         per_load.append((len(pairs), landed))
         return waited
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     assert same(want, decode(model, tokens))
     several = [(n, landed) for n, landed in per_load if n >= 2]
     assert several
@@ -227,25 +229,33 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
     model.expert_streaming.close()
 
 
-@pytest.mark.parametrize("hint", ["prefetch", "host"])
-def test_unified_memory_hints_change_no_result(q3, hint, monkeypatch):
-    """The CUDA hints (cuda_uvm.py) move bytes, never change them; where the hint cannot be given
-    (no CUDA device, as here) it fails soft and the reads go on."""
-    from mlx_lm_streaming import cuda_uvm
-
-    calls = []
-    for name in ("prefetch", "prefer_host"):
-        real = getattr(cuda_uvm, name)
-        monkeypatch.setattr(
-            cuda_uvm, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a)
-        )
+def test_bank_memory_hooks_see_bank_memory_and_change_no_result(q3):
+    """The hooks benchmarks set (``ExpertCache.on_bank_views`` / ``on_slot_written``; bench/cuda_uvm.py
+    gives CUDA unified-memory hints through them) are handed the banks' own memory: every bank's
+    arrays and addresses once its views are made, and each slot's view, inside a bank, as an expert
+    lands in it. Results stay exact."""
     path, tokens, want = q3
     model = with_slots(path, 3)
     cache = model.expert_streaming.cache
-    cache.uvm = hint
+    cache.lookahead = False  # every miss a direct read
+    made, written = [], []
+
+    def on_bank_views(bank, arrays, addresses):
+        assert addresses == [int(a) for a in bank._addresses]
+        made.append((bank, [(at, at + a.nbytes) for a, at in zip(arrays, addresses)]))
+
+    cache.on_bank_views = on_bank_views
+    cache.on_slot_written = lambda view: written.append((view.ctypes.data, view.nbytes))
     assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
-    assert calls and set(calls) == {"prefetch" if hint == "prefetch" else "prefer_host"}
+    assert {id(b) for b, _ in made} == {id(b) for b in cache.banks}
+    spans = [span for _, spans in made for span in spans]
+    assert written
+    assert all(any(lo <= at and at + n <= hi for lo, hi in spans) for at, n in written)
+    # one view per part of every expert read
+    parts = len(cache.banks[0].layer.parts)
+    assert len(written) == parts * cache.stats.misses
+    model.expert_streaming.close()
 
 
 @pytest.mark.parametrize("slots", [2, 3, 16])

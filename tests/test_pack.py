@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.cache import GB
+from mlx_lm_streaming.expert_cache import GB
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
 from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.stores import packed as packed_mod
