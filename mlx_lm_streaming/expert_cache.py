@@ -20,6 +20,7 @@ import numpy as np
 from .bank import LayerBank
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
+from .options import format_size, gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
@@ -280,9 +281,10 @@ class ExpertCache:
         slots = self.budget_bytes // per_slot
         if slots < 1:
             raise ConfigurationError(
-                f"expert cache budget of {self.budget_bytes / GB:.3f} GB is below the minimum "
-                f"of one expert per MoE layer ({per_slot / GB:.3f} GB for {len(banks)} "
-                "layers); raise --expert-cache-gb / expert_cache_gb"
+                f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
+                f"of one expert per MoE layer, {format_size(per_slot)} for {len(banks)} layers: "
+                f"raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb to at "
+                f"least {gb_at_least(per_slot)} GB"
             )
         return min(slots, most)
 

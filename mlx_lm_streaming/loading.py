@@ -111,8 +111,10 @@ class StreamingState:
 
     def stats_line(self) -> str:
         s = self.stats()
+        # no expert was asked for yet (nothing generated): no rate to give
+        rate = "n/a" if s["hits"] + s["misses"] == 0 else f"{s['hit_rate']:.1%}"
         line = (
-            f"[streaming] hit rate {s['hit_rate']:.1%}, experts read {s['experts_read']}, "
+            f"[streaming] hit rate {rate}, experts read {s['experts_read']}, "
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
@@ -230,7 +232,7 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         k: v for k, v in (arguments.get("model_config") or {}).items() if k != CONFIG_KEY
     }
     arguments["model_config"] = model_config
-    config = {**load_config(model_path), **model_config}
+    config = {**_read_config(model_path, load_config), **model_config}
     if config.get("model_file") is not None:
         raise UnsupportedModelError(
             f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
@@ -241,7 +243,16 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
 
     def classes(config):
-        model_class, args_class = get_model_classes(config=config)
+        try:
+            model_class, args_class = get_model_classes(config=config)
+        except KeyError as e:
+            raise CheckpointError(f"{model_path / 'config.json'}: no {e} entry") from e
+        except ValueError as e:  # mlx-lm has no model file for this model_type
+            from mlx_lm import __version__
+
+            raise CheckpointError(
+                f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
+            ) from e
 
         def build(args):
             model = model_class(args)
@@ -291,6 +302,24 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+def _read_config(model_path: Path, load_config) -> dict:
+    """mlx-lm's ``load_config``, with a missing or invalid ``config.json`` named in one line."""
+    path = model_path / "config.json"
+    if not model_path.is_dir():
+        raise CheckpointError(f"{model_path}: no such model directory")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a model directory?)")
+    try:
+        config = load_config(model_path)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 def _tensor_parallel_unsupported(*args, **kwargs):

@@ -32,7 +32,12 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .errors import ExpertIOError, StreamingError
+from .errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    ExpertIOError,
+    StreamingError,
+)
 
 MAGIC = b"MLXSPK01"
 VERSION = 1
@@ -124,7 +129,13 @@ def pack_checkpoint(
 
     An existing pack that matches the checkpoint is kept unless ``force``."""
     model_path = Path(model_path)
+    if not model_path.is_dir():
+        raise CheckpointError(
+            f"{model_path}: no such model directory (pack needs a local checkpoint)"
+        )
     out = Path(out) if out is not None else model_path / PACK_NAME
+    if not out.parent.is_dir():
+        raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
     if out.exists() and not force:
         from .stores.packed import HINT, PackFile
 
@@ -207,7 +218,9 @@ def pack_checkpoint(
                     while got < n:
                         k = os.preadv(fd, [view[pos + got : pos + n]], src_off + got)
                         if k == 0:
-                            raise OSError(f"{model_path / fname}: ended early while packing")
+                            raise CheckpointChangedError(
+                                f"{model_path / fname}: ended early while packing (truncated?)"
+                            )
                         got += k
                     pos += n
                 entry["crc32"] = f"{zlib.crc32(view[: entry['nbytes']]):08x}"

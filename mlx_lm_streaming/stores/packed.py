@@ -34,7 +34,7 @@ from .base import ExpertStore
 from .safetensors import SafetensorsStore
 
 BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
-HINT = "run `mlx_lm_streaming pack MODEL --force` again, or use the default store"
+HINT = "write it again with `mlx_lm_streaming pack MODEL --force`, or use the default store"
 
 
 class PackFile:
@@ -44,6 +44,13 @@ class PackFile:
         self.path = Path(path)
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            default = Path(model_path) / PACK_NAME
+            out = "" if self.path == default else f" --out {self.path}"
+            raise CheckpointError(
+                f"{self.path}: no expert pack; write one with `mlx_lm_streaming pack "
+                f"{model_path}{out}` (--expert-store packed needs it), or use the default store"
+            ) from None
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open the expert pack: {e}; {HINT}") from e
         try:
