@@ -14,7 +14,7 @@ from support import load_stock, load_streaming
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.expert_cache import GB
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
-from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
 from mlx_lm_streaming.synthetic import build_checkpoint
@@ -272,7 +272,7 @@ def test_interrupted_pack_leaves_no_pack(packed, tmp_path, monkeypatch):
     for f in path.iterdir():
         if f.is_file() and f.name != PACK_NAME:
             os.link(f, dst / f.name)
-    import mlx_lm_streaming.pack as pack_mod
+    import mlx_lm_streaming.packfile as pack_mod
 
     real = pack_mod.zlib.crc32
     calls = []

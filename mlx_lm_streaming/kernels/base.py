@@ -14,15 +14,6 @@ and the selector falls back. Exactness is a measured fact per backend: never cla
 import mlx.core as mx
 
 
-def backend() -> str:
-    """``metal``, ``cuda`` or ``cpu``: where the default device computes."""
-    if mx.default_device() == mx.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if hasattr(mx, "cuda") and mx.cuda.is_available():
-            return "cuda"
-    return "cpu"
-
 
 class ExpertKernel:
     """Computes ``SwitchGLU(x, indices)`` over a slot bank."""
