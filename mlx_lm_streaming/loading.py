@@ -8,10 +8,10 @@ shapes the index checks the checkpoint against are those of the quantized stock 
 """
 
 import atexit
-import inspect
 import os
 import sys
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .expert_cache import GB, ExpertCache
+from .expert_cache import GB, CacheTuning, ExpertCache
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
@@ -83,10 +83,20 @@ class StreamingState:
         budget = None
         if options.expert_cache_gb is not None:
             budget = int(options.expert_cache_gb * GB)
-        self.cache = ExpertCache(self.store, budget)
-        self.cache.policy = options.cache_policy
+        self.selector = KernelSelector(options.kernel)
+        recording = bool(options.record_routing) and not RoutingRecorder.claimed(
+            options.record_routing
+        )
+        tuning = options.tuning or CacheTuning()
+        tuning = replace(
+            tuning,
+            direct_reads=options.use_direct_reads(self.selector.backend),
+            # every call reports its ids when recording: complete banks must not skip the host sync
+            skip_sync=tuning.skip_sync and not recording,
+        )
+        self.cache = ExpertCache(self.store, budget, tuning, options.cache_policy)
         self.recorder = None
-        if options.record_routing and not RoutingRecorder.claimed(options.record_routing):
+        if recording:
             cache = self.cache
             self.recorder = RoutingRecorder(
                 options.record_routing,
@@ -97,10 +107,6 @@ class StreamingState:
                 "argpartition order, not sorted by score); calls of more than one token are prefill",
             )
             self.cache.recorder = self.recorder
-            # every call reports its ids: complete banks must not skip the host sync
-            self.cache.skip_sync = False
-        self.selector = KernelSelector(options.kernel)
-        self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         self.resident_bytes = 0
         # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
         self.pipeline: Optional[tuple] = None
@@ -135,14 +141,7 @@ class StreamingState:
         self.cache.close(wait=wait)  # background reads first
         if self.recorder is not None:
             self.recorder.close()
-        try:
-            takes_wait = "wait" in inspect.signature(self.store.close).parameters
-        except (TypeError, ValueError):
-            takes_wait = False
-        if takes_wait:
-            self.store.close(wait=wait)
-        else:
-            self.store.close()
+        self.store.close(wait=wait)
 
 
 def _module_at(model, path: str):
@@ -183,7 +182,7 @@ def convert_model(
     if not routed:
         raise UnsupportedModelError(
             f"model_type {config.get('model_type')!r}: no routed-expert modules "
-            f"({adapter.experts_class.__name__}) found to stream"
+            "(SwitchGLU) found to stream"
         )
     # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
     # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)

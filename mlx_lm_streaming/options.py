@@ -99,6 +99,9 @@ class StreamingOptions:
     cache_policy: str = DEFAULT_POLICY
     # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
     record_routing: Optional[str] = None
+    # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
+    # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
+    tuning: Any = field(default=None, repr=False, metadata={"internal": True})
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.expert_cache import GB, CacheTuning
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
 from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.stores import packed as packed_mod
@@ -74,9 +74,12 @@ def test_packed_store_closes_after_threaded_reads(packed, wait):
     (``wait=False``: as a garbage-collection finalizer does) stops the pool without error."""
     path, want = packed
     model, _ = load_streaming(
-        path, expert_cache_gb=small_budget(path), store="packed", store_options={"threads": 4}
+        path,
+        expert_cache_gb=small_budget(path),
+        store="packed",
+        store_options={"threads": 4},
+        direct_reads=False,
     )
-    model.expert_streaming.cache.direct_reads = False
     store = model.expert_streaming.store
     assert same(want, run(model))
     assert store._pool is not None
@@ -143,8 +146,10 @@ def test_one_fallback_store_for_concurrent_reads(packed, monkeypatch):
 
 def test_one_read_per_expert(packed):
     path, _ = packed
-    model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
-    model.expert_streaming.cache.lookahead = False  # wrong guesses would be reads too
+    # no lookahead: wrong guesses would be reads too
+    model, _ = load_streaming(
+        path, expert_cache_gb=small_budget(path), store="packed", tuning=CacheTuning(lookahead=False)
+    )
     store = model.expert_streaming.store
     calls = []
     real = os.preadv
