@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import GB, decode, load_stock, load_streaming, per_slot, same, with_slots
+from support import GB, decode, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
