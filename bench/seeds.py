@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_lm_streaming.index import DTYPES
+from mlx_lm_streaming.safetensors_header import DTYPES
 from mlx_lm_streaming.switch import StreamingSwitchGLU
 
 

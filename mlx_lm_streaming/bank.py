@@ -29,9 +29,10 @@ import mlx.core as mx
 import numpy as np
 
 from .bank_io import install_finished, read_into_slots
-from .index import LayerExperts, mx_dtype
+from .index import LayerExperts
 from .policy import SlotTable
 from .prefetch import StagedBatch, host_address, host_bytes
+from .safetensors_header import mx_dtype
 
 
 class LayerBank:

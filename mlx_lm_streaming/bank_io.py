@@ -17,8 +17,9 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import ExpertIOError, StreamingError
-from .index import PROJECTIONS, mx_dtype
+from .index import PROJECTIONS
 from .prefetch import StagedBatch
+from .safetensors_header import mx_dtype
 
 # the order in which a phased direct read (``read_direct``) reads an expert's projections: the two
 # the layer can compute from its input first, the one that needs both last

@@ -41,7 +41,7 @@ from .errors import (
     ExpertIOError,
     StreamingError,
 )
-from .index import FileIdentity
+from .safetensors_header import FileIdentity
 
 MAGIC = b"MLXSPK01"
 VERSION = 1

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-from ..index import CheckpointFiles, TensorRef
+from ..index import CheckpointFiles
+from ..safetensors_header import TensorRef
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict
 
 from ..errors import CheckpointChangedError, ExpertIOError
-from ..index import TensorRef
+from ..safetensors_header import TensorRef
 from .base import ExpertStore
 
 

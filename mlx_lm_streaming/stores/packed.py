@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
-from ..index import FileIdentity, TensorRef
 from ..devices import backend
+from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
 from ..packfile import HINT, PACK_NAME, PackFile, align_up
+from ..safetensors_header import FileIdentity, TensorRef
 from .base import ExpertStore
 from .safetensors import SafetensorsStore
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, ExpertIOError
-from ..index import TensorRef
+from ..safetensors_header import TensorRef
 from .base import ExpertStore
 
 DEFAULT_THREADS = 4
