@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .cache import GB, ExpertCache
+from .cache import GB, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
 from .kernels.selector import KernelSelector
@@ -185,6 +185,7 @@ def load_streaming_model(
             "be streamed; load without --streaming-experts"
         )
     get_model_classes = get_model_classes or _get_classes
+    _join_background_threads_at_exit()
     state = StreamingState(model_path, options)
 
     def classes(config):
@@ -244,6 +245,17 @@ def load_streaming_model(
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+_JOINING_AT_EXIT = []  # non-empty once ``close_all`` is registered with atexit
+
+
+def _join_background_threads_at_exit() -> None:
+    """Once, at the first load: at exit, join every cache's background threads before the
+    interpreter finalizes (``cache.close_all``; the model's finalizer joins none)."""
+    if not _JOINING_AT_EXIT:
+        _JOINING_AT_EXIT.append(True)
+        atexit.register(close_all)
 
 
 def _tensor_parallel_unsupported(*args, **kwargs):
