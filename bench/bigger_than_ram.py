@@ -297,6 +297,7 @@ def build_checkpoint(
     import mlx.core as mx
     from mlx_lm import utils as mlx_utils
 
+    from mlx_lm_streaming.index import natural_key
     from mlx_lm_streaming.synthetic import build_model, build_tokenizer
 
     path = Path(path)
@@ -367,7 +368,7 @@ def build_checkpoint(
         gc.collect()
         mx.clear_cache()
         index["weight_map"] = dict(
-            sorted(index["weight_map"].items(), key=lambda kv: _natural(kv[0]))
+            sorted(index["weight_map"].items(), key=lambda kv: natural_key(kv[0]))
         )
         with open(partial / "model.safetensors.index.json", "w") as f:
             json.dump(index, f, indent=4)
@@ -385,12 +386,6 @@ def build_checkpoint(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-
-
-def _natural(name: str):
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 # -- self-check on a tiny version -----------------------------------------------------------------

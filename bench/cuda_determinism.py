@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     import mlx.core as mx
 
     from mlx_lm_streaming.synthetic import build_checkpoint
-    from support import load_stock
+    from mlx_lm_streaming.parity import load_stock
 
     print("device", mx.default_device(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:

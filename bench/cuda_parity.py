@@ -2,8 +2,8 @@
 
     python bench/cuda_parity.py [--out FILE.json]
 
-The parity runner of ``tests/test_parity.py`` (prompt + 8 decode steps with a KV cache, batch 1 and 2,
-a budget of 3 experts per layer (evictions, waves, lookahead) and one holding every expert (background
+``mlx_lm_streaming/parity.py``, as tests/test_parity.py runs it (prompt + 8 decode steps with a KV
+cache, batch 1 and 2, a budget of 3 experts per layer (evictions, waves, lookahead) and one holding every expert (background
 fill, then the no-sync path)) on a small table of architectures, variants and activation dtypes, on the
 default device. Prints one line per case and writes a JSON summary.
 """
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 CASES = [
     ("qwen3_moe", "affine4", "bfloat16"),
@@ -64,12 +64,31 @@ def main():
     from mlx_lm_streaming.kernels.base import backend
     from mlx_lm_streaming.options import StreamingOptions
     from mlx_lm_streaming.synthetic import build_checkpoint
-    from support import load_stock
-    import test_parity
-    from test_parity import DECODE_STEPS, check_parity, prompts, run
+    from mlx_lm_streaming.parity import (
+        DECODE_STEPS,
+        GB,
+        budget_of_slots,
+        compare,
+        load_stock,
+        load_streaming,
+        prompts,
+        run,
+    )
 
     if args.prompt_by_token:
-        run = test_parity.run = functools.partial(run, by_token=True)
+        run = functools.partial(run, by_token=True)
+
+    def check_parity(path):
+        """Every expert resident, and 3 per layer (evictions within a call); batch 1 and 2."""
+        probe, _ = load_streaming(path)
+        cache = probe.expert_streaming.cache
+        budgets = {"all": (cache.total_expert_bytes + 0.5) / GB, "small": budget_of_slots(probe, 3)}
+        probe.expert_streaming.close()
+        del probe, cache
+        rows = compare(path, budgets, by_token=args.prompt_by_token)
+        bad = [r for r in rows if r["difference"] is not None]
+        if bad:
+            raise AssertionError(f"streaming differs from stock: {bad}")
 
     def stock_nans(path):
         """NaNs in stock's logits on the default device and on the CPU (the reference)."""

@@ -349,7 +349,7 @@ def delta(a, b):
 
 def reset_banks(model):
     """Empty every slot bank (as after load) and zero the counters, keeping the model."""
-    from mlx_lm_streaming.cache import CacheStats
+    from mlx_lm_streaming.expert_cache import CacheStats
 
     cache = model.expert_streaming.cache
     cache.ensure_planned()
@@ -523,10 +523,12 @@ def run_arch(name, path, args, device):
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": 8})
         configs["cold_t8"] = Config("cold_t8", m, cold=True, files=files)
     for hint in ("prefetch", "host"):
-        # CUDA unified-memory hints with direct reads (mlx_lm_streaming/cuda_uvm.py)
+        # CUDA unified-memory hints with direct reads (bench/cuda_uvm.py)
         if f"cold_uvm_{hint}" in ablations:
+            import cuda_uvm
+
             m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=True, **sopts)
-            m.expert_streaming.cache.uvm = hint
+            cuda_uvm.use_hint(m.expert_streaming.cache, hint)
             configs[f"cold_uvm_{hint}"] = Config(f"cold_uvm_{hint}", m, cold=True, files=files)
     if "cold_nophase" in ablations:
         # every expert read whole (by default experts of 16 MB and more are read a projection at a
@@ -691,7 +693,7 @@ def run_arch(name, path, args, device):
     # whether the cold configuration read straight into its banks (host views of MLX memory)
     res["direct_reads"] = all(b.direct for b in cold.expert_streaming.cache.banks)
     if any(k.startswith("cold_uvm_") for k in configs):
-        from mlx_lm_streaming import cuda_uvm
+        import cuda_uvm
 
         bank = cold.expert_streaming.cache.banks[0]
         view = bank.views[0] if bank.views else None

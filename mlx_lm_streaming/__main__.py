@@ -5,7 +5,10 @@ Add one by writing those two functions and listing them there.
 
 - ``info``: whether the startup hook is installed and active, and the registered plugins;
 - ``plan MODEL``: what streaming would do with a model: experts per layer, bytes per expert, the
-  default budget and the slots per layer, without reading any expert bytes.
+  default budget and the slots per layer, without reading any expert bytes. With
+  ``--routing-trace FILE`` it also replays a recorded routing through the cache's slot tables and
+  eviction policy (``replay.py``): hit rates and the GB each decode token would read.
+- ``verify MODEL``: stock against streaming logits, bit for bit, on this machine (``parity.py``);
 - ``pack MODEL``: write ``MODEL/experts.pack``, the routed experts repacked for one aligned read each
   (``--expert-store packed``); see ``pack.py``.
 """
@@ -14,6 +17,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
+from .options import check_budget_gb, format_size, missing_local_path
 
 
 def _hook_files():
@@ -65,17 +71,30 @@ def run_info(args) -> int:
     return 0
 
 
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
+def _budget_gb(value: str) -> float:
+    try:
+        return check_budget_gb(value)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_plan_arguments(parser):
     parser.add_argument("model", help="model directory or Hugging Face repo")
     parser.add_argument(
-        "--expert-cache-gb", type=float, help="budget to plan for (default: derived)"
+        "--expert-cache-gb",
+        type=_budget_gb,
+        help="budget to plan for (default: derived)",
+    )
+    parser.add_argument(
+        "--routing-trace",
+        metavar="FILE",
+        help="replay this routing trace (docs/routing.md) through the cache: hit rates and GB "
+        "read per decode token at this budget",
+    )
+    parser.add_argument(
+        "--cache-policy",
+        metavar="NAME",
+        help="eviction policy to replay with (default: the cache's, decay; or lru)",
     )
 
 
@@ -86,13 +105,27 @@ def run_plan(args) -> int:
 
     install()
     path = Path(args.model)
+    if missing_local_path(args.model):
+        raise CheckpointError(f"{args.model}: no such model directory")
     if not path.is_dir():
         # a hub id: mlx-lm's own resolution (downloads or uses its cache)
-        path = mlx_lm.utils._download(args.model)
+        try:
+            path = mlx_lm.utils._download(args.model)
+        except Exception as e:
+            raise CheckpointError(
+                f"{args.model}: not a local directory, and the Hugging Face hub could not "
+                f"provide it ({type(e).__name__}: {e})"
+            ) from e
+    trace = None
+    if args.routing_trace is not None:
+        from .routing_trace import read_trace
+
+        trace = read_trace(args.routing_trace)  # a bad file fails before the model loads
+    options = {"expert_cache_gb": args.expert_cache_gb}
+    if args.cache_policy is not None:
+        options["cache_policy"] = args.cache_policy
     model, _ = mlx_lm.utils.load_model(
-        path,
-        lazy=True,
-        model_config={"streaming_experts": {"expert_cache_gb": args.expert_cache_gb}},
+        path, lazy=True, model_config={"streaming_experts": options}
     )
     state = model.expert_streaming
     cache = state.cache
@@ -104,18 +137,44 @@ def run_plan(args) -> int:
         f"MoE layers: {len(banks)}, experts per layer: "
         f"{', '.join(sorted({str(b.num_experts) for b in banks}))}"
     )
-    print(f"one expert of every layer: {_size(per_slot)}")
-    print(f"all routed experts: {_size(cache.total_expert_bytes)}")
-    print(f"resident weights: {_size(state.resident_bytes)}")
+    print(f"one expert of every layer: {format_size(per_slot)}")
+    print(f"all routed experts: {format_size(cache.total_expert_bytes)}")
+    print(f"resident weights: {format_size(state.resident_bytes)}")
     how = "given" if args.expert_cache_gb is not None else "default"
-    print(f"expert cache budget ({how}): {_size(cache.budget_bytes)}")
+    print(f"expert cache budget ({how}): {format_size(cache.budget_bytes)}")
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
     more = sum(n > slots for n in plan)
     extra = f"; {more} layers get {slots + 1}" if more else ""
-    print(f"slots per layer: {slots}{extra} ({_size(used)} used)")
-    state.close()
+    print(f"slots per layer: {slots}{extra} ({format_size(used)} used)")
+    try:
+        if trace is not None:
+            print(_replay_line(trace, cache, plan))
+    finally:
+        state.close()
     return 0
+
+
+def _replay_line(trace, cache, plan) -> str:
+    """The trace replayed through slot tables with ``plan``'s slots and the cache's policy."""
+    from .replay import replay
+
+    banks = cache.banks
+    counts = {b.num_experts for b in banks}
+    trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
+    result = replay(trace, plan, cache.policy)
+    read = sum(m * b.layer.expert_nbytes for m, b in zip(result.decode_misses, banks))
+    per_token = read / result.decode_tokens / 1e9 if result.decode_tokens else 0.0
+    return (
+        f"routing trace {trace.path.name} ({result.decode_tokens} decode, "
+        f"{len(trace.rows) - result.decode_tokens} prefill tokens; policy {cache.policy}): "
+        f"decode hit rate {_percent(result.hit_rate('decode'))}, prefill hit rate "
+        f"{_percent(result.hit_rate('prefill'))}, {per_token:.4g} GB read per decode token"
+    )
+
+
+def _percent(rate: float) -> str:
+    return "n/a" if rate != rate else f"{rate:.1%}"
 
 
 def add_pack_arguments(parser):
@@ -130,6 +189,18 @@ def run_pack(args) -> int:
     return run(args)
 
 
+def add_verify_arguments(parser):
+    from .parity import add_arguments
+
+    add_arguments(parser)
+
+
+def run_verify(args) -> int:
+    from .parity import run_verify
+
+    return run_verify(args)
+
+
 SUBCOMMANDS = [
     (
         "info",
@@ -139,11 +210,32 @@ SUBCOMMANDS = [
     ),
     ("plan", "show what streaming would do with a model", add_plan_arguments, run_plan),
     ("pack", "repack the routed experts for one aligned read each", add_pack_arguments, run_pack),
+    (
+        "verify",
+        "check that streaming gives the stock logits bit for bit on this machine",
+        add_verify_arguments,
+        run_verify,
+    ),
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of this command."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _stdout_closed() -> int:
+    # the reader went away (`mlx_lm_streaming info | head`): not an error worth a traceback; point
+    # stdout at /dev/null so that the flush at exit does not raise again
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlx_lm_streaming",
         description="Tools for mlx-lm-streaming. To run a model, use mlx-lm's own commands "
         "with --streaming-experts (see docs/usage.md).",
@@ -154,7 +246,14 @@ def main(argv=None) -> int:
         add_arguments(sub.add_parser(name, help=summary, description=summary))
         runners[name] = run
     args = parser.parse_args(argv)
-    return runners[args.command](args)
+    try:
+        status = runners[args.command](args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+    except StreamingError as e:
+        exit_with(f"{parser.prog} {args.command}", e)
 
 
 if __name__ == "__main__":

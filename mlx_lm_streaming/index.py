@@ -13,6 +13,7 @@ byte offset, length, dtype and shape, each validated against the file size. ``Ex
 import json
 import math
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -38,6 +39,17 @@ DTYPES = {
     "U64": (mx.uint64, 8),
     "I64": (mx.int64, 8),
 }
+
+
+def mx_dtype(name: str):
+    """The mlx dtype of a safetensors dtype name."""
+    return DTYPES[name][0]
+
+
+def natural_key(name: str):
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
+    return [(1, int(p), "") if p.isdigit() else (0, 0, p) for p in re.split(r"(\d+)", name)]
+
 
 # The safetensors format caps headers at 100 MB; a larger length field is a lie.
 MAX_HEADER_BYTES = 100_000_000
@@ -206,13 +218,21 @@ def _parse_entry(path, name, entry, data_start, data_len) -> TensorRef:
 
 
 class CheckpointFiles:
-    """The safetensors shards of one model directory, with every header parsed."""
+    """The safetensors shards of one model directory, with every header parsed.
 
-    def __init__(self, model_path, files: Optional[Sequence[Path]] = None):
+    ``allow_missing``: shards that the weight index names may be absent (a pipeline rank holds only
+    the shards of its own layers, see docs/distributed.md); ``missing`` maps each absent shard to
+    the tensors the index puts in it, and ``layer_missing`` says whether a layer has any."""
+
+    def __init__(
+        self, model_path, files: Optional[Sequence[Path]] = None, allow_missing: bool = False
+    ):
         self.model_path = Path(model_path)
+        self.missing: Dict[str, List[str]] = {}
+        self._missing_layers: Optional[set] = None
         if files is None:
             files = sorted(self.model_path.glob("model*.safetensors"))
-            self._check_index(files)
+            self.missing = self._check_index(files, allow_missing)
             for f in files:
                 self._check_inside(f)
         if not files:
@@ -224,14 +244,15 @@ class CheckpointFiles:
             self.identity[Path(f)] = ident
             self.tensors.update(refs)
 
-    def _check_index(self, files):
-        """Every shard the index names must be a plain file name present in the directory.
+    def _check_index(self, files, allow_missing: bool = False) -> Dict[str, List[str]]:
+        """Every shard the index names must be a plain file name present in the directory (with
+        ``allow_missing``, absent ones are returned: ``{shard: [tensor, ...]}``).
 
         The index is never used to choose what to open (that is the ``model*.safetensors`` glob, as in
         mlx-lm); it is checked so an incomplete download or a tampered index fails at load."""
         index_file = self.model_path / "model.safetensors.index.json"
         if not index_file.exists():
-            return
+            return {}
         try:
             f, st = _open_regular(index_file)
             with f:
@@ -259,12 +280,36 @@ class CheckpointFiles:
                     f"{index_file}: tensor {_brief(tensor)} is mapped to shard {_brief(name)}, "
                     f"which is not a plain file name inside {self.model_path}"
                 )
+        missing: Dict[str, List[str]] = {}
         for tensor, name in weight_map.items():
-            if name not in present:
+            if name in present:
+                continue
+            if not allow_missing:
                 raise CheckpointError(
                     f"{index_file}: tensor {_brief(tensor)} is in shard {_brief(name)}, which "
                     f"is missing from {self.model_path} (incomplete download?)"
                 )
+            missing.setdefault(name, []).append(tensor)
+        return missing
+
+    def missing_needed(self, start: int, end: int) -> Optional[Tuple[str, str]]:
+        """``(tensor, shard)`` of an absent shard that layers ``start..end-1`` or the weights
+        outside any layer (embeddings, final norm, head) need, or None. Tensors are matched to
+        layers by number, as mlx-lm's ``sharded_load`` chooses the shards a rank downloads."""
+        for shard, tensors in sorted(self.missing.items()):
+            for tensor in tensors:
+                layer = checkpoint_layer(tensor)
+                if layer is None or start <= layer < end:
+                    return tensor, shard
+        return None
+
+    def layer_missing(self, layer: Optional[int]) -> bool:
+        """Whether an absent shard holds a tensor of checkpoint layer ``layer``."""
+        if self._missing_layers is None:
+            self._missing_layers = {
+                checkpoint_layer(t) for tensors in self.missing.values() for t in tensors
+            }
+        return layer is not None and layer in self._missing_layers
 
     def _check_inside(self, path: Path) -> None:
         """A shard may be a symlink only to a file inside the model directory or, for a Hugging Face
@@ -288,6 +333,12 @@ class CheckpointFiles:
                 f"{path} changed on disk after the model was loaded (size, mtime or inode "
                 "differ); reload the model"
             )
+
+
+def checkpoint_layer(name: str) -> Optional[int]:
+    """The layer number in a tensor or module name (``model.layers.3.mlp...`` -> 3), or None."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

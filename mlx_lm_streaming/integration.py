@@ -1,7 +1,8 @@
 """Patches that make stock mlx-lm entry points build streaming models when asked.
 
 mlx-lm has no plugin mechanism. The startup hook (``_bootstrap``) calls ``patch_module`` on each mlx-lm
-module listed there right after it is imported:
+module listed there right after it is imported; ``mlx_compat`` checks the mlx-lm version and the shape
+of what is patched first, and applies these patches only where both checks pass:
 
 - ``mlx_lm.utils``: ``load_model`` is rebound to a wrapper that builds a streaming model when
   ``model_config["streaming_experts"]`` or ``MLX_LM_STREAMING_EXPERTS`` asks for one, and calls the
@@ -18,21 +19,21 @@ module listed there right after it is imported:
 
 import argparse
 import functools
+import inspect
 import os
 import signal
 import sys
 import threading
 
-from .options import CONFIG_KEY, ENV, TRUE, StreamingOptions, requested
-
-# command-line modules whose main() takes the streaming flags
-CLI_MODULES = (
-    "mlx_lm.generate",
-    "mlx_lm.chat",
-    "mlx_lm.server",
-    "mlx_lm.cache_prompt",
-    "mlx_lm.evaluate",
-    "mlx_lm.perplexity",
+from .mlx_compat import CLI_MODULES  # noqa: F401  (re-exported: the commands we patch)
+from .options import (
+    CONFIG_KEY,
+    ENV,
+    FALSE,
+    StreamingOptions,
+    check_budget_gb,
+    missing_local_path,
+    requested,
 )
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
 # argparse dest -> environment variable it sets
@@ -42,96 +43,75 @@ FLAG_ENV = {
     "expert_store": ENV["store"],
     "expert_kernel": ENV["kernel"],
     "streaming_stats": ENV["stats"],
+    "record_routing": ENV["record_routing"],
 }
 
 
 def patch_module(module) -> None:
-    """Apply our patch to a freshly imported mlx-lm module (called by the startup hook)."""
-    name = module.__name__
-    if name == "mlx_lm.utils":
-        install(module)
-    elif name in CLI_MODULES:
-        wrap_cli_main(module)
+    """Apply our patch to a freshly imported mlx-lm module (see ``mlx_compat.patch_module``)."""
+    from .mlx_compat import patch_module as guarded_patch_module
+
+    guarded_patch_module(module)
 
 
 # -- loading -------------------------------------------------------------------------------------
 
 
 def install(utils=None) -> None:
-    """Wrap ``mlx_lm.utils.load_model`` (idempotent; again after a reload of the module)."""
+    """Wrap ``mlx_lm.utils.load_model`` (idempotent; again after a reload of the module).
+
+    Raises ``IncompatibleMlxLmError`` (and patches nothing) where ``mlx_compat`` finds an mlx-lm
+    it cannot patch."""
+    from .errors import IncompatibleMlxLmError
+    from .mlx_compat import load_model_problem, problem, refusal
+
     if utils is None:
         import mlx_lm.utils as utils
     if getattr(utils.load_model, "mlx_lm_streaming", False):
         return
+    why = problem() or load_model_problem(utils.load_model)
+    if why is not None:
+        raise IncompatibleMlxLmError(refusal(why))
     utils.load_model = _wrap_load_model(utils.load_model)
 
 
 def _wrap_load_model(stock_load_model):
-    def stock(
-        model_path, lazy, strict, model_config, get_model_classes, trust_remote_code
-    ):
-        # the stock call, argument for argument (its get_model_classes default is its own)
-        kwargs = {}
-        if get_model_classes is not None:
-            kwargs["get_model_classes"] = get_model_classes
-        return stock_load_model(
-            model_path,
-            lazy,
-            strict,
-            model_config=model_config,
-            trust_remote_code=trust_remote_code,
-            **kwargs,
-        )
+    """``load_model`` as a wrapper that takes whatever the stock one takes, by position or name.
+
+    Arguments are bound to the stock signature (so a bad call fails exactly as stock's does) and
+    passed on as given; only ``model_config`` is read, and our key taken out of it."""
+    signature = inspect.signature(stock_load_model)
 
     @functools.wraps(stock_load_model)
-    def load_model(
-        model_path,
-        lazy=False,
-        strict=True,
-        model_config=None,
-        get_model_classes=None,
-        trust_remote_code=False,
-    ):
+    def load_model(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        model_config = bound.arguments.get("model_config")
         explicit = bool(model_config) and CONFIG_KEY in model_config
         options = requested(model_config)
-        if options is None and explicit:
-            # streaming_experts=False: mlx-lm must not see our key
-            model_config = {k: v for k, v in model_config.items() if k != CONFIG_KEY}
-        args = (
-            model_path,
-            lazy,
-            strict,
-            model_config,
-            get_model_classes,
-            trust_remote_code,
-        )
+        if explicit:
+            # mlx-lm must not see our key
+            bound.arguments["model_config"] = {
+                k: v for k, v in model_config.items() if k != CONFIG_KEY
+            }
         if options is None:
-            return stock(*args)
+            return stock_load_model(*bound.args, **bound.kwargs)
         from .errors import UnsupportedModelError
         from .loading import load_streaming_model
 
         try:
-            return load_streaming_model(
-                stock_load_model,
-                model_path,
-                options,
-                lazy=lazy,
-                strict=strict,
-                model_config=model_config,
-                get_model_classes=get_model_classes,
-                trust_remote_code=trust_remote_code,
-            )
+            return load_streaming_model(stock_load_model, bound, options)
         except UnsupportedModelError as e:
             if explicit:
                 raise
             # asked for by flag or environment, which also reach draft models and models named
             # in server requests: a model we cannot stream loads stock
             print(
-                f"mlx-lm-streaming: {model_path}: {e}; loading it without streaming",
+                f"mlx-lm-streaming: {bound.arguments['model_path']}: {e}; "
+                "loading it without streaming",
                 file=sys.stderr,
                 flush=True,
             )
-            return stock(*args)
+            return stock_load_model(*bound.args, **bound.kwargs)
 
     load_model.mlx_lm_streaming = True
     load_model.stock = stock_load_model
@@ -141,14 +121,10 @@ def _wrap_load_model(stock_load_model):
 # -- command-line flags --------------------------------------------------------------------------
 
 
-def _positive_gb(value: str) -> float:
-    try:
-        gb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of GB") from None
-    if not gb > 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: the budget must be positive")
-    return gb
+def fail(parser, message: str, status: int = 2) -> None:
+    """One line, ``<prog>: error: <message>``, and exit: our errors name the flag or variable at
+    fault, so argparse's usage block would only push that line out of sight."""
+    parser.exit(status, f"{parser.prog}: error: {' '.join(message.split())}\n")
 
 
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +142,6 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--expert-cache-gb",
-        type=_positive_gb,
         metavar="GB",
         help="Expert cache budget in GB. Default: half of the memory the resident weights "
         f"leave free, at least one expert per MoE layer ({ENV['expert_cache_gb']}).",
@@ -189,10 +164,19 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
         help="Print one line at exit: hit rate, experts read, GB read, seconds in I/O "
         f"({ENV['stats']}=1).",
     )
+    group.add_argument(
+        "--record-routing",
+        metavar="FILE",
+        help="Write the experts each MoE layer picks for each token to FILE as the run goes, "
+        f"a routing trace for `mlx_lm_streaming plan --routing-trace` ({ENV['record_routing']}).",
+    )
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
-    """Move our flags out of ``namespace`` into the environment that ``options`` reads."""
+    """Move our flags out of ``namespace`` into the environment that ``options`` reads.
+
+    When streaming is asked for (flag or environment), the options are checked here, before
+    anything loads: an error is one line naming the flag or variable at fault."""
     given = {}
     for dest in FLAG_ENV:
         value = getattr(namespace, dest, None)
@@ -200,47 +184,71 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             delattr(namespace, dest)
         if value is not None:
             given[dest] = value
-    if not given:
+    by_env = environ.get(ENV["enabled"], "").strip().lower() not in FALSE
+    if not given and not by_env:
         return
-    enabled = bool(given.get("streaming_experts")) or (
-        environ.get(ENV["enabled"], "").strip().lower() in TRUE
-    )
+    enabled = bool(given.get("streaming_experts")) or by_env
     if not enabled:
         flags = ", ".join("--" + d.replace("_", "-") for d in given)
         verb = "needs" if len(given) == 1 else "need"
-        parser.error(f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
+        fail(parser, f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
     if getattr(namespace, "pipeline", None) is False and _distributed_size() > 1:
         # server and chat shard tensor-parallel without --pipeline; a streaming model refuses that
         # at load, where the server would only log it and keep running without a model
-        parser.error(
+        fail(
+            parser,
             "--streaming-experts over several ranks needs --pipeline: tensor parallelism is not "
-            "supported with streaming experts yet (docs/distributed.md)"
+            "supported with streaming experts yet (docs/distributed.md)",
         )
+    _check_flags(parser, given)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
-    # fail here, with the flag named, rather than at load
-    from . import plugins
+    # what is left to check came from the environment: the error names the variable
     from .errors import StreamingError
 
     try:
         StreamingOptions.from_env(environ)
-        for dest, registered in (
-            ("expert_store", plugins.stores),
-            ("expert_kernel", plugins.kernels),
-        ):
-            name = given.get(dest)
-            if name is None:
-                continue
-            known = set(registered()) | ({"auto"} if dest == "expert_kernel" else set())
-            if name not in known:
-                parser.error(
-                    f"argument --{dest.replace('_', '-')}: unknown name {name!r}; "
-                    f"registered: {', '.join(sorted(known))}"
-                )
     except StreamingError as e:
-        parser.error(str(e))
+        fail(parser, str(e))
+    model = getattr(namespace, "model", None)
+    if missing_local_path(model):
+        fail(parser, f"argument --model: {model}: no such model directory", 1)
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
+
+
+def _check_flags(parser, given: dict) -> None:
+    """Each flag's value on its own, so that the error names the flag (the budget as a float)."""
+    from . import plugins
+    from .errors import ConfigurationError, StreamingError
+
+    if "expert_cache_gb" in given:
+        try:
+            given["expert_cache_gb"] = check_budget_gb(given["expert_cache_gb"])
+        except ConfigurationError as e:
+            fail(parser, f"argument --expert-cache-gb: {e}")
+    for dest, registered in (
+        ("expert_store", plugins.stores),
+        ("expert_kernel", plugins.kernels),
+    ):
+        name = given.get(dest)
+        if name is None:
+            continue
+        known = set(registered()) | ({"auto"} if dest == "expert_kernel" else set())
+        if name not in known:
+            flag = "--" + dest.replace("_", "-")
+            what = dest.replace("_", " ")
+            fail(
+                parser,
+                f"argument {flag}: {plugins.unknown_name(what, name, known, flag)}",
+            )
+    if given.get("record_routing"):
+        from .routing_trace import check_writable
+
+        try:
+            check_writable(given["record_routing"])
+        except StreamingError as e:
+            fail(parser, f"argument --record-routing: {e}")
 
 
 def _distributed_size() -> int:
@@ -270,6 +278,7 @@ class _FirstParser:
     def __init__(self):
         self.stock = argparse.ArgumentParser.parse_known_args
         self.active = False
+        self.prog = None  # the command's name, once its parser ran
         self.lock = threading.Lock()
 
     def __enter__(self):
@@ -283,6 +292,7 @@ class _FirstParser:
                 # the parser has such a flag already: it is not ours to extend
                 return stock(parser, args, namespace)
             add_streaming_arguments(parser)
+            first.prog = parser.prog
             namespace, extras = stock(parser, args, namespace)
             export_streaming_arguments(parser, namespace)
             return namespace, extras
@@ -312,8 +322,39 @@ def wrap_cli_main(module) -> None:
 
     @functools.wraps(stock_main)
     def main(*args, **kwargs):
-        with _FirstParser():
-            return stock_main(*args, **kwargs)
+        from .errors import StreamingError, exit_with
+
+        first = _FirstParser()
+        try:
+            with first:
+                return stock_main(*args, **kwargs)
+        except StreamingError as e:
+            # only we raise these, and only when streaming was asked for: one line, no traceback
+            exit_with(first.prog or os.path.basename(sys.argv[0]), e)
+
+    main.mlx_lm_streaming = True
+    main.stock = stock_main
+    module.main = main
+
+
+def wrap_cli_main_refusing(module, message: str) -> None:
+    """Where mlx-lm cannot be patched: ``module.main`` runs stock, unless the command line or the
+    environment asks for streaming; then it prints ``message`` (one line) and exits with status 2."""
+    stock_main = module.main
+    if getattr(stock_main, "mlx_lm_streaming", False):
+        return
+
+    @functools.wraps(stock_main)
+    def main(*args, **kwargs):
+        from .mlx_compat import say_refusal, streaming_in_environment
+
+        flags = ["--" + dest.replace("_", "-") for dest in FLAG_ENV]
+        if streaming_in_environment() or any(
+            a.split("=", 1)[0] in flags for a in sys.argv[1:]
+        ):
+            say_refusal(message)
+            raise SystemExit(2)
+        return stock_main(*args, **kwargs)
 
     main.mlx_lm_streaming = True
     main.stock = stock_main

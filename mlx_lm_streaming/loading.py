@@ -19,12 +19,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .cache import GB, ExpertCache, close_all
+from .expert_cache import GB, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
-from .index import PROJECTIONS, CheckpointFiles, ExpertIndex
+from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, StreamingOptions
 from .prefetch import find_router
+from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 
 # Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
@@ -32,11 +33,32 @@ from .switch import StreamingSwitchGLU
 DEFAULT_CACHE_SHARE = 0.5
 
 
+# what the default budget assumes where the OS does not say how much memory there is
+ASSUMED_MEMORY_BYTES = 16 * GB
+_memory_warned = False
+
+
 def physical_memory_bytes() -> int:
+    """This machine's RAM; where the OS does not tell, ``ASSUMED_MEMORY_BYTES``, said once on
+    stderr (the default expert budget depends on it)."""
+    global _memory_warned
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GB
+        page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+        why = f"page size {page}, pages {pages}"
+    except (ValueError, OSError, AttributeError) as e:
+        page, pages, why = 0, 0, f"{type(e).__name__}: {e}"
+    if page > 0 and pages > 0:
+        return page * pages
+    if not _memory_warned:
+        _memory_warned = True
+        print(
+            f"mlx-lm-streaming: cannot read this machine's memory size from the OS ({why}); the "
+            f"default expert cache budget assumes {ASSUMED_MEMORY_BYTES // GB} GB: set "
+            "--expert-cache-gb (MLX_LM_STREAMING_CACHE_GB) to choose it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ASSUMED_MEMORY_BYTES
 
 
 def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes: int) -> int:
@@ -48,16 +70,35 @@ def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes
 class StreamingState:
     """What a streaming model carries besides its parameters (``model.expert_streaming``)."""
 
-    def __init__(self, model_path: Path, options: StreamingOptions):
+    def __init__(
+        self, model_path: Path, options: StreamingOptions, allow_missing_shards: bool = False
+    ):
         self.model_path = Path(model_path)
         self.options = options
-        self.files = CheckpointFiles(self.model_path)
+        # a lazy, non-strict load (mlx-lm's sharded_load) may lack the shards of other pipeline
+        # ranks' layers: checked once ``pipeline`` says which layers this rank keeps
+        self.files = CheckpointFiles(self.model_path, allow_missing=allow_missing_shards)
         self.index = ExpertIndex(self.files)
         self.store = plugins.make_store(options.store, self.files, **options.store_options)
         budget = None
         if options.expert_cache_gb is not None:
             budget = int(options.expert_cache_gb * GB)
         self.cache = ExpertCache(self.store, budget)
+        self.cache.policy = options.cache_policy
+        self.recorder = None
+        if options.record_routing and not RoutingRecorder.claimed(options.record_routing):
+            cache = self.cache
+            self.recorder = RoutingRecorder(
+                options.record_routing,
+                lambda: cache.banks,
+                model=self.model_path.name,
+                source="mlx_lm_streaming --record-routing",
+                note="expert ids in the order mlx-lm's router returned them (for most models "
+                "argpartition order, not sorted by score); calls of more than one token are prefill",
+            )
+            self.cache.recorder = self.recorder
+            # every call reports its ids: complete banks must not skip the host sync
+            self.cache.skip_sync = False
         self.selector = KernelSelector(options.kernel)
         self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         self.resident_bytes = 0
@@ -70,11 +111,18 @@ class StreamingState:
 
     def stats_line(self) -> str:
         s = self.stats()
+        # no expert was asked for yet (nothing generated): no rate to give
+        rate = "n/a" if s["hits"] + s["misses"] == 0 else f"{s['hit_rate']:.1%}"
         line = (
-            f"[streaming] hit rate {s['hit_rate']:.1%}, experts read {s['experts_read']}, "
+            f"[streaming] hit rate {rate}, experts read {s['experts_read']}, "
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
+        if s.get("failed_background_reads"):
+            line += (
+                f", background reads of {s['failed_background_reads']} experts failed (read "
+                f"again on demand; first: {s['first_background_error']})"
+            )
         if self.pipeline is not None:
             rank, size, start, end = self.pipeline
             line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
@@ -85,6 +133,8 @@ class StreamingState:
         that was garbage collected): join no thread (see ``ExpertCache.close``)."""
         self.closed = True
         self.cache.close(wait=wait)  # background reads first
+        if self.recorder is not None:
+            self.recorder.close()
         try:
             takes_wait = "wait" in inspect.signature(self.store.close).parameters
         except (TypeError, ValueError):
@@ -135,6 +185,9 @@ def convert_model(
             f"model_type {config.get('model_type')!r}: no routed-expert modules "
             f"({adapter.experts_class.__name__}) found to stream"
         )
+    # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
+    # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)
+    routed = [(p, m) for p, m in routed if not state.files.layer_missing(checkpoint_layer(p))]
     for path, glu in routed:
         expected = {}
         for proj in PROJECTIONS:
@@ -163,33 +216,44 @@ def convert_model(
     return weights
 
 
-def load_streaming_model(
-    stock_load_model,
-    model_path,
-    options: StreamingOptions,
-    lazy: bool = False,
-    strict: bool = True,
-    model_config: Optional[dict] = None,
-    get_model_classes=None,
-    trust_remote_code: bool = False,
-):
-    """Like mlx-lm's ``load_model``, with the routed experts streamed."""
+def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
+    """Like mlx-lm's ``load_model``, with the routed experts streamed.
+
+    ``bound``: the caller's arguments bound to ``stock_load_model``'s signature; they are passed on
+    as given (``trust_remote_code`` and whatever else this mlx-lm takes), with ``get_model_classes``
+    replaced by one that intercepts the model's weights."""
     from mlx_lm.utils import _get_classes, load_config
 
-    model_path = Path(model_path)
-    model_config = {k: v for k, v in (model_config or {}).items() if k != CONFIG_KEY}
-    config = {**load_config(model_path), **model_config}
+    bound = bound.signature.bind(*bound.args, **bound.kwargs)  # the caller's stays as it was
+    arguments = bound.arguments
+    model_path = Path(arguments["model_path"])
+    lazy = arguments.get("lazy", False)
+    model_config = {
+        k: v for k, v in (arguments.get("model_config") or {}).items() if k != CONFIG_KEY
+    }
+    arguments["model_config"] = model_config
+    config = {**_read_config(model_path, load_config), **model_config}
     if config.get("model_file") is not None:
         raise UnsupportedModelError(
             f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
             "be streamed; load without --streaming-experts"
         )
-    get_model_classes = get_model_classes or _get_classes
+    get_model_classes = arguments.get("get_model_classes") or _get_classes
+    strict = arguments.get("strict", True)
     _join_background_threads_at_exit()
-    state = StreamingState(model_path, options)
+    state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
 
     def classes(config):
-        model_class, args_class = get_model_classes(config=config)
+        try:
+            model_class, args_class = get_model_classes(config=config)
+        except KeyError as e:
+            raise CheckpointError(f"{model_path / 'config.json'}: no {e} entry") from e
+        except ValueError as e:  # mlx-lm has no model file for this model_type
+            from mlx_lm import __version__
+
+            raise CheckpointError(
+                f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
+            ) from e
 
         def build(args):
             model = model_class(args)
@@ -222,14 +286,8 @@ def load_streaming_model(
         return build, args_class
 
     try:
-        model, config = stock_load_model(
-            model_path,
-            lazy=lazy,
-            strict=strict,
-            model_config=model_config,
-            get_model_classes=classes,
-            trust_remote_code=trust_remote_code,
-        )
+        arguments["get_model_classes"] = classes
+        model, config = stock_load_model(*bound.args, **bound.kwargs)
     except BaseException:
         state.close()
         raise
@@ -252,10 +310,28 @@ _JOINING_AT_EXIT = []  # non-empty once ``close_all`` is registered with atexit
 
 def _join_background_threads_at_exit() -> None:
     """Once, at the first load: at exit, join every cache's background threads before the
-    interpreter finalizes (``cache.close_all``; the model's finalizer joins none)."""
+    interpreter finalizes (``expert_cache.close_all``; the model's finalizer joins none)."""
     if not _JOINING_AT_EXIT:
         _JOINING_AT_EXIT.append(True)
         atexit.register(close_all)
+
+
+def _read_config(model_path: Path, load_config) -> dict:
+    """mlx-lm's ``load_config``, with a missing or invalid ``config.json`` named in one line."""
+    path = model_path / "config.json"
+    if not model_path.is_dir():
+        raise CheckpointError(f"{model_path}: no such model directory")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a model directory?)")
+    try:
+        config = load_config(model_path)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 def _tensor_parallel_unsupported(*args, **kwargs):
@@ -293,6 +369,14 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
         start, end = model.model.start_idx, model.model.end_idx
         state.pipeline = (group.rank(), group.size(), start, end)
         stage = f"pipeline rank {group.rank()} of {group.size()} (layers {start}-{end - 1})"
+        needed = state.files.missing_needed(start, end)
+        if needed is not None:
+            tensor, shard = needed
+            raise CheckpointError(
+                f"{stage}: tensor {tensor!r} is in shard {shard!r}, which is missing from "
+                f"{state.model_path}; this rank needs every shard holding its layers and the "
+                "weights outside the layers (incomplete download?)"
+            )
         if not state.cache.banks:
             return result
         if state.options.expert_cache_gb is None:

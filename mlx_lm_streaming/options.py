@@ -3,7 +3,8 @@
 1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``;
+   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
+   ``MLX_LM_STREAMING_RECORD_ROUTING``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -11,11 +12,13 @@ An explicit ``model_config`` entry wins over the environment; ``{"streaming_expe
 streaming off even when the environment asks for it.
 """
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .errors import ConfigurationError
+from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
 ENV = {
@@ -25,9 +28,59 @@ ENV = {
     "kernel": "MLX_LM_STREAMING_KERNEL",
     "stats": "MLX_LM_STREAMING_STATS",
     "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
+    "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
+    "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
+GiB = 1 << 30
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps them readable: ``512 B``, ``95.4 KB``, ``2.5 GB``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+
+
+def gb_at_least(nbytes: int) -> str:
+    """``nbytes`` as a number of GB to pass to ``--expert-cache-gb``, rounded up (3 digits)."""
+    gb = nbytes / GiB
+    step = 10.0 ** (math.floor(math.log10(gb)) - 2)
+    value = math.ceil(gb / step) * step
+    text = f"{value:.3g}"
+    while int(float(text) * GiB) < nbytes:  # loading takes int(gb * 2**30) bytes
+        value += step
+        text = f"{value:.3g}"
+    return text
+
+
+def missing_local_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path (not a Hugging Face repo id) and nothing is there."""
+    if not isinstance(name, str) or os.path.exists(name):
+        return False
+    return (
+        os.path.isabs(name)
+        or name.startswith(("./", "../", "~"))
+        or name.count("/") > 1
+    )
+
+
+def check_budget_gb(value) -> float:
+    """A budget in GiB as a float: a positive, finite number (raises ``ConfigurationError``)."""
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{value!r} is not a number of GB") from None
+    if not gb > 0:
+        raise ConfigurationError(f"{value!r}: the budget must be positive")
+    if not math.isfinite(gb * GiB):
+        raise ConfigurationError(
+            f"{value!r}: the budget must be a finite number of GB (leave it out for the default; "
+            "a budget above the experts' total keeps every expert)"
+        )
+    return gb
 
 
 @dataclass
@@ -39,25 +92,34 @@ class StreamingOptions:
     kernel: str = "auto"
     stats: bool = False  # print one summary line at exit
     store_options: Dict[str, Any] = field(default_factory=dict)
-    # demand reads straight into the slot banks (cache.py): None = where verified bit-exact, i.e.
+    # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
+    # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"
+    cache_policy: str = DEFAULT_POLICY
+    # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
+    record_routing: Optional[str] = None
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
             try:
-                self.expert_cache_gb = float(self.expert_cache_gb)
-            except (TypeError, ValueError):
-                raise ConfigurationError(
-                    f"expert_cache_gb must be a number of GB, got {self.expert_cache_gb!r}"
-                ) from None
-            if not self.expert_cache_gb > 0:
-                raise ConfigurationError(
-                    f"expert_cache_gb must be positive, got {self.expert_cache_gb}"
-                )
+                self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
+            except ConfigurationError as e:
+                raise ConfigurationError(f"expert_cache_gb {e}") from None
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
+        if self.record_routing is not None:
+            if not isinstance(self.record_routing, (str, os.PathLike)) or not str(
+                self.record_routing
+            ):
+                raise ConfigurationError("record_routing must be a file path")
+            self.record_routing = str(self.record_routing)
+        if self.cache_policy not in POLICIES:
+            raise ConfigurationError(
+                f"cache_policy {self.cache_policy!r} is unknown; known: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
         value = self.direct_reads
         if isinstance(value, str):
             word = value.strip().lower()
@@ -106,14 +168,23 @@ class StreamingOptions:
                 f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
             )
         kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel", "direct_reads"):
+        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
+                     "record_routing"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
-        kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE
-        try:
-            return cls(**kwargs)
-        except ConfigurationError as e:
-            raise ConfigurationError(f"from the environment: {e}") from None
+                try:  # one at a time, so that the error names the variable at fault
+                    cls(**{name: kwargs[name]})
+                except ConfigurationError as e:
+                    raise ConfigurationError(
+                        f"{ENV[name]}={environ[ENV[name]]!r}: {e}"
+                    ) from None
+        stats = environ.get(ENV["stats"], "").strip().lower()
+        if stats not in TRUE + FALSE:
+            raise ConfigurationError(
+                f"{ENV['stats']}={environ[ENV['stats']]!r}: use 1 or 0"
+            )
+        kwargs["stats"] = stats in TRUE
+        return cls(**kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -32,7 +32,12 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .errors import ExpertIOError, StreamingError
+from .errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    ExpertIOError,
+    StreamingError,
+)
 
 MAGIC = b"MLXSPK01"
 VERSION = 1
@@ -60,12 +65,6 @@ def shard_fingerprint(path: Path) -> dict:
         "mtime_ns": st.st_mtime_ns,
         "header_sha256": hashlib.sha256(head + header).hexdigest(),
     }
-
-
-def layer_order(path: str):
-    import re
-
-    return [(1, int(p), "") if p.isdigit() else (0, 0, p) for p in re.split(r"(\d+)", path)]
 
 
 def index_checkpoint(model_path: Path):
@@ -130,17 +129,26 @@ def pack_checkpoint(
 
     An existing pack that matches the checkpoint is kept unless ``force``."""
     model_path = Path(model_path)
+    if not model_path.is_dir():
+        raise CheckpointError(
+            f"{model_path}: no such model directory (pack needs a local checkpoint)"
+        )
     out = Path(out) if out is not None else model_path / PACK_NAME
+    if not out.parent.is_dir():
+        raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
     if out.exists() and not force:
-        from .stores.packed import PackFile
+        from .stores.packed import HINT, PackFile
 
         try:
             PackFile(out, model_path).close()
             return out
-        except Exception:
-            pass  # stale or damaged: write it again
+        except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
+            reason = str(e).replace(f"; {HINT}", "")
+            print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
+    from .index import natural_key
+
     index = index or index_checkpoint(model_path)
-    layers = sorted(index.layers.values(), key=lambda l: layer_order(l.path))
+    layers = sorted(index.layers.values(), key=lambda l: natural_key(l.path))
     files = index.files
     sources = {p.name: shard_fingerprint(p) for p in sorted(files.identity)}
     entries: List[dict] = []
@@ -210,7 +218,9 @@ def pack_checkpoint(
                     while got < n:
                         k = os.preadv(fd, [view[pos + got : pos + n]], src_off + got)
                         if k == 0:
-                            raise OSError(f"{model_path / fname}: ended early while packing")
+                            raise CheckpointChangedError(
+                                f"{model_path / fname}: ended early while packing (truncated?)"
+                            )
                         got += k
                     pos += n
                 entry["crc32"] = f"{zlib.crc32(view[: entry['nbytes']]):08x}"

@@ -113,7 +113,7 @@ def host_bytes(arr: mx.array, address: Optional[int] = None) -> Optional[np.ndar
     MLX must then see).
 
     The view holds no reference to the MLX array (a held reference would stop MLX from updating the
-    array in place, see ``LayerBank._install``), so it is valid only while the array keeps this
+    array in place, see ``bank_io._install``), so it is valid only while the array keeps this
     buffer: ``host_address`` tells whether it still does (``address``: its result, if known)."""
     if _HOST_VIEWS is False or arr.size == 0:
         return None
@@ -167,10 +167,20 @@ class PrefetchStats:
         self.predicted_hit = 0
         self.demand = 0
         self.waited_s = 0.0  # time loads spent waiting for background reads
+        # experts whose background read failed (a load that wants one reads it again), and the
+        # first error, for ``--streaming-stats`` and for the error of a demand read that fails too
+        self.failed = 0
+        self.first_error: Optional[str] = None
 
     def add(self, what: str, kind: str, n: int) -> None:
         with self.lock:
             getattr(self, what)[kind] += n
+
+    def fail(self, batch: StagedBatch, error: BaseException) -> None:
+        with self.lock:
+            self.failed += len(batch.experts)
+            if self.first_error is None:
+                self.first_error = f"{type(error).__name__}: {error}"
 
     def summary(self):
         nan = float("nan")
@@ -181,6 +191,8 @@ class PrefetchStats:
             "used_experts": dict(self.used),
             "dropped_lookaheads": self.dropped,
             "staged_wait_s": self.waited_s,
+            "failed_background_reads": self.failed,
+            "first_background_error": self.first_error,
         }
 
 
@@ -276,6 +288,7 @@ class ExpertPrefetcher:
             try:
                 self.store.read_many(batch.jobs())
             except BaseException as e:  # the load that wanted it reads again and reports
+                self.stats.fail(batch, e)
                 batch.future.set_exception(e)
             else:
                 batch.future.set_result(None)

@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .bank_io import install_finished
 from .prefetch import LOOKAHEAD, WAVE, predict
 
 # calls of at most this many (token, expert) rows compute their resident experts' rows while the
@@ -63,6 +64,8 @@ class StreamingSwitchGLU(nn.Module):
         if ahead is not None:
             mx.eval(indices, ahead[1])  # one sync for this layer's ids and the next one's guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
+        if cache.recorder is not None:
+            cache.recorder.record(bank, idx)
         experts = np.unique(idx)
         try:
             with bank.lock:
@@ -257,7 +260,7 @@ class StreamingSwitchGLU(nn.Module):
         their slots (an MLX update, which would copy a bank that pending work reads)."""
         bank = self._bank
         if bank.identity and bank.staged:
-            bank._install_finished()
+            install_finished(bank)
         staged = [e for e in experts.tolist() if e in bank.staged]
         if staged:
             bank.load(np.array(staged, dtype=np.int64), keep=keep)

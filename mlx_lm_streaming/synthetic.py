@@ -113,6 +113,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm import utils as mlx_utils
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from .index import natural_key
+
 VARIANTS = ("affine4", "mixed", "affine8", "mxfp4", "nvfp4", "float32_hf")
 # Builds and loads, but gather_qmm with a global scale runs only on the GPU.
 EXTRA_VARIANTS = ("nvfp4_global",)
@@ -508,14 +510,16 @@ def _quantize(model: nn.Module, config: dict, variant: str) -> dict:
             )
     # quantize_model prints the bits per weight; keep builds quiet.
     with contextlib.redirect_stdout(io.StringIO()):
+        # global_scale only where asked: mlx-lm before 0.32 does not take the argument
+        extra = {"global_scale": True} if variant == "nvfp4_global" else {}
         _, config = mlx_utils.quantize_model(
             model,
             config,
             group_size,
             bits,
             mode=mode,
-            global_scale=variant == "nvfp4_global",
             quant_predicate=_mixed_predicate if variant == "mixed" else None,
+            **extra,
         )
     return config
 
@@ -639,13 +643,9 @@ def _hf_layout_v41(weights: dict, config: dict) -> dict:
     return out
 
 
-def _natural_key(name: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def _split_shards(weights: dict, shards: int) -> list:
     """Split the tensors, in name order, into shards of about equal bytes."""
-    names = sorted(weights, key=_natural_key)
+    names = sorted(weights, key=natural_key)
     n = len(names)
     if not 1 <= shards <= n:
         raise ValueError(f"shards must be in [1, {n}], got {shards}")
@@ -685,7 +685,7 @@ def _save_weights(path: pathlib.Path, weights: dict, shards: int, meta: dict):
         mx.save_safetensors(str(path / file_name), shard, metadata={"format": "mlx"})
         del shard
     index["weight_map"] = dict(
-        sorted(index["weight_map"].items(), key=lambda kv: _natural_key(kv[0]))
+        sorted(index["weight_map"].items(), key=lambda kv: natural_key(kv[0]))
     )
     with open(path / "model.safetensors.index.json", "w") as f:
         json.dump(index, f, indent=4)

@@ -1,7 +1,13 @@
 """Fixtures shared by the suite."""
 
-import pytest
+import os
+import sys
 
+import mlx.core as mx
+import pytest
+from support import decode, generate_cmd, generated_text, hook_installed, load_stock, run
+
+from mlx_lm_streaming.options import ENV
 from mlx_lm_streaming.synthetic import build_checkpoint
 
 
@@ -20,3 +26,57 @@ def checkpoint(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def require_hook():
+    if not hook_installed():
+        pytest.fail(
+            f"{sys.executable}: mlx_lm_streaming.pth is not in site-packages; these tests need "
+            "the package installed non-editable (bash tests/run.sh)"
+        )
+
+
+@pytest.fixture(scope="module")
+def stock_text(checkpoint, tmp_path_factory):
+    """``mlx_lm.generate`` output without any flag, once per architecture."""
+    cwd = tmp_path_factory.mktemp("stock")
+    texts = {}
+
+    def get(arch):
+        if arch not in texts:
+            out = run(generate_cmd(checkpoint(arch)), cwd)
+            texts[arch] = generated_text(out.stdout)
+            assert "[streaming]" not in out.stderr
+        return texts[arch]
+
+    return get
+
+
+@pytest.fixture
+def environ():
+    """Our variables removed for the test, and the environment restored after it."""
+    saved = dict(os.environ)
+    for name in ENV.values():
+        os.environ.pop(name, None)
+    try:
+        yield os.environ
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory):
+    path = build_checkpoint(
+        tmp_path_factory.mktemp("prefetch") / "q3",
+        "qwen3_moe",
+        "affine4",
+        num_layers=3,
+        overrides={"experts": 16},
+    )
+    stock, _ = load_stock(path)
+    tokens = mx.array(
+        [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
+    )
+    return path, tokens, decode(stock, tokens)

@@ -14,17 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import load_stock, load_streaming
+from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming.cache import GB, LayerBank
+from mlx_lm_streaming import bank_io
+from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
-from test_prefetch import per_slot, q3, run, same, with_slots  # noqa: F401 (q3: the fixture)
+from mlx_lm_streaming.expert_cache import GB
 
 
 def counting(monkeypatch):
     """Count direct reads and the ``ready`` reports of each load."""
     seen = {"direct": 0, "reports": 0, "loads": 0}
-    real_direct, real_load = LayerBank._read_direct, LayerBank.load
+    real_direct, real_load = bank_io.read_direct, LayerBank.load
 
     def read_direct(self, pairs, resident, *args):
         seen["direct"] += len(pairs)
@@ -39,7 +40,7 @@ def counting(monkeypatch):
         seen["loads"] += 1
         return real_load(self, experts, **kw)
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     monkeypatch.setattr(LayerBank, "load", load)
     return seen
 
@@ -55,7 +56,7 @@ def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
     cache.ensure_planned()
     assert all(b.slots == slots and b.direct for b in cache.banks)
     seen = counting(monkeypatch)
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert seen["direct"] > 0 and seen["reports"] > 0
     # nothing went through staging buffers
     assert cache.stats.install_seconds == 0 or slots == 16
@@ -78,7 +79,7 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
 
     monkeypatch.setattr(store, "read_many", slow)
     per_load = []
-    real_direct = LayerBank._read_direct
+    real_direct = bank_io.read_direct
 
     def read_direct(self, pairs, resident, *args):
         landed = []
@@ -86,8 +87,8 @@ def test_experts_are_computed_as_they_land(q3, monkeypatch):
         per_load.append((len(pairs), landed))
         return waited
 
-    monkeypatch.setattr(LayerBank, "_read_direct", read_direct)
-    assert same(want, run(model, tokens))
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
+    assert same(want, decode(model, tokens))
     several = [(n, landed) for n, landed in per_load if n >= 2]
     assert several
     # one report per expert, as it landed (not one for the whole load)
@@ -99,15 +100,15 @@ def test_a_second_thread_turns_direct_reads_off(q3):
     path, tokens, want = q3
     model = with_slots(path, 4)
     cache = model.expert_streaming.cache
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("got", run(model, tokens)))
+    t = threading.Thread(target=lambda: out.setdefault("got", decode(model, tokens)))
     t.start()
     t.join()
     assert same(want, out["got"])
     assert cache.shared and not any(b.direct for b in cache.banks)
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     model.expert_streaming.close()
 
 
@@ -147,13 +148,13 @@ def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
 
     monkeypatch.setattr(store, "read_many", flaky)
     with pytest.raises(ExpertIOError, match="injected"):
-        run(model, tokens)
+        decode(model, tokens)
     for bank in cache.banks:
         mapped = np.nonzero(bank.slot_of >= 0)[0]
         assert (bank.expert_of[bank.slot_of[mapped]] == mapped).all()
     # every mapped slot holds its expert's bytes: with reads working again, logits are stock's
     monkeypatch.setattr(store, "read_many", real)
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     model.expert_streaming.close()
 
 
@@ -176,7 +177,7 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
         model = with_slots(path, slots)
         model.expert_streaming.cache.lookahead = False
         counts.clear()
-        assert same(want, run(model, tokens))
+        assert same(want, decode(model, tokens))
         k = model.args.num_experts_per_tok
         # prompt: 2 x 12 tokens x top-k rows; decode: 2 x top-k rows
         assert counts and set(counts) == {tokens.size * k, tokens.shape[0] * k}, set(counts)
@@ -201,7 +202,7 @@ def test_the_option_turns_direct_reads_on_and_off(q3, monkeypatch):
         cache = model.expert_streaming.cache
         cache.ensure_planned()
         assert all(b.direct == direct for b in cache.banks), value
-        assert same(want, run(model, tokens))
+        assert same(want, decode(model, tokens))
         model.expert_streaming.close()
     # auto: only where verified (the CPU backend)
     assert not StreamingOptions().use_direct_reads("cuda")
@@ -224,29 +225,37 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
     cache.ensure_planned()
     assert [b.slots for b in cache.banks] == [4, 4] + [3] * (len(banks) - 2)
     assert cache.resident_bytes <= cache.budget_bytes
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     model.expert_streaming.close()
 
 
-@pytest.mark.parametrize("hint", ["prefetch", "host"])
-def test_unified_memory_hints_change_no_result(q3, hint, monkeypatch):
-    """The CUDA hints (cuda_uvm.py) move bytes, never change them; where the hint cannot be given
-    (no CUDA device, as here) it fails soft and the reads go on."""
-    from mlx_lm_streaming import cuda_uvm
-
-    calls = []
-    for name in ("prefetch", "prefer_host"):
-        real = getattr(cuda_uvm, name)
-        monkeypatch.setattr(
-            cuda_uvm, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a)
-        )
+def test_bank_memory_hooks_see_bank_memory_and_change_no_result(q3):
+    """The hooks benchmarks set (``ExpertCache.on_bank_views`` / ``on_slot_written``; bench/cuda_uvm.py
+    gives CUDA unified-memory hints through them) are handed the banks' own memory: every bank's
+    arrays and addresses once its views are made, and each slot's view, inside a bank, as an expert
+    lands in it. Results stay exact."""
     path, tokens, want = q3
     model = with_slots(path, 3)
     cache = model.expert_streaming.cache
-    cache.uvm = hint
-    assert same(want, run(model, tokens))
+    cache.lookahead = False  # every miss a direct read
+    made, written = [], []
+
+    def on_bank_views(bank, arrays, addresses):
+        assert addresses == [int(a) for a in bank._addresses]
+        made.append((bank, [(at, at + a.nbytes) for a, at in zip(arrays, addresses)]))
+
+    cache.on_bank_views = on_bank_views
+    cache.on_slot_written = lambda view: written.append((view.ctypes.data, view.nbytes))
+    assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
-    assert calls and set(calls) == {"prefetch" if hint == "prefetch" else "prefer_host"}
+    assert {id(b) for b, _ in made} == {id(b) for b in cache.banks}
+    spans = [span for _, spans in made for span in spans]
+    assert written
+    assert all(any(lo <= at and at + n <= hi for lo, hi in spans) for at, n in written)
+    # one view per part of every expert read
+    parts = len(cache.banks[0].layer.parts)
+    assert len(written) == parts * cache.stats.misses
+    model.expert_streaming.close()
 
 
 @pytest.mark.parametrize("slots", [2, 3, 16])
@@ -273,7 +282,7 @@ def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
     cache = model.expert_streaming.cache
     cache.lookahead = False
     cache.phase_min_bytes = 0
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
     # gate and up are reported as they land; down lands with the expert
     assert landed and set(landed) == {"gate_proj", "up_proj"}
@@ -297,5 +306,5 @@ def test_a_cancelled_read_is_an_error_not_a_hang(q3):
     cache.ensure_planned()
     cache._demand_pool = Cancelling()
     with pytest.raises(ExpertIOError, match="cancelled"):
-        run(model, tokens)
+        decode(model, tokens)
     cache._demand_pool = None

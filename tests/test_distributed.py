@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from support import clean_env
+from support import held_out_env
 
 from mlx_lm_streaming.errors import UnsupportedModelError
 
@@ -244,7 +244,7 @@ def stock_text(ckpt):
 
     def get(arch):
         if arch not in texts:
-            with clean_env():
+            with held_out_env():
                 model, tokenizer = mlx_lm.load(str(ckpt(arch)))
             assert not hasattr(model, "expert_streaming")
             assert tokenizer.has_chat_template
@@ -394,6 +394,133 @@ def test_budget_below_one_expert_per_own_layer_fails_on_that_rank(ckpt, tmp_path
         in stderr
     ), stderr
     assert "pipeline rank 1 of 2" not in stderr
+
+
+# -- a rank holds only the shards of its own layers ---------------------------------------------
+
+
+def rank_shards(ckpt: Path, start: int, end: int) -> set:
+    """The shards a rank running layers ``start..end-1`` needs: those of its layers and those of
+    the weights outside any layer, by layer number as mlx-lm's ``sharded_load`` downloads them."""
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    need = set()
+    for name, shard in weight_map.items():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m is None or start <= int(m.group(1)) < end:
+            need.add(shard)
+    return need
+
+
+def partial_copy(ckpt: Path, dst: Path, shards: set) -> set:
+    """``ckpt`` in ``dst`` (hard links) with only ``shards`` of its safetensors; returns the
+    shards left out."""
+    dst.mkdir(parents=True)
+    left_out = set()
+    for f in ckpt.iterdir():
+        if f.suffix == ".safetensors" and f.name not in shards:
+            left_out.add(f.name)
+        else:
+            os.link(f, dst / f.name)
+    return left_out
+
+
+class FakeGroup:
+    """What ``pipeline(group)`` and loading read of a group: rank and size (no communication)."""
+
+    def __init__(self, rank: int, size: int = 2):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+# with 4 layers in 4 shards, shards 1 and 4 hold weights outside the layers: qwen3_moe's rank 0
+# (layers 2-3) does not need shard 2, deepseek_v3's rank 1 (layers 0-1) does not need shard 3
+PARTIAL = {"qwen3_moe": (0, (2, 4)), "deepseek_v3": (1, (0, 2))}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rank_loads_with_only_its_own_shards(arch, ckpt, tmp_path, monkeypatch):
+    """In this process, ``pipeline`` with a group that only says rank and size: the headers of
+    absent shards are needed only when a layer of this rank lives there."""
+    from mlx_lm.utils import sharded_load
+
+    from mlx_lm_streaming.errors import CheckpointError
+    from mlx_lm_streaming.integration import install
+
+    path = ckpt(arch)
+    rank, (start, end) = PARTIAL[arch]
+    dst = tmp_path / "rank"
+    left_out = partial_copy(path, dst, rank_shards(path, start, end))
+    assert left_out, "this rank should lack a shard"
+    install()
+    monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
+    model, _ = sharded_load(str(dst), pipeline_group=FakeGroup(rank))
+    state = model.expert_streaming
+    assert state.pipeline == (rank, 2, start, end)
+    own = [layer for layer in sorted(expert_tensors(path)) if start <= layer < end]
+    assert [b.path for b in state.cache.banks] == [f"model.layers.{i}.mlp.switch_mlp" for i in own]
+    # the other rank needs the absent shard: refused, naming the rank and the shard
+    other = 1 - rank
+    with pytest.raises(CheckpointError, match=rf"pipeline rank {other} of 2 .*missing from"):
+        sharded_load(str(dst), pipeline_group=FakeGroup(other))
+    # a load that is not a pipeline rank's still needs every shard the index names
+    with pytest.raises(CheckpointError, match="missing from .*incomplete download"):
+        mlx_lm.load(str(dst))
+
+
+# Runs pipeline_generate on a model directory of this rank's own: {model}-rank{MLX_RANK}
+PER_RANK_MODEL = """
+import os, sys
+from mlx_lm_streaming import pipeline_generate
+
+argv = sys.argv[1:]
+at = argv.index("--model") + 1
+argv[at] = f"{argv[at]}-rank{os.environ['MLX_RANK']}"
+pipeline_generate.main(argv)
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_generate_with_only_their_own_shards(arch, ckpt, stock_text, tmp_path):
+    path = ckpt(arch)
+    ranges = {0: (2, 4), 1: (0, 2)}
+    left_out = {}
+    for rank, (start, end) in ranges.items():
+        dst = tmp_path / f"model-rank{rank}"
+        left_out[rank] = partial_copy(path, dst, rank_shards(path, start, end))
+    assert any(left_out.values())
+    e = expert_nbytes(expert_tensors(path)[1], num_experts(path))
+    script = tmp_path / "per_rank_model.py"
+    script.write_text(PER_RANK_MODEL)
+    stdout, stderr = run_ranks(
+        [
+            sys.executable,
+            script,
+            "--model",
+            tmp_path / "model",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            MAX_TOKENS,
+            "--streaming-experts",
+            "--expert-cache-gb",
+            repr(6.5 * e / GB),
+            "--stats-json",
+            tmp_path / "rank{rank}.json",
+        ],
+        tmp_path,
+    )
+    expected = stock_text(arch)
+    assert generated_text(stdout) == expected, stderr
+    for rank, (start, end) in ranges.items():
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["text"] == expected
+        assert tuple(report["layers"]) == (start, end)
+        assert not {Path(f).name for f in report["files_opened"]} & left_out[rank]
 
 
 # -- mlx_lm.server --pipeline over 2 ranks --------------------------------------------------------

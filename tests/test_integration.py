@@ -6,25 +6,29 @@ checked with an expert cache budget below one layer's experts, so experts are ev
 """
 
 import json
-import os
-import re
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import (
+    BIN,
+    PROMPT,
+    STATS,
+    budget_below_one_layer,
+    chat_reply,
+    clean_env,
+    generate_cmd,
+    generated_text,
+    run,
+)
 
-BIN = Path(sys.executable).parent
-PROMPT = "Tell me a story about a dragon"
+# the startup hook must be installed (tests/run.sh installs the package non-editable)
+pytestmark = pytest.mark.usefixtures("require_hook")
+
 # the architectures CI runs; the rest run with `-m slow`
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3"]
 SLOW_ARCHS = ["qwen2_moe", "deepseek_v2", "deepseek_v41", "kimi_k2"]
 ALL_ARCHS = ARCHS + [pytest.param(a, marks=pytest.mark.slow) for a in SLOW_ARCHS]
-STATS = re.compile(
-    r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), [\d.]+ GB read, [\d.]+ s in I/O",
-    re.M,
-)
 
 SCRIPT = """
 import json, sys
@@ -43,104 +47,7 @@ print(json.dumps({
 """
 
 
-def hook_installed() -> bool:
-    purelib = Path(__import__("sysconfig").get_paths()["purelib"])
-    return (purelib / "mlx_lm_streaming.pth").is_file()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def require_hook():
-    if not hook_installed():
-        pytest.fail(
-            f"{sys.executable}: mlx_lm_streaming.pth is not in site-packages; these tests need "
-            "the package installed non-editable (bash tests/run.sh)"
-        )
-
-
-def clean_env(**extra) -> dict:
-    """The caller's environment without our variables or PYTHONPATH, plus ``extra``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("MLX_LM_STREAMING_") and k != "PYTHONPATH"
-    }
-    env.update(extra)
-    return env
-
-
-def run(cmd, cwd, env=None, input=None, timeout=120) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=env or clean_env(),
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout}\n{out.stderr}"
-    return out
-
-
-def generated_text(stdout: str) -> str:
-    """The text ``mlx_lm.generate`` prints between its two ``==========`` lines."""
-    parts = stdout.split("==========\n")
-    assert len(parts) >= 3, stdout
-    return parts[1]
-
-
-def expert_bytes_of_one_layer(ckpt: Path) -> int:
-    """Bytes of the routed experts of the first MoE layer, from the safetensors headers."""
-    sizes = {}
-    for f in ckpt.glob("model*.safetensors"):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            m = re.search(r"layers\.(\d+)\..*switch_mlp\.", name)
-            if m and name != "__metadata__":
-                start, end = meta["data_offsets"]
-                layer = int(m.group(1))
-                sizes[layer] = sizes.get(layer, 0) + end - start
-    assert sizes, f"{ckpt}: no switch_mlp tensors"
-    return sizes[min(sizes)]
-
-
-def budget_below_one_layer(ckpt: Path) -> str:
-    return f"{0.75 * expert_bytes_of_one_layer(ckpt) / 2**30:.9f}"
-
-
-def generate_cmd(ckpt, *extra, prompt=PROMPT):
-    return [
-        BIN / "mlx_lm.generate",
-        "--model",
-        ckpt,
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "32",
-        "--temp",
-        "0",
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def stock_text(checkpoint, tmp_path_factory):
-    """``mlx_lm.generate`` output without any flag, once per architecture."""
-    cwd = tmp_path_factory.mktemp("stock")
-    texts = {}
-
-    def get(arch):
-        if arch not in texts:
-            out = run(generate_cmd(checkpoint(arch)), cwd)
-            texts[arch] = generated_text(out.stdout)
-            assert "[streaming]" not in out.stderr
-        return texts[arch]
-
-    return get
-
-
+@pytest.mark.core
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_generate_cli_streams_and_prints_stock_text(
     arch, checkpoint, stock_text, tmp_path
@@ -164,6 +71,7 @@ def test_generate_cli_streams_and_prints_stock_text(
     assert int(stats[0]) > 0
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_plain_script_streams_with_env_var(arch, checkpoint, tmp_path):
     ckpt = checkpoint(arch)
@@ -223,6 +131,7 @@ def test_flags_are_listed_in_help(tmp_path):
         ),
     ],
 )
+
 def test_bad_flags_are_rejected_naming_the_flag(flags, message, checkpoint, tmp_path):
     out = subprocess.run(
         [str(c) for c in generate_cmd(checkpoint("qwen3_moe"), *flags)],
@@ -245,15 +154,6 @@ def test_draft_model_streams_too(checkpoint, tmp_path):
     assert generated_text(out.stdout) == generated_text(stock.stdout)
     # one line per streamed model: the main model and the draft model
     assert len(STATS.findall(out.stderr)) == 2, out.stderr
-
-
-def chat_reply(stdout: str) -> str:
-    """The reply line of an ``mlx_lm.chat`` turn: the line before its ``N tokens ·`` footer."""
-    lines = [
-        re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x01\x02]", "", l) for l in stdout.splitlines()
-    ]
-    footer = next(i for i, l in enumerate(lines) if re.match(r"\s*\d+ tokens", l))
-    return lines[footer - 1]
 
 
 def test_chat_repl_streams(checkpoint, tmp_path):

@@ -16,19 +16,6 @@ from mlx_lm_streaming.options import ENV
 PROMPTS = ["Tell me a story", "Why is the sky blue? Explain in detail please", "Hi"]
 
 
-@pytest.fixture
-def environ():
-    """Our variables removed for the test, and the environment restored after it."""
-    saved = dict(os.environ)
-    for name in ENV.values():
-        os.environ.pop(name, None)
-    try:
-        yield os.environ
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def models(checkpoint):
     """(stock model, streaming model with 3 of 8 experts per layer, tokenizer)."""
@@ -118,12 +105,30 @@ def test_stock_call_is_passed_through_unchanged(environ):
     wrapped = _wrap_load_model(stock)
     config = {"quantize_activations": False}
     assert wrapped("p", True, False, model_config=config) == ("model", "config")
-    # get_model_classes left to the stock default; model_config the same object
-    assert calls[-1] == ("p", True, False, config, {"trust_remote_code": False})
+    # nothing added (get_model_classes and trust_remote_code left to the stock defaults);
+    # model_config the same object
+    assert calls[-1] == ("p", True, False, config, {})
     assert calls[-1][3] is config
     marker = object()
     wrapped("p", get_model_classes=marker, trust_remote_code=True)
     assert calls[-1][4] == {"trust_remote_code": True, "get_model_classes": marker}
+
+
+def test_wrapper_takes_what_an_older_load_model_takes(environ):
+    # mlx-lm 0.30/0.31: no trust_remote_code. The wrapper forwards only what it is given, and a
+    # bad call fails as the stock one does
+    calls = []
+
+    def stock(model_path, lazy=False, strict=True, model_config=None, get_model_classes=None):
+        calls.append((model_path, lazy, strict, model_config, get_model_classes))
+        return "model", "config"
+
+    wrapped = _wrap_load_model(stock)
+    assert wrapped("p") == ("model", "config")
+    assert wrapped("p", False, True, {}, None) == ("model", "config")
+    assert calls == [("p", False, True, None, None), ("p", False, True, {}, None)]
+    with pytest.raises(TypeError, match="trust_remote_code"):
+        wrapped("p", trust_remote_code=True)
 
 
 @pytest.fixture(scope="module")

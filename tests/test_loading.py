@@ -9,7 +9,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from support import clean_env, load_streaming
+from support import held_out_env, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
@@ -29,7 +29,7 @@ def test_load_reads_no_expert_bytes(checkpoint):
 
 def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):
     path = checkpoint("mixtral", "affine4")
-    with clean_env():
+    with held_out_env():
         model, tokenizer = mlx_lm_streaming.load(str(path), expert_cache_gb=0.001)
         model2, tokenizer2, config = mlx_lm_streaming.load(
             str(path), kernel="per_expert", store="memory", return_config=True
@@ -166,7 +166,7 @@ def test_budget_below_one_expert_per_layer_is_an_error(checkpoint):
     [
         ({"store": "nope"}, "unknown expert store 'nope'"),
         ({"kernel": "nope"}, "unknown expert kernel 'nope'"),
-        ({"expert_cache_gb": -1}, "expert_cache_gb must be positive"),
+        ({"expert_cache_gb": -1}, "expert_cache_gb -1: the budget must be positive"),
         ({"cache": 1}, r"unknown streaming_experts option\(s\) \['cache'\]"),
     ],
 )
@@ -187,3 +187,25 @@ def test_streaming_off_is_stock(checkpoint, monkeypatch):
     )
     assert not hasattr(model, "expert_streaming")
     assert any("switch_mlp" in k for k, _ in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("failure", ["raises", "unsupported"])
+def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
+    """The default budget assumed 16 GB without a word where the OS does not give the RAM size."""
+    from mlx_lm_streaming import loading
+
+    def sysconf(name):
+        if failure == "raises":
+            raise ValueError(f"unrecognized configuration name {name!r}")
+        return -1
+
+    monkeypatch.setattr(loading.os, "sysconf", sysconf)
+    monkeypatch.setattr(loading, "_memory_warned", False)
+    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES == 16 * (1 << 30)
+    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert "cannot read this machine's memory size" in lines[0]
+    assert "assumes 16 GB" in lines[0] and "--expert-cache-gb" in lines[0]
+    if failure == "raises":
+        assert "ValueError: unrecognized configuration name" in lines[0]

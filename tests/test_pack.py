@@ -3,18 +3,20 @@ partial packs rejected with a named error."""
 
 import os
 import struct
-from pathlib import Path
+import threading
+import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.cache import GB
-from mlx_lm_streaming.errors import CheckpointError
-from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, pack_checkpoint
+from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
+from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.stores import packed as packed_mod
+from mlx_lm_streaming.stores.packed import PackedStore
 from mlx_lm_streaming.synthetic import build_checkpoint
 
 
@@ -83,6 +85,62 @@ def test_packed_store_closes_after_threaded_reads(packed, wait):
     store.close()  # a second close is a no-op
 
 
+def expert_jobs(path, experts):
+    """A packed store of ``path`` and read jobs for ``experts`` of its first layer."""
+    index = index_checkpoint(path)
+    layer = index.layers[sorted(index.layers)[0]]
+    jobs = [
+        (ref, memoryview(bytearray(ref.nbytes))) for e in experts for ref in layer.refs(e)
+    ]
+    return PackedStore(index.files, threads=4), jobs
+
+
+@pytest.mark.parametrize("experts", [[0], [0, 1, 2]])
+def test_read_racing_close_raises_our_error(packed, experts):
+    """``close`` between a read's check and its reads: ExpertIOError, not AttributeError (the pool
+    was read outside the lock) or TypeError (the pack's descriptor)."""
+    path, _ = packed
+    store, jobs = expert_jobs(path, experts)
+    store.read_many(jobs)  # the pool exists (several experts) or not (one)
+    real = store._check
+    store._check = lambda: (real(), store.close())
+    with pytest.raises(ExpertIOError, match="is closed"):
+        store.read_many(jobs)
+
+
+def test_one_fallback_store_for_concurrent_reads(packed, monkeypatch):
+    """Ranges the pack does not hold are read through one SafetensorsStore, however many threads ask
+    at once (a second copy, made outside the lock, leaked its descriptors)."""
+    path, _ = packed
+    store, _ = expert_jobs(path, [])
+    made = []
+
+    class Slow(packed_mod.SafetensorsStore):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            time.sleep(0.05)  # widens the window in which a second thread finds no fallback
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(packed_mod, "SafetensorsStore", Slow)
+    ref = store.files.tensors["model.embed_tokens.weight"]
+    errors = []
+
+    def read():
+        try:
+            store.read_many([(ref, memoryview(bytearray(ref.nbytes)))])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(made) == 1
+    store.close()
+    assert made[0]._closed
+
+
 def test_one_read_per_expert(packed):
     path, _ = packed
     model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
@@ -131,6 +189,19 @@ def corrupt_copy(path, tmp_path, damage):
     damage(data)
     (dst / PACK_NAME).write_bytes(bytes(data))
     return dst
+
+
+def test_bad_existing_pack_is_named_then_rewritten(packed, tmp_path, capsys):
+    """``pack`` without ``--force`` over a damaged pack wrote a new one without a word."""
+    path, want = packed
+    dst = corrupt_copy(path, tmp_path, lambda d: d.__setitem__(slice(0, 8), b"NOTAPACK"))
+    capsys.readouterr()
+    pack_checkpoint(dst, progress=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"{dst / PACK_NAME}: not an expert pack (bad magic); writing a new pack"]
+    model, _ = load_streaming(dst, store="packed")
+    assert same(want, run(model))
+    model.expert_streaming.close()
 
 
 def flip_data_byte(data):

@@ -6,14 +6,17 @@ and 8 greedy decode steps with a KV cache, at batch 1 and batch 2, with a cache 
 experts (evictions mid-forward, waves) and with a budget that holds every expert.
 """
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from support import held_out_env, load_streaming
 
-from mlx_lm_streaming.cache import GB
-
-from support import load_stock, load_streaming
+from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
 VARIANTS = ["affine4", "mixed", "affine8", "mxfp4", "float32_hf"]
@@ -29,67 +32,23 @@ TABLE = [(a, v) for a in ARCHS for v in VARIANTS] + [
 GENERIC = ["olmoe", "glm4_moe", "ernie4_5_moe", "phimoe", "minimax", "granitemoe", "gpt_oss", "llama4"]
 RAW_HF = ["olmoe", "glm4_moe", "ernie4_5_moe", "phimoe", "minimax"]
 TABLE += [(a, "affine4") for a in GENERIC] + [(a, "float32_hf") for a in RAW_HF]
-DECODE_STEPS = 8
-
-
-def small_budget_gb(model) -> float:
-    """Three experts per layer: below one layer's experts, so calls evict and run in waves."""
-    banks = model.expert_streaming.cache.banks
-    assert all(b.num_experts > 3 for b in banks)
-    return (3 * sum(b.layer.expert_nbytes for b in banks) + 0.5) / GB
-
-
-def prompts(batch: int, vocab: int):
-    # 24 tokens x top-k >= 64 indices at batch 2: the sorted gather path; decode is unsorted
-    rows = [[(7 * i + 13 * b + 1) % vocab for i in range(24)] for b in range(batch)]
-    return mx.array(rows)
-
-
-def run(model, tokens, steps, by_token=False):
-    """Prompt logits, then greedy decode with a KV cache; returns every step's logits. ``by_token``:
-    the prompt fed one token at a time (same logits' shape; bench/cuda_parity.py)."""
-    cache = make_prompt_cache(model)
-    if by_token:
-        logits = mx.concatenate(
-            [model(tokens[:, i : i + 1], cache=cache) for i in range(tokens.shape[1])], axis=1
-        )
-    else:
-        logits = model(tokens, cache=cache)
-    out = [logits]
-    for _ in range(steps):
-        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        logits = model(nxt, cache=cache)
-        out.append(logits)
-    mx.eval(out)
-    return out
-
-
-def assert_exact(stock_out, stream_out, what):
-    for step, (a, b) in enumerate(zip(stock_out, stream_out)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        # NaNs (a random model in half precision can make them) compare equal when both have them
-        assert mx.array_equal(a, b, equal_nan=True).item(), (
-            f"{what}: logits differ at step {step} "
-            f"(max abs diff {mx.abs(a - b).max().item()}, NaNs in stock "
-            f"{mx.isnan(a).sum().item()}, in streaming {mx.isnan(b).sum().item()})"
-        )
 
 
 def check_parity(path, **options):
-    stock, config = load_stock(path)
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    expected = {b: run(stock, prompts(b, vocab), DECODE_STEPS) for b in (1, 2)}
-
+    """``parity.compare`` at a budget holding every expert and at three experts per layer (below
+    one layer's experts: calls evict and run in waves), batch 1 and 2; plus what each budget must
+    have done."""
     full, _ = load_streaming(path, **options)
     assert not [k for k, _ in tree_flatten(full.parameters()) if "switch_mlp" in k]
-    every = (full.expert_streaming.cache.total_expert_bytes + 0.5) / GB
-    budgets = {"all": every, "small": small_budget_gb(full)}
+    assert all(b.num_experts > 3 for b in full.expert_streaming.cache.banks)
+    budgets = {
+        "all": (full.expert_streaming.cache.total_expert_bytes + 0.5) / GB,
+        "small": budget_of_slots(full, 3),
+    }
+    full.expert_streaming.close()
     del full
-    for name, budget in budgets.items():
-        model, _ = load_streaming(path, expert_cache_gb=budget, **options)
-        for b in (1, 2):
-            got = run(model, prompts(b, vocab), DECODE_STEPS)
-            assert_exact(expected[b], got, f"{path.name} {options} budget={name} batch={b}")
+
+    def inspect(name, model):
         cache = model.expert_streaming.cache
         banks = cache.banks
         chosen = model.expert_streaming.selector.select(banks[0], 2)
@@ -97,13 +56,27 @@ def check_parity(path, **options):
         if name == "small":
             assert all(bk.slots == 3 for bk in banks)
             assert cache.stats.evictions > 0
-            assert cache.resident_bytes <= budget * GB
+            assert cache.resident_bytes <= budgets[name] * GB
         else:
             assert all(bk.slots == bk.num_experts for bk in banks)
         assert cache.stats.misses > 0
 
+    with held_out_env():
+        rows = compare(path, budgets, on_model=inspect, **options)
+    for row in rows:
+        assert row["difference"] is None, f"{path.name} {options} {row}"
 
-@pytest.mark.parametrize("arch,variant", TABLE, ids=[f"{a}-{v}" for a, v in TABLE])
+
+# one architecture per family, run under every supported mlx-lm release (`-m core`, .ci/run)
+CORE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "olmoe"}
+
+
+def _param(arch, variant):
+    marks = [pytest.mark.core] if arch in CORE and variant != "nvfp4" else []
+    return pytest.param(arch, variant, marks=marks, id=f"{arch}-{variant}")
+
+
+@pytest.mark.parametrize("arch,variant", [_param(a, v) for a, v in TABLE])
 def test_parity(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 
@@ -118,3 +91,67 @@ def test_parity_half_precision(checkpoint, dtype):
 @pytest.mark.parametrize("variant", ["affine4", "mixed", "mxfp4", "float32_hf"])
 def test_parity_per_expert_kernel(checkpoint, variant):
     check_parity(checkpoint("mixtral", variant), kernel="per_expert")
+
+
+def test_non_finite_logits_are_a_difference():
+    # NaN on both sides used to pass (array_equal with equal_nan): parity must be on finite logits
+    good = mx.array([[0.5, -1.0]])
+    for bad in (float("nan"), float("inf")):
+        same = mx.array([[bad, -1.0]])
+        assert "non-finite logits in stock" in difference([same], [same])
+        assert "non-finite logits in streaming" in difference([good], [same])
+    assert "differ" in difference([good], [good + 1])
+    assert difference([good], [mx.array(good)]) is None
+
+
+def test_cuda_banks_bench_runs_on_cpu():
+    # bench/cuda_banks.py once replaced _read_direct with a function of the wrong arity: every *-sync
+    # configuration raised, and was skipped after a printed line; now an error is fatal
+    bench = Path(__file__).resolve().parent.parent / "bench" / "cuda_banks.py"
+    configs = ["all-on-sync", "small-on-sync", "small-off"]
+    cmd = [sys.executable, bench, "--steps", "1", "--stock-repeats", "1"]
+    with held_out_env():
+        done = subprocess.run(
+            cmd + ["--configs", ",".join(configs)], capture_output=True, text=True, timeout=300
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in configs:
+        assert re.search(rf"^{name}: .* steps = =; ", done.stdout, re.M), done.stdout
+
+
+def test_verify_command(checkpoint, tmp_path):
+    # the parity runner as users run it: exit 0 and "exact" for every budget and batch
+    ckpt = checkpoint("qwen3_moe")
+    with held_out_env():
+        done = subprocess.run(
+            [sys.executable, "-m", "mlx_lm_streaming", "verify", ckpt, "--steps", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4 and all(line.endswith(": exact") for line in lines), done.stdout
+    assert "every expert" in lines[0] and "3 experts per layer" in lines[2]
+
+
+def test_verify_fails_on_a_difference(checkpoint, monkeypatch, capsys):
+    from argparse import Namespace
+
+    from mlx_lm_streaming import parity
+
+    real = parity.run
+
+    def off_by_one_when_streaming(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        return [o + 1 for o in out] if hasattr(model, "expert_streaming") else out
+
+    monkeypatch.setattr(parity, "run", off_by_one_when_streaming)
+    args = Namespace(
+        model=str(checkpoint("qwen3_moe")), expert_cache_gb=[1.0], steps=1, prompt_by_token=False
+    )
+    with held_out_env():
+        assert parity.run_verify(args) == 1
+    out = capsys.readouterr().out
+    assert "budget 1 GB, batch 1: DIFFERENT: step 0: logits differ" in out

@@ -1,5 +1,6 @@
 """The plugin registry: built-ins through the entry-point group, third-party plugins, blocking."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from mlx_lm_streaming import plugins
 from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.kernels.base import ExpertKernel
 from mlx_lm_streaming.kernels.gather import GatherKernel
+from mlx_lm_streaming.kernels.selector import MEMO_ROWS, KernelSelector
 from mlx_lm_streaming.stores.memory import MemoryStore
 
 
@@ -143,3 +145,70 @@ def test_block_env_var(tmp_path, value, blocked):
         assert "architectures" in out.stdout and "kernels" in out.stdout
     else:
         assert "evil plugin was imported" in out.stderr
+
+
+# -- the kernel selector's memo ------------------------------------------------------------------
+
+
+class Bank:
+    def __init__(self, special: bool):
+        self.special = special
+        self.path = "model.layers.0.mlp.switch_mlp"
+
+
+class SpecialKernel(ExpertKernel):
+    """Wants special banks only, and long prompts most."""
+
+    name = "special"
+    exact_on = ("cpu", "cuda", "metal")
+
+    def supports(self, bank):
+        return bank.special
+
+    def priority(self, backend, bank, rows):
+        return 2.0 if rows < 64 else 0.0
+
+
+class PlainKernel(ExpertKernel):
+    name = "plain"
+    exact_on = ("cpu", "cuda", "metal")
+
+    def priority(self, backend, bank, rows):
+        return 1.0
+
+
+def selector_of_two():
+    selector = KernelSelector()
+    selector.kernels = {"special": SpecialKernel(), "plain": PlainKernel()}
+    return selector
+
+
+def test_selector_choice_never_outlives_its_bank():
+    """The memo was keyed by ``id(bank)``: a new bank at a freed bank's address got its choice."""
+    selector = selector_of_two()
+    bank = Bank(special=True)
+    assert selector.select(bank, 1).name == "special"
+    freed = id(bank)
+    del bank
+    gc.collect()
+    assert len(selector._memo) == 0  # the entry left with its bank
+    kept = []
+    for _ in range(10_000):
+        other = Bank(special=False)
+        if id(other) == freed:
+            break
+        kept.append(other)
+    # whether or not CPython gave a new bank the freed one's address (it usually does, not always
+    # in a long run), no new bank inherits the freed bank's choice
+    assert all(selector.select(b, 1).name == "plain" for b in kept + [other])
+
+
+def test_selector_memo_is_bounded_and_keeps_choosing_by_rows():
+    selector = selector_of_two()
+    bank = Bank(special=True)
+    for rows in range(1, 5000):  # a server sees prompts of every length
+        want = "special" if rows < 64 else "plain"
+        assert selector.select(bank, rows).name == want
+    assert len(selector._memo[bank]) == MEMO_ROWS
+    assert selector.select(bank, 1).name == "special"  # evicted long ago: chosen again
+    assert selector.select(bank, 4000).name == "plain"

@@ -11,58 +11,10 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
-from support import load_stock, load_streaming
+from support import GB, decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming.cache import GB
+from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.prefetch import find_router
-from mlx_lm_streaming.synthetic import build_checkpoint
-
-STEPS = 6
-
-
-def run(model, tokens, steps=STEPS):
-    cache = make_prompt_cache(model)
-    logits = model(tokens, cache=cache)
-    out = [logits]
-    for i in range(steps):
-        # varied inputs (not greedy: a random model soon repeats one token)
-        nxt = mx.array([[(37 * i + 11) % 512] * tokens.shape[0]]).T
-        logits = model(nxt, cache=cache)
-        out.append(logits)
-    mx.eval(out)
-    return out
-
-
-def same(a, b):
-    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-
-
-def per_slot(model):
-    return sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
-
-
-def with_slots(path, slots, **options):
-    """A streaming model of ``path`` whose budget holds ``slots`` experts of every MoE layer."""
-    probe, _ = load_streaming(path)
-    budget = (slots * per_slot(probe) + 0.5) / GB
-    return load_streaming(path, expert_cache_gb=budget, **options)[0]
-
-
-@pytest.fixture(scope="module")
-def q3(tmp_path_factory):
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("prefetch") / "q3",
-        "qwen3_moe",
-        "affine4",
-        num_layers=3,
-        overrides={"experts": 16},
-    )
-    stock, _ = load_stock(path)
-    tokens = mx.array(
-        [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
-    )
-    return path, tokens, run(stock, tokens)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -78,7 +30,7 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     cache.lookahead_min_precision = 0.0  # read every guess, good or not
     assert cache.lookahead
     assert all(b.router is not None for b in cache.banks)
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert all(b.direct == direct for b in cache.banks)
     stats = cache.prefetch_stats
     assert stats.staged["lookahead"] > 0
@@ -96,7 +48,7 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
     model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     cache.staging_bytes = 4 * per_slot(model)
-    got = run(model, tokens, steps=0)
+    got = decode(model, tokens, steps=0)
     stats = cache.prefetch_stats
     # the prompt's guesses were scored (one call cannot lift a precision from 0 to 0.5), none read
     assert stats.predicted > 0
@@ -104,7 +56,7 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
     assert all(b.ahead_precision < cache.lookahead_min_precision for b in cache.banks)
     for bank in cache.banks:
         bank.ahead_precision = 1.0  # as after good guesses
-    got += run(model, tokens)[1:]  # a fresh prompt, then the decode steps
+    got += decode(model, tokens)[1:]  # a fresh prompt, then the decode steps
     assert stats.staged["lookahead"] > 0
     assert same(want, got)
 
@@ -128,11 +80,11 @@ def test_hit_rows_computed_while_misses_are_read_is_exact(q3, split):
 
     StreamingSwitchGLU._hits_first = counting
     try:
-        got = run(model, tokens, steps=10)
+        got = decode(model, tokens, steps=10)
     finally:
         StreamingSwitchGLU._hits_first = real
     stock, _ = load_stock(path)
-    assert same(run(stock, tokens, steps=10), got)
+    assert same(decode(stock, tokens, steps=10), got)
     assert any(early) == split
 
 
@@ -141,7 +93,7 @@ def test_lookahead_off_is_exact(q3):
     model = with_slots(path, 4)
     cache = model.expert_streaming.cache
     cache.lookahead = False
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert cache.prefetch_stats.staged["lookahead"] == 0
 
 
@@ -149,10 +101,10 @@ def test_complete_banks_skip_the_host_sync(q3):
     path, tokens, want = q3
     model, _ = load_streaming(path)  # default budget: every expert here
     cache = model.expert_streaming.cache
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     deadline = time.time() + 30
     while not all(b.complete for b in cache.banks) and time.time() < deadline:
-        run(model, tokens[:, :2], steps=0)  # loads install what the fill staged
+        decode(model, tokens[:, :2], steps=0)  # loads install what the fill staged
         time.sleep(0.01)
     assert all(b.complete and b.identity for b in cache.banks)
     assert cache.stats.evictions == 0
@@ -169,7 +121,7 @@ def test_complete_banks_skip_the_host_sync(q3):
 
     np.array = counting_array
     try:
-        got = run(model, tokens)
+        got = decode(model, tokens)
     finally:
         np.array = real
         for bank in cache.banks:
@@ -193,9 +145,43 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
         return real(jobs)
 
     store.read_many = flaky
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert threading.current_thread() is main
     assert model.expert_streaming.cache.prefetch_stats.staged["lookahead"] > 0
+    # counted, not dropped without a trace
+    stats = model.expert_streaming.stats()
+    assert stats["failed_background_reads"] > 0
+    assert stats["first_background_error"] == "OSError: injected background read failure"
+    line = model.expert_streaming.stats_line()
+    assert f"background reads of {stats['failed_background_reads']} experts failed" in line
+    assert "first: OSError: injected background read failure" in line
+
+
+def test_demand_read_failing_after_a_background_read_names_both(q3):
+    path, tokens, _ = q3
+    model = with_slots(path, 4)
+    store = model.expert_streaming.store
+    model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)
+    model.expert_streaming.cache.lookahead_min_precision = 0.0
+    real = store.read_many
+    failed = set()  # (file, offset) of every range a background read failed on
+
+    def flaky(jobs):
+        keys = {(ref.file, ref.offset) for ref, _ in jobs}
+        if threading.current_thread().name.startswith("mlx-lm-streaming-prefetch"):
+            failed.update(keys)
+            raise OSError("injected background read failure")
+        if keys & failed:
+            raise ExpertIOError("injected demand read failure")
+        return real(jobs)
+
+    store.read_many = flaky
+    with pytest.raises(ExpertIOError) as info:
+        decode(model, tokens)
+    msg = str(info.value)
+    assert msg.startswith("injected demand read failure (the background read of expert ")
+    assert msg.endswith("had failed first: OSError: injected background read failure)")
+    assert model.expert_streaming.stats()["failed_background_reads"] > 0
 
 
 def test_staged_bytes_stay_within_the_bound(q3):
@@ -216,7 +202,7 @@ def test_staged_bytes_stay_within_the_bound(q3):
         return ok
 
     prefetcher.reserve = reserve
-    assert same(want, run(model, tokens))
+    assert same(want, decode(model, tokens))
     assert seen and max(seen) <= 3 * one
 
 
@@ -224,7 +210,7 @@ def test_close_stops_background_threads(q3):
     path, tokens, _ = q3
     before = {t.ident for t in threading.enumerate()}
     model, _ = load_streaming(path)
-    run(model, tokens)
+    decode(model, tokens)
     model.expert_streaming.close()
     left = [
         t.name

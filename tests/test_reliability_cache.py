@@ -16,9 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.cache import GB, ExpertCache, LayerBank
+from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ConfigurationError, ExpertIOError
+from mlx_lm_streaming.expert_cache import GB, ExpertCache
 from mlx_lm_streaming.index import LayerExperts, PartSpec, TensorRef
+from mlx_lm_streaming.policy import DEFAULT_POLICY, POLICIES
 from mlx_lm_streaming.stores.base import ExpertStore
 from mlx_lm_streaming.synthetic import build_checkpoint
 
@@ -67,9 +69,10 @@ def make_layer(layer_no: int, num_experts: int) -> LayerExperts:
     return LayerExperts(f"layers.{layer_no}", num_experts, parts, refs)
 
 
-def make_cache(experts_per_layer, budget_bytes):
+def make_cache(experts_per_layer, budget_bytes, policy=DEFAULT_POLICY):
     store = PatternStore()
     cache = ExpertCache(store, budget_bytes)
+    cache.policy = policy
     banks = []
     for layer_no, num_experts in enumerate(experts_per_layer):
         glu = {proj: {} for proj, _, _ in PARTS}
@@ -112,14 +115,14 @@ def scenarios(draw):
         experts = draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True))
         fail = draw(st.integers(0, 9)) == 0  # one read in ten fails
         calls.append((layer_no, experts, fail))
-    return experts_per_layer, budget, calls
+    return experts_per_layer, budget, calls, draw(st.sampled_from(sorted(POLICIES)))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_routing_respects_budget_and_pins(scenario):
-    experts_per_layer, budget, calls = scenario
-    cache, store, banks = make_cache(experts_per_layer, budget)
+    experts_per_layer, budget, calls, policy = scenario
+    cache, store, banks = make_cache(experts_per_layer, budget, policy)
     cache.ensure_planned()
     assert bank_bytes(banks) <= budget and cache.resident_bytes <= budget
     for layer_no, experts, fail in calls:

@@ -8,9 +8,10 @@ that same repo's ``blobs/``. Anything else is refused at load with the shard nam
 
 import ast
 import hashlib
+import importlib.metadata
 import json
-import os
 import shutil
+import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +21,6 @@ from support import load_stock, load_streaming
 from mlx_lm_streaming.errors import CheckpointChangedError, CheckpointError, UnsupportedModelError
 from mlx_lm_streaming.index import CheckpointFiles
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mlx_lm_streaming"
 PROMPT = mx.array([[5, 17, 99, 3, 250, 41, 7]])
 
 
@@ -54,10 +54,10 @@ def test_model_file_is_never_executed_by_streaming(model_dir, tmp_path, trust_re
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration import install
-    from support import clean_env
+    from support import held_out_env
 
     install()
-    with clean_env(), pytest.raises(UnsupportedModelError, match="evil.py"):
+    with held_out_env(), pytest.raises(UnsupportedModelError, match="evil.py"):
         mlx_lm.utils.load_model(
             model_dir,
             model_config={"streaming_experts": True},
@@ -107,25 +107,122 @@ def test_header_strings_are_data(model_dir, tmp_path):
     assert not marker.exists()
 
 
-def test_package_has_no_dynamic_code_execution():
-    """No eval/exec/pickle anywhere in the package: a checkpoint is only ever parsed as JSON + bytes.
+BUILTINS = {"eval", "exec", "compile", "__import__"}
+MODULES = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
+HOOK_OFF = '("0", "false", "no", "off")'
+# what the .pth line may run, and nothing else (Python's site.py executes .pth lines that start with
+# "import"; our one line must run exactly this, and only when MLX_LM_STREAMING_HOOK is not off or,
+# with it off, when streaming is asked for: then install() only says in one line that it cannot be)
+PTH_LINE = (
+    "import os, sys; exec({code!r}) if os.environ.get('MLX_LM_STREAMING_HOOK', '1').strip()"
+    f".lower() not in {HOOK_OFF} or os.environ.get('MLX_LM_STREAMING_EXPERTS') or "
+    "'--streaming-experts' in getattr(sys, 'argv', ()) else None"
+)
+PTH_CODE = """
+try:
+    import mlx_lm_streaming._bootstrap as m
+    m.install()
+except Exception as e:
+    if not hasattr(sys, "_mlx_lm_streaming_failed"):
+        sys._mlx_lm_streaming_failed = e
+        sys.stderr.write(
+            "mlx-lm-streaming: startup hook failed, mlx-lm runs stock (%s: %s); "
+            "MLX_LM_STREAMING_HOOK=0 silences this\\n" % (type(e).__name__, e)
+        )
+"""
+START_ENTRIES = ["mlx_lm_streaming._bootstrap:install"]
 
-    Read with ``ast``: calls of the builtins (not methods such as ``mx.eval``) and imports."""
-    builtins = {"eval", "exec", "compile", "__import__"}
-    modules = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
+
+def dynamic_code(name: str, source: str):
+    """Calls of eval/exec/compile/__import__ (the builtins, not methods such as ``mx.eval``) and
+    imports of pickle-like modules in Python ``source``, read with ``ast``."""
     offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                if node.func.id in builtins:
-                    offenders.append(f"{path.name}:{node.lineno}: {node.func.id}()")
-            elif isinstance(node, ast.Import):
-                names = {a.name.split(".")[0] for a in node.names}
-                offenders += [f"{path.name}:{node.lineno}: import {n}" for n in names & modules]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.split(".")[0] in modules:
-                    offenders.append(f"{path.name}:{node.lineno}: from {node.module}")
-    assert not offenders, offenders
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in BUILTINS:
+                offenders.append(f"{name}:{node.lineno}: {node.func.id}()")
+        elif isinstance(node, ast.Import):
+            found = {a.name.split(".")[0] for a in node.names}
+            offenders += [f"{name}:{node.lineno}: import {n}" for n in found & MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in MODULES:
+                offenders.append(f"{name}:{node.lineno}: from {node.module}")
+    return offenders
+
+
+def pth_offenders(name: str, text: str):
+    """A .pth runs its lines that start with ``import``: ours must run exactly ``PTH_LINE``."""
+    run = [line for line in text.splitlines() if line.startswith(("import ", "import\t"))]
+    other = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if len(run) != 1 or other != run:
+        return [f"{name}: expected one import line and comments, got {other}"]
+    tree = ast.parse(run[0])
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    code = [c.args[0].value for c in calls if getattr(c.func, "id", None) == "exec"]
+    if len(code) != 1 or not isinstance(code[0], str):
+        return [f"{name}: expected one exec of a string, got {run[0]!r}"]
+    offenders = []
+    if ast.dump(tree) != ast.dump(ast.parse(PTH_LINE.format(code=code[0]))):
+        offenders.append(f"{name}: the import line is not the expected one: {run[0]!r}")
+    if ast.dump(ast.parse(code[0])) != ast.dump(ast.parse(PTH_CODE)):
+        offenders.append(f"{name}: exec runs unexpected code: {code[0]!r}")
+    return offenders
+
+
+def installed_offenders(dist):
+    """Every file of the installed distribution (its RECORD), each by kind; an unknown kind is an
+    offender too, so a new kind of installed file must be added here."""
+    files = {str(f): f for f in dist.files}
+    offenders = []
+    for name, f in sorted(files.items()):
+        path = Path(f.locate())
+        if ".dist-info/" in name and path.suffix != ".py":
+            continue  # metadata, read and never run (entry points: checked below)
+        if path.suffix == ".pyc":
+            source = f"{path.parent.parent.name}/{path.name.split('.')[0]}.py"
+            if not any(n.endswith(source) for n in files):
+                offenders.append(f"{name}: compiled from no installed source")
+        elif path.suffix == ".py" or name.startswith("../") and "/bin/" in f"/{name}":
+            offenders += dynamic_code(name, path.read_text())
+        elif path.suffix == ".pth":
+            offenders += pth_offenders(name, path.read_text())
+        elif path.suffix == ".start":
+            lines = [x for x in path.read_text().splitlines() if x.strip() and x[0] != "#"]
+            if lines != START_ENTRIES:
+                offenders.append(f"{name}: runs {lines}, expected {START_ENTRIES}")
+        else:
+            offenders.append(f"{name}: installed file of unknown kind")
+    for ep in dist.entry_points:
+        if ep.value.split(".")[0].split(":")[0] != "mlx_lm_streaming":
+            offenders.append(f"entry point {ep.name} = {ep.value}: outside our package")
+    return offenders
+
+
+def test_installed_files_run_no_dynamic_code():
+    """No eval/exec/pickle in anything we install, but the .pth line's one ``exec`` of exactly
+    ``PTH_CODE``: a checkpoint is only ever parsed as JSON + bytes. Walks the installed
+    distribution's RECORD (the suite runs against a non-editable install)."""
+    purelib = sysconfig.get_paths()["purelib"]
+    dist = next(importlib.metadata.distributions(name="mlx-lm-streaming", path=[purelib]))
+    names = {Path(str(f)).name for f in dist.files}
+    assert {"mlx_lm_streaming.pth", "mlx_lm_streaming.start", "loading.py"} <= names
+    assert installed_offenders(dist) == []
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda t: t + "import os; os.system('true')\n",
+        lambda t: t.replace("m.install()", "m.install(); exec(open('x').read())"),
+        lambda t: t.replace("import os, sys;", "import os, sys; __import__('x');"),
+        lambda t: t.replace("not in (", "in ("),
+        lambda t: t.replace("exec(", "eval("),
+    ],
+)
+def test_pth_check_refuses_any_other_code(tamper):
+    text = (Path(__file__).resolve().parent.parent / "hooks" / "mlx_lm_streaming.pth").read_text()
+    assert pth_offenders("source .pth", text) == []
+    assert pth_offenders("tampered .pth", tamper(text))
 
 
 # --- shard paths cannot escape the model directory ----------------------------------------------

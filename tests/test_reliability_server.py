@@ -17,8 +17,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from test_integration import budget_below_one_layer, require_hook  # noqa: F401 (autouse fixture)
-from test_integration_server import BIN, START_TIMEOUT, chat, free_port, log_text, post
+import pytest
+from support import BIN, START_TIMEOUT, budget_below_one_layer, chat, free_port, log_text, post
+
+# the startup hook must be installed (tests/run.sh installs the package non-editable)
+pytestmark = pytest.mark.usefixtures("require_hook")
+
 
 REQUESTS = 8
 ROUNDS = 2

@@ -6,11 +6,17 @@ it cannot run on this backend, or does not support the bank, the selector says s
 to ``auto``.
 """
 
+import threading
 import warnings
+import weakref
 
 from .. import plugins
 from ..errors import ConfigurationError
 from .base import backend
+
+# row counts whose choice is remembered per bank: decode repeats a few, prompts of every length
+# would otherwise grow the memo without bound
+MEMO_ROWS = 64
 
 
 class KernelSelector:
@@ -18,13 +24,20 @@ class KernelSelector:
         self.kernels = plugins.kernels()
         if choice != "auto" and choice not in self.kernels:
             raise ConfigurationError(
-                f"unknown expert kernel {choice!r} (--expert-kernel / kernel=); registered: "
-                f"auto, {', '.join(sorted(self.kernels))}"
+                plugins.unknown_name(
+                    "expert kernel",
+                    choice,
+                    ["auto", *self.kernels],
+                    "--expert-kernel / MLX_LM_STREAMING_KERNEL / kernel=",
+                )
             )
         self.choice = choice
         self.backend = backend()
         self._warned = set()
-        self._memo = {}
+        # bank -> {rows: kernel}, kept on the bank object itself (weakly): an entry leaves with its
+        # bank, so a new bank that reuses a freed one's id() never gets the freed one's choice
+        self._memo = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
 
     def _warn_once(self, key, msg):
         if key not in self._warned:
@@ -32,10 +45,18 @@ class KernelSelector:
             warnings.warn(msg, stacklevel=3)
 
     def select(self, bank, rows: int):
-        key = (id(bank), rows)
-        kernel = self._memo.get(key)
+        with self._lock:
+            try:
+                memo = self._memo.setdefault(bank, {})
+            except TypeError:  # a bank that takes no weak reference: nothing is remembered
+                memo = {}
+            kernel = memo.get(rows)
         if kernel is None:
-            kernel = self._memo[key] = self._select(bank, rows)
+            kernel = self._select(bank, rows)
+            with self._lock:
+                while len(memo) >= MEMO_ROWS:
+                    del memo[next(iter(memo))]  # the oldest
+                memo[rows] = kernel
         return kernel
 
     def _select(self, bank, rows):

@@ -34,7 +34,7 @@ from .base import ExpertStore
 from .safetensors import SafetensorsStore
 
 BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
-HINT = "run `mlx_lm_streaming pack MODEL --force` again, or use the default store"
+HINT = "write it again with `mlx_lm_streaming pack MODEL --force`, or use the default store"
 
 
 class PackFile:
@@ -44,6 +44,13 @@ class PackFile:
         self.path = Path(path)
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            default = Path(model_path) / PACK_NAME
+            out = "" if self.path == default else f" --out {self.path}"
+            raise CheckpointError(
+                f"{self.path}: no expert pack; write one with `mlx_lm_streaming pack "
+                f"{model_path}{out}` (--expert-store packed needs it), or use the default store"
+            ) from None
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open the expert pack: {e}; {HINT}") from e
         try:
@@ -135,9 +142,12 @@ class PackedStore(ExpertStore):
         self._lock = threading.Lock()
         self._closed = False
 
+    def _closed_error(self) -> ExpertIOError:
+        return ExpertIOError(f"store for {self.files.model_path} is closed")
+
     def _check(self) -> None:
         if self._closed:
-            raise ExpertIOError(f"store for {self.files.model_path} is closed")
+            raise self._closed_error()
         if FileIdentity.of(os.fstat(self.pack.fd)) != self.pack.identity:
             raise CheckpointChangedError(f"{self.pack.path} changed on disk after it was opened")
 
@@ -187,6 +197,8 @@ class PackedStore(ExpertStore):
             self.pack.verified[i] = 1
 
     def _pread(self, fd, bufs, offset, total) -> None:
+        if fd is None:  # closed while this read was on its way
+            raise self._closed_error()
         done = 0
         while done < total:
             try:
@@ -248,19 +260,36 @@ class PackedStore(ExpertStore):
             for t in tasks:
                 run(t)
         else:
-            if self._pool is None:
-                with self._lock:
-                    if self._pool is None and not self._closed:
-                        self._pool = ThreadPoolExecutor(
-                            self.threads, thread_name_prefix="mlx-lm-streaming-read"
-                        )
-            list(self._pool.map(run, tasks))
+            try:
+                list(self._reader_pool().map(run, tasks))
+            except RuntimeError:  # the pool was shut down under us: closed
+                if not self._closed:
+                    raise
+                raise self._closed_error() from None
         if rest:
-            if self._fallback is None:
-                self._fallback = SafetensorsStore(self.files, threads=self.threads)
-            self._fallback.read_many(rest)
+            self._fallback_store().read_many(rest)
         self._check()
         self.stats.add(len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start)
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        # pool and fallback are made, taken and dropped under the lock: a read racing ``close``
+        # gets our ExpertIOError, and no second copy (with its own descriptors) is ever made
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="mlx-lm-streaming-read"
+                )
+            return self._pool
+
+    def _fallback_store(self) -> SafetensorsStore:
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._fallback is None:
+                self._fallback = SafetensorsStore(self.files, threads=self.threads)
+            return self._fallback
 
     def close(self, wait: bool = True) -> None:
         """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
@@ -268,11 +297,12 @@ class PackedStore(ExpertStore):
             if self._closed:
                 return
             self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=wait)
-            self._pool = None
-        if self._fallback is not None:
-            self._fallback.close(wait=wait)
+            pool, self._pool = self._pool, None
+            fallback, self._fallback = self._fallback, None
+        if pool is not None:
+            pool.shutdown(wait=wait)
+        if fallback is not None:
+            fallback.close(wait=wait)
         self.pack.close()
 
 

@@ -1,7 +1,7 @@
-"""CUDA unified-memory hints for the slot banks (experimental, off by default).
+"""CUDA unified-memory hints for the slot banks (experimental; benchmarks only, not in the package).
 
 MLX's CUDA backend allocates arrays with ``cudaMallocManaged``: a page lives on the host or on the GPU
-and moves on a fault. With direct reads (``cache.py``) a missed expert is written into its slot by the
+and moves on a fault. With direct reads (``mlx_lm_streaming/bank_io.py``) a missed expert is written into its slot by the
 CPU, so its pages move to the host, and the GPU faults them back on first use, a page group at a
 time. Two hints, through the CUDA runtime that MLX itself loaded (``ctypes``; nothing is compiled):
 
@@ -11,9 +11,10 @@ time. Two hints, through the CUDA runtime that MLX itself loaded (``ctypes``; no
   the pages stay in host memory and the GPU reads them over the bus (no migration either way).
 
 Hints change where bytes live, never their values: results stay bit-identical. Measured only by
-``bench/experts.py`` ablations on the H200 (``docs/benchmarks/README.md``); not used unless
-``ExpertCache.uvm`` is set. Every function returns False where the runtime or the call is unavailable
-(CPU, Metal, a CUDA runtime without these entry points).
+``bench/experts.py`` ablations on the H200 (``docs/benchmarks/README.md``); ``use_hint`` gives them
+through the cache's hooks (``ExpertCache.on_slot_written`` / ``on_bank_views``). Every function
+returns False where the runtime or the call is unavailable (CPU, Metal, a CUDA runtime without these
+entry points).
 """
 
 import ctypes
@@ -108,3 +109,21 @@ def last_error() -> Optional[str]:
     lib, _ = rt
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     return lib.cudaGetErrorString(lib.cudaGetLastError()).decode()
+
+
+def use_hint(cache, hint: str) -> None:
+    """Give ``hint`` for the banks of ``cache`` (an ``ExpertCache``, before its first call) with
+    direct reads: "prefetch" (each landed expert to the GPU) or "host" (banks that are not
+    identity banks stay in host memory)."""
+    if hint == "prefetch":
+        cache.on_slot_written = lambda view: prefetch(view.ctypes.data, view.nbytes)
+    elif hint == "host":
+
+        def on_bank_views(bank, arrays, addresses):
+            if not bank.identity:
+                for a, at in zip(arrays, addresses):
+                    prefer_host(at, a.nbytes)
+
+        cache.on_bank_views = on_bank_views
+    else:
+        raise ValueError(f"unknown unified-memory hint {hint!r}: prefetch or host")

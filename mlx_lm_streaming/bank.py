@@ -1,0 +1,247 @@
+"""Slot bank of one MoE layer: the layer's expert arrays, made ``slots`` experts deep.
+
+Each MoE layer owns a ``LayerBank``: for every tensor of an expert (``gate_proj.weight``,
+``gate_proj.scales``, ...) one array of shape ``(slots, *expert_shape)``. The stock mlx-lm
+``SwitchGLU`` of the layer keeps its own code, activation and quantization settings; only its arrays
+are swapped for the banks. The router's expert ids become slot ids (``slot_of[expert]``, from the
+bank's ``SlotTable``) passed to ``gather_qmm`` as data, so nothing is stacked or rebuilt per token.
+
+``load`` makes a call's experts resident: it never evicts an expert the call pins (the experts it is
+about to compute) and reads the others into their slots (bank_io.py). A bank with a slot per expert
+(``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity): once every expert of the layer
+is resident the bank is ``complete``, and the layer passes the router's indices straight to the kernel
+with no host sync, the same graph as stock. ``stage`` starts background reads (lookahead, next wave,
+fill) into staging buffers; only ``load`` writes them into the bank, on the thread that calls the layer.
+
+Demand reads go straight into the banks (direct reads) through host views of the bank's memory.
+Writing bank memory behind MLX's back is safe only when no pending MLX work reads the slot being
+written: the victims are never slots the call uses, and every call that used the bank was submitted
+(``mx.async_eval``) on the same stream before this call's host sync, which waits for it (a call on
+another stream first synchronizes that one). Where that cannot be known (a second thread uses the
+model) or MLX memory has no host view, reads go through staging buffers and MLX's own copy-on-write
+slice updates.
+"""
+
+import threading
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .bank_io import install_finished, read_into_slots
+from .index import LayerExperts, mx_dtype
+from .policy import SlotTable
+from .prefetch import StagedBatch, host_address, host_bytes
+
+
+class LayerBank:
+    """Slot bank of one MoE layer, wrapped around that layer's stock ``SwitchGLU``."""
+
+    def __init__(self, cache: "ExpertCache", layer: LayerExperts, glu):
+        self.cache = cache
+        self.layer = layer
+        self.glu = glu  # the stock SwitchGLU whose arrays become our banks
+        self.num_experts = layer.num_experts
+        self.slots = 0
+        # which expert is in which slot, and the eviction policy (``policy.py``)
+        self.table = SlotTable(layer.num_experts, cache.policy)
+        self.lock = threading.RLock()
+        # slots == num_experts: expert e lives in slot e; complete once all are resident
+        self.identity = False
+        self.complete = False
+        # expert -> StagedBatch read in the background, written into a slot by ``load``
+        self.staged: Dict[int, StagedBatch] = {}
+        # x -> router logits of this layer (for lookahead from the layer before), or None
+        self.router = None
+        self.while_reading = None  # see ``load``
+        # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
+        # addresses they were made for; None where MLX memory has none (see ``_refresh_views``)
+        self.views: Optional[List[np.ndarray]] = None
+        self._addresses: Optional[List[int]] = None
+        # the stream of the last call that used the bank (see the module docstring)
+        self.last_stream = None
+        # the previous layer's guess of this layer's misses, scored at the next load; a running
+        # precision decides whether guesses are read or only scored
+        self.predicted: Optional[set] = None
+        # guesses are scored from the first call but read only once their running precision
+        # reaches ``lookahead_min_precision`` (four good calls in a row from 0): wrong guesses
+        # would cost staging memory and disk time before the layer has shown it can guess
+        self.ahead_precision = 0.0
+        self._fill_requested = False
+
+    @property
+    def path(self) -> str:
+        return self.layer.path
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        """``slot_of[expert]``: the expert's slot, -1 if not resident (read-only: see ``table``)."""
+        return self.table.slot_of
+
+    @property
+    def expert_of(self) -> np.ndarray:
+        """``expert_of[slot]``: the slot's expert, -1 if free (read-only: see ``table``)."""
+        return self.table.expert_of
+
+    def allocate(self, slots: int) -> None:
+        """Give the bank ``slots`` slots, zeroed.
+
+        The banks are evaluated here and after every update: MLX ties a lazy array to the stream of
+        the thread that built it, and evaluating it from another thread fails ("There is no Stream(cpu,
+        N) in current thread"), so a bank must never be left lazy for the next caller's thread.
+        """
+        with self.lock:
+            self._drop_staged(everything=True)
+        self.predicted = None
+        self.ahead_precision = 0.0
+        self.slots = slots
+        self.identity = slots == self.num_experts
+        self.complete = False
+        self._fill_requested = False
+        self.table = SlotTable(self.num_experts, self.cache.policy)
+        self.table.reset(slots)
+        for spec in self.layer.parts:
+            proj = self.glu[spec.proj]
+            proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=mx_dtype(spec.dtype))
+        mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
+        self.views = self._addresses = None
+        self.last_stream = None
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
+        not be done in place). Called after every MLX update of the banks; views are used only under
+        ``lock``, so a stale one is never written through."""
+        if self.slots == 0 or not self.cache.direct_reads:
+            self.views = self._addresses = None
+            return
+        arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
+        addresses = [host_address(a) for a in arrays]
+        if self.views is not None and addresses == self._addresses:
+            return
+        views = (
+            [host_bytes(a, at) for a, at in zip(arrays, addresses)]
+            if None not in addresses
+            else None
+        )
+        if views is None or any(v is None for v in views):
+            self.views = self._addresses = None
+            return
+        self.views, self._addresses = views, addresses
+        if self.cache.on_bank_views is not None:
+            self.cache.on_bank_views(self, arrays, addresses)
+
+    def array(self, proj: str, part: str) -> mx.array:
+        return self.glu[proj][part]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.slots * self.layer.expert_nbytes
+
+    def load(self, experts: np.ndarray, ready=None, keep=(), part_ready=None) -> None:
+        """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
+
+        ``ready(ids)``: called (on this thread) with the experts that were read, as they become
+        resident (with direct reads, one expert or a few at a time while the others are still being
+        read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
+        a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
+        read one projection at a time and this is called as each but the last lands (before the
+        expert is resident: its slot holds that projection's bytes only). ``self.while_reading``,
+        if the caller (holding ``lock``) set it: called once the experts already resident are pinned
+        and before the others are read, when there are both (the layer computes its hit rows
+        meanwhile); it may return a function that waits for that work, called before any slot is
+        written with an MLX update (an update of a bank that pending work reads copies the bank)."""
+        while_reading, self.while_reading = self.while_reading, None
+        self.cache.ensure_planned()
+        if len(experts) > self.slots:
+            raise ValueError(
+                f"{self.path}: {len(experts)} experts asked for at once but the bank has "
+                f"{self.slots} slots"
+            )
+        with self.lock:
+            if self.identity and self.staged and ready is None:
+                # (a caller passing ``ready`` has work pending on the bank: it did this before)
+                install_finished(self)
+            resident = self.slot_of[experts] >= 0
+            if self.predicted is not None:
+                self._score_guess(experts[~resident])
+            # slots for the missing experts: free ones first, then the policy's victims, never
+            # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
+            # if the read fails, no slot may still name an evicted expert (evicting that slot
+            # later would unmap the expert from wherever it lives by then)
+            try:
+                missing, victims, evicted = self.table.admit(experts, keep)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from None
+            if len(missing):
+                waiter = while_reading() if while_reading is not None and resident.any() else None
+                read_into_slots(
+                    self,
+                    missing,
+                    victims,
+                    before_install=waiter,
+                    ready=ready,
+                    part_ready=part_ready,
+                )
+            hits = len(experts) - len(missing)
+            self.cache.stats.add(hits, len(missing), evicted)
+            if self.identity and not self.complete:
+                self.complete = bool((self.slot_of >= 0).all())
+
+    def _score_guess(self, missing: np.ndarray) -> None:
+        guess, self.predicted = self.predicted, None
+        hit = len(guess.intersection(missing.tolist()))
+        stats = self.cache.prefetch_stats
+        with stats.lock:
+            stats.predicted += len(guess)
+            stats.predicted_hit += hit
+            stats.demand += len(missing)
+        if guess:
+            self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
+
+    @property
+    def direct(self) -> bool:
+        """Whether demand reads go straight into the banks' memory now (module docstring)."""
+        return self.views is not None and self.cache.direct_reads and not self.cache.shared
+
+    def stage(
+        self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False
+    ) -> int:
+        """Start background reads of those ``experts`` that are neither resident nor staged.
+
+        ``fit``: read only as many as the staging bound has room for now (else all or nothing)."""
+        with self.lock:
+            if self.slots == 0:
+                return 0
+            experts = np.asarray(experts, dtype=np.int64)
+            want = [e for e in experts.tolist() if self.slot_of[e] < 0 and e not in self.staged]
+            if not want:
+                return 0
+            if not self.identity:
+                # never more than the slots: more could not be resident at once
+                want = want[: self.slots]
+        prefetcher = self.cache.prefetcher
+        if fit:
+            want = want[: max(0, prefetcher.room()) // self.layer.expert_nbytes]
+            if not want:
+                return 0
+        batch = prefetcher.submit(self.layer, np.array(want), kind, priority, block=block)
+        if batch is None:
+            return 0
+        with self.lock:
+            for e in want:
+                if self.slot_of[e] < 0 and e not in self.staged:
+                    self.staged[e] = batch
+        return len(want)
+
+    def drop_staged(self) -> None:
+        """End of a call: staged experts it did not use are dropped (identity banks keep them)."""
+        if self.staged and not self.identity:
+            with self.lock:
+                self._drop_staged()
+
+    def _drop_staged(self, everything: bool = False) -> None:
+        batches = {id(b): b for b in self.staged.values()}
+        self.staged.clear()
+        for batch in batches.values():
+            self.cache.release(batch, when_done=True)

@@ -1,0 +1,349 @@
+"""Expert cache: all slot banks of one model, sharing one byte budget, one store and its threads.
+
+The budget is global: every layer gets the same number of slots,
+``budget // sum(bytes of one expert of each layer)``, at most the layer's expert count, and what that
+leaves of the budget gives one more slot to layers in model order while it lasts (``plan_slots``).
+The cache owns what the banks share: the demand read threads, the background reader
+(``prefetch.ExpertPrefetcher``: lookahead, next wave) and the fill thread that completes identity
+banks, the settings that turn each of them on or off, and the counters behind ``--streaming-stats``.
+"""
+
+import math
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .bank import LayerBank
+from .errors import ConfigurationError, ExpertIOError
+from .index import LayerExperts, natural_key
+from .options import format_size, gb_at_least
+from .policy import DEFAULT_POLICY
+from .prefetch import FILL, ExpertPrefetcher, StagedBatch
+
+GB = 1 << 30
+# staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
+# this share of the budget; without direct reads they hold at least two experts (demand reads and the
+# next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
+# not read. Peak memory stays within ~2x this over the budget
+STAGING_SHARE = 0.05
+# experts this big and bigger are read a projection at a time (``ExpertCache.phase_min_bytes``)
+PHASE_MIN_BYTES = 16 << 20
+# every cache that may have background threads, for ``close_all`` at interpreter exit
+_LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
+
+
+@dataclass
+class CacheStats:
+    """Expert requests served from the banks (hits) or read from the store (misses)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    # seconds the calling thread waited for expert bytes (reads and staged reads), and spent
+    # writing them into the banks
+    io_wait_seconds: float = 0.0
+    install_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, hits: int, misses: int, evictions: int) -> None:
+        with self.lock:
+            self.hits += hits
+            self.misses += misses
+            self.evictions += evictions
+
+    def add_time(self, io_wait: float, install: float) -> None:
+        with self.lock:
+            self.io_wait_seconds += io_wait
+            self.install_seconds += install
+
+
+class ExpertCache:
+    """All slot banks of one model, sharing one byte budget and one store."""
+
+    def __init__(
+        self,
+        store,
+        budget_bytes: Optional[int] = None,
+        *,
+        lookahead: bool = True,
+        fill: bool = True,
+        skip_sync: bool = True,
+        staging_bytes: Optional[int] = None,
+        prefetch_threads: int = 2,
+    ):
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.stats = CacheStats()
+        # which resident expert a bank evicts (``policy.POLICIES``); read when banks are allocated
+        self.policy = DEFAULT_POLICY
+        # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
+        self.recorder = None
+        # background reads: next-layer lookahead, filling identity banks; a complete identity bank
+        # skips the host sync. Each only moves or drops work; none changes what is computed.
+        self.lookahead = lookahead
+        # a layer's guesses are read only while their running precision is at least this; below it
+        # they are only scored (a wrong guess costs a read: on an I/O-bound machine, a demand read)
+        self.lookahead_min_precision = 0.5
+        self.fill = fill
+        self.skip_sync = skip_sync
+        # a layer computes the rows of its resident experts while it reads the others (and, with
+        # direct reads, each read expert's rows as it lands)
+        self.split_misses = True
+        # with direct reads, experts of at least this many bytes are read one projection at a time
+        # and each projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``), so
+        # that a layer's first missed expert stalls it for one projection's read, not three (only
+        # where partial calls are exact, not padded: MLX's CPU backend). None: off. Measured in
+        # docs/benchmarks/README.md ("A projection at a time")
+        self.phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
+        # hooks for experiments on where bank memory lives (bench/cuda_uvm.py sets them; None here):
+        # ``on_slot_written(view)``, with direct reads, on a reader thread, for each part's host view
+        # of a slot once an expert's bytes are in it; ``on_bank_views(bank, arrays, addresses)`` when
+        # a bank's host views are (re)made, with the bank arrays and their addresses. They may move
+        # bytes, never change them
+        self.on_slot_written: Optional[Callable[[np.ndarray], None]] = None
+        self.on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
+        # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
+        self.staging_bytes = staging_bytes
+        self.prefetch_threads = prefetch_threads
+        # demand reads straight into the banks (see the module docstring); off: through staging
+        self.direct_reads = True
+        self._callers: set = set()  # threads that called a layer; direct reads need just one
+        self._demand_pool: Optional[ThreadPoolExecutor] = None
+        self._prefetcher: Optional[ExpertPrefetcher] = None
+        self._filler: Optional[threading.Thread] = None
+        self._fill_queue: List[LayerBank] = []
+        self._banks: "weakref.WeakSet[LayerBank]" = weakref.WeakSet()
+        self._order: Optional[List[LayerBank]] = None
+        self._planned = False
+        self._lock = threading.Lock()
+        self._closed = False
+        _LIVE.add(self)
+
+    def register(self, layer: LayerExperts, glu) -> LayerBank:
+        bank = LayerBank(self, layer, glu)
+        self._banks.add(bank)
+        self._planned = False
+        self._order = None
+        return bank
+
+    def unregister(self, bank: LayerBank) -> None:
+        """Drop a bank whose layer left the model (a pipeline stage keeps only its own layers)."""
+        self._banks.discard(bank)
+        self._planned = False
+        self._order = None
+
+    @property
+    def banks(self) -> List[LayerBank]:
+        """In model order (``layers.2`` before ``layers.10``)."""
+        order = self._order
+        if order is None:
+            order = self._order = sorted(self._banks, key=lambda b: natural_key(b.path))
+        return list(order)
+
+    def next_bank(self, bank: LayerBank) -> Optional[LayerBank]:
+        """The MoE layer after ``bank``'s, in model order."""
+        order = self._order if self._order is not None else self.banks
+        try:
+            i = order.index(bank)
+        except ValueError:
+            return None
+        return order[i + 1] if i + 1 < len(order) else None
+
+    @property
+    def shared(self) -> bool:
+        """True once layers were called from more than one thread: direct reads are then off."""
+        return len(self._callers) > 1
+
+    def note_caller(self) -> None:
+        """Record the calling thread (a layer call on a bank that is not complete)."""
+        me = threading.get_ident()
+        if me not in self._callers:
+            with self._lock:
+                self._callers.add(me)
+
+    @property
+    def demand_pool(self) -> ThreadPoolExecutor:
+        """Threads that run the demand reads of one load in parallel, one expert each."""
+        if self._demand_pool is None:
+            with self._lock:
+                if self._closed:
+                    raise ExpertIOError("the expert cache is closed (its model was released)")
+                if self._demand_pool is None:
+                    threads = max(2, int(getattr(self.store, "threads", 4) or 4))
+                    self._demand_pool = ThreadPoolExecutor(
+                        threads, thread_name_prefix="mlx-lm-streaming-demand"
+                    )
+        return self._demand_pool
+
+    # -- background reads ------------------------------------------------------------------------
+
+    @property
+    def prefetcher(self) -> ExpertPrefetcher:
+        if self._prefetcher is None:
+            with self._lock:
+                if self._prefetcher is None:
+                    self._prefetcher = ExpertPrefetcher(
+                        self.store, self._staging_limit(), self.prefetch_threads
+                    )
+                    if self._closed:
+                        self._prefetcher.close()
+        return self._prefetcher
+
+    @property
+    def staging_limit(self) -> int:
+        """Bytes of expert staging buffers at once: background reads, and demand reads per chunk."""
+        return self._prefetcher.max_bytes if self._prefetcher is not None else self._staging_limit()
+
+    @property
+    def prefetch_stats(self):
+        return self.prefetcher.stats
+
+    def _staging_limit(self) -> int:
+        if self.staging_bytes is not None:
+            return int(self.staging_bytes)
+        biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
+        budget = self.budget_bytes if self.budget_bytes is not None else self.total_expert_bytes
+        floor = 0 if self.direct_reads else 2 * biggest
+        return int(max(STAGING_SHARE * budget, floor))
+
+    def release(self, batch: StagedBatch, when_done: bool = False) -> None:
+        prefetcher = self._prefetcher
+        if prefetcher is None or batch.kind == "demand":
+            return
+        if when_done:
+            batch.future.add_done_callback(lambda _f: prefetcher.release(batch))
+        else:
+            prefetcher.release(batch)
+
+    def request_fill(self, bank: LayerBank) -> None:
+        """Read the rest of an identity bank's experts in the background (low priority)."""
+        if not self.fill or bank._fill_requested or self._closed:
+            return
+        bank._fill_requested = True
+        with self._lock:
+            self._fill_queue.append(bank)
+            if self._filler is None or not self._filler.is_alive():
+                self._filler = threading.Thread(
+                    target=self._fill_loop, name="mlx-lm-streaming-fill", daemon=True
+                )
+                self._filler.start()
+
+    def _fill_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._fill_queue:
+                    self._filler = None
+                    return
+                bank = self._fill_queue.pop(0)
+            chunk = max(
+                1, min(8, self.prefetcher.max_bytes // max(1, 4 * bank.layer.expert_nbytes))
+            )
+            with bank.lock:
+                todo = [
+                    e
+                    for e in range(bank.num_experts)
+                    if bank.slot_of[e] < 0 and e not in bank.staged
+                ]
+            for i in range(0, len(todo), chunk):
+                if self._closed or not bank.identity:
+                    break
+                bank.stage(np.array(todo[i : i + chunk]), "fill", FILL, block=True)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop background reads (the store is closed by its owner). ``wait=False`` joins no thread:
+        for the finalizer that runs when a model is garbage collected, which can run inside another
+        thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
+        self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close(wait=wait)
+        with self._lock:
+            pool, self._demand_pool = self._demand_pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait)
+        filler = self._filler
+        if wait and filler is not None and filler is not threading.current_thread():
+            filler.join()
+
+    def ensure_planned(self) -> None:
+        if not self._planned:
+            with self._lock:
+                if not self._planned:
+                    self._plan()
+                    self._planned = True
+
+    def slots_for_budget(self) -> int:
+        banks = self.banks
+        per_slot = sum(b.layer.expert_nbytes for b in banks)
+        most = max(b.num_experts for b in banks)
+        if self.budget_bytes is None:
+            return most
+        slots = self.budget_bytes // per_slot
+        if slots < 1:
+            raise ConfigurationError(
+                f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
+                f"of one expert per MoE layer, {format_size(per_slot)} for {len(banks)} layers: "
+                f"raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb to at "
+                f"least {gb_at_least(per_slot)} GB"
+            )
+        return min(slots, most)
+
+    def plan_slots(self) -> List[int]:
+        """Slots per bank, in model order: ``slots_for_budget()`` each, then what the budget has left
+        gives one more slot to layers in model order while it lasts (8 GiB over a 32-layer
+        Mixtral-8x7B is 2 slots per layer and 1.44 GiB left: a third slot for 13 layers)."""
+        banks = self.banks
+        slots = self.slots_for_budget()
+        plan = [min(slots, b.num_experts) for b in banks]
+        if self.budget_bytes is not None:
+            left = self.budget_bytes - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+            for i, b in enumerate(banks):
+                if plan[i] < b.num_experts and left >= b.layer.expert_nbytes:
+                    plan[i] += 1
+                    left -= b.layer.expert_nbytes
+        return plan
+
+    def _plan(self) -> None:
+        for bank, slots in zip(self.banks, self.plan_slots()):
+            bank.allocate(slots)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(b.resident_bytes for b in self.banks)
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(b.layer.expert_nbytes * b.num_experts for b in self.banks)
+
+    def summary(self) -> Dict[str, float]:
+        """Counters for ``--streaming-stats``: hit rate, experts and GB read, seconds in I/O."""
+        s, st = self.stats, self.store.stats
+        asked = s.hits + s.misses
+        return {
+            "hit_rate": s.hits / asked if asked else math.nan,
+            "hits": s.hits,
+            "misses": s.misses,
+            "evictions": s.evictions,
+            "experts_read": s.misses,
+            "gb_read": st.bytes_read / GB,
+            "io_seconds": st.seconds,
+            "io_wait_seconds": s.io_wait_seconds,
+            "install_seconds": s.install_seconds,
+            "cache_gb": self.resident_bytes / GB,
+            "complete_layers": sum(b.complete for b in self.banks),
+            **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
+        }
+
+
+def close_all() -> None:
+    """Stop every cache's background reads and join their threads (an ``atexit`` handler).
+
+    A daemon thread still inside an MLX call when the interpreter finalizes is ended by Python 3.11
+    as it takes the GIL back, and that unwinds through a C++ destructor: ``terminate called without
+    an active exception``, exit 134 (docs/reliability.md). A cache whose model was collected with
+    ``close(wait=False)`` is here too, for as long as its threads keep it alive."""
+    for cache in list(_LIVE):
+        cache.close(wait=True)

@@ -1,0 +1,161 @@
+"""Which mlx-lm we can patch, and the check that guards every patch.
+
+Everything mlx_lm_streaming changes in mlx-lm goes through ``patch_module`` (called by the startup
+hook, ``_bootstrap``, right after an mlx-lm module is imported). Before it patches anything it checks:
+
+1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
+2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
+   ``SwitchGLU``).
+
+If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked for by flag or by
+``MLX_LM_STREAMING_EXPERTS`` then fails in one line that names the mlx-lm version found and the
+supported range (``refusal``), instead of silently loading every expert into memory.
+"""
+
+import inspect
+import os
+import sys
+from typing import Optional, Tuple
+
+# mlx-lm releases we test (tests/run.sh runs the newest, .ci/run the oldest too): >= LOW, < HIGH
+SUPPORTED = ((0, 30, 0), (0, 33, 0))
+SUPPORTED_TEXT = ">=0.30.0, <0.33"
+# parameters of mlx_lm.utils.load_model we read or pass on (any others pass through untouched)
+LOAD_MODEL_PARAMETERS = ("model_path", "lazy", "strict", "model_config", "get_model_classes")
+CLI_MODULES = (
+    "mlx_lm.generate",
+    "mlx_lm.chat",
+    "mlx_lm.server",
+    "mlx_lm.cache_prompt",
+    "mlx_lm.evaluate",
+    "mlx_lm.perplexity",
+)
+
+
+def mlx_lm_version() -> Optional[str]:
+    """The installed mlx-lm's version string, or None where it cannot be told."""
+    package = sys.modules.get("mlx_lm")
+    version = getattr(package, "__version__", None)
+    if version:
+        return str(version)
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("mlx-lm")
+    except Exception:
+        return None
+
+
+def parse_version(text: str) -> Optional[Tuple[int, int, int]]:
+    """``"0.32.2"`` -> ``(0, 32, 2)``; pre-release and local tails are ignored; None if not numeric."""
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            return None
+        parts.append(int(digits))
+        if len(digits) < len(piece):
+            break
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)
+
+
+def version_problem(version: Optional[str] = None) -> Optional[str]:
+    """None if ``version`` (default: the installed one) is supported, else why not, in words."""
+    if version is None:
+        version = mlx_lm_version()
+    parsed = parse_version(version) if version else None
+    if parsed is None:
+        return f"the mlx-lm version could not be told ({version!r})"
+    low, high = SUPPORTED
+    if not low <= parsed < high:
+        return f"mlx-lm {version} is installed; mlx-lm-streaming supports mlx-lm {SUPPORTED_TEXT}"
+    return None
+
+
+def load_model_problem(load_model) -> Optional[str]:
+    """None if ``load_model`` takes the parameters we read, by those names, else what is missing."""
+    try:
+        params = inspect.signature(load_model).parameters
+    except (TypeError, ValueError):
+        return "mlx_lm.utils.load_model has no signature to check"
+    missing = [p for p in LOAD_MODEL_PARAMETERS if p not in params]
+    if missing:
+        return f"mlx_lm.utils.load_model takes no {', '.join(missing)}"
+    return None
+
+
+def switch_glu_problem() -> Optional[str]:
+    """None if mlx-lm's ``SwitchGLU`` has the projections and call we replace."""
+    try:
+        from mlx_lm.models.switch_layers import SwitchGLU
+    except ImportError as e:
+        return f"mlx_lm.models.switch_layers.SwitchGLU cannot be imported ({e})"
+    params = list(inspect.signature(SwitchGLU.__call__).parameters)
+    if params[1:3] != ["x", "indices"]:
+        return f"SwitchGLU.__call__ takes {params[1:]}, not (x, indices)"
+    init = inspect.signature(SwitchGLU.__init__).parameters
+    if "activation" not in init:
+        return "SwitchGLU takes no activation"
+    return None
+
+
+_problem: Optional[str] = None
+_checked = False
+
+
+def problem() -> Optional[str]:
+    """Why this mlx-lm cannot be patched (checked once per process), or None."""
+    global _problem, _checked
+    if not _checked:
+        _problem = version_problem() or switch_glu_problem()
+        _checked = True
+    return _problem
+
+
+def streaming_in_environment(environ=os.environ) -> bool:
+    from .options import ENV, FALSE
+
+    return environ.get(ENV["enabled"], "").strip().lower() not in FALSE
+
+
+def refusal(why: str) -> str:
+    """The one line that says streaming cannot run with this mlx-lm."""
+    return f"mlx-lm-streaming: streaming experts is not available: {why}; mlx-lm runs stock"
+
+
+_refused = False
+
+
+def say_refusal(message: str) -> None:
+    """Print ``message`` on stderr, once per process."""
+    global _refused
+    if not _refused:
+        _refused = True
+        print(message, file=sys.stderr, flush=True)
+
+
+def patch_module(module) -> None:
+    """Patch a freshly imported mlx-lm module, or nothing where the checks fail."""
+    from . import integration
+
+    name = module.__name__
+    why = problem()
+    if why is None and name == "mlx_lm.utils":
+        why = load_model_problem(getattr(module, "load_model", None))
+    if name == "mlx_lm.utils":
+        if why is None:
+            integration.install(module)
+        elif streaming_in_environment():
+            # a script that calls mlx_lm.load would otherwise load every expert into memory
+            say_refusal(refusal(why))
+    elif name in CLI_MODULES and callable(getattr(module, "main", None)):
+        if why is None:
+            integration.wrap_cli_main(module)
+        else:
+            integration.wrap_cli_main_refusing(module, refusal(why))

@@ -1,0 +1,173 @@
+"""Which expert a layer's slot bank gives up when it must read another: the eviction policy.
+
+A ``SlotTable`` is one MoE layer's residency: ``slot_of[expert]`` (-1: not resident) and
+``expert_of[slot]`` (-1: free). ``admit(experts, keep)`` is the whole decision for one call of the
+layer: it tells the policy which experts the call uses, then picks a slot for each missing expert,
+free slots first, then the policy's victims among the resident experts that neither the call nor
+``keep`` uses (those are pinned: the call computes from them, so their slots are never taken). The
+cache (``cache.LayerBank``) reads the missing experts into those slots; a replay of a routing trace
+(``replay.py``) drives the same code with no bytes read.
+
+Policies keep per-expert state across evictions (an expert read again keeps its history):
+
+- ``lru``: least recently used; within one call, the router's rank order (the first-ranked expert
+  counts as used first).
+- ``decay`` (default): frequency with exponential aging. Each use adds 1 to the expert's score, and
+  every score halves every ``HALF_LIFE`` calls of the layer; the lowest score goes first, the least
+  recently used among equals. Replaying real routing (docs/routing.md), it beats LRU at every budget
+  tried: it keeps the experts a layer keeps coming back to, where LRU lets one burst of
+  rarely-used experts push them out.
+
+Pure Python and numpy: no threads, no MLX.
+"""
+
+from typing import Dict, Sequence, Tuple, Type
+
+import numpy as np
+
+from .errors import ConfigurationError
+
+# calls of a layer after which a use counts half (``decay``); 8-32 all beat LRU on the traces
+HALF_LIFE = 16.0
+
+
+class EvictionPolicy:
+    """Per-layer policy state, keyed by expert id. ``used`` sees every call's experts, in the
+    router's rank order; ``victims`` picks which resident experts to evict."""
+
+    name = ""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.clock = 0  # calls of the layer
+        self.order = 0  # uses, one per expert per call, in rank order
+        self.last = np.full(num_experts, -1, dtype=np.int64)  # ``order`` of the last use
+
+    def used(self, experts: np.ndarray) -> None:
+        """One call of the layer uses ``experts`` (unique ids, rank order where known)."""
+        self.clock += 1
+        n = len(experts)
+        self.last[experts] = np.arange(self.order, self.order + n)
+        self.order += n
+
+    def victims(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """``count`` of the resident, unpinned expert ids ``candidates``, to evict."""
+        raise NotImplementedError
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def victims(self, candidates, count):
+        order = np.argsort(self.last[candidates], kind="stable")
+        return candidates[order[:count]]
+
+
+class DecayPolicy(EvictionPolicy):
+    name = "decay"
+
+    def __init__(self, num_experts: int, half_life: float = HALF_LIFE):
+        super().__init__(num_experts)
+        self.factor = 0.5 ** (1.0 / half_life)
+        # score as of call ``stamp``; aged lazily (only touched experts are updated)
+        self.score = np.zeros(num_experts, dtype=np.float64)
+        self.stamp = np.zeros(num_experts, dtype=np.int64)
+
+    def scores(self, experts: np.ndarray) -> np.ndarray:
+        return self.score[experts] * self.factor ** (self.clock - self.stamp[experts])
+
+    def used(self, experts):
+        super().used(experts)
+        self.score[experts] = self.scores(experts) + 1.0
+        self.stamp[experts] = self.clock
+
+    def victims(self, candidates, count):
+        # lowest score first, then least recently used
+        order = np.lexsort((self.last[candidates], self.scores(candidates)))
+        return candidates[order[:count]]
+
+
+POLICIES: Dict[str, Type[EvictionPolicy]] = {"lru": LRUPolicy, "decay": DecayPolicy}
+DEFAULT_POLICY = "decay"
+
+
+def make_policy(name: str, num_experts: int) -> EvictionPolicy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"unknown cache policy {name!r}; known: {', '.join(sorted(POLICIES))}"
+        ) from None
+    return cls(num_experts)
+
+
+class SlotTable:
+    """One layer's expert <-> slot maps and its policy (see the module docstring)."""
+
+    def __init__(self, num_experts: int, policy: str = DEFAULT_POLICY):
+        self.num_experts = num_experts
+        self.policy_name = policy
+        self.policy = make_policy(policy, num_experts)
+        self.slot_of = np.full(num_experts, -1, dtype=np.int64)
+        self.expert_of = np.zeros(0, dtype=np.int64)
+        self.identity = False
+
+    @property
+    def slots(self) -> int:
+        return len(self.expert_of)
+
+    def reset(self, slots: int) -> None:
+        """Empty, with ``slots`` slots; ``slots == num_experts`` maps expert e to slot e."""
+        self.policy = make_policy(self.policy_name, self.num_experts)
+        self.slot_of[:] = -1
+        self.expert_of = np.full(slots, -1, dtype=np.int64)
+        self.identity = slots == self.num_experts
+
+    def admit(
+        self, experts: np.ndarray, keep: Sequence[int] = ()
+    ) -> Tuple[np.ndarray, np.ndarray, int]:
+        """One call uses ``experts`` (unique ids): ``(missing experts, their slots, evicted)``.
+
+        The victims' slots are freed here (no slot names an evicted expert, even if the read that
+        follows fails); ``place`` maps each missing expert once its bytes are in its slot."""
+        experts = np.asarray(experts, dtype=np.int64)
+        if len(experts) > self.slots:
+            raise ValueError(
+                f"{len(experts)} experts asked for at once but only {self.slots} slots"
+            )
+        missing = experts[self.slot_of[experts] < 0]
+        if len(missing) == 0 or self.identity:
+            self.policy.used(experts)
+            return missing, missing.copy(), 0
+        free = np.nonzero(self.expert_of < 0)[0]
+        slots = free[: len(missing)]
+        evicted = 0
+        if len(slots) < len(missing):
+            pinned = np.zeros(self.num_experts, dtype=bool)
+            pinned[experts] = True
+            if len(keep):
+                pinned[np.asarray(keep, dtype=np.int64)] = True
+            resident = self.expert_of[self.expert_of >= 0]
+            candidates = resident[~pinned[resident]]
+            need = len(missing) - len(slots)
+            if len(candidates) < need:
+                raise ValueError(
+                    f"{len(missing)} experts to read but fewer slots are free of pinned and kept "
+                    "experts"
+                )
+            chosen = np.asarray(self.policy.victims(candidates, need), dtype=np.int64)
+            valid = len(np.unique(chosen)) == need and np.isin(chosen, candidates).all()
+            if not valid:
+                raise RuntimeError(f"policy {self.policy_name!r} chose invalid victims {chosen}")
+            taken = self.slot_of[chosen]
+            self.slot_of[chosen] = -1
+            self.expert_of[taken] = -1
+            slots = np.concatenate([slots, taken])
+            evicted = need
+        self.policy.used(experts)
+        return missing, slots, evicted
+
+    def place(self, experts, slots) -> None:
+        """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
+        self.slot_of[experts] = slots
+        self.expert_of[slots] = experts

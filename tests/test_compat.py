@@ -1,0 +1,144 @@
+"""The mlx-lm version guard: inside the supported range we patch; outside it, nothing changes and
+streaming refuses in one line. Run under the oldest supported mlx-lm too (.ci/run)."""
+
+import subprocess
+import sys
+
+import mlx_lm
+import pytest
+
+from mlx_lm_streaming import mlx_compat
+from mlx_lm_streaming.errors import IncompatibleMlxLmError
+
+from support import BIN, clean_env, generate_cmd, generated_text, run
+
+pytestmark = [pytest.mark.core, pytest.mark.usefixtures("require_hook")]
+
+# an mlx-lm release we have not tested: the guard must refuse it
+UNTESTED = "0.99.0"
+# runs `mlx_lm.generate` with the guard told that mlx-lm is UNTESTED (the startup hook patches on
+# import, after this monkeypatch)
+AS_IF_UNTESTED = f"""
+import sys
+import mlx_lm_streaming.mlx_compat as compat
+compat.mlx_lm_version = lambda: {UNTESTED!r}
+import mlx_lm.utils, mlx_lm.generate
+assert not getattr(mlx_lm.utils.load_model, "mlx_lm_streaming", False), "load_model was patched"
+sys.argv = ["mlx_lm.generate"] + sys.argv[1:]
+sys.modules["mlx_lm.generate"].main()
+"""
+
+
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.30.0", True),
+        ("0.31.3", True),
+        ("0.32.2", True),
+        ("0.32.10.dev1", True),
+        ("0.29.1", False),
+        ("0.33.0", False),
+        ("1.0", False),
+        ("unknown", False),
+    ],
+)
+def test_supported_range(version, ok):
+    problem = mlx_compat.version_problem(version)
+    assert (problem is None) == ok
+    if not ok:
+        assert version in problem
+        assert mlx_compat.SUPPORTED_TEXT in problem or "could not be told" in problem
+
+
+def test_installed_mlx_lm_is_supported():
+    # the suite runs only against releases in the declared range
+    assert mlx_compat.version_problem(mlx_lm.__version__) is None
+    assert mlx_compat.problem() is None
+
+
+def test_load_model_shape_is_checked():
+    def old(model_path, lazy=False):
+        pass
+
+    assert "model_config" in mlx_compat.load_model_problem(old)
+    assert mlx_compat.load_model_problem(mlx_lm.utils.load_model) is None
+
+
+def test_install_refuses_an_unsupported_mlx_lm(monkeypatch):
+    import types
+
+    utils = types.SimpleNamespace(load_model=lambda model_path, lazy=False: None)
+    stock = utils.load_model
+    monkeypatch.setattr(mlx_compat, "_checked", True)
+    monkeypatch.setattr(mlx_compat, "_problem", mlx_compat.version_problem(UNTESTED))
+    from mlx_lm_streaming.integration import install
+
+    with pytest.raises(IncompatibleMlxLmError, match=UNTESTED):
+        install(utils)
+    assert utils.load_model is stock
+
+
+def test_stock_generate_unchanged_by_the_installed_package(checkpoint, tmp_path):
+    # the same command with the startup hook off (as if we were not installed) and on
+    ckpt = checkpoint("qwen3_moe")
+    off = run(generate_cmd(ckpt), tmp_path, env=clean_env(MLX_LM_STREAMING_HOOK="0"))
+    on = run(generate_cmd(ckpt), tmp_path)
+    assert generated_text(on.stdout) == generated_text(off.stdout)
+    assert on.stderr == off.stderr == ""
+
+
+def untested_generate(args, tmp_path, **env):
+    return subprocess.run(
+        [sys.executable, "-c", AS_IF_UNTESTED, *map(str, args)],
+        cwd=tmp_path,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_untested_mlx_lm_runs_stock_and_refuses_streaming(checkpoint, tmp_path):
+    ckpt = checkpoint("qwen3_moe")
+    stock = run(generate_cmd(ckpt), tmp_path, env=clean_env(MLX_LM_STREAMING_HOOK="0"))
+    plain = untested_generate(generate_cmd(ckpt)[1:], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    assert generated_text(plain.stdout) == generated_text(stock.stdout)
+    assert plain.stderr == ""
+    for args, env in (
+        (generate_cmd(ckpt, "--streaming-experts")[1:], {}),
+        (generate_cmd(ckpt, "--expert-cache-gb=1")[1:], {}),
+        (generate_cmd(ckpt)[1:], {"MLX_LM_STREAMING_EXPERTS": "1"}),
+    ):
+        out = untested_generate(args, tmp_path, **env)
+        assert out.returncode == 2, out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert f"mlx-lm {UNTESTED} is installed" in lines[0]
+        assert mlx_compat.SUPPORTED_TEXT in lines[0]
+        assert out.stdout == ""
+
+
+def test_untested_mlx_lm_env_route_warns_in_scripts(checkpoint, tmp_path):
+    code = (
+        "import mlx_lm_streaming.mlx_compat as c\n"
+        f"c.mlx_lm_version = lambda: {UNTESTED!r}\n"
+        "import mlx_lm\n"
+        "print(hasattr(mlx_lm.utils.load_model, 'mlx_lm_streaming'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=clean_env(MLX_LM_STREAMING_EXPERTS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    assert out.stderr.count("\n") == 1 and UNTESTED in out.stderr
+
+
+def test_cli_entry_points_exist():
+    # the commands the wrapper patches are console scripts of this mlx-lm
+    assert (BIN / "mlx_lm.generate").exists()
