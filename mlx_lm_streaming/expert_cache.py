@@ -33,6 +33,8 @@ GB = 1 << 30
 STAGING_SHARE = 0.05
 # experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
 PHASE_MIN_BYTES = 16 << 20
+# every cache that may have background threads, for ``close_all`` at interpreter exit
+_LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ExpertCache:
         self._planned = False
         self._lock = threading.Lock()
         self._closed = False
+        _LIVE.add(self)
 
     def register(self, layer: LayerExperts, glu) -> LayerBank:
         bank = LayerBank(self, layer, glu)
@@ -332,3 +335,14 @@ class ExpertCache:
             "complete_layers": sum(b.complete for b in self.banks),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }
+
+
+def close_all() -> None:
+    """Stop every cache's background reads and join their threads (an ``atexit`` handler).
+
+    A daemon thread still inside an MLX call when the interpreter finalizes is ended by Python 3.11
+    as it takes the GIL back, and that unwinds through a C++ destructor: ``terminate called without
+    an active exception``, exit 134 (docs/reliability.md). A cache whose model was collected with
+    ``close(wait=False)`` is here too, for as long as its threads keep it alive."""
+    for cache in list(_LIVE):
+        cache.close(wait=True)

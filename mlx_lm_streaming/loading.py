@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .expert_cache import GB, CacheTuning, ExpertCache
+from .expert_cache import GB, CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
@@ -239,6 +239,7 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         )
     get_model_classes = arguments.get("get_model_classes") or _get_classes
     strict = arguments.get("strict", True)
+    _join_background_threads_at_exit()
     state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
 
     def classes(config):
@@ -301,6 +302,17 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+_JOINING_AT_EXIT = []  # non-empty once ``close_all`` is registered with atexit
+
+
+def _join_background_threads_at_exit() -> None:
+    """Once, at the first load: at exit, join every cache's background threads before the
+    interpreter finalizes (``expert_cache.close_all``; the model's finalizer joins none)."""
+    if not _JOINING_AT_EXIT:
+        _JOINING_AT_EXIT.append(True)
+        atexit.register(close_all)
 
 
 def _read_config(model_path: Path, load_config) -> dict:

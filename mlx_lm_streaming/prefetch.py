@@ -244,8 +244,8 @@ class ExpertPrefetcher:
 
     def submit(self, layer, experts: np.ndarray, kind: str, priority: int, block=False):
         """Start reading ``experts`` of ``layer``; None if it does not fit (and ``block`` is off)."""
-        if len(experts) == 0:
-            return None
+        if len(experts) == 0 or self._closed:
+            return None  # closed: no MLX work on this (background) thread any more
         batch = StagedBatch(layer, experts, kind)
         if not self.reserve(batch.nbytes, block):
             if kind == "lookahead":
