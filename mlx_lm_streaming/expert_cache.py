@@ -79,6 +79,8 @@ class ExpertCache:
         self.policy = DEFAULT_POLICY
         # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
         self.recorder = None
+        # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
+        self.timeline = None
         # background reads: next-layer lookahead, filling identity banks; a complete identity bank
         # skips the host sync. Each only moves or drops work; none changes what is computed.
         self.lookahead = lookahead
@@ -185,6 +187,7 @@ class ExpertCache:
                     self._prefetcher = ExpertPrefetcher(
                         self.store, self._staging_limit(), self.prefetch_threads
                     )
+                    self._prefetcher.timeline = self.timeline
                     if self._closed:
                         self._prefetcher.close()
         return self._prefetcher

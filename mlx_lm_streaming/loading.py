@@ -27,6 +27,7 @@ from .options import CONFIG_KEY, StreamingOptions
 from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
+from .timeline import open_timeline
 
 # Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
 # for the OS page cache, the KV cache and activations.
@@ -101,6 +102,11 @@ class StreamingState:
             self.cache.skip_sync = False
         self.selector = KernelSelector(options.kernel)
         self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
+        # last: nothing after it can fail and leave the file open
+        self.timeline = open_timeline(options.trace, f"mlx-lm-streaming {self.model_path.name}")
+        self.cache.timeline = self.timeline
+        if self.timeline is not None:
+            atexit.register(self.timeline.close)
         self.resident_bytes = 0
         # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
         self.pipeline: Optional[tuple] = None
@@ -133,6 +139,8 @@ class StreamingState:
         self.cache.close(wait=wait)  # background reads first
         if self.recorder is not None:
             self.recorder.close()
+        if self.timeline is not None:
+            self.timeline.close()
         try:
             takes_wait = "wait" in inspect.signature(self.store.close).parameters
         except (TypeError, ValueError):
