@@ -1212,7 +1212,9 @@ def main():
         args.layers = args.layers or trace.num_layers
         archs = [a for a in archs if ARCHS[a]["overrides"]["experts"] == trace.num_experts]
         if not archs:
-            ap.error(f"--routing: no shape of {trace.num_experts} experts per layer, as the trace has")
+            ap.error(
+                f"--routing: no shape of {trace.num_experts} experts per layer, as the trace has"
+            )
     for name in archs:
         path = checkpoint(
             ckpt_dir, name, dtype, layers=args.layers, top_k=trace.top_k if trace else None
