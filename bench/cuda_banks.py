@@ -34,7 +34,7 @@ def main():
     import numpy as np
 
     from mlx_lm_streaming import bank_io
-    from mlx_lm_streaming.expert_cache import GB
+    from mlx_lm_streaming.expert_cache import GB, CacheTuning
     from mlx_lm_streaming.synthetic import build_checkpoint
     from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
@@ -82,10 +82,11 @@ def main():
                 else budget_of_slots(probe, 3)
             )
             del probe
-            model, _ = load_streaming(path, expert_cache_gb=gb, direct_reads=direct == "on")
+            tuning = CacheTuning(fill="nofill" not in extra)
+            model, _ = load_streaming(
+                path, expert_cache_gb=gb, direct_reads=direct == "on", tuning=tuning
+            )
             cache = model.expert_streaming.cache
-            if "nofill" in extra:
-                cache.fill = False
             t = time.time()
             got = run(model, tokens, args.steps)  # an error is fatal: no configuration is skipped
             steps = [

@@ -61,7 +61,7 @@ def main():
         ap.error(f"--direct: {args.direct!r}: each of auto, on, off")
     import mlx.core as mx
 
-    from mlx_lm_streaming.kernels.base import backend
+    from mlx_lm_streaming.devices import backend
     from mlx_lm_streaming.options import StreamingOptions
     from mlx_lm_streaming.synthetic import build_checkpoint
     from mlx_lm_streaming.parity import (

@@ -11,8 +11,8 @@ time. Two hints, through the CUDA runtime that MLX itself loaded (``ctypes``; no
   the pages stay in host memory and the GPU reads them over the bus (no migration either way).
 
 Hints change where bytes live, never their values: results stay bit-identical. Measured only by
-``bench/experts.py`` ablations on the H200 (``docs/benchmarks/README.md``); ``use_hint`` gives them
-through the cache's hooks (``ExpertCache.on_slot_written`` / ``on_bank_views``). Every function
+``bench/experts.py`` ablations on the H200 (``docs/benchmarks/README.md``); ``hint_hooks`` gives them
+as the cache's hooks (``CacheTuning.on_slot_written`` / ``on_bank_views``). Every function
 returns False where the runtime or the call is unavailable (CPU, Metal, a CUDA runtime without these
 entry points).
 """
@@ -111,19 +111,17 @@ def last_error() -> Optional[str]:
     return lib.cudaGetErrorString(lib.cudaGetLastError()).decode()
 
 
-def use_hint(cache, hint: str) -> None:
-    """Give ``hint`` for the banks of ``cache`` (an ``ExpertCache``, before its first call) with
-    direct reads: "prefetch" (each landed expert to the GPU) or "host" (banks that are not
-    identity banks stay in host memory)."""
+def hint_hooks(hint: str) -> dict:
+    """``CacheTuning`` hooks that give ``hint`` for the banks, with direct reads: "prefetch" (each
+    landed expert to the GPU) or "host" (banks that are not identity banks stay in host memory)."""
     if hint == "prefetch":
-        cache.on_slot_written = lambda view: prefetch(view.ctypes.data, view.nbytes)
-    elif hint == "host":
+        return {"on_slot_written": lambda view: prefetch(view.ctypes.data, view.nbytes)}
+    if hint == "host":
 
         def on_bank_views(bank, arrays, addresses):
             if not bank.identity:
                 for a, at in zip(arrays, addresses):
                     prefer_host(at, a.nbytes)
 
-        cache.on_bank_views = on_bank_views
-    else:
-        raise ValueError(f"unknown unified-memory hint {hint!r}: prefetch or host")
+        return {"on_bank_views": on_bank_views}
+    raise ValueError(f"unknown unified-memory hint {hint!r}: prefetch or host")

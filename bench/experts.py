@@ -490,6 +490,8 @@ def run_arch(name, path, args, device):
     import mlx.core as mx
     import seeds
 
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
     files = shards(path)
     spec = ARCHS[name]
     layers = args.layers or spec["layers"]
@@ -550,8 +552,9 @@ def run_arch(name, path, args, device):
         m, _ = load_stock(path)
         configs["stock_again"] = Config("stock_again", m)
     if "warm_sync" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
-        m.expert_streaming.cache.skip_sync = False
+        m, _ = load_streaming(
+            path, expert_cache_gb=total_expert / GB * 1.001, tuning=CacheTuning(skip_sync=False)
+        )
         configs["warm_sync"] = Config("warm_sync", m)
     if "cold_t8" in ablations:
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": 8})
@@ -561,27 +564,24 @@ def run_arch(name, path, args, device):
         if f"cold_uvm_{hint}" in ablations:
             import cuda_uvm
 
-            m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=True, **sopts)
-            cuda_uvm.use_hint(m.expert_streaming.cache, hint)
+            tuning = CacheTuning(**cuda_uvm.hint_hooks(hint))
+            m, _ = load_streaming(
+                path, expert_cache_gb=cold_gb, direct_reads=True, tuning=tuning, **sopts
+            )
             configs[f"cold_uvm_{hint}"] = Config(f"cold_uvm_{hint}", m, cold=True, files=files)
     if "cold_nophase" in ablations:
         # every expert read whole (by default experts of 16 MB and more are read a projection at a
         # time where partial calls are exact: switch.py ``_by_projection``)
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.phase_min_bytes = None
+        tuning = CacheTuning(phase_min_bytes=None)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, tuning=tuning, **sopts)
         configs["cold_nophase"] = Config("cold_nophase", m, cold=True, files=files)
-    if "cold_nosplit" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.split_misses = False
-        configs["cold_nosplit"] = Config("cold_nosplit", m, cold=True, files=files)
     if "cold_staged" in ablations:
         # demand reads through staging buffers and an MLX copy into the banks (before direct reads)
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.direct_reads = False
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=False, **sopts)
         configs["cold_staged"] = Config("cold_staged", m, cold=True, files=files)
     if "cold_nolookahead" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
-        m.expert_streaming.cache.lookahead = False
+        tuning = CacheTuning(lookahead=False)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, tuning=tuning, **sopts)
         configs["cold_nolookahead"] = Config("cold_nolookahead", m, cold=True, files=files)
     for store, label in (("packed", "cold_packed"), ("packed_direct", "cold_packed_direct")):
         if label in ablations:
@@ -1112,7 +1112,7 @@ def main():
     ap.add_argument(
         "--ablations",
         default=None,
-        help="comma-separated: stock_again (noise floor),warm_sync,cold_staged,cold_nosplit,"
+        help="comma-separated: stock_again (noise floor),warm_sync,cold_staged,"
         "cold_nolookahead,cold_t8,"
         "cold_packed,cold_packed_direct,cold_nophase,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
@@ -1185,7 +1185,7 @@ def main():
         args.ablations = (
             "warm_sync,cold_staged,cold_nolookahead,cold_packed"
             if args.quick
-            else "warm_sync,cold_staged,cold_nosplit,cold_nolookahead,cold_t8,cold_packed,"
+            else "warm_sync,cold_staged,cold_nolookahead,cold_t8,cold_packed,"
             "cold_packed_direct"
         )
     args.ablations = [a for a in args.ablations.split(",") if a]
@@ -1221,7 +1221,7 @@ def main():
         )
         if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
             try:
-                from mlx_lm_streaming.pack import pack_checkpoint
+                from mlx_lm_streaming.packfile import pack_checkpoint
 
                 pack_checkpoint(path, progress=False)
             except ImportError:

@@ -14,6 +14,9 @@ def load(
     expert_cache_gb=None,
     store="safetensors",
     kernel="auto",
+    store_options=None,
+    direct_reads=None,
+    stats=False,
     **kwargs,
 ):
     """``mlx_lm.load(path, **kwargs)`` with the routed experts streamed from disk.
@@ -30,6 +33,11 @@ def load(
     install()
     model_config = dict(kwargs.pop("model_config", None) or {})
     model_config[CONFIG_KEY] = StreamingOptions(
-        expert_cache_gb=expert_cache_gb, store=store, kernel=kernel
+        expert_cache_gb=expert_cache_gb,
+        store=store,
+        kernel=kernel,
+        store_options=dict(store_options or {}),
+        direct_reads=direct_reads,
+        stats=stats,
     )
     return mlx_lm.utils.load(path_or_hf_repo, model_config=model_config, **kwargs)

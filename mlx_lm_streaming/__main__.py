@@ -18,6 +18,9 @@ import os
 import sys
 from pathlib import Path
 
+from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
+from .options import check_budget_gb, format_size, missing_local_path
+
 
 def _hook_files():
     import site
@@ -68,17 +71,19 @@ def run_info(args) -> int:
     return 0
 
 
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
+def _budget_gb(value: str) -> float:
+    try:
+        return check_budget_gb(value)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_plan_arguments(parser):
     parser.add_argument("model", help="model directory or Hugging Face repo")
     parser.add_argument(
-        "--expert-cache-gb", type=float, help="budget to plan for (default: derived)"
+        "--expert-cache-gb",
+        type=_budget_gb,
+        help="budget to plan for (default: derived)",
     )
     parser.add_argument(
         "--routing-trace",
@@ -100,9 +105,17 @@ def run_plan(args) -> int:
 
     install()
     path = Path(args.model)
+    if missing_local_path(args.model):
+        raise CheckpointError(f"{args.model}: no such model directory")
     if not path.is_dir():
         # a hub id: mlx-lm's own resolution (downloads or uses its cache)
-        path = mlx_lm.utils._download(args.model)
+        try:
+            path = mlx_lm.utils._download(args.model)
+        except Exception as e:
+            raise CheckpointError(
+                f"{args.model}: not a local directory, and the Hugging Face hub could not "
+                f"provide it ({type(e).__name__}: {e})"
+            ) from e
     trace = None
     if args.routing_trace is not None:
         from .routing_trace import read_trace
@@ -124,16 +137,16 @@ def run_plan(args) -> int:
         f"MoE layers: {len(banks)}, experts per layer: "
         f"{', '.join(sorted({str(b.num_experts) for b in banks}))}"
     )
-    print(f"one expert of every layer: {_size(per_slot)}")
-    print(f"all routed experts: {_size(cache.total_expert_bytes)}")
-    print(f"resident weights: {_size(state.resident_bytes)}")
+    print(f"one expert of every layer: {format_size(per_slot)}")
+    print(f"all routed experts: {format_size(cache.total_expert_bytes)}")
+    print(f"resident weights: {format_size(state.resident_bytes)}")
     how = "given" if args.expert_cache_gb is not None else "default"
-    print(f"expert cache budget ({how}): {_size(cache.budget_bytes)}")
+    print(f"expert cache budget ({how}): {format_size(cache.budget_bytes)}")
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
     more = sum(n > slots for n in plan)
     extra = f"; {more} layers get {slots + 1}" if more else ""
-    print(f"slots per layer: {slots}{extra} ({_size(used)} used)")
+    print(f"slots per layer: {slots}{extra} ({format_size(used)} used)")
     try:
         if trace is not None:
             print(_replay_line(trace, cache, plan))
@@ -206,8 +219,23 @@ SUBCOMMANDS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of this command."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _stdout_closed() -> int:
+    # the reader went away (`mlx_lm_streaming info | head`): not an error worth a traceback; point
+    # stdout at /dev/null so that the flush at exit does not raise again
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlx_lm_streaming",
         description="Tools for mlx-lm-streaming. To run a model, use mlx-lm's own commands "
         "with --streaming-experts (see docs/usage.md).",
@@ -218,14 +246,14 @@ def main(argv=None) -> int:
         add_arguments(sub.add_parser(name, help=summary, description=summary))
         runners[name] = run
     args = parser.parse_args(argv)
-    from .errors import StreamingError
-
     try:
-        return runners[args.command](args)
+        status = runners[args.command](args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except StreamingError as e:
-        # one line naming what is at fault (a file, an option), no traceback
-        print(f"mlx_lm_streaming {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        exit_with(f"{parser.prog} {args.command}", e)
 
 
 if __name__ == "__main__":

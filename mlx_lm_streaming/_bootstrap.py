@@ -29,7 +29,77 @@ PATCHED = frozenset(
     }
 )
 
+# the command-line modules whose main() takes our flags (integration.CLI_MODULES)
+CLI_MODULES = PATCHED - {"mlx_lm.utils"}
+STREAMING_FLAGS = (
+    "--streaming-experts",
+    "--expert-cache-gb",
+    "--expert-store",
+    "--expert-kernel",
+    "--streaming-stats",
+)
+EXPERTS_ENV = "MLX_LM_STREAMING_EXPERTS"
+
 _warned = False
+_said = False
+
+
+def _is_off(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
+def _run_module(orig_argv) -> str:
+    """The module of ``python -m MODULE ...``, or ``""``."""
+    args = list(orig_argv[1:])
+    for i, arg in enumerate(args):
+        if arg == "-m":
+            return args[i + 1] if i + 1 < len(args) else ""
+        if arg.startswith("-m"):
+            return arg[2:]
+        if not arg.startswith("-"):
+            return ""
+    return ""
+
+
+def startup_problem(environ=os.environ, argv=None, orig_argv=None):
+    """Why streaming, asked for by the environment or a flag, cannot happen in this process."""
+    argv = getattr(sys, "argv", []) if argv is None else argv
+    orig_argv = getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv
+    flags = [a.split("=")[0] for a in argv[1:] if a.split("=")[0] in STREAMING_FLAGS]
+    if _is_off(environ.get(HOOK_ENV, "1")):
+        asked = environ.get(EXPERTS_ENV, "")
+        if asked and not _is_off(asked):
+            return (
+                f"{EXPERTS_ENV}={asked} asks for streaming experts, but {HOOK_ENV}=0 turned the "
+                "startup hook off: mlx-lm will load every expert into memory; unset "
+                f"{HOOK_ENV} (or call mlx_lm_streaming.integration.install() before loading)"
+            )
+        if flags:
+            return (
+                f"{flags[0]} needs the startup hook, which {HOOK_ENV}=0 turned off, so mlx-lm "
+                f"does not know the flag; unset {HOOK_ENV}"
+            )
+        return None
+    module = _run_module(orig_argv)
+    if module in CLI_MODULES and flags:
+        command = module.split(".", 1)[1]
+        return (
+            f"`python -m {module}` (deprecated by mlx-lm) runs its file without our patch, so it "
+            f"does not take {flags[0]}: use `{module}` or `python -m mlx_lm {command}` instead, "
+            f"or {EXPERTS_ENV}=1"
+        )
+    return None
+
+
+def say_startup_problem() -> None:
+    """Write ``startup_problem()`` to stderr, once per process."""
+    global _said
+    if _said:
+        return
+    _said = True
+    problem = startup_problem()
+    if problem:
+        sys.stderr.write(f"mlx-lm-streaming: {problem}\n")
 
 
 def warn(exc: BaseException) -> None:
@@ -111,7 +181,8 @@ class MlxLmFinder:
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` once; patch what is already imported."""
     try:
-        if os.environ.get(HOOK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        say_startup_problem()
+        if _is_off(os.environ.get(HOOK_ENV, "1")):
             return
         if any(getattr(f, "mlx_lm_streaming", None) is True for f in sys.meta_path):
             return

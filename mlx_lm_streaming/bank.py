@@ -53,7 +53,6 @@ class LayerBank:
         self.staged: Dict[int, StagedBatch] = {}
         # x -> router logits of this layer (for lookahead from the layer before), or None
         self.router = None
-        self.while_reading = None  # see ``load``
         # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
         # addresses they were made for; None where MLX memory has none (see ``_refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
@@ -64,7 +63,7 @@ class LayerBank:
         # precision decides whether guesses are read or only scored
         self.predicted: Optional[set] = None
         # guesses are scored from the first call but read only once their running precision
-        # reaches ``lookahead_min_precision`` (four good calls in a row from 0): wrong guesses
+        # reaches ``CacheTuning.lookahead_min_precision`` (four good calls in a row from 0): wrong guesses
         # would cost staging memory and disk time before the layer has shown it can guess
         self.ahead_precision = 0.0
         self._fill_requested = False
@@ -112,7 +111,7 @@ class LayerBank:
         """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
-        if self.slots == 0 or not self.cache.direct_reads:
+        if self.slots == 0 or not self.cache.tuning.direct_reads:
             self.views = self._addresses = None
             return
         arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
@@ -128,8 +127,8 @@ class LayerBank:
             self.views = self._addresses = None
             return
         self.views, self._addresses = views, addresses
-        if self.cache.on_bank_views is not None:
-            self.cache.on_bank_views(self, arrays, addresses)
+        if self.cache.tuning.on_bank_views is not None:
+            self.cache.tuning.on_bank_views(self, arrays, addresses)
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]
@@ -146,12 +145,7 @@ class LayerBank:
         read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
         a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
         read one projection at a time and this is called as each but the last lands (before the
-        expert is resident: its slot holds that projection's bytes only). ``self.while_reading``,
-        if the caller (holding ``lock``) set it: called once the experts already resident are pinned
-        and before the others are read, when there are both (the layer computes its hit rows
-        meanwhile); it may return a function that waits for that work, called before any slot is
-        written with an MLX update (an update of a bank that pending work reads copies the bank)."""
-        while_reading, self.while_reading = self.while_reading, None
+        expert is resident: its slot holds that projection's bytes only)."""
         self.cache.ensure_planned()
         if len(experts) > self.slots:
             raise ValueError(
@@ -174,15 +168,7 @@ class LayerBank:
             except ValueError as e:
                 raise ValueError(f"{self.path}: {e}") from None
             if len(missing):
-                waiter = while_reading() if while_reading is not None and resident.any() else None
-                read_into_slots(
-                    self,
-                    missing,
-                    victims,
-                    before_install=waiter,
-                    ready=ready,
-                    part_ready=part_ready,
-                )
+                read_into_slots(self, missing, victims, ready=ready, part_ready=part_ready)
             hits = len(experts) - len(missing)
             self.cache.stats.add(hits, len(missing), evicted)
             if self.identity and not self.complete:
@@ -202,7 +188,7 @@ class LayerBank:
     @property
     def direct(self) -> bool:
         """Whether demand reads go straight into the banks' memory now (module docstring)."""
-        return self.views is not None and self.cache.direct_reads and not self.cache.shared
+        return self.views is not None and self.cache.tuning.direct_reads and not self.cache.shared
 
     def stage(
         self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False

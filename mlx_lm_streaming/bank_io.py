@@ -30,7 +30,6 @@ def read_into_slots(
     bank,
     experts: np.ndarray,
     slots: np.ndarray,
-    before_install=None,
     ready=None,
     part_ready=None,
 ) -> None:
@@ -66,7 +65,6 @@ def read_into_slots(
     groups.extend(by_batch.values())
     io = time.perf_counter() - start
     install = 0.0
-    wait_first = [before_install]
 
     def resident(pairs):
         ids = [e for e, _ in pairs]
@@ -76,12 +74,6 @@ def read_into_slots(
 
     def write(groups):
         nonlocal install
-        if wait_first[0] is not None:
-            done, wait_first[0] = wait_first[0], None
-            waited = time.perf_counter()
-            done()
-            if tl:
-                tl.span("wait compute", waited, "wait", layer=bank.path)
         t = time.perf_counter()
         _install(bank, groups)
         install += time.perf_counter() - t
@@ -144,7 +136,7 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
     views, refs, parts = bank.views, bank.layer.refs, bank.layer.parts
     store = bank.cache.store
-    written = bank.cache.on_slot_written
+    written = bank.cache.tuning.on_slot_written
     if part_landed is None:
         groups = [(None, list(range(len(parts))))]
     else:

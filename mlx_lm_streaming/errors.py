@@ -27,3 +27,26 @@ class ConfigurationError(StreamingError, ValueError):
 
 class IncompatibleMlxLmError(StreamingError, RuntimeError):
     """The installed mlx-lm is outside the supported range, or not shaped as we expect."""
+
+
+def exit_status(error: StreamingError) -> int:
+    """2 for a bad option (like argparse), 1 for a checkpoint, model or I/O failure."""
+    return 2 if isinstance(error, ConfigurationError) else 1
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a JSON error or a nested message may hold newlines)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def exit_with(prog: str, error: StreamingError) -> None:
+    """Print ``<prog>: error: <message>`` on stderr and exit with ``exit_status(error)``."""
+    import sys
+
+    try:
+        sys.stdout.flush()
+    except Exception:  # stdout closed or a broken pipe: the error line still goes out
+        pass
+    sys.stderr.write(f"{prog}: error: {one_line(error)}\n")
+    sys.stderr.flush()
+    raise SystemExit(exit_status(error))

@@ -5,7 +5,8 @@ The budget is global: every layer gets the same number of slots,
 leaves of the budget gives one more slot to layers in model order while it lasts (``plan_slots``).
 The cache owns what the banks share: the demand read threads, the background reader
 (``prefetch.ExpertPrefetcher``: lookahead, next wave) and the fill thread that completes identity
-banks, the settings that turn each of them on or off, and the counters behind ``--streaming-stats``.
+banks, the settings that turn each of them on or off (``CacheTuning``), and the counters behind
+``--streaming-stats``.
 """
 
 import math
@@ -20,6 +21,7 @@ import numpy as np
 from .bank import LayerBank
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
+from .options import format_size, gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
@@ -29,7 +31,7 @@ GB = 1 << 30
 # next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
 # not read. Peak memory stays within ~2x this over the budget
 STAGING_SHARE = 0.05
-# experts this big and bigger are read a projection at a time (``ExpertCache.phase_min_bytes``)
+# experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
 PHASE_MIN_BYTES = 16 << 20
 
 
@@ -58,6 +60,36 @@ class CacheStats:
             self.install_seconds += install
 
 
+@dataclass(frozen=True)
+class CacheTuning:
+    """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
+    drops work; none changes what is computed. Users choose ``direct_reads`` (``StreamingOptions``);
+    loading derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the
+    internal ``tuning`` entry of the streaming options, not a user option)."""
+
+    # demand reads straight into the banks (bank_io.py); off: through staging buffers
+    direct_reads: bool = True
+    # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
+    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
+    lookahead: bool = True
+    lookahead_min_precision: float = 0.5
+    # background fill of identity banks; complete identity banks skip the host sync
+    fill: bool = True
+    skip_sync: bool = True
+    # with direct reads, experts of at least this many bytes are read a projection at a time
+    # (``StreamingSwitchGLU._by_projection``); None: never
+    phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
+    # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
+    staging_bytes: Optional[int] = None
+    prefetch_threads: int = 2
+    # hooks for experiments on where bank memory lives (bench/cuda_uvm.py): ``on_slot_written(view)``,
+    # with direct reads, on a reader thread, for each part's host view of a slot once an expert's
+    # bytes are in it; ``on_bank_views(bank, arrays, addresses)`` when a bank's host views are
+    # (re)made. They may move bytes, never change them
+    on_slot_written: Optional[Callable[[np.ndarray], None]] = None
+    on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
+
+
 class ExpertCache:
     """All slot banks of one model, sharing one byte budget and one store."""
 
@@ -65,51 +97,19 @@ class ExpertCache:
         self,
         store,
         budget_bytes: Optional[int] = None,
-        *,
-        lookahead: bool = True,
-        fill: bool = True,
-        skip_sync: bool = True,
-        staging_bytes: Optional[int] = None,
-        prefetch_threads: int = 2,
+        tuning: CacheTuning = CacheTuning(),
+        policy: str = DEFAULT_POLICY,
     ):
         self.store = store
         self.budget_bytes = budget_bytes
+        self.tuning = tuning
         self.stats = CacheStats()
-        # which resident expert a bank evicts (``policy.POLICIES``); read when banks are allocated
-        self.policy = DEFAULT_POLICY
+        # which resident expert a bank evicts (``policy.POLICIES``)
+        self.policy = policy
         # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
         self.recorder = None
         # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
         self.timeline = None
-        # background reads: next-layer lookahead, filling identity banks; a complete identity bank
-        # skips the host sync. Each only moves or drops work; none changes what is computed.
-        self.lookahead = lookahead
-        # a layer's guesses are read only while their running precision is at least this; below it
-        # they are only scored (a wrong guess costs a read: on an I/O-bound machine, a demand read)
-        self.lookahead_min_precision = 0.5
-        self.fill = fill
-        self.skip_sync = skip_sync
-        # a layer computes the rows of its resident experts while it reads the others (and, with
-        # direct reads, each read expert's rows as it lands)
-        self.split_misses = True
-        # with direct reads, experts of at least this many bytes are read one projection at a time
-        # and each projection's rows computed as it lands (``StreamingSwitchGLU._by_projection``), so
-        # that a layer's first missed expert stalls it for one projection's read, not three (only
-        # where partial calls are exact, not padded: MLX's CPU backend). None: off. Measured in
-        # docs/benchmarks/README.md ("A projection at a time")
-        self.phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
-        # hooks for experiments on where bank memory lives (bench/cuda_uvm.py sets them; None here):
-        # ``on_slot_written(view)``, with direct reads, on a reader thread, for each part's host view
-        # of a slot once an expert's bytes are in it; ``on_bank_views(bank, arrays, addresses)`` when
-        # a bank's host views are (re)made, with the bank arrays and their addresses. They may move
-        # bytes, never change them
-        self.on_slot_written: Optional[Callable[[np.ndarray], None]] = None
-        self.on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
-        # bound on bytes staged by background reads; None: max(5% of the budget, 2 experts)
-        self.staging_bytes = staging_bytes
-        self.prefetch_threads = prefetch_threads
-        # demand reads straight into the banks (see the module docstring); off: through staging
-        self.direct_reads = True
         self._callers: set = set()  # threads that called a layer; direct reads need just one
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
@@ -171,7 +171,7 @@ class ExpertCache:
                 if self._closed:
                     raise ExpertIOError("the expert cache is closed (its model was released)")
                 if self._demand_pool is None:
-                    threads = max(2, int(getattr(self.store, "threads", 4) or 4))
+                    threads = max(2, self.store.threads)
                     self._demand_pool = ThreadPoolExecutor(
                         threads, thread_name_prefix="mlx-lm-streaming-demand"
                     )
@@ -185,7 +185,7 @@ class ExpertCache:
             with self._lock:
                 if self._prefetcher is None:
                     self._prefetcher = ExpertPrefetcher(
-                        self.store, self._staging_limit(), self.prefetch_threads
+                        self.store, self._staging_limit(), self.tuning.prefetch_threads
                     )
                     self._prefetcher.timeline = self.timeline
                     if self._closed:
@@ -202,11 +202,11 @@ class ExpertCache:
         return self.prefetcher.stats
 
     def _staging_limit(self) -> int:
-        if self.staging_bytes is not None:
-            return int(self.staging_bytes)
+        if self.tuning.staging_bytes is not None:
+            return int(self.tuning.staging_bytes)
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
         budget = self.budget_bytes if self.budget_bytes is not None else self.total_expert_bytes
-        floor = 0 if self.direct_reads else 2 * biggest
+        floor = 0 if self.tuning.direct_reads else 2 * biggest
         return int(max(STAGING_SHARE * budget, floor))
 
     def release(self, batch: StagedBatch, when_done: bool = False) -> None:
@@ -220,7 +220,7 @@ class ExpertCache:
 
     def request_fill(self, bank: LayerBank) -> None:
         """Read the rest of an identity bank's experts in the background (low priority)."""
-        if not self.fill or bank._fill_requested or self._closed:
+        if not self.tuning.fill or bank._fill_requested or self._closed:
             return
         bank._fill_requested = True
         with self._lock:
@@ -283,9 +283,10 @@ class ExpertCache:
         slots = self.budget_bytes // per_slot
         if slots < 1:
             raise ConfigurationError(
-                f"expert cache budget of {self.budget_bytes / GB:.3f} GB is below the minimum "
-                f"of one expert per MoE layer ({per_slot / GB:.3f} GB for {len(banks)} "
-                "layers); raise --expert-cache-gb / expert_cache_gb"
+                f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
+                f"of one expert per MoE layer, {format_size(per_slot)} for {len(banks)} layers: "
+                f"raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb to at "
+                f"least {gb_at_least(per_slot)} GB"
             )
         return min(slots, most)
 

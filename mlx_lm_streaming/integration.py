@@ -26,7 +26,15 @@ import sys
 import threading
 
 from .mlx_compat import CLI_MODULES  # noqa: F401  (re-exported: the commands we patch)
-from .options import CONFIG_KEY, ENV, TRUE, StreamingOptions, requested
+from .options import (
+    CONFIG_KEY,
+    ENV,
+    FALSE,
+    StreamingOptions,
+    check_budget_gb,
+    missing_local_path,
+    requested,
+)
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
 # argparse dest -> environment variable it sets
 FLAG_ENV = {
@@ -114,14 +122,10 @@ def _wrap_load_model(stock_load_model):
 # -- command-line flags --------------------------------------------------------------------------
 
 
-def _positive_gb(value: str) -> float:
-    try:
-        gb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of GB") from None
-    if not gb > 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: the budget must be positive")
-    return gb
+def fail(parser, message: str, status: int = 2) -> None:
+    """One line, ``<prog>: error: <message>``, and exit: our errors name the flag or variable at
+    fault, so argparse's usage block would only push that line out of sight."""
+    parser.exit(status, f"{parser.prog}: error: {' '.join(message.split())}\n")
 
 
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +143,6 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--expert-cache-gb",
-        type=_positive_gb,
         metavar="GB",
         help="Expert cache budget in GB. Default: half of the memory the resident weights "
         f"leave free, at least one expert per MoE layer ({ENV['expert_cache_gb']}).",
@@ -177,7 +180,10 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
-    """Move our flags out of ``namespace`` into the environment that ``options`` reads."""
+    """Move our flags out of ``namespace`` into the environment that ``options`` reads.
+
+    When streaming is asked for (flag or environment), the options are checked here, before
+    anything loads: an error is one line naming the flag or variable at fault."""
     given = {}
     for dest in FLAG_ENV:
         value = getattr(namespace, dest, None)
@@ -185,61 +191,78 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             delattr(namespace, dest)
         if value is not None:
             given[dest] = value
-    if not given:
+    by_env = environ.get(ENV["enabled"], "").strip().lower() not in FALSE
+    if not given and not by_env:
         return
-    enabled = bool(given.get("streaming_experts")) or (
-        environ.get(ENV["enabled"], "").strip().lower() in TRUE
-    )
+    enabled = bool(given.get("streaming_experts")) or by_env
     if not enabled:
         flags = ", ".join("--" + d.replace("_", "-") for d in given)
         verb = "needs" if len(given) == 1 else "need"
-        parser.error(f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
+        fail(parser, f"{flags} {verb} --streaming-experts (or {ENV['enabled']}=1)")
     if getattr(namespace, "pipeline", None) is False and _distributed_size() > 1:
         # server and chat shard tensor-parallel without --pipeline; a streaming model refuses that
         # at load, where the server would only log it and keep running without a model
-        parser.error(
+        fail(
+            parser,
             "--streaming-experts over several ranks needs --pipeline: tensor parallelism is not "
-            "supported with streaming experts yet (docs/distributed.md)"
+            "supported with streaming experts yet (docs/distributed.md)",
         )
+    _check_flags(parser, given)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
-    # fail here, with the flag named, rather than at load
-    from . import plugins
+    # what is left to check came from the environment: the error names the variable
     from .errors import StreamingError
 
     try:
         StreamingOptions.from_env(environ)
-        for dest, registered in (
-            ("expert_store", plugins.stores),
-            ("expert_kernel", plugins.kernels),
-        ):
-            name = given.get(dest)
-            if name is None:
-                continue
-            known = set(registered()) | ({"auto"} if dest == "expert_kernel" else set())
-            if name not in known:
-                parser.error(
-                    f"argument --{dest.replace('_', '-')}: unknown name {name!r}; "
-                    f"registered: {', '.join(sorted(known))}"
-                )
-        if given.get("record_routing"):
-            from .routing_trace import check_writable
-
-            try:
-                check_writable(given["record_routing"])
-            except StreamingError as e:
-                parser.error(f"argument --record-routing: {e}")
-        if given.get("streaming_trace"):
-            from .timeline import check_writable as check_timeline
-
-            try:
-                check_timeline(given["streaming_trace"])
-            except StreamingError as e:
-                parser.error(f"argument --streaming-trace: {e}")
     except StreamingError as e:
-        parser.error(str(e))
+        fail(parser, str(e))
+    model = getattr(namespace, "model", None)
+    if missing_local_path(model):
+        fail(parser, f"argument --model: {model}: no such model directory", 1)
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
+
+
+def _check_flags(parser, given: dict) -> None:
+    """Each flag's value on its own, so that the error names the flag (the budget as a float)."""
+    from . import plugins
+    from .errors import ConfigurationError, StreamingError
+
+    if "expert_cache_gb" in given:
+        try:
+            given["expert_cache_gb"] = check_budget_gb(given["expert_cache_gb"])
+        except ConfigurationError as e:
+            fail(parser, f"argument --expert-cache-gb: {e}")
+    for dest, registered in (
+        ("expert_store", plugins.stores),
+        ("expert_kernel", plugins.kernels),
+    ):
+        name = given.get(dest)
+        if name is None:
+            continue
+        known = set(registered()) | ({"auto"} if dest == "expert_kernel" else set())
+        if name not in known:
+            flag = "--" + dest.replace("_", "-")
+            what = dest.replace("_", " ")
+            fail(
+                parser,
+                f"argument {flag}: {plugins.unknown_name(what, name, known, flag)}",
+            )
+    if given.get("record_routing"):
+        from .routing_trace import check_writable
+
+        try:
+            check_writable(given["record_routing"])
+        except StreamingError as e:
+            fail(parser, f"argument --record-routing: {e}")
+    if given.get("streaming_trace"):
+        from .timeline import check_writable as check_timeline
+
+        try:
+            check_timeline(given["streaming_trace"])
+        except StreamingError as e:
+            fail(parser, f"argument --streaming-trace: {e}")
 
 
 def _distributed_size() -> int:
@@ -269,6 +292,7 @@ class _FirstParser:
     def __init__(self):
         self.stock = argparse.ArgumentParser.parse_known_args
         self.active = False
+        self.prog = None  # the command's name, once its parser ran
         self.lock = threading.Lock()
 
     def __enter__(self):
@@ -282,6 +306,7 @@ class _FirstParser:
                 # the parser has such a flag already: it is not ours to extend
                 return stock(parser, args, namespace)
             add_streaming_arguments(parser)
+            first.prog = parser.prog
             namespace, extras = stock(parser, args, namespace)
             export_streaming_arguments(parser, namespace)
             return namespace, extras
@@ -311,8 +336,15 @@ def wrap_cli_main(module) -> None:
 
     @functools.wraps(stock_main)
     def main(*args, **kwargs):
-        with _FirstParser():
-            return stock_main(*args, **kwargs)
+        from .errors import StreamingError, exit_with
+
+        first = _FirstParser()
+        try:
+            with first:
+                return stock_main(*args, **kwargs)
+        except StreamingError as e:
+            # only we raise these, and only when streaming was asked for: one line, no traceback
+            exit_with(first.prog or os.path.basename(sys.argv[0]), e)
 
     main.mlx_lm_streaming = True
     main.stock = stock_main

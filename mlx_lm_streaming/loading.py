@@ -8,10 +8,10 @@ shapes the index checks the checkpoint against are those of the quantized stock 
 """
 
 import atexit
-import inspect
 import os
 import sys
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import plugins
-from .expert_cache import GB, ExpertCache
+from .expert_cache import GB, CacheTuning, ExpertCache
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
@@ -84,10 +84,20 @@ class StreamingState:
         budget = None
         if options.expert_cache_gb is not None:
             budget = int(options.expert_cache_gb * GB)
-        self.cache = ExpertCache(self.store, budget)
-        self.cache.policy = options.cache_policy
+        self.selector = KernelSelector(options.kernel)
+        recording = bool(options.record_routing) and not RoutingRecorder.claimed(
+            options.record_routing
+        )
+        tuning = options.tuning or CacheTuning()
+        tuning = replace(
+            tuning,
+            direct_reads=options.use_direct_reads(self.selector.backend),
+            # every call reports its ids when recording: complete banks must not skip the host sync
+            skip_sync=tuning.skip_sync and not recording,
+        )
+        self.cache = ExpertCache(self.store, budget, tuning, options.cache_policy)
         self.recorder = None
-        if options.record_routing and not RoutingRecorder.claimed(options.record_routing):
+        if recording:
             cache = self.cache
             self.recorder = RoutingRecorder(
                 options.record_routing,
@@ -98,10 +108,6 @@ class StreamingState:
                 "argpartition order, not sorted by score); calls of more than one token are prefill",
             )
             self.cache.recorder = self.recorder
-            # every call reports its ids: complete banks must not skip the host sync
-            self.cache.skip_sync = False
-        self.selector = KernelSelector(options.kernel)
-        self.cache.direct_reads = options.use_direct_reads(self.selector.backend)
         # last: nothing after it can fail and leave the file open
         self.timeline = open_timeline(options.trace, f"mlx-lm-streaming {self.model_path.name}")
         self.cache.timeline = self.timeline
@@ -117,8 +123,10 @@ class StreamingState:
 
     def stats_line(self) -> str:
         s = self.stats()
+        # no expert was asked for yet (nothing generated): no rate to give
+        rate = "n/a" if s["hits"] + s["misses"] == 0 else f"{s['hit_rate']:.1%}"
         line = (
-            f"[streaming] hit rate {s['hit_rate']:.1%}, experts read {s['experts_read']}, "
+            f"[streaming] hit rate {rate}, experts read {s['experts_read']}, "
             f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
             f"cache {s['cache_gb']:.3f} GB"
         )
@@ -141,14 +149,7 @@ class StreamingState:
             self.recorder.close()
         if self.timeline is not None:
             self.timeline.close()
-        try:
-            takes_wait = "wait" in inspect.signature(self.store.close).parameters
-        except (TypeError, ValueError):
-            takes_wait = False
-        if takes_wait:
-            self.store.close(wait=wait)
-        else:
-            self.store.close()
+        self.store.close(wait=wait)
 
 
 def _module_at(model, path: str):
@@ -189,7 +190,7 @@ def convert_model(
     if not routed:
         raise UnsupportedModelError(
             f"model_type {config.get('model_type')!r}: no routed-expert modules "
-            f"({adapter.experts_class.__name__}) found to stream"
+            "(SwitchGLU) found to stream"
         )
     # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
     # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)
@@ -238,7 +239,7 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         k: v for k, v in (arguments.get("model_config") or {}).items() if k != CONFIG_KEY
     }
     arguments["model_config"] = model_config
-    config = {**load_config(model_path), **model_config}
+    config = {**_read_config(model_path, load_config), **model_config}
     if config.get("model_file") is not None:
         raise UnsupportedModelError(
             f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
@@ -249,7 +250,16 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
 
     def classes(config):
-        model_class, args_class = get_model_classes(config=config)
+        try:
+            model_class, args_class = get_model_classes(config=config)
+        except KeyError as e:
+            raise CheckpointError(f"{model_path / 'config.json'}: no {e} entry") from e
+        except ValueError as e:  # mlx-lm has no model file for this model_type
+            from mlx_lm import __version__
+
+            raise CheckpointError(
+                f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
+            ) from e
 
         def build(args):
             model = model_class(args)
@@ -299,6 +309,24 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+def _read_config(model_path: Path, load_config) -> dict:
+    """mlx-lm's ``load_config``, with a missing or invalid ``config.json`` named in one line."""
+    path = model_path / "config.json"
+    if not model_path.is_dir():
+        raise CheckpointError(f"{model_path}: no such model directory")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a model directory?)")
+    try:
+        config = load_config(model_path)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 def _tensor_parallel_unsupported(*args, **kwargs):

@@ -5,7 +5,8 @@ hook, ``_bootstrap``, right after an mlx-lm module is imported). Before it patch
 
 1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
 2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
-   ``SwitchGLU``).
+   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``switch.py`` runs a projection
+   at a time through ``switch_glu_*`` below).
 
 If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked for by flag or by
 ``MLX_LM_STREAMING_EXPERTS`` then fails in one line that names the mlx-lm version found and the
@@ -14,6 +15,7 @@ supported range (``refusal``), instead of silently loading every expert into mem
 
 import inspect
 import os
+import re
 import sys
 from typing import Optional, Tuple
 
@@ -90,19 +92,72 @@ def load_model_problem(load_model) -> Optional[str]:
     return None
 
 
-def switch_glu_problem() -> Optional[str]:
-    """None if mlx-lm's ``SwitchGLU`` has the projections and call we replace."""
-    try:
-        from mlx_lm.models.switch_layers import SwitchGLU
-    except ImportError as e:
-        return f"mlx_lm.models.switch_layers.SwitchGLU cannot be imported ({e})"
-    params = list(inspect.signature(SwitchGLU.__call__).parameters)
+# mlx-lm's SwitchGLU sorts its rows by expert from this many indices on (``do_sort = indices.size
+# >= 64`` in SwitchGLU.__call__): below it, a call is the unsorted ops ``switch_glu_*`` repeat. The
+# streaming layer also uses it to tell decode-sized calls from prefill-sized ones
+SORT_THRESHOLD = 64
+# the statements of SwitchGLU.__call__ (whitespace removed) that ``switch_glu_*`` repeat below the
+# sort threshold; checked at patch time (``switch_glu_problem``)
+SWITCH_GLU_BODY = (
+    "x=mx.expand_dims(x,(-2,-3))",
+    f"do_sort=indices.size>={SORT_THRESHOLD}",
+    "x_up=self.up_proj(x,idx,sorted_indices=do_sort)",
+    "x_gate=self.gate_proj(x,idx,sorted_indices=do_sort)",
+    "x=self.down_proj(self.activation(x_up,x_gate),idx,sorted_indices=do_sort",
+    "returnx.squeeze(-2)",
+)
+
+
+def switch_glu_problem(switch_glu=None) -> Optional[str]:
+    """None if mlx-lm's ``SwitchGLU`` (or ``switch_glu``) has the signature we replace and the call
+    body ``switch_glu_*`` repeat, else what differs."""
+    if switch_glu is None:
+        try:
+            from mlx_lm.models.switch_layers import SwitchGLU as switch_glu
+        except ImportError as e:
+            return f"mlx_lm.models.switch_layers.SwitchGLU cannot be imported ({e})"
+    params = list(inspect.signature(switch_glu.__call__).parameters)
     if params[1:3] != ["x", "indices"]:
         return f"SwitchGLU.__call__ takes {params[1:]}, not (x, indices)"
-    init = inspect.signature(SwitchGLU.__init__).parameters
+    init = inspect.signature(switch_glu.__init__).parameters
     if "activation" not in init:
         return "SwitchGLU takes no activation"
+    try:
+        body = re.sub(r"\s+", "", inspect.getsource(switch_glu.__call__))
+    except (OSError, TypeError):
+        return "the source of SwitchGLU.__call__ cannot be read"
+    for statement in SWITCH_GLU_BODY:
+        if statement not in body:
+            return f"SwitchGLU.__call__ no longer does {statement!r}"
     return None
+
+
+# SwitchGLU.__call__ below SORT_THRESHOLD indices, one step at a time (streaming computes a read
+# expert's gate and up projections while its down projection is still read: switch.py)
+
+
+def is_stock_switch_glu(module) -> bool:
+    """Whether ``module`` is mlx-lm's own ``SwitchGLU`` (a subclass may call differently)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return type(module) is SwitchGLU
+
+
+def switch_glu_input(x):
+    """``x`` as SwitchGLU.__call__ hands it to its projections."""
+    import mlx.core as mx
+
+    return mx.expand_dims(x, (-2, -3))
+
+
+def switch_glu_projection(glu, proj: str, x, indices):
+    """``gate_proj`` or ``up_proj`` of ``switch_glu_input(x)``, unsorted."""
+    return getattr(glu, proj)(x, indices, sorted_indices=False)
+
+
+def switch_glu_output(glu, up, gate, indices):
+    """The rest of the call: activation, ``down_proj``, the squeeze."""
+    return glu.down_proj(glu.activation(up, gate), indices, sorted_indices=False).squeeze(-2)
 
 
 _problem: Optional[str] = None

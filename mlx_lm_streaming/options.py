@@ -12,6 +12,7 @@ An explicit ``model_config`` entry wins over the environment; ``{"streaming_expe
 streaming off even when the environment asks for it.
 """
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
@@ -33,6 +34,54 @@ ENV = {
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
+GiB = 1 << 30
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps them readable: ``512 B``, ``95.4 KB``, ``2.5 GB``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+
+
+def gb_at_least(nbytes: int) -> str:
+    """``nbytes`` as a number of GB to pass to ``--expert-cache-gb``, rounded up (3 digits)."""
+    gb = nbytes / GiB
+    step = 10.0 ** (math.floor(math.log10(gb)) - 2)
+    value = math.ceil(gb / step) * step
+    text = f"{value:.3g}"
+    while int(float(text) * GiB) < nbytes:  # loading takes int(gb * 2**30) bytes
+        value += step
+        text = f"{value:.3g}"
+    return text
+
+
+def missing_local_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path (not a Hugging Face repo id) and nothing is there."""
+    if not isinstance(name, str) or os.path.exists(name):
+        return False
+    return (
+        os.path.isabs(name)
+        or name.startswith(("./", "../", "~"))
+        or name.count("/") > 1
+    )
+
+
+def check_budget_gb(value) -> float:
+    """A budget in GiB as a float: a positive, finite number (raises ``ConfigurationError``)."""
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{value!r} is not a number of GB") from None
+    if not gb > 0:
+        raise ConfigurationError(f"{value!r}: the budget must be positive")
+    if not math.isfinite(gb * GiB):
+        raise ConfigurationError(
+            f"{value!r}: the budget must be a finite number of GB (leave it out for the default; "
+            "a budget above the experts' total keeps every expert)"
+        )
+    return gb
 
 
 @dataclass
@@ -53,19 +102,16 @@ class StreamingOptions:
     record_routing: Optional[str] = None
     # write a timeline of reads, installs, syncs and compute to this file (timeline.py)
     trace: Optional[str] = None
+    # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
+    # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
+    tuning: Any = field(default=None, repr=False, metadata={"internal": True})
 
     def __post_init__(self):
         if self.expert_cache_gb is not None:
             try:
-                self.expert_cache_gb = float(self.expert_cache_gb)
-            except (TypeError, ValueError):
-                raise ConfigurationError(
-                    f"expert_cache_gb must be a number of GB, got {self.expert_cache_gb!r}"
-                ) from None
-            if not self.expert_cache_gb > 0:
-                raise ConfigurationError(
-                    f"expert_cache_gb must be positive, got {self.expert_cache_gb}"
-                )
+                self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
+            except ConfigurationError as e:
+                raise ConfigurationError(f"expert_cache_gb {e}") from None
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
@@ -136,11 +182,19 @@ class StreamingOptions:
                      "record_routing", "trace"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
-        kwargs["stats"] = environ.get(ENV["stats"], "").strip().lower() in TRUE
-        try:
-            return cls(**kwargs)
-        except ConfigurationError as e:
-            raise ConfigurationError(f"from the environment: {e}") from None
+                try:  # one at a time, so that the error names the variable at fault
+                    cls(**{name: kwargs[name]})
+                except ConfigurationError as e:
+                    raise ConfigurationError(
+                        f"{ENV[name]}={environ[ENV[name]]!r}: {e}"
+                    ) from None
+        stats = environ.get(ENV["stats"], "").strip().lower()
+        if stats not in TRUE + FALSE:
+            raise ConfigurationError(
+                f"{ENV['stats']}={environ[ENV['stats']]!r}: use 1 or 0"
+            )
+        kwargs["stats"] = stats in TRUE
+        return cls(**kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -96,11 +96,36 @@ def kernels():
     return _collect("register_kernels", lambda kernel: kernel.name)
 
 
+def blocked_plugins():
+    """Entry-point plugins installed here that ``MLX_LM_STREAMING_BLOCK_PLUGINS`` blocks."""
+    from importlib.metadata import entry_points
+
+    blocked = _blocked_names()
+    return sorted({ep.name for ep in entry_points(group=GROUP)} & blocked)
+
+
+def unknown_name(what: str, name: str, registered, where: str) -> str:
+    """Why ``name`` is not a registered ``what``: blocked plugins are named as such."""
+    listed = ", ".join(sorted(registered))
+    blocked = blocked_plugins()
+    if blocked:
+        return (
+            f"{what} {name!r} ({where}) is not available: the plugin(s) {', '.join(blocked)} "
+            f"are blocked by {BLOCK_ENV}={os.environ.get(BLOCK_ENV, '')!r} (unset it to use "
+            f"them); registered: {listed}"
+        )
+    return f"unknown {what} {name!r} ({where}); registered: {listed}"
+
+
 def make_store(name: str, files, **options):
     available = stores()
     if name not in available:
         raise ConfigurationError(
-            f"unknown expert store {name!r} (--expert-store / store=); registered: "
-            f"{', '.join(sorted(available))}"
+            unknown_name(
+                "expert store",
+                name,
+                available,
+                "--expert-store / MLX_LM_STREAMING_STORE / store=",
+            )
         )
     return available[name](files, **options)

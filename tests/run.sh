@@ -9,5 +9,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+rm -rf build  # setuptools builds in the tree: a stale build/ would install old files
 .venv/bin/python -m pip install -q '.[cpu,test]'
 exec .venv/bin/python -m pytest -q "$@"

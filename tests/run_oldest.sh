@@ -10,6 +10,7 @@ if [ ! -x .venv-oldest/bin/python ]; then
   "$PY" -m venv .venv-oldest
 fi
 .venv-oldest/bin/python -m pip install -q --upgrade pip
+rm -rf build  # setuptools builds in the tree: a stale build/ would install old files
 .venv-oldest/bin/python -m pip install -q '.[cpu,test]' "mlx-lm==$OLDEST"
 .venv-oldest/bin/python -c "import mlx_lm; print('mlx-lm', mlx_lm.__version__)"
 exec .venv-oldest/bin/python -m pytest -q -m "core and not slow" "$@"

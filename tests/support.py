@@ -264,3 +264,58 @@ def chat(i, stream=False, **extra):
     }
 
 
+
+
+# -- failures as users see them (tests/test_reliability_errors.py) -------------------------------
+
+
+def run_cli(cmd, cwd, env=None, timeout=120) -> subprocess.CompletedProcess:
+    """Run an installed command without requiring success (``run`` requires exit 0)."""
+    return subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env if env is not None else clean_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_error_line(out: subprocess.CompletedProcess, *names) -> str:
+    """Assert a failure reported the way users must see it: non-zero exit, no traceback, exactly one
+    line on stderr, naming each of ``names``. Returns that line."""
+    report = f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    assert out.returncode != 0, report
+    assert "Traceback" not in out.stderr, report
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, report
+    for name in names:
+        assert str(name) in lines[0], f"{name!r} not named:\n{report}"
+    return lines[0]
+
+
+def build_dense_checkpoint(path: Path, tokenizer_from: Path) -> Path:
+    """A tiny dense llama checkpoint (nothing to stream), with the tokenizer of ``tokenizer_from``."""
+    import shutil
+
+    from mlx_lm.models import llama
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    }
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mlx_lm.utils.save_model(path, model)
+    mlx_lm.utils.save_config(config, path / "config.json")
+    for f in tokenizer_from.glob("*token*"):
+        shutil.copy(f, path / f.name)
+    return path

@@ -4,6 +4,7 @@ streaming refuses in one line. Run under the oldest supported mlx-lm too (.ci/ru
 import subprocess
 import sys
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -62,6 +63,29 @@ def test_load_model_shape_is_checked():
 
     assert "model_config" in mlx_compat.load_model_problem(old)
     assert mlx_compat.load_model_problem(mlx_lm.utils.load_model) is None
+
+
+def test_switch_glu_body_is_checked():
+    # switch.py runs SwitchGLU's call body a projection at a time (mlx_compat.switch_glu_*) and
+    # tells decode from prefill by its sort threshold: a SwitchGLU that no longer does what we
+    # repeat must be refused at patch time, not silently give other bits
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    assert mlx_compat.switch_glu_problem(SwitchGLU) is None
+
+    class Resorted(SwitchGLU):
+        def __call__(self, x, indices):
+            x = mx.expand_dims(x, (-2, -3))
+            do_sort = indices.size >= 32
+            return x if do_sort else x
+
+    assert "indices.size>=64" in mlx_compat.switch_glu_problem(Resorted)
+
+    class Fused(SwitchGLU):
+        def __call__(self, x, indices):
+            return self.fused(x, indices)
+
+    assert "expand_dims" in mlx_compat.switch_glu_problem(Fused)
 
 
 def test_install_refuses_an_unsupported_mlx_lm(monkeypatch):

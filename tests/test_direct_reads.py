@@ -19,7 +19,9 @@ from support import decode, load_stock, load_streaming, per_slot, same, with_slo
 from mlx_lm_streaming import bank_io
 from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.expert_cache import GB, CacheTuning
+
+NO_LOOKAHEAD = CacheTuning(lookahead=False)
 
 
 def counting(monkeypatch):
@@ -50,9 +52,8 @@ def counting(monkeypatch):
 @pytest.mark.parametrize("slots", [1, 2, 3, 5, 16])
 def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
     path, tokens, want = q3
-    model = with_slots(path, slots)
+    model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
     cache = model.expert_streaming.cache
-    cache.lookahead = False
     cache.ensure_planned()
     assert all(b.slots == slots and b.direct for b in cache.banks)
     seen = counting(monkeypatch)
@@ -67,9 +68,8 @@ def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
 def test_experts_are_computed_as_they_land(q3, monkeypatch):
     """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
     path, tokens, want = q3
-    model = with_slots(path, 8)
+    model = with_slots(path, 8, tuning=NO_LOOKAHEAD)
     cache = model.expert_streaming.cache
-    cache.lookahead = False
     cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
     store, real = cache.store, cache.store.read_many
 
@@ -133,9 +133,8 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
 
 def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
     path, tokens, want = q3
-    model = with_slots(path, 4)
+    model = with_slots(path, 4, tuning=NO_LOOKAHEAD)
     cache = model.expert_streaming.cache
-    cache.lookahead = False
     store = cache.store
     real = store.read_many
     calls = {"n": 0}
@@ -174,8 +173,7 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
 
     monkeypatch.setattr(GatherKernel, "__call__", call)
     for slots in (3, 8):
-        model = with_slots(path, slots)
-        model.expert_streaming.cache.lookahead = False
+        model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
         counts.clear()
         assert same(want, decode(model, tokens))
         k = model.args.num_experts_per_tok
@@ -230,22 +228,24 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
 
 
 def test_bank_memory_hooks_see_bank_memory_and_change_no_result(q3):
-    """The hooks benchmarks set (``ExpertCache.on_bank_views`` / ``on_slot_written``; bench/cuda_uvm.py
+    """The hooks benchmarks set (``CacheTuning.on_bank_views`` / ``on_slot_written``; bench/cuda_uvm.py
     gives CUDA unified-memory hints through them) are handed the banks' own memory: every bank's
     arrays and addresses once its views are made, and each slot's view, inside a bank, as an expert
     lands in it. Results stay exact."""
     path, tokens, want = q3
-    model = with_slots(path, 3)
-    cache = model.expert_streaming.cache
-    cache.lookahead = False  # every miss a direct read
     made, written = [], []
 
     def on_bank_views(bank, arrays, addresses):
         assert addresses == [int(a) for a in bank._addresses]
         made.append((bank, [(at, at + a.nbytes) for a, at in zip(arrays, addresses)]))
 
-    cache.on_bank_views = on_bank_views
-    cache.on_slot_written = lambda view: written.append((view.ctypes.data, view.nbytes))
+    tuning = CacheTuning(
+        lookahead=False,  # every miss a direct read
+        on_bank_views=on_bank_views,
+        on_slot_written=lambda view: written.append((view.ctypes.data, view.nbytes)),
+    )
+    model = with_slots(path, 3, tuning=tuning)
+    cache = model.expert_streaming.cache
     assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
     assert {id(b) for b, _ in made} == {id(b) for b in cache.banks}
@@ -278,10 +278,8 @@ def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
 
     monkeypatch.setattr(switch.StreamingSwitchGLU, "_by_projection", by_projection)
     path, tokens, want = q3
-    model = with_slots(path, slots)
+    model = with_slots(path, slots, tuning=CacheTuning(lookahead=False, phase_min_bytes=0))
     cache = model.expert_streaming.cache
-    cache.lookahead = False
-    cache.phase_min_bytes = 0
     assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
     # gate and up are reported as they land; down lands with the expert
@@ -300,9 +298,8 @@ def test_a_cancelled_read_is_an_error_not_a_hang(q3):
             return future
 
     path, tokens, _ = q3
-    model = with_slots(path, 2)
+    model = with_slots(path, 2, tuning=NO_LOOKAHEAD)
     cache = model.expert_streaming.cache
-    cache.lookahead = False
     cache.ensure_planned()
     cache._demand_pool = Cancelling()
     with pytest.raises(ExpertIOError, match="cancelled"):

@@ -166,7 +166,7 @@ def test_budget_below_one_expert_per_layer_is_an_error(checkpoint):
     [
         ({"store": "nope"}, "unknown expert store 'nope'"),
         ({"kernel": "nope"}, "unknown expert kernel 'nope'"),
-        ({"expert_cache_gb": -1}, "expert_cache_gb must be positive"),
+        ({"expert_cache_gb": -1}, "expert_cache_gb -1: the budget must be positive"),
         ({"cache": 1}, r"unknown streaming_experts option\(s\) \['cache'\]"),
     ],
 )

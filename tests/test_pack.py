@@ -12,9 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.expert_cache import GB, CacheTuning
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
-from mlx_lm_streaming.pack import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
 from mlx_lm_streaming.synthetic import build_checkpoint
@@ -74,9 +74,12 @@ def test_packed_store_closes_after_threaded_reads(packed, wait):
     (``wait=False``: as a garbage-collection finalizer does) stops the pool without error."""
     path, want = packed
     model, _ = load_streaming(
-        path, expert_cache_gb=small_budget(path), store="packed", store_options={"threads": 4}
+        path,
+        expert_cache_gb=small_budget(path),
+        store="packed",
+        store_options={"threads": 4},
+        direct_reads=False,
     )
-    model.expert_streaming.cache.direct_reads = False
     store = model.expert_streaming.store
     assert same(want, run(model))
     assert store._pool is not None
@@ -143,8 +146,10 @@ def test_one_fallback_store_for_concurrent_reads(packed, monkeypatch):
 
 def test_one_read_per_expert(packed):
     path, _ = packed
-    model, _ = load_streaming(path, expert_cache_gb=small_budget(path), store="packed")
-    model.expert_streaming.cache.lookahead = False  # wrong guesses would be reads too
+    # no lookahead: wrong guesses would be reads too
+    model, _ = load_streaming(
+        path, expert_cache_gb=small_budget(path), store="packed", tuning=CacheTuning(lookahead=False)
+    )
     store = model.expert_streaming.store
     calls = []
     real = os.preadv
@@ -272,7 +277,7 @@ def test_interrupted_pack_leaves_no_pack(packed, tmp_path, monkeypatch):
     for f in path.iterdir():
         if f.is_file() and f.name != PACK_NAME:
             os.link(f, dst / f.name)
-    import mlx_lm_streaming.pack as pack_mod
+    import mlx_lm_streaming.packfile as pack_mod
 
     real = pack_mod.zlib.crc32
     calls = []

@@ -16,7 +16,11 @@ import pytest
 from mlx.utils import tree_flatten
 from support import held_out_env, load_streaming
 
+from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
+from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
+from mlx_lm_streaming.switch import StreamingSwitchGLU
+from mlx_lm_streaming.synthetic import build_checkpoint
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
 VARIANTS = ["affine4", "mixed", "affine8", "mxfp4", "float32_hf"]
@@ -91,6 +95,73 @@ def test_parity_half_precision(checkpoint, dtype):
 @pytest.mark.parametrize("variant", ["affine4", "mixed", "mxfp4", "float32_hf"])
 def test_parity_per_expert_kernel(checkpoint, variant):
     check_parity(checkpoint("mixtral", variant), kernel="per_expert")
+
+
+# without direct reads (the default on GPUs; on the CPU when several threads call): staged reads
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_parity_staged_reads(checkpoint, arch):
+    check_parity(checkpoint(arch), direct_reads=False)
+
+
+def count_paths(monkeypatch):
+    """Count the execution paths of ``StreamingSwitchGLU.__call__`` that run (docs/design.md)."""
+    ran = {}
+
+    def counted(name, label):
+        real = getattr(StreamingSwitchGLU, name)
+
+        def call(self, *args):
+            y = real(self, *args)
+            key = label(args, y)
+            if key is not None:
+                ran[key] = ran.get(key, 0) + 1
+            return y
+
+        monkeypatch.setattr(StreamingSwitchGLU, name, call)
+
+    counted("_stock_graph", lambda a, y: None if y is None else "stock graph")
+    counted("_in_one_call", lambda a, y: "staged, one call")
+    counted("_waves", lambda a, y: "staged, waves")
+    sizes = ("direct, as they land", "direct, a wave per call")
+    counted("_as_they_land", lambda a, y: sizes[a[1].size >= SORT_THRESHOLD])
+    counted("_by_projection", lambda a, y: "direct, a projection at a time")
+    return ran
+
+
+def test_parity_table_reaches_every_path(checkpoint, monkeypatch):
+    # the table's budgets and prompts, with its options, reach each path but the per-projection one
+    # (experts of PHASE_MIN_BYTES and more: the next test)
+    ran = count_paths(monkeypatch)
+    check_parity(checkpoint("qwen3_moe"))
+    check_parity(checkpoint("qwen3_moe"), direct_reads=False)
+    assert set(ran) == {
+        "stock graph",
+        "staged, one call",
+        "staged, waves",
+        "direct, as they land",
+        "direct, a wave per call",
+    }, ran
+
+
+def test_parity_big_experts_read_a_projection_at_a_time(tmp_path, monkeypatch):
+    # experts of PHASE_MIN_BYTES (16 MiB) and more are read a projection at a time (the default):
+    # one prompt row, 3 slots of 4 experts, a few decode steps (each forward pass costs ~0.4 s here)
+    path = build_checkpoint(
+        tmp_path / "big",
+        "mixtral",
+        "affine4",
+        num_layers=2,
+        overrides={"hidden": 2048, "moe_intermediate": 4608, "experts": 4},
+    )
+    ran = count_paths(monkeypatch)
+    probe, _ = load_streaming(path)
+    assert all(b.layer.expert_nbytes >= PHASE_MIN_BYTES for b in probe.expert_streaming.cache.banks)
+    budgets = {"small": budget_of_slots(probe, 3)}
+    probe.expert_streaming.close()
+    with held_out_env():
+        rows = compare(path, budgets, batches=(1,), steps=3)
+    assert [r["difference"] for r in rows] == [None]
+    assert ran.get("direct, a projection at a time", 0) > 0, ran
 
 
 def test_non_finite_logits_are_a_difference():

@@ -14,6 +14,7 @@ import pytest
 from support import GB, decode, load_stock, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
+from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.prefetch import find_router
 
 
@@ -22,13 +23,14 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     path, tokens, want = q3
     probe, _ = load_streaming(path)
     budget = (4 * per_slot(probe) + 0.5) / GB
-    model, _ = load_streaming(path, expert_cache_gb=budget)
+    tuning = CacheTuning(
+        # room for a few staged experts (by default 5% of so small a budget holds none)
+        staging_bytes=4 * probe.expert_streaming.cache.banks[0].layer.expert_nbytes,
+        lookahead_min_precision=0.0,  # read every guess, good or not
+    )
+    model, _ = load_streaming(path, expert_cache_gb=budget, direct_reads=direct, tuning=tuning)
     cache = model.expert_streaming.cache
-    cache.direct_reads = direct
-    # room for a few staged experts (by default 5% of so small a budget holds none)
-    cache.staging_bytes = 4 * cache.banks[0].layer.expert_nbytes
-    cache.lookahead_min_precision = 0.0  # read every guess, good or not
-    assert cache.lookahead
+    assert cache.tuning.lookahead
     assert all(b.router is not None for b in cache.banks)
     assert same(want, decode(model, tokens))
     assert all(b.direct == direct for b in cache.banks)
@@ -43,17 +45,24 @@ def test_lookahead_is_exact_and_reads_ahead(q3, direct):
     model.expert_streaming.close()
 
 
+def read_every_guess(path):
+    """A model with 4 slots per layer that reads every lookahead guess, with room to stage them."""
+    probe, _ = load_streaming(path)
+    tuning = CacheTuning(staging_bytes=4 * per_slot(probe), lookahead_min_precision=0.0)
+    return with_slots(path, 4, tuning=tuning)
+
+
 def test_guesses_are_read_only_once_they_have_proven_good(q3):
     path, tokens, want = q3
-    model = with_slots(path, 4)
+    probe, _ = load_streaming(path)
+    model = with_slots(path, 4, tuning=CacheTuning(staging_bytes=4 * per_slot(probe)))
     cache = model.expert_streaming.cache
-    cache.staging_bytes = 4 * per_slot(model)
     got = decode(model, tokens, steps=0)
     stats = cache.prefetch_stats
     # the prompt's guesses were scored (one call cannot lift a precision from 0 to 0.5), none read
     assert stats.predicted > 0
     assert stats.staged["lookahead"] == 0
-    assert all(b.ahead_precision < cache.lookahead_min_precision for b in cache.banks)
+    assert all(b.ahead_precision < cache.tuning.lookahead_min_precision for b in cache.banks)
     for bank in cache.banks:
         bank.ahead_precision = 1.0  # as after good guesses
     got += decode(model, tokens)[1:]  # a fresh prompt, then the decode steps
@@ -61,38 +70,30 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
     assert same(want, got)
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_hit_rows_computed_while_misses_are_read_is_exact(q3, split):
-    path, tokens, want = q3
-    model = with_slots(path, 4)
-    cache = model.expert_streaming.cache
-    cache.split_misses = split
-    cache.direct_reads = False  # (direct reads compute every row as its expert lands: see below)
+def test_staged_reads_are_exact(q3, monkeypatch):
+    """Without direct reads: a call loads its experts through staging buffers, then computes in one
+    kernel call, or in waves when it needs more experts than the bank has slots."""
     from mlx_lm_streaming.switch import StreamingSwitchGLU
 
-    early = []
-    real = StreamingSwitchGLU._hits_first
+    path, tokens, want = q3
+    model = with_slots(path, 4, direct_reads=False)
+    ran = []
+    for name in ("_in_one_call", "_waves", "_as_they_land"):
+        real = getattr(StreamingSwitchGLU, name)
 
-    def counting(self, x, idx, out):
-        wait = real(self, x, idx, out)
-        early.append(wait is not None)
-        return wait
+        def counted(self, *args, real=real, name=name):
+            ran.append(name)
+            return real(self, *args)
 
-    StreamingSwitchGLU._hits_first = counting
-    try:
-        got = decode(model, tokens, steps=10)
-    finally:
-        StreamingSwitchGLU._hits_first = real
-    stock, _ = load_stock(path)
-    assert same(decode(stock, tokens, steps=10), got)
-    assert any(early) == split
+        monkeypatch.setattr(StreamingSwitchGLU, name, counted)
+    assert same(want, decode(model, tokens, steps=10))
+    assert {"_in_one_call", "_waves"} == set(ran)
 
 
 def test_lookahead_off_is_exact(q3):
     path, tokens, want = q3
-    model = with_slots(path, 4)
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
     cache = model.expert_streaming.cache
-    cache.lookahead = False
     assert same(want, decode(model, tokens))
     assert cache.prefetch_stats.staged["lookahead"] == 0
 
@@ -132,10 +133,8 @@ def test_complete_banks_skip_the_host_sync(q3):
 
 def test_failed_background_reads_fall_back_to_demand_reads(q3):
     path, tokens, want = q3
-    model = with_slots(path, 4)
+    model = read_every_guess(path)
     store = model.expert_streaming.store
-    model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)  # room for lookaheads
-    model.expert_streaming.cache.lookahead_min_precision = 0.0  # read every guess
     real = store.read_many
     main = threading.main_thread()
 
@@ -159,10 +158,8 @@ def test_failed_background_reads_fall_back_to_demand_reads(q3):
 
 def test_demand_read_failing_after_a_background_read_names_both(q3):
     path, tokens, _ = q3
-    model = with_slots(path, 4)
+    model = read_every_guess(path)
     store = model.expert_streaming.store
-    model.expert_streaming.cache.staging_bytes = 4 * per_slot(model)
-    model.expert_streaming.cache.lookahead_min_precision = 0.0
     real = store.read_many
     failed = set()  # (file, offset) of every range a background read failed on
 
@@ -186,11 +183,12 @@ def test_demand_read_failing_after_a_background_read_names_both(q3):
 
 def test_staged_bytes_stay_within_the_bound(q3):
     path, tokens, want = q3
-    model = with_slots(path, 4)
-    one = max(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
+    probe, _ = load_streaming(path)
+    one = max(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
+    # every guess is read: the bound is what stops them
+    tuning = CacheTuning(staging_bytes=3 * one, lookahead_min_precision=0.0)
+    model = with_slots(path, 4, tuning=tuning)
     cache = model.expert_streaming.cache
-    cache.staging_bytes = 3 * one
-    cache.lookahead_min_precision = 0.0  # every guess is read: the bound is what stops them
     prefetcher = cache.prefetcher
     assert prefetcher.max_bytes == 3 * one
     seen = []

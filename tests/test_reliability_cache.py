@@ -71,8 +71,7 @@ def make_layer(layer_no: int, num_experts: int) -> LayerExperts:
 
 def make_cache(experts_per_layer, budget_bytes, policy=DEFAULT_POLICY):
     store = PatternStore()
-    cache = ExpertCache(store, budget_bytes)
-    cache.policy = policy
+    cache = ExpertCache(store, budget_bytes, policy=policy)
     banks = []
     for layer_no, num_experts in enumerate(experts_per_layer):
         glu = {proj: {} for proj, _, _ in PARTS}

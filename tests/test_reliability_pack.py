@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 from support import load_stock, load_streaming
 
-import mlx_lm_streaming.pack as pack_mod
+import mlx_lm_streaming.packfile as pack_mod
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
-from mlx_lm_streaming.pack import PACK_NAME, pack_checkpoint
+from mlx_lm_streaming.packfile import PACK_NAME, pack_checkpoint
 
 
 def digest(path):
@@ -69,7 +69,7 @@ def test_enospc_while_packing_names_the_file_and_leaves_nothing(ckpt, monkeypatc
 KILLED_PACK = textwrap.dedent(
     """
     import sys, time, zlib
-    import mlx_lm_streaming.pack as pack_mod
+    import mlx_lm_streaming.packfile as pack_mod
     real = zlib.crc32
     def slow(*a):
         print("writing", flush=True)

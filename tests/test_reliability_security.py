@@ -111,10 +111,12 @@ BUILTINS = {"eval", "exec", "compile", "__import__"}
 MODULES = {"pickle", "marshal", "shelve", "dill", "cloudpickle"}
 HOOK_OFF = '("0", "false", "no", "off")'
 # what the .pth line may run, and nothing else (Python's site.py executes .pth lines that start with
-# "import"; our one line must run exactly this, and only when MLX_LM_STREAMING_HOOK is not off)
+# "import"; our one line must run exactly this, and only when MLX_LM_STREAMING_HOOK is not off or,
+# with it off, when streaming is asked for: then install() only says in one line that it cannot be)
 PTH_LINE = (
     "import os, sys; exec({code!r}) if os.environ.get('MLX_LM_STREAMING_HOOK', '1').strip()"
-    f".lower() not in {HOOK_OFF} else None"
+    f".lower() not in {HOOK_OFF} or os.environ.get('MLX_LM_STREAMING_EXPERTS') or "
+    "'--streaming-experts' in getattr(sys, 'argv', ()) else None"
 )
 PTH_CODE = """
 try:

@@ -23,6 +23,7 @@ from support import (
 
 from mlx_lm_streaming import timeline
 from mlx_lm_streaming.errors import ConfigurationError
+from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.synthetic import build_checkpoint
 
 KEYS = {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"}
@@ -43,8 +44,8 @@ def q3(tmp_path_factory):
 
 
 def run_traced(path, out, slots=4, lookahead=True, **options):
-    model = with_slots(path, slots, trace=str(out), **options)
-    model.expert_streaming.cache.lookahead = lookahead
+    tuning = CacheTuning(lookahead=lookahead)
+    model = with_slots(path, slots, trace=str(out), tuning=tuning, **options)
     logits = decode(model, TOKENS)
     return model, logits
 

@@ -1,9 +1,10 @@
 """Architecture adapters: declarative notes on where a model family keeps its routed experts.
 
-mlx-lm builds, sanitizes and quantizes the model; an adapter only says which modules are the routed
-experts (by default every ``SwitchGLU``) and how a raw Hugging Face checkpoint names one expert's tensor
-(by default ``{parent}.experts.{expert}.{proj}.{part}``, ``parent`` being the module that holds the
-``switch_mlp``). Converted (stacked) checkpoints need no naming at all.
+mlx-lm builds, sanitizes and quantizes the model; an adapter only says how a raw Hugging Face
+checkpoint names one expert's tensor (by default ``{parent}.experts.{expert}.{proj}.{part}``, ``parent``
+being the module that holds the ``switch_mlp``). Converted (stacked) checkpoints need no naming at all.
+The routed experts are always mlx-lm's ``SwitchGLU`` modules (subclasses included): loading streams
+their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``.
 """
 
 from dataclasses import dataclass, field
@@ -25,11 +26,10 @@ class ArchitectureAdapter:
     raw_key: Union[str, Callable, None] = DEFAULT_RAW_KEY
     # stock projection name -> raw checkpoint name (Mixtral: gate_proj -> w1)
     raw_projections: Mapping[str, str] = field(default_factory=dict)
-    # the module class that holds the routed experts
-    experts_class: type = SwitchGLU
 
     def is_routed_experts(self, path: str, module) -> bool:
-        return isinstance(module, self.experts_class)
+        """Every ``SwitchGLU`` by default; a subclass may leave some out (by path)."""
+        return isinstance(module, SwitchGLU)
 
     def raw_name(self, path: str, expert: int, proj: str, part: str) -> Optional[str]:
         if self.raw_key is None:

@@ -1,5 +1,6 @@
 """Expert kernels and the selector that chooses among them."""
 
-from .base import ExpertKernel, backend
+from ..devices import backend
+from .base import ExpertKernel
 
 __all__ = ["ExpertKernel", "backend"]

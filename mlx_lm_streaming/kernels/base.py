@@ -14,15 +14,6 @@ and the selector falls back. Exactness is a measured fact per backend: never cla
 import mlx.core as mx
 
 
-def backend() -> str:
-    """``metal``, ``cuda`` or ``cpu``: where the default device computes."""
-    if mx.default_device() == mx.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if hasattr(mx, "cuda") and mx.cuda.is_available():
-            return "cuda"
-    return "cpu"
-
 
 class ExpertKernel:
     """Computes ``SwitchGLU(x, indices)`` over a slot bank."""
@@ -41,6 +32,10 @@ class ExpertKernel:
     # whether it reads ``slots_np`` (host copy of the slot ids); if not, a complete bank whose slots
     # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync
     needs_host_slots = True
+    # whether it computes with the layer's own stock ``SwitchGLU`` code over the bank: then that code
+    # run a projection at a time (``mlx_compat.switch_glu_*``) gives the kernel's bits, and the layer
+    # may compute a read expert's first projections while its last one is still read
+    runs_switch_glu = False
 
     def available(self) -> bool:
         return True

@@ -16,6 +16,7 @@ class GatherKernel(ExpertKernel):
     exact_on = ("cpu", "cuda", "metal")
     subset_exact_on = ("cpu",)
     needs_host_slots = False
+    runs_switch_glu = True
 
     def priority(self, backend, bank, rows):
         return 10.0

@@ -11,8 +11,8 @@ import warnings
 import weakref
 
 from .. import plugins
+from ..devices import backend
 from ..errors import ConfigurationError
-from .base import backend
 
 # row counts whose choice is remembered per bank: decode repeats a few, prompts of every length
 # would otherwise grow the memo without bound
@@ -24,8 +24,12 @@ class KernelSelector:
         self.kernels = plugins.kernels()
         if choice != "auto" and choice not in self.kernels:
             raise ConfigurationError(
-                f"unknown expert kernel {choice!r} (--expert-kernel / kernel=); registered: "
-                f"auto, {', '.join(sorted(self.kernels))}"
+                plugins.unknown_name(
+                    "expert kernel",
+                    choice,
+                    ["auto", *self.kernels],
+                    "--expert-kernel / MLX_LM_STREAMING_KERNEL / kernel=",
+                )
             )
         self.choice = choice
         self.backend = backend()

@@ -34,6 +34,8 @@ class ExpertStore:
     """Reads byte ranges described by ``TensorRef`` into writable buffers."""
 
     name = "base"
+    # how many expert reads the cache runs on this store at once (its demand-read pool, at least 2)
+    threads = 4
 
     def __init__(self, files: CheckpointFiles, **options):
         self.files = files
@@ -55,7 +57,7 @@ class ExpertStore:
     def close(self, wait: bool = True) -> None:
         """Release files and threads; the store may not be used afterwards. ``wait=False``: do not
         join threads (the call may come from a garbage-collection finalizer, where joining a thread
-        can deadlock). A store whose ``close`` takes no ``wait`` is called without it."""
+        can deadlock)."""
 
     def __enter__(self):
         return self

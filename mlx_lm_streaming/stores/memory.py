@@ -54,7 +54,7 @@ class MemoryStore(ExpertStore):
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
         out[:] = memoryview(self._blob(ref.file))[ref.offset : ref.offset + ref.nbytes]
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         with self._lock:
             self._closed = True
             self._blobs.clear()

@@ -14,11 +14,8 @@ Opening checks the magic, the header's sha256, that the file is exactly as long 
 was made from. A range the pack does not hold is read from the shard itself.
 """
 
-import hashlib
-import json
 import mmap
 import os
-import struct
 import threading
 import time
 import zlib
@@ -28,85 +25,12 @@ from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
 from ..index import FileIdentity, TensorRef
-from ..kernels.base import backend
-from ..pack import ALIGN, MAGIC, PACK_NAME, PREFIX, VERSION, align_up, shard_fingerprint
+from ..devices import backend
+from ..packfile import HINT, PACK_NAME, PackFile, align_up
 from .base import ExpertStore
 from .safetensors import SafetensorsStore
 
 BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
-HINT = "run `mlx_lm_streaming pack MODEL --force` again, or use the default store"
-
-
-class PackFile:
-    """A validated pack: its header and entries, and an open file descriptor."""
-
-    def __init__(self, path: Path, model_path: Path, direct: bool = False):
-        self.path = Path(path)
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open the expert pack: {e}; {HINT}") from e
-        try:
-            st = os.fstat(fd)
-            prefix = os.pread(fd, PREFIX, 0)
-            if len(prefix) < PREFIX or prefix[:8] != MAGIC:
-                raise CheckpointError(f"{self.path}: not an expert pack (bad magic); {HINT}")
-            (hlen,) = struct.unpack("<Q", prefix[8:16])
-            if hlen > st.st_size - PREFIX:
-                raise CheckpointError(f"{self.path}: header runs past the end of the file; {HINT}")
-            header = os.pread(fd, hlen, PREFIX)
-            if hashlib.sha256(header).digest() != prefix[16:48]:
-                raise CheckpointError(f"{self.path}: header checksum mismatch (damaged); {HINT}")
-            meta = json.loads(header)
-            if meta.get("version") != VERSION:
-                raise CheckpointError(
-                    f"{self.path}: pack format version {meta.get('version')}, this reader knows "
-                    f"{VERSION}; {HINT}"
-                )
-            end = meta["data_start"] + meta["data_bytes"]
-            if st.st_size != end:
-                raise CheckpointError(
-                    f"{self.path}: is {st.st_size} bytes but its header says {end} (partial or "
-                    f"damaged pack); {HINT}"
-                )
-            for name, want in meta["sources"].items():
-                shard = Path(model_path) / name
-                if not shard.is_file():
-                    raise CheckpointError(f"{self.path}: made from {name}, missing now; {HINT}")
-                if shard_fingerprint(shard) != want:
-                    raise CheckpointError(
-                        f"{self.path}: {shard} changed since the pack was made; {HINT}"
-                    )
-        except BaseException:
-            os.close(fd)
-            raise
-        self.identity = FileIdentity.of(st)
-        self.fd = fd
-        self.direct_fd = None
-        if direct:
-            try:
-                self.direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-            except (OSError, AttributeError) as e:
-                os.close(fd)
-                raise ConfigurationError(f"{self.path}: O_DIRECT not available here: {e}") from e
-        self.entries = meta["entries"]
-        self.align = meta.get("align", ALIGN)
-        # (shard name, offset) -> (entry number, offset inside the expert)
-        self.where: Dict[Tuple[str, int], Tuple[int, int]] = {}
-        for i, entry in enumerate(self.entries):
-            inner = 0
-            for _, fname, off, n in entry["parts"]:
-                self.where[(fname, off)] = (i, inner)
-                inner += n
-        self.verified = bytearray(len(self.entries))
-
-    def close(self) -> None:
-        for fd in (self.fd, self.direct_fd):
-            if fd is not None:
-                os.close(fd)
-        self.fd = self.direct_fd = None
-
-
 class PackedStore(ExpertStore):
     """Reads experts from a pack file: one aligned read per expert."""
 
