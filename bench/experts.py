@@ -119,21 +119,27 @@ def log(*a):
 # -- checkpoints and the page cache ---------------------------------------------------------------
 
 
-def checkpoint(ckpt_dir: Path, name: str, dtype: str) -> Path:
+def checkpoint(ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None) -> Path:
+    """The checkpoint of shape ``name`` (``layers``, ``top_k``: other than the shape's, for trace
+    routing), built once."""
     spec = ARCHS[name]
-    path = ckpt_dir / f"{name}-{spec['layers']}l-{dtype}"
+    layers = layers or spec["layers"]
+    overrides = dict(spec["overrides"])
+    k = "" if top_k in (None, overrides["top_k"]) else f"-k{top_k}"
+    overrides["top_k"] = top_k or overrides["top_k"]
+    path = ckpt_dir / f"{name}-{layers}l{k}-{dtype}"
     if (path / ".complete").is_file():
         return path
     from mlx_lm_streaming.synthetic import build_checkpoint
 
-    log(f"building {path} ({spec['label']} experts, {spec['layers']} layers, {dtype}) ...")
+    log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()
     build_checkpoint(
         path,
         spec["arch"],
         "affine4",
-        num_layers=spec["layers"],
-        overrides=spec["overrides"],
+        num_layers=layers,
+        overrides=overrides,
         dtype=dtype,
     )
     (path / ".complete").write_text("ok")
@@ -315,6 +321,33 @@ class ForcedRouting:
         return mx.array(pick.astype(np.uint32).reshape(shape))
 
 
+def make_routing(routing: str, num_experts: int, layers: int):
+    """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
+    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones), or None."""
+    if routing == "uniform":
+        return ForcedRouting(num_experts)
+    if routing.startswith("trace:"):
+        from routing_replay import TraceRouting, read_trace
+
+        trace = read_trace(routing[len("trace:") :])
+        return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
+    return None
+
+
+def routing_arg(value: str) -> str:
+    if value in ("uniform", "model"):
+        return value
+    if value.startswith("trace:"):
+        from mlx_lm_streaming.routing_trace import TraceError, read_trace
+
+        try:
+            read_trace(value[len("trace:") :])
+        except TraceError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use uniform, model or trace:FILE")
+
+
 def _forced_class():
     import mlx.nn as nn
 
@@ -461,7 +494,8 @@ def run_arch(name, path, args, device):
 
     files = shards(path)
     spec = ARCHS[name]
-    res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
+    layers = args.layers or spec["layers"]
+    res = {"arch": name, "label": spec["label"], "layers": layers, "path": str(path)}
 
     stock, config = load_stock(path)
     probe, _ = load_streaming(path, expert_cache_gb=1e6)
@@ -571,9 +605,9 @@ def run_arch(name, path, args, device):
             configs[kind] = Config(kind, m, cold=True, files=files, lru=lru)
 
     res["routing"] = args.routing
-    if args.routing == "uniform":
-        for cfg in configs.values():
-            cfg.routing = ForcedRouting(res["experts"])
+    for cfg in configs.values():
+        cfg.routing = make_routing(args.routing, res["experts"], layers)
+        if cfg.routing is not None:
             cfg.routing.wrap(cfg.model)
 
     # warm-up: stock once; warm until its background fill completed
@@ -797,8 +831,9 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing):
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
     from mlx_lm.generate import generate_step
 
-    if routing == "uniform":
-        ForcedRouting(num_experts(model)).wrap(model)
+    forced = make_routing(routing, num_experts(model), len(model.layers))
+    if forced is not None:
+        forced.wrap(model)
 
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
@@ -1085,11 +1120,19 @@ def main():
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument(
         "--routing",
-        choices=["uniform", "model"],
+        type=routing_arg,
         default="uniform",
         help="uniform: random experts per token and layer, the same for every "
         "configuration (default; a random-weight model's own routing barely varies); "
-        "model: the checkpoint's routers",
+        "model: the checkpoint's routers; trace:FILE: a routing trace's experts "
+        "(bench/routing_replay.py), on checkpoints built with its MoE layer count and top-k",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="MoE layers of the checkpoints (default: the shape's; with trace routing the "
+        "trace's; fewer than the trace's replay its first ones)",
     )
     ap.add_argument(
         "--store-threads",
@@ -1161,8 +1204,21 @@ def main():
         "exact_check": "sha1 of every step's log-probabilities, compared with stock",
         "archs": [],
     }
+    trace = None
+    if args.routing.startswith("trace:"):
+        from mlx_lm_streaming.routing_trace import read_trace
+
+        trace = read_trace(args.routing[len("trace:") :])
+        args.layers = args.layers or trace.num_layers
+        archs = [a for a in archs if ARCHS[a]["overrides"]["experts"] == trace.num_experts]
+        if not archs:
+            ap.error(
+                f"--routing: no shape of {trace.num_experts} experts per layer, as the trace has"
+            )
     for name in archs:
-        path = checkpoint(ckpt_dir, name, dtype)
+        path = checkpoint(
+            ckpt_dir, name, dtype, layers=args.layers, top_k=trace.top_k if trace else None
+        )
         if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
             try:
                 from mlx_lm_streaming.packfile import pack_checkpoint

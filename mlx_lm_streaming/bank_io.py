@@ -38,6 +38,7 @@ def read_into_slots(
     expert is mapped to its slot once its bytes are there, and reported to ``ready``."""
     start = time.perf_counter()
     stats = bank.cache.prefetch_stats
+    tl = bank.cache.timeline
     groups = []  # (batch, rows of the batch, slots)
     rest = []
     by_batch: Dict[int, tuple] = {}
@@ -51,6 +52,8 @@ def read_into_slots(
             good = batch.ok(wait=True)
             with stats.lock:
                 stats.waited_s += time.perf_counter() - waited
+            if tl:
+                tl.span("wait staged", waited, "wait", layer=bank.path, expert=e)
             if good:
                 by_batch.setdefault(id(batch), (batch, [], []))
                 by_batch[id(batch)][1].append(batch.row[e])
@@ -95,6 +98,8 @@ def read_into_slots(
                 batch = StagedBatch(bank.layer, np.array([e for e, _ in part]), "demand")
                 bank.cache.store.read_many(batch.jobs())
                 io += time.perf_counter() - t
+                if tl:
+                    tl.batch_read(t, batch)
                 if groups:  # staged ones after the first read: it overlaps the layer's work
                     write(groups)
                     groups = []
@@ -140,9 +145,11 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
             (proj, [i for i, spec in enumerate(parts) if spec.proj == proj]) for proj in PHASE_ORDER
         ]
     events: "queue.SimpleQueue" = queue.SimpleQueue()
+    tl = bank.cache.timeline
 
     def read(pair):
         e, slot = pair
+        start = time.perf_counter()
         try:
             expert_refs = refs(e)
             for g, (proj, members) in enumerate(groups):
@@ -155,6 +162,8 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         except BaseException as exc:
             events.put((pair, None, exc))
             return
+        if tl:
+            tl.read(start, bank.path, e, bank.layer.expert_nbytes, "demand", slot=slot)
         events.put((pair, None, None))
 
     def read_in_turn(batch):
@@ -180,6 +189,8 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         t = time.perf_counter()
         pair, proj, exc = events.get()
         waited += time.perf_counter() - t
+        if tl:
+            tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
         if proj is not None:
             if error is None:
                 try:
@@ -205,6 +216,7 @@ def _install(bank, groups) -> None:
 
     Slice copies run at memcpy speed on the CPU backend; a scatter with a slot index array was
     measured ~7x slower (8 slots of 786 KB: 10 ms vs 1.4 ms)."""
+    start = time.perf_counter()
     parts = bank.layer.parts
     for batch, rows, slots in groups:
         runs = _runs(rows, slots)
@@ -219,6 +231,9 @@ def _install(bank, groups) -> None:
     mx.eval([bank.array(spec.proj, spec.part) for spec in parts])
     if bank.views is not None:
         bank._refresh_views()
+    if bank.cache.timeline:
+        experts = sum(len(rows) for _, rows, _ in groups)
+        bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)
 
 
 def install_finished(bank) -> None:

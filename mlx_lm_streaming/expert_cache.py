@@ -110,6 +110,8 @@ class ExpertCache:
         self.policy = policy
         # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
         self.recorder = None
+        # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
+        self.timeline = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
@@ -188,6 +190,7 @@ class ExpertCache:
                     self._prefetcher = ExpertPrefetcher(
                         self.store, self._staging_limit(), self.tuning.prefetch_threads
                     )
+                    self._prefetcher.timeline = self.timeline
                     if self._closed:
                         self._prefetcher.close()
         return self._prefetcher

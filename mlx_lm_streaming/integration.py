@@ -44,6 +44,7 @@ FLAG_ENV = {
     "expert_kernel": ENV["kernel"],
     "streaming_stats": ENV["stats"],
     "record_routing": ENV["record_routing"],
+    "streaming_trace": ENV["trace"],
 }
 
 
@@ -170,6 +171,12 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
         help="Write the experts each MoE layer picks for each token to FILE as the run goes, "
         f"a routing trace for `mlx_lm_streaming plan --routing-trace` ({ENV['record_routing']}).",
     )
+    group.add_argument(
+        "--streaming-trace",
+        metavar="FILE",
+        help="Write a timeline of expert reads, installs, host syncs and compute to FILE as "
+        f"Chrome trace-event JSON, for Perfetto or chrome://tracing ({ENV['trace']}).",
+    )
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
@@ -249,6 +256,13 @@ def _check_flags(parser, given: dict) -> None:
             check_writable(given["record_routing"])
         except StreamingError as e:
             fail(parser, f"argument --record-routing: {e}")
+    if given.get("streaming_trace"):
+        from .timeline import check_writable as check_timeline
+
+        try:
+            check_timeline(given["streaming_trace"])
+        except StreamingError as e:
+            fail(parser, f"argument --streaming-trace: {e}")
 
 
 def _distributed_size() -> int:

@@ -27,6 +27,7 @@ from .options import CONFIG_KEY, StreamingOptions
 from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
+from .timeline import open_timeline
 
 # Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
 # for the OS page cache, the KV cache and activations.
@@ -107,6 +108,11 @@ class StreamingState:
                 "argpartition order, not sorted by score); calls of more than one token are prefill",
             )
             self.cache.recorder = self.recorder
+        # last: nothing after it can fail and leave the file open
+        self.timeline = open_timeline(options.trace, f"mlx-lm-streaming {self.model_path.name}")
+        self.cache.timeline = self.timeline
+        if self.timeline is not None:
+            atexit.register(self.timeline.close)
         self.resident_bytes = 0
         # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
         self.pipeline: Optional[tuple] = None
@@ -141,6 +147,8 @@ class StreamingState:
         self.cache.close(wait=wait)  # background reads first
         if self.recorder is not None:
             self.recorder.close()
+        if self.timeline is not None:
+            self.timeline.close()
         self.store.close(wait=wait)
 
 

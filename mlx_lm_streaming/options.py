@@ -4,7 +4,7 @@
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
    ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
-   ``MLX_LM_STREAMING_RECORD_ROUTING``;
+   ``MLX_LM_STREAMING_RECORD_ROUTING``, ``MLX_LM_STREAMING_TRACE``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -30,6 +30,7 @@ ENV = {
     "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
     "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
     "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
+    "trace": "MLX_LM_STREAMING_TRACE",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -99,6 +100,8 @@ class StreamingOptions:
     cache_policy: str = DEFAULT_POLICY
     # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
     record_routing: Optional[str] = None
+    # write a timeline of reads, installs, syncs and compute to this file (timeline.py)
+    trace: Optional[str] = None
     # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
     # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
     tuning: Any = field(default=None, repr=False, metadata={"internal": True})
@@ -118,6 +121,10 @@ class StreamingOptions:
             ):
                 raise ConfigurationError("record_routing must be a file path")
             self.record_routing = str(self.record_routing)
+        if self.trace is not None:
+            if not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
+                raise ConfigurationError("trace must be a file path")
+            self.trace = str(self.trace)
         if self.cache_policy not in POLICIES:
             raise ConfigurationError(
                 f"cache_policy {self.cache_policy!r} is unknown; known: "
@@ -172,7 +179,7 @@ class StreamingOptions:
             )
         kwargs = {}
         for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
-                     "record_routing"):
+                     "record_routing", "trace"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
                 try:  # one at a time, so that the error names the variable at fault

@@ -211,6 +211,7 @@ class ExpertPrefetcher:
         self._idle = 0
         self._bytes = 0  # staged or in flight, not yet released
         self._closed = False
+        self.timeline = None  # timeline.Timeline the reads are recorded on, or None
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -285,12 +286,18 @@ class ExpertPrefetcher:
                 _, _, batch = heapq.heappop(self._heap)
             if not batch.future.set_running_or_notify_cancel():
                 continue
+            tl = self.timeline
+            start = tl.now() if tl else 0
             try:
                 self.store.read_many(batch.jobs())
             except BaseException as e:  # the load that wanted it reads again and reports
+                if tl:
+                    tl.batch_read(start, batch, error=e)
                 self.stats.fail(batch, e)
                 batch.future.set_exception(e)
             else:
+                if tl:
+                    tl.batch_read(start, batch)
                 batch.future.set_result(None)
 
     def close(self, wait: bool = True) -> None:

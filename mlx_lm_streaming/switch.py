@@ -51,11 +51,16 @@ class StreamingSwitchGLU(nn.Module):
             if y is not None:
                 return y
         cache.note_caller()
+        tl = cache.timeline
+        start = tl.now() if tl else 0
+        misses = cache.stats.misses
         indices = mx.stop_gradient(indices)
         ahead = self._lookahead(x, indices)
         if ahead is not None:
             mx.eval(indices, ahead[1])  # one sync for this layer's ids and the next one's guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
+        if tl:
+            tl.span("host sync", start, "sync", layer=bank.path)
         if cache.recorder is not None:
             cache.recorder.record(bank, idx)
         experts = np.unique(idx)
@@ -65,7 +70,7 @@ class StreamingSwitchGLU(nn.Module):
                     y = self._as_they_land(x, idx, experts, ahead)
                     # submitted before the lock is let go: a later call's host sync on this stream
                     # then waits for it, so no pending work reads a slot that call rewrites
-                    mx.async_eval(y)
+                    _submit(bank, y)
                     bank.last_stream = mx.default_stream(mx.default_device())
                     return y
                 if len(experts) <= bank.slots:
@@ -73,6 +78,9 @@ class StreamingSwitchGLU(nn.Module):
             return self._waves(x, idx, experts, ahead)
         finally:
             bank.drop_staged()
+            if tl:
+                tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
+                tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
 
     def _stock_graph(self, x, indices):
         """Every expert in its own slot (a complete identity bank): expert ids are slot ids, so the
@@ -138,7 +146,7 @@ class StreamingSwitchGLU(nn.Module):
         def compute(ids):
             rows = np.nonzero(np.isin(flat, ids))[0]
             y = self._rows(x, idx, rows)
-            mx.async_eval(y)
+            _submit(bank, y)
             rows_done.append(rows)
             outs.append(y)
 
@@ -174,7 +182,7 @@ class StreamingSwitchGLU(nn.Module):
             # the wave whose slots this one may take has finished computing
             back = w - 2 if overlap else w - 1
             if back >= 0:
-                mx.eval(outs[: ends[back]])
+                _wait(bank, outs[: ends[back]])
             keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
             if w == 0:
                 self._take_staged(wave, keep)
@@ -237,7 +245,7 @@ class StreamingSwitchGLU(nn.Module):
                 partial[e] = (rows, slots, xe, {})
             _, slots, xe, done = partial[e]
             done[proj] = mlx_compat.switch_glu_projection(glu, proj, xe, slots)
-            mx.async_eval(done[proj])
+            _submit(bank, done[proj])
 
         def ready(ids):
             for e in ids:
@@ -247,7 +255,7 @@ class StreamingSwitchGLU(nn.Module):
                 rows, slots, _, done = partial.pop(e)
                 up, gate = done["up_proj"], done["gate_proj"]
                 y = mlx_compat.switch_glu_output(glu, up, gate, slots)[:, 0]
-                mx.async_eval(y)
+                _submit(bank, y)
                 rows_done.append(rows)
                 outs.append(y)
 
@@ -299,12 +307,30 @@ class StreamingSwitchGLU(nn.Module):
                     _stage_ahead(*ahead)
                 yw = self._rows(x, idx, rows)
                 # finish this wave before the next one reuses the slots
-                mx.eval(yw)
+                _wait(bank, yw)
             outs.append(yw)
             rows_done.append(rows)
         order = np.argsort(np.concatenate(rows_done), kind="stable")
         y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
+
+
+def _submit(bank, y) -> None:
+    """``mx.async_eval(y)``, recorded on the timeline if there is one."""
+    tl = bank.cache.timeline
+    start = tl.now() if tl else 0
+    mx.async_eval(y)
+    if tl:
+        tl.span("submit", start, "compute", layer=bank.path)
+
+
+def _wait(bank, y) -> None:
+    """``mx.eval(y)`` where the layer waits for its own compute, recorded like ``_submit``."""
+    tl = bank.cache.timeline
+    start = tl.now() if tl else 0
+    mx.eval(y)
+    if tl:
+        tl.span("wait compute", start, "wait", layer=bank.path)
 
 
 def _stage_ahead(bank, guess) -> None:

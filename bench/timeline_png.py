@@ -1,0 +1,215 @@
+"""Draw one step of a ``--streaming-trace`` timeline as a PNG: a lane per thread, time across.
+
+    python bench/timeline_png.py TRACE.json [--step N] [--out FILE.png]
+    python bench/timeline_png.py --capture [--arch qwen3] [--out docs/benchmarks/timeline-cpu.png]
+
+The first form renders a trace file (finished, or cut short: an unterminated file is read too). The
+step drawn is ``--step`` or, by default, the decode step that read the most bytes. The second form
+makes a trace first, of a cold decode: ``bench/experts.py``'s checkpoint of that shape, a budget of
+25% of the experts, uniform routing, the page cache dropped before every token; it keeps the trace
+next to the PNG (``.json``). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# category -> colour; a thread's lane has one row per group of categories
+COLOURS = {
+    "layer": "#d9d9d9",
+    "sync": "#d62728",
+    "read": "#1f77b4",
+    "install": "#9467bd",
+    "compute": "#2ca02c",
+    "wait": "#ff7f0e",
+}
+LABELS = {
+    "layer": "MoE layer call",
+    "sync": "host sync (router ids to the host)",
+    "read": "expert read",
+    "install": "install (staged bytes into slots)",
+    "compute": "compute submitted (the mx.async_eval call)",
+    "wait": "wait (for reads or compute)",
+}
+
+
+def load_events(path):
+    """The events of a trace file; a file cut short (no closing ``]``) is read too."""
+    text = Path(path).read_text().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    return json.loads(text)
+
+
+def pick_step(events, step=None):
+    """The ``step`` span to draw: the one numbered ``step``, else the decode step with most reads."""
+    steps = [e for e in events if e.get("cat") == "step"]
+    if not steps:
+        raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
+    if step is not None:
+        found = [s for s in steps if s["args"]["step"] == step]
+        if not found:
+            raise SystemExit(f"no step {step}; the trace has 0..{len(steps) - 1}")
+        return found[0]
+
+    def read_bytes(s):
+        end = s["ts"] + s["dur"]
+        return sum(
+            e["args"]["bytes"]
+            for e in events
+            if e.get("name") == "read" and s["ts"] <= e["ts"] + e["dur"] and e["ts"] <= end
+        )
+
+    decode = [s for s in steps if s["args"]["phase"] == "decode"] or steps
+    return max(decode, key=read_bytes)
+
+
+def lanes(events, step):
+    """``[(label, [events])]`` overlapping the step: the calling thread's layer calls, then its
+    other events, then each other thread's."""
+    start, end = step["ts"], step["ts"] + step["dur"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    by_tid = defaultdict(list)
+    for e in events:
+        if (
+            e.get("ph") == "X"
+            and e["cat"] != "step"
+            and e["ts"] <= end
+            and e["ts"] + e["dur"] >= start
+        ):
+            by_tid[e["tid"]].append(e)
+    main = step["tid"]
+    out = [
+        (f"{names.get(main, main)}: layers", [e for e in by_tid[main] if e["cat"] == "layer"]),
+        (names.get(main, str(main)), [e for e in by_tid.pop(main, []) if e["cat"] != "layer"]),
+    ]
+    for tid in sorted(by_tid, key=lambda t: names.get(t, str(t))):
+        out.append((names.get(tid, str(tid)), by_tid[tid]))
+    return out
+
+
+def render(events, step, out, title=""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = lanes(events, step)
+    t0 = step["ts"]
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.45 * len(rows)))
+    for y, (_, evs) in enumerate(rows):
+        for e in sorted(evs, key=lambda e: -e["dur"]):  # short ones on top
+            x, w = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.02)
+            h = 0.8 if e["cat"] != "wait" else 0.4
+            colour = COLOURS.get(e["cat"], "#777")
+            ax.broken_barh([(x, w)], (y - h / 2, h), color=colour, edgecolor="white", linewidth=0.5)
+            label = _label(e)
+            if label and w > 0.03 * step["dur"] / 1e3:
+                ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, step["dur"] / 1e3)
+    ax.set_xlabel("ms from the step's first MoE layer call")
+    args = step["args"]
+    reads = [e for _, evs in rows for e in evs if e.get("name") == "read"]
+    mb = sum(e["args"]["bytes"] for e in reads) / 1e6
+    spent = ", ".join(f"{k} {v:.1f} ms" for k, v in time_on_caller(rows[1][1], step).items())
+    ax.set_title(
+        f"{title}{args['phase']} step {args['step']}: {step['dur'] / 1e3:.1f} ms, "
+        f"{len(reads)} expert reads ({mb:.1f} MB)\ncalling thread: {spent}",
+        fontsize=9,
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=LABELS[k]) for k, c in COLOURS.items()],
+        fontsize=7,
+        ncol=3,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if len(rows) < 5 else -0.2),
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def time_on_caller(evs, step):
+    """Milliseconds of the step the calling thread spent per category (within the step)."""
+    start, end = step["ts"], step["ts"] + step["dur"]
+    spent = defaultdict(float)
+    for e in evs:
+        spent[e["cat"]] += max(0.0, min(end, e["ts"] + e["dur"]) - max(start, e["ts"])) / 1e3
+    names = {"sync": "host sync", "wait": "waiting", "compute": "submitting", "install": "install"}
+    return {names.get(k, k): v for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+
+
+def _label(e):
+    a = e["args"]
+    if e["cat"] == "read":
+        return f"e{a['expert']}"
+    if e["cat"] == "layer":
+        parts = a["layer"].split(".")
+        layer = next((p for p in parts if p.isdigit()), a["layer"])
+        return f"L{layer} {a.get('misses', 0)} miss"
+    return ""
+
+
+def capture(arch, out_json, ckpt_dir, tokens=6):
+    """A cold decode's trace (see the module docstring); returns a title for the plot."""
+    import experts
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    mx.set_default_device(mx.cpu)
+    path = experts.checkpoint(Path(ckpt_dir), arch, "float32")
+    files = experts.shards(path)
+    probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
+    total = probe.expert_streaming.cache.total_expert_bytes
+    num = probe.expert_streaming.cache.banks[0].num_experts
+    probe.expert_streaming.close()
+    del probe
+    budget = experts.COLD_SHARE * total / experts.GB
+    model, _ = experts.load_streaming(path, expert_cache_gb=budget, trace=str(out_json))
+    experts.ForcedRouting(num).wrap(model)
+    prompt = mx.array(list(range(1, 17)))
+    sampler = lambda logprobs: mx.array([7], dtype=mx.uint32)  # noqa: E731 (any token will do)
+    experts.drop_page_cache(files)
+    for _ in generate_step(prompt, model, max_tokens=tokens, sampler=sampler):
+        experts.drop_page_cache(files)
+    mx.synchronize()
+    model.expert_streaming.close()
+    spec = experts.ARCHS[arch]
+    return f"{spec['label']} experts, {spec['layers']} layers, CPU, 25% budget, cold, uniform routing: "
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", nargs="?", help="a --streaming-trace file")
+    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
+    ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
+    ap.add_argument("--arch", default="qwen3", help="with --capture: bench/experts.py's shape")
+    ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
+    args = ap.parse_args()
+    title = ""
+    if args.capture:
+        out = Path(args.out or ROOT / "docs" / "benchmarks" / "timeline-cpu.png")
+        args.trace = out.with_suffix(".json")
+        title = capture(args.arch, args.trace, args.ckpt_dir)
+    elif not args.trace:
+        ap.error("give a trace file, or --capture")
+    out = Path(args.out) if args.out else Path(args.trace).with_suffix(".png")
+    events = load_events(args.trace)
+    step = pick_step(events, args.step)
+    render(events, step, out, title)
+    print(f"wrote {out} (step {step['args']['step']})")
+
+
+if __name__ == "__main__":
+    main()
