@@ -212,14 +212,22 @@ class LayerBank:
             want = want[: max(0, prefetcher.room()) // self.layer.expert_nbytes]
             if not want:
                 return 0
-        batch = prefetcher.submit(self.layer, np.array(want), kind, priority, block=block)
+        batch = prefetcher.submit(
+            self.layer, np.array(want), kind, priority, block=block, start=False
+        )
         if batch is None:
             return 0
+        # recorded before its read starts: a load meanwhile either finds it here (and waits for
+        # it) or made the expert resident first (then the batch skips it): never read twice
         with self.lock:
             for e in want:
                 if self.slot_of[e] < 0 and e not in self.staged:
                     self.staged[e] = batch
-        return len(want)
+                else:
+                    batch.skip.add(e)
+        if not prefetcher.start(batch, priority):
+            return 0
+        return len(want) - len(batch.skip)
 
     def drop_staged(self) -> None:
         """End of a call: staged experts it did not use are dropped (identity banks keep them)."""

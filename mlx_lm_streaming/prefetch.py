@@ -59,6 +59,13 @@ class StagedBatch:
         self.nbytes = n * layer.expert_nbytes
         self.future: Future = Future()
         self.released = False
+        # experts the batch was made for but that became resident before its read started
+        # (``LayerBank.stage``): not read
+        self.skip: set = set()
+
+    def wanted(self) -> List[int]:
+        """The experts the batch reads."""
+        return [e for e in self.experts.tolist() if e not in self.skip]
 
     def part(self, i: int) -> mx.array:
         """Part ``i`` of every expert of the batch, ``(n, nbytes)`` uint8, as an MLX array."""
@@ -68,6 +75,8 @@ class StagedBatch:
     def jobs(self):
         out = []
         for row, e in enumerate(self.experts.tolist()):
+            if e in self.skip:
+                continue
             for ref, buf in zip(self.layer.refs(e), self.buffers):
                 out.append((ref, memoryview(buf[row])))
         return out
@@ -243,8 +252,13 @@ class ExpertPrefetcher:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def submit(self, layer, experts: np.ndarray, kind: str, priority: int, block=False):
-        """Start reading ``experts`` of ``layer``; None if it does not fit (and ``block`` is off)."""
+    def submit(
+        self, layer, experts: np.ndarray, kind: str, priority: int, block=False, start=True
+    ):
+        """Start reading ``experts`` of ``layer``; None if it does not fit (and ``block`` is off).
+        ``start=False``: the batch is made and its bytes reserved, and its read waits for
+        ``start(batch, priority)`` (the caller records the batch first, so that no read of its
+        experts can begin before others can see it is coming)."""
         if len(experts) == 0 or self._closed:
             return None  # closed: no MLX work on this (background) thread any more
         batch = StagedBatch(layer, experts, kind)
@@ -254,10 +268,18 @@ class ExpertPrefetcher:
                     self.stats.dropped += 1
             return None
         self.stats.add("staged", kind, len(batch.experts))
+        if start and not self.start(batch, priority):
+            return None
+        return batch
+
+    def start(self, batch: StagedBatch, priority: int) -> bool:
+        """Queue a batch made with ``start=False`` for reading; False (and the batch cancelled) if
+        the prefetcher was closed meanwhile."""
         with self._cv:
             if self._closed:
                 self._bytes -= batch.nbytes
-                return None
+                batch.future.cancel()
+                return False
             heapq.heappush(self._heap, (priority, next(self._seq), batch))
             if self._idle == 0 and len(self._workers) < self.threads:
                 t = threading.Thread(
@@ -266,7 +288,7 @@ class ExpertPrefetcher:
                 self._workers.append(t)
                 t.start()
             self._cv.notify_all()
-        return batch
+        return True
 
     def _work(self):
         me = threading.current_thread()

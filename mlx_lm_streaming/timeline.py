@@ -108,7 +108,7 @@ class Timeline:
         end = self.now()
         tid = threading.get_native_id()
         extra = {"error": f"{type(error).__name__}: {error}"} if error is not None else {}
-        for e in batch.experts.tolist():
+        for e in batch.wanted():
             args = dict(
                 layer=batch.layer.path,
                 expert=e,

@@ -110,7 +110,10 @@ def test_background_reads_are_on_the_timeline(q3, tmp_path):
     state.close()
     reads = [e for e in json.load(open(out)) if e["name"] == "read"]
     read = Counter((e["args"]["layer"], e["args"]["expert"]) for e in reads)
-    assert set(read.values()) == {1}
+    twice = [k for k, n in read.items() if n > 1]
+    assert set(read.values()) == {1}, [
+        e for e in reads if (e["args"]["layer"], e["args"]["expert"]) in twice
+    ]
     assert set(read) == {(b.path, e) for b in state.cache.banks for e in range(16)}
     kinds = Counter(e["args"]["kind"] for e in reads)
     assert kinds["fill"] > 0 and kinds["demand"] <= misses
