@@ -119,21 +119,29 @@ def log(*a):
 # -- checkpoints and the page cache ---------------------------------------------------------------
 
 
-def checkpoint(ckpt_dir: Path, name: str, dtype: str) -> Path:
+def checkpoint(ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None) -> Path:
+    """``layers`` / ``top_k``: instead of the shape's (``--layers``; trace routing sets the top-k
+    to the trace's)."""
     spec = ARCHS[name]
-    path = ckpt_dir / f"{name}-{spec['layers']}l-{dtype}"
+    layers = layers or spec["layers"]
+    overrides = dict(spec["overrides"])
+    suffix = ""
+    if top_k and top_k != overrides["top_k"]:
+        overrides["top_k"] = top_k
+        suffix = f"-k{top_k}"
+    path = ckpt_dir / f"{name}-{layers}l{suffix}-{dtype}"
     if (path / ".complete").is_file():
         return path
     from mlx_lm_streaming.synthetic import build_checkpoint
 
-    log(f"building {path} ({spec['label']} experts, {spec['layers']} layers, {dtype}) ...")
+    log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()
     build_checkpoint(
         path,
         spec["arch"],
         "affine4",
-        num_layers=spec["layers"],
-        overrides=spec["overrides"],
+        num_layers=layers,
+        overrides=overrides,
         dtype=dtype,
     )
     (path / ".complete").write_text("ok")
@@ -285,6 +293,9 @@ class ForcedRouting:
         self.seed = seed
         self.calls = {}
 
+    def reset(self):
+        self.calls = {}
+
     def wrap(self, model):
         import mlx.nn as nn
         from mlx_lm.models.switch_layers import SwitchGLU
@@ -313,6 +324,20 @@ class ForcedRouting:
         rows = int(np.prod(shape[:-1]))
         pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
         return mx.array(pick.astype(np.uint32).reshape(shape))
+
+
+def make_routing(spec: str, num_experts: int, moe_layers: int):
+    """``uniform`` (``ForcedRouting``) or ``trace:FILE`` (``routing_replay.TraceRouting``: the
+    trace's first ``moe_layers`` layers)."""
+    if spec == "uniform":
+        return ForcedRouting(num_experts)
+    from routing_replay import TraceRouting
+
+    return TraceRouting.from_file(trace_file(spec), moe_layers)
+
+
+def trace_file(spec: str):
+    return spec.split(":", 1)[1] if spec.startswith("trace:") else None
 
 
 def _forced_class():
@@ -459,7 +484,8 @@ def run_arch(name, path, args, device):
 
     files = shards(path)
     spec = ARCHS[name]
-    res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
+    layers = args.layers or spec["layers"]
+    res = {"arch": name, "label": spec["label"], "layers": layers, "path": str(path)}
 
     stock, config = load_stock(path)
     probe, _ = load_streaming(path, expert_cache_gb=1e6)
@@ -571,15 +597,18 @@ def run_arch(name, path, args, device):
             configs[kind] = Config(kind, m, cold=True, files=files, lru=lru)
 
     res["routing"] = args.routing
-    if args.routing == "uniform":
+    if args.routing != "model":
         for cfg in configs.values():
-            cfg.routing = ForcedRouting(res["experts"])
+            cfg.routing = make_routing(args.routing, res["experts"], res["moe_layers"])
             cfg.routing.wrap(cfg.model)
 
     # warm-up: stock once; warm until its background fill completed
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     rng = random.Random(1)
-    short = mx.array([rng.randrange(vocab) for _ in range(16)])
+    # trace routing: a prompt as long as the trace's, so that decode steps take its decode rows
+    first = next(iter(configs.values())).routing
+    n_short = first.decode_rows() if hasattr(first, "decode_rows") else 16
+    short = mx.array([rng.randrange(vocab) for _ in range(n_short)])
     long = mx.array([rng.randrange(vocab) for _ in range(args.prefill_tokens)])
     res["prefill_tokens"] = args.prefill_tokens
     prefill(configs["stock"], short)
@@ -610,7 +639,7 @@ def run_arch(name, path, args, device):
     def same_routing_from_here():
         for cfg in configs.values():
             if cfg.routing is not None:
-                cfg.routing.calls = {}
+                cfg.routing.reset()
 
     # prefill of 512 tokens: stock, warm; cold from empty banks and a cold page cache
     pre = {k: [] for k in ("stock", "warm", "cold") if k in configs}
@@ -797,8 +826,13 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing):
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
     from mlx_lm.generate import generate_step
 
-    if routing == "uniform":
-        ForcedRouting(num_experts(model)).wrap(model)
+    if routing != "model":
+        moe_layers = len(model.expert_streaming.cache.banks) if which != "stock" else None
+        if moe_layers is None:
+            from routing_replay import expert_modules
+
+            moe_layers = len(expert_modules(model))
+        make_routing(routing, num_experts(model), moe_layers).wrap(model)
 
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
@@ -1085,11 +1119,18 @@ def main():
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument(
         "--routing",
-        choices=["uniform", "model"],
         default="uniform",
         help="uniform: random experts per token and layer, the same for every "
         "configuration (default; a random-weight model's own routing barely varies); "
-        "model: the checkpoint's routers",
+        "model: the checkpoint's routers; trace:FILE: a routing trace's experts "
+        "(bench/routing_replay.py; the checkpoint is built with the trace's top-k, and its "
+        "MoE layers replay the trace's first ones)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="MoE layers of the checkpoints (default: the shape's)",
     )
     ap.add_argument(
         "--store-threads",
@@ -1161,8 +1202,15 @@ def main():
         "exact_check": "sha1 of every step's log-probabilities, compared with stock",
         "archs": [],
     }
+    top_k = None
+    if args.routing.startswith("trace:"):
+        from mlx_lm_streaming.routing_trace import read_trace
+
+        top_k = read_trace(trace_file(args.routing)).top_k
+    elif args.routing not in ("uniform", "model"):
+        ap.error(f"--routing: {args.routing!r}: uniform, model or trace:FILE")
     for name in archs:
-        path = checkpoint(ckpt_dir, name, dtype)
+        path = checkpoint(ckpt_dir, name, dtype, args.layers, top_k)
         if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
             try:
                 from mlx_lm_streaming.pack import pack_checkpoint

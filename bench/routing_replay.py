@@ -1,0 +1,205 @@
+"""Trace routing for the benchmarks: each MoE layer's router choice replaced by a real trace's experts.
+
+A random-weight checkpoint routes almost every token to the same few experts, and uniform random
+experts (``experts.ForcedRouting``) have no temporal locality at all. A routing trace
+(``mlx_lm_streaming.routing_trace``, ``tests/data/routing/*.jsonl``) holds what a real model picked,
+token by token, layer by layer. ``TraceRouting.wrap(model)`` puts a small module in front of every
+MoE block's expert module (stock ``SwitchGLU``, our ``StreamingSwitchGLU``, the seeds'
+``_SeedSwitch``) that passes the trace's experts instead of the router's ``indices``; the router
+still runs and its gate weights are used as stock uses them. The choice depends only on (layer,
+rows consumed so far), so stock and streaming compute the same thing and their logits stay
+comparable bit for bit.
+
+Rules:
+
+- the i-th wrapped module takes the trace's i-th MoE layer; a checkpoint with fewer MoE layers than
+  the trace replays the trace's first layers (``layers``), one with more is an error;
+- the checkpoint's experts per layer must be the trace's, and its top-k the trace's (build it with
+  ``top_k`` = the trace's: ids are never padded, truncated or repeated);
+- each layer keeps a cursor into the trace's rows: a call with R rows (a prompt of R tokens, or one
+  decode token) takes the next R rows in the trace's order (prefill rows, then decode rows), wrapping
+  around at the end; rows where the trace has no ids for that layer (an engine that skipped it) are
+  passed over for that layer. ``reset()`` rewinds every cursor.
+"""
+
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from mlx_lm_streaming.routing_trace import RoutingTrace, TraceError, read_trace
+
+
+class TraceRouting:
+    """Router choices from a routing trace, the same for every model it wraps."""
+
+    def __init__(self, trace: RoutingTrace, layers: Optional[int] = None):
+        self.trace = trace
+        self.layers = trace.num_layers if layers is None else layers
+        if not 0 < self.layers <= trace.num_layers:
+            raise TraceError(
+                f"{trace.path}: cannot replay {self.layers} MoE layers from a trace of "
+                f"{trace.num_layers}"
+            )
+        # per layer: the ids of every row that has them, (rows, top_k)
+        self.table: List[np.ndarray] = []
+        for layer in range(self.layers):
+            ids = [row.experts[layer] for row in trace.rows if row.experts[layer]]
+            self.table.append(np.array(ids, dtype=np.uint32))
+        self.cursor: Dict[int, int] = {}
+
+    @classmethod
+    def from_file(cls, path, layers: Optional[int] = None) -> "TraceRouting":
+        return cls(read_trace(path), layers)
+
+    @property
+    def top_k(self) -> int:
+        return self.trace.top_k
+
+    @property
+    def num_experts(self) -> int:
+        return self.trace.num_experts
+
+    def reset(self) -> None:
+        self.cursor = {}
+
+    def check(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        """One-line ``TraceError`` unless the model can replay this trace's first ``layers``."""
+        path = self.trace.path
+        if num_layers != self.layers:
+            raise TraceError(
+                f"{path}: the model has {num_layers} MoE layers, the replay {self.layers} "
+                f"(of the trace's {self.trace.num_layers})"
+            )
+        if num_experts != self.num_experts:
+            raise TraceError(
+                f"{path}: the trace has {self.num_experts} experts per layer, the model {num_experts}"
+            )
+        if top_k != self.top_k:
+            raise TraceError(
+                f"{path}: the trace picks {self.top_k} experts per token, the model {top_k}; "
+                f"build the checkpoint with top_k={self.top_k}"
+            )
+
+    def wrap(self, model) -> int:
+        """Route every MoE layer of ``model`` through this trace; returns the layers wrapped."""
+        found = expert_modules(model)
+        num_experts, top_k = _expert_counts(model)
+        self.check(len(found), num_experts, top_k)
+        for layer_no, (parent, name, module) in enumerate(found):
+            parent[name] = routed(module, self, layer_no)
+        return len(found)
+
+    def indices(self, layer_no: int, shape):
+        """The trace's next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
+        import mlx.core as mx
+
+        if shape[-1] != self.top_k:
+            raise TraceError(
+                f"{self.trace.path}: layer {layer_no} asked for {shape[-1]} experts per token, "
+                f"the trace has {self.top_k}"
+            )
+        table = self.table[layer_no]
+        rows = int(np.prod(shape[:-1]))
+        start = self.cursor.get(layer_no, 0)
+        self.cursor[layer_no] = (start + rows) % len(table)
+        take = table[np.arange(start, start + rows) % len(table)]
+        return mx.array(take.reshape(shape))
+
+    def decode_rows(self):
+        """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""
+        for i, row in enumerate(self.trace.rows):
+            if row.phase == "decode":
+                return i
+        return len(self.trace.rows)
+
+
+def expert_kinds():
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_lm_streaming.switch import StreamingSwitchGLU
+
+    kinds = [SwitchGLU, StreamingSwitchGLU]
+    try:
+        import seeds
+
+        kinds.append(seeds._SeedSwitch)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def expert_modules(model):
+    """``(parent, name, module)`` of every MoE expert module of ``model``, in layer order."""
+    from mlx_lm_streaming.index import natural_key
+
+    kinds = expert_kinds()
+    found = sorted(
+        ((path, m) for path, m in model.named_modules() if isinstance(m, kinds)),
+        key=lambda pm: natural_key(pm[0]),
+    )
+    out = []
+    for path, module in found:
+        parent = model
+        parts = path.split(".")
+        for q in parts[:-1]:
+            parent = parent[int(q)] if isinstance(parent, list) else parent[q]
+        out.append((parent, parts[-1], module))
+    return out
+
+
+def _expert_counts(model):
+    """(experts per layer, experts per token) from the model's arguments."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for source in (args, text if not isinstance(text, dict) else None):
+        if source is None:
+            continue
+        experts = _first(source, ("num_experts", "num_local_experts", "n_routed_experts"))
+        top_k = _first(source, ("num_experts_per_tok", "top_k", "num_experts_per_token"))
+        if experts and top_k:
+            return experts, top_k
+    raise TraceError("cannot tell the model's experts per layer and per token from its arguments")
+
+
+def _first(obj, names):
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _routed_class():
+    import mlx.nn as nn
+
+    class RoutedSwitch(nn.Module):
+        """An expert module whose ``indices`` are replaced by a routing source's choice."""
+
+        def __init__(self, inner, routing, layer_no):
+            super().__init__()
+            object.__setattr__(self, "_inner", inner)
+            object.__setattr__(self, "_routing", routing)
+            object.__setattr__(self, "_layer_no", layer_no)
+
+        def __call__(self, x, indices):
+            start = time.perf_counter()
+            out = self._inner(x, self._routing.indices(self._layer_no, indices.shape))
+            # host time in the expert module (its host sync and reads included)
+            routing = self._routing
+            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + (
+                time.perf_counter() - start
+            )
+            return out
+
+    return RoutedSwitch
+
+
+_ROUTED = None
+
+
+def routed(inner, routing, layer_no):
+    global _ROUTED
+    if _ROUTED is None:
+        _ROUTED = _routed_class()
+    return _ROUTED(inner, routing, layer_no)
