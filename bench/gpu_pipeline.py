@@ -68,7 +68,23 @@ VARIANTS = {
     "direct": (True, 4),
     "direct_t8": (True, 8),
     "direct_t16": (True, 16),
+    # the defaults without the next-layer lookahead (its router evaluation in every cold sync)
+    "default_nolookahead": (None, None),
 }
+
+
+def _without_lookahead(path, **opts):
+    """A streaming model whose cache does not run the next-layer lookahead."""
+    from experts import load_streaming
+
+    try:
+        from mlx_lm_streaming.expert_cache import CacheTuning
+    except ImportError:  # before CacheTuning: a plain attribute of the cache
+        model, _ = load_streaming(path, **opts)
+        model.expert_streaming.cache.lookahead = False
+        return model
+    model, _ = load_streaming(path, tuning=CacheTuning(lookahead=False), **opts)
+    return model
 
 
 def build(ckpt_dir: Path, shape: str, layers: int, dtype: str) -> Path:
@@ -145,7 +161,11 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         opts = {} if direct is None else {"direct_reads": direct}
         if threads is not None:
             opts["store_options"] = {"threads": threads}
-        model, _ = load_streaming(path, expert_cache_gb=budget * total / GB, **opts)
+        opts["expert_cache_gb"] = budget * total / GB
+        if v.endswith("_nolookahead"):
+            model = _without_lookahead(path, **opts)
+        else:
+            model, _ = load_streaming(path, **opts)
         configs[v] = Config(v, model, cold=True, files=files)
     for cfg in configs.values():
         cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
