@@ -309,6 +309,9 @@ class ForcedRouting:
             parent[parts[-1]] = _Forced(module, self, layer_no)
         return len(found)
 
+    def reset(self):
+        self.calls = {}
+
     def indices(self, layer_no, shape):
         import mlx.core as mx
         import numpy as np
@@ -644,7 +647,7 @@ def run_arch(name, path, args, device):
     def same_routing_from_here():
         for cfg in configs.values():
             if cfg.routing is not None:
-                cfg.routing.calls = {}
+                cfg.routing.reset()
 
     # prefill of 512 tokens: stock, warm; cold from empty banks and a cold page cache
     pre = {k: [] for k in ("stock", "warm", "cold") if k in configs}

@@ -142,7 +142,11 @@ class StreamingOptions:
 
     def use_direct_reads(self, backend: str) -> bool:
         """Whether demand reads go straight into the banks on ``backend`` (cpu, cuda, metal)."""
-        return backend == "cpu" if self.direct_reads is None else self.direct_reads
+        if self.direct_reads is None:
+            # on CUDA since the H200 measurements (docs/benchmarks/gpu-trace.md): 1.15-1.3x cold,
+            # stock's logits token by token; Metal stays off until checked on a Mac
+            return backend in ("cpu", "cuda")
+        return self.direct_reads
 
     @classmethod
     def from_value(cls, value) -> Optional["StreamingOptions"]:

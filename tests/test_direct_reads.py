@@ -202,8 +202,9 @@ def test_the_option_turns_direct_reads_on_and_off(q3, monkeypatch):
         assert all(b.direct == direct for b in cache.banks), value
         assert same(want, decode(model, tokens))
         model.expert_streaming.close()
-    # auto: only where verified (the CPU backend)
-    assert not StreamingOptions().use_direct_reads("cuda")
+    # auto: only where verified (the CPU backend, and CUDA on the H200)
+    assert StreamingOptions().use_direct_reads("cuda")
+    assert not StreamingOptions().use_direct_reads("metal")
     assert StreamingOptions(direct_reads=True).use_direct_reads("metal")
     monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
     monkeypatch.setenv("MLX_LM_STREAMING_DIRECT_READS", "0")

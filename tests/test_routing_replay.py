@@ -1,48 +1,102 @@
-"""bench/routing_replay.py: a routing trace replayed through stock and streaming models alike."""
+"""bench/routing_replay.py: a routing trace's experts replace the router's, alike in stock and streaming."""
 
-import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
-from support import load_stock
+from support import decode, load_stock, load_streaming, per_slot, same
 
-from mlx_lm_streaming.routing_trace import TraceError, TraceWriter, read_trace
+from mlx_lm_streaming.routing_trace import TraceError, read_trace
 from mlx_lm_streaming.synthetic import build_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-REPLAY = ROOT / "bench" / "routing_replay.py"
-TRACES = ROOT / "tests" / "data" / "routing"
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+TRACE = Path(__file__).resolve().parent / "data" / "routing" / "qwen3-30b-a3b.jsonl"
 
 
-def replay(*args):
-    return subprocess.run(
-        [sys.executable, REPLAY, "--check", *args], capture_output=True, text=True, timeout=300
-    )
-
-
-@pytest.mark.parametrize(
-    "trace", [None, pytest.param("qwen3-30b-a3b.jsonl", marks=pytest.mark.slow)]
-)
-def test_stock_and_streaming_replay_the_trace_exactly(trace, tmp_path):
-    """Tiny models with the trace's MoE layer and expert counts (48 x 128 for the Qwen3 trace), 3 slots
-    per layer: logits equal bit for bit, and the ids the streaming layers were called with (recorded
-    by --record-routing) are the trace's, past its end too."""
-    args = ["--workdir", tmp_path] + (["--trace", TRACES / trace] if trace else [])
-    done = replay(*args)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "logits exact; streaming routing is the trace" in done.stdout
-
-
-def test_a_trace_of_other_layer_counts_is_refused(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    with TraceWriter(bad, 3, 8, 2) as w:
-        w.token(0, "decode", [[0, 1], [2, 3], [4, 5]])
-    model, _ = load_stock(build_checkpoint(tmp_path / "c", "qwen3_moe", "affine4"))  # 2 x 8
-    sys.path.insert(0, str(ROOT / "bench"))
+@pytest.fixture(scope="module")
+def rr():
+    sys.path.insert(0, str(BENCH))
     try:
         import routing_replay
+
+        yield routing_replay
     finally:
-        sys.path.remove(str(ROOT / "bench"))
-    with pytest.raises(TraceError, match="has 3 MoE layers x 8 experts but the model has 2 x 8"):
-        routing_replay.TraceRouting(read_trace(bad)).wrap(model)
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def k6(tmp_path_factory):
+    """qwen3_moe, 2 MoE layers of 128 experts, top-k 6 (the trace's)."""
+    path = tmp_path_factory.mktemp("k6") / "q3k6"
+    return build_checkpoint(path, "qwen3_moe", num_layers=2, overrides={"experts": 128, "top_k": 6})
+
+
+def test_each_layer_gets_the_traces_next_rows(rr, k6):
+    trace = read_trace(TRACE)
+    model, _ = load_stock(k6)
+    routing = rr.TraceRouting(trace, layers=2)
+    assert routing.wrap(model) == 2
+    seen = {0: [], 1: []}
+    wrappers = [m for _, m in model.named_modules() if type(m).__name__ == "RoutedSwitch"]
+    for w in wrappers:
+        inner = w._inner
+
+        def spy(x, indices, inner=inner, layer=w._layer_no):
+            seen[layer].append(np.array(indices).reshape(-1, indices.shape[-1]))
+            return inner(x, indices)
+
+        object.__setattr__(w, "_inner", spy)
+    decode(model, mx.array([[1, 2, 3]]), steps=2)  # a 3-token prompt, then 2 tokens
+    for layer in (0, 1):
+        got = np.concatenate(seen[layer])
+        want = np.array([row.experts[layer] for row in trace.rows[:5]])
+        assert got.tolist() == want.tolist()
+    routing.reset()
+    assert np.array(routing.indices(0, (1, 1, 6))).reshape(-1).tolist() == trace.rows[0].experts[0]
+
+
+def test_stock_and_streaming_compute_the_same_under_a_trace(rr, k6):
+    tokens = mx.array([[5, 9, 200, 31]])
+    stock, _ = load_stock(k6)
+    own = decode(stock, tokens)
+    rr.TraceRouting.from_file(TRACE, layers=2).wrap(stock)
+    want = decode(stock, tokens)
+    # the trace's choices, not the router's, were computed
+    assert not same(own, want)
+    probe, _ = load_streaming(k6, expert_cache_gb=1e6)
+    budget = 8 * per_slot(probe) / (1 << 30)  # 8 of 128 experts per layer: misses and evictions
+    probe.expert_streaming.close()
+    model, _ = load_streaming(k6, expert_cache_gb=budget)
+    rr.TraceRouting.from_file(TRACE, layers=2).wrap(model)
+    assert same(want, decode(model, tokens))
+    assert model.expert_streaming.cache.stats.misses > 0
+
+
+def test_the_cursor_wraps_around_the_trace(rr):
+    routing = rr.TraceRouting.from_file(TRACE, layers=2)
+    n = len(routing.table[1])
+    assert n == len(read_trace(TRACE).rows)
+    got = np.array(routing.indices(1, (1, n + 2, 6))).reshape(-1, 6)
+    assert got[:n].tolist() == routing.table[1].tolist()
+    assert got[n:].tolist() == routing.table[1][:2].tolist()
+
+
+def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
+    model, _ = load_stock(k6)
+    with pytest.raises(TraceError, match="cannot replay 49 MoE layers"):
+        rr.TraceRouting.from_file(TRACE, layers=49)
+    with pytest.raises(TraceError, match="the model has 2 MoE layers, the replay 3"):
+        rr.TraceRouting.from_file(TRACE, layers=3).wrap(model)
+    k4 = build_checkpoint(
+        tmp_path / "k4", "qwen3_moe", num_layers=2, overrides={"experts": 128, "top_k": 4}
+    )
+    model, _ = load_stock(k4)
+    with pytest.raises(TraceError, match="build the checkpoint with top_k=6"):
+        rr.TraceRouting.from_file(TRACE, layers=2).wrap(model)
+    few, _ = load_stock(
+        build_checkpoint(tmp_path / "e8", "qwen3_moe", num_layers=2, overrides={"top_k": 6})
+    )
+    with pytest.raises(TraceError, match="128 experts per layer, the model"):
+        rr.TraceRouting.from_file(TRACE, layers=2).wrap(few)

@@ -19,7 +19,9 @@ from ..errors import CheckpointChangedError, ExpertIOError
 from ..safetensors_header import TensorRef
 from .base import ExpertStore
 
-DEFAULT_THREADS = 4
+# reads in flight: the H200's disk gave 1.0 GB/s to one reader and 1.4-1.8 GB/s to 8-16
+# (docs/benchmarks/gpu-trace.md); cold decode there ran 1.06-1.10x faster with 8 than with 4
+DEFAULT_THREADS = 8
 MAX_RETRIES = 8
 
 

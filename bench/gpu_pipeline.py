@@ -1,0 +1,425 @@
+"""Cold decode against the disk's limit, per budget and routing, with the I/O pipeline's variants side by side.
+
+    python bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
+        --budgets 0.25,0.5 --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
+        --variants staged,staged_t16,direct,direct_t16
+
+One checkpoint with Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768, 128 experts,
+affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers; a trace of more layers is
+replayed on its first ones: ``bench/routing_replay.py``). For each routing (uniform random experts,
+or a trace) and each budget (share of the expert bytes), every variant of the streaming model is
+timed cold (checkpoint dropped from the page cache before every token) in interleaved rounds with
+two separately loaded stock models. Each configuration first feeds the same prompt one token at a
+time (one-token calls are deterministic on stock mlx-cuda 0.32.4, multi-token prompts are not on
+small shapes), then decodes a fixed token stream through mlx-lm's ``generate_step``; each step's
+log-probabilities are hashed, and every configuration is compared with the first stock model token
+by token (the second stock model is stock's own run-to-run agreement).
+
+Per configuration: tok/s, bytes read per token, hit rate, seconds per token in I/O waits, installs,
+the store's reads and the expert modules' calls; the disk's best bandwidth by the probe (random reads
+of one expert's size, 1-16 threads, buffered and O_DIRECT); limit = 1 / max(stock step time, bytes
+read per token / best bandwidth); and, for trace routing, the hit rates a replay of the same rows
+gives (``mlx_lm_streaming.replay``: the cache's own policy, LRU, Belady) with the same slots.
+Writes ``<out>/<tag>.json``.
+"""
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import experts  # noqa: E402
+from experts import GB, MB, Config, decode_block, disk_bandwidth, log  # noqa: E402
+
+SHAPES = {
+    "qwen3": dict(
+        arch="qwen3_moe",
+        overrides={
+            "hidden": 2048,
+            "moe_intermediate": 768,
+            "experts": 128,
+            "top_k": 6,
+            "heads": 32,
+            "kv_heads": 4,
+            "head_dim": 128,
+        },
+    ),
+    # for trying the script out on a CPU: same expert count and top-k, tiny experts
+    "tiny": dict(
+        arch="qwen3_moe",
+        overrides={"hidden": 128, "moe_intermediate": 64, "experts": 128, "top_k": 6},
+    ),
+}
+
+VARIANTS = {
+    # name: (direct_reads, store threads); None: the package's default
+    "default": (None, None),
+    "staged": (False, 4),
+    "staged_t8": (False, 8),
+    "staged_t16": (False, 16),
+    "direct": (True, 4),
+    "direct_t8": (True, 8),
+    "direct_t16": (True, 16),
+    # the defaults without the next-layer lookahead (its router evaluation in every cold sync)
+    "default_nolookahead": (None, None),
+}
+
+
+def _without_lookahead(path, **opts):
+    """A streaming model whose cache does not run the next-layer lookahead."""
+    from experts import load_streaming
+
+    try:
+        from mlx_lm_streaming.expert_cache import CacheTuning
+    except ImportError:  # before CacheTuning: a plain attribute of the cache
+        model, _ = load_streaming(path, **opts)
+        model.expert_streaming.cache.lookahead = False
+        return model
+    model, _ = load_streaming(path, tuning=CacheTuning(lookahead=False), **opts)
+    return model
+
+
+def build(ckpt_dir: Path, shape: str, layers: int, dtype: str) -> Path:
+    from mlx_lm_streaming.synthetic import build_checkpoint
+
+    spec = SHAPES[shape]
+    path = ckpt_dir / f"{shape}-k6-{layers}l-{dtype}"
+    if (path / ".complete").is_file():
+        return path
+    start = time.time()
+    build_checkpoint(
+        path, spec["arch"], "affine4", num_layers=layers, overrides=spec["overrides"], dtype=dtype
+    )
+    (path / ".complete").write_text("ok")
+    log(f"built {path} in {time.time() - start:.0f} s")
+    return path
+
+
+def make_routing(spec: str, layers: int, num_experts: int):
+    from routing_replay import TraceRouting
+
+    if spec == "uniform":
+        src = experts.ForcedRouting(num_experts)
+        src.reset = lambda: setattr(src, "calls", {})
+        return src
+    return TraceRouting.from_file(spec.split(":", 1)[1], layers)
+
+
+def wrap(model, routing):
+    """Route ``model`` through ``routing`` (its ``call_seconds``: host time in the expert modules)."""
+    from routing_replay import expert_modules, routed
+
+    found = expert_modules(model)
+    if hasattr(routing, "check"):
+        from routing_replay import _expert_counts
+
+        routing.check(len(found), *_expert_counts(model))
+    for layer_no, (parent, name, module) in enumerate(found):
+        parent[name] = routed(module, routing, layer_no)
+
+
+def prompt_by_token(cfg, prompt):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cfg.kv = make_prompt_cache(cfg.model)
+    for tok in prompt:
+        mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
+
+
+def counters(cfg):
+    c = cfg.counters()
+    if cfg.cache is not None:
+        st = cfg.cache.store.stats
+        c["store_seconds"] = st.seconds
+        c["store_reads"] = st.reads
+    c["call_seconds"] = getattr(cfg.routing, "call_seconds", 0.0)
+    return c
+
+
+def run_group(stocks, path, routing_spec, budget, variants, args, res, files, prompt, stream):
+    """One routing x budget: the variants and the stocks, interleaved rounds. Returns a dict."""
+    import random
+
+    from experts import delta, load_streaming, reset_banks
+
+    total = res["total_expert_bytes"]
+    configs = {}
+    for name, model in stocks.items():
+        cfg = Config(name, model)
+        configs[name] = cfg
+    for v in variants:
+        direct, threads = VARIANTS[v]
+        opts = {} if direct is None else {"direct_reads": direct}
+        if threads is not None:
+            opts["store_options"] = {"threads": threads}
+        opts["expert_cache_gb"] = budget * total / GB
+        if v.endswith("_nolookahead"):
+            model = _without_lookahead(path, **opts)
+        else:
+            model, _ = load_streaming(path, **opts)
+        configs[v] = Config(v, model, cold=True, files=files)
+    for cfg in configs.values():
+        cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
+        if cfg.name in stocks:
+            _set_routing(cfg.model, cfg.routing)
+        else:
+            wrap(cfg.model, cfg.routing)
+    for cfg in configs.values():
+        cfg.routing.reset()
+        if cfg.cache is not None:
+            reset_banks(cfg.model)
+        prompt_by_token(cfg, prompt)
+        cfg.stream, cfg.pos = stream, 1
+        decode_block(cfg, 2)  # warm-up: allocations, kernels
+        cfg.tokens = []
+        cfg.stats0 = counters(cfg)
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for key in random.Random(r).sample(list(configs), len(configs)):
+            times = decode_block(configs[key], args.block)
+            configs[key].decode_s.extend(times)
+            row[key] = sum(times) / len(times)
+        rounds.append(row)
+        log(
+            f"[{routing_spec} {budget}] round {r}: "
+            + ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items())
+        )
+    out = {"rounds": rounds, "configs": {}}
+    ref = configs["stock"].tokens
+    for key, cfg in configs.items():
+        n = len(cfg.decode_s)
+        c = delta(cfg.stats0, counters(cfg))
+        asked = c.get("hits", 0) + c.get("misses", 0)
+        entry = {
+            "tokens": n,
+            "tok_s": n / sum(cfg.decode_s),
+            "s_per_token": sum(cfg.decode_s) / n,
+            "same_as_stock": [a == b for a, b in zip(cfg.tokens, ref)],
+            "call_s_per_token": c["call_seconds"] / n,
+        }
+        if cfg.cache is not None:
+            entry.update(
+                hit_rate=c["hits"] / asked if asked else None,
+                bytes_per_token=c["bytes_read"] / n,
+                io_wait_s_per_token=c["io_wait_seconds"] / n,
+                install_s_per_token=c["install_seconds"] / n,
+                store_s_per_token=c["store_seconds"] / n,
+                store_reads_per_token=c["store_reads"] / n,
+                slots=[b.slots for b in cfg.cache.banks],
+                direct=all(b.direct for b in cfg.cache.banks),
+                policy=getattr(cfg.cache, "policy", None),
+            )
+        out["configs"][key] = entry
+    # warm-up decode rows of the trace: 3 (generate_step computes one ahead), then the measured ones
+    out["decode_rows"] = {
+        "warmup": 3,
+        "measured": configs[variants[0]].pos - 1 - 3 if variants else 0,
+    }
+    for cfg in configs.values():
+        if cfg.name not in stocks:
+            del cfg.model
+    del configs
+    gc.collect()
+    return out
+
+
+def _set_routing(model, routing):
+    """Point an already wrapped stock model at ``routing``; wrap it on first use."""
+    import routing_replay
+
+    cls = type(routing_replay.routed(None, None, 0))
+    found = [m for _, m in model.named_modules() if isinstance(m, cls)]
+    if not found:
+        wrap(model, routing)
+        return
+    for m in found:
+        object.__setattr__(m, "_routing", routing)
+
+
+def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
+    """Decode hit rates of a replay of the rows the benchmark used, with ``slots`` per layer."""
+    from dataclasses import replace
+
+    from mlx_lm_streaming import policy, replay
+    from mlx_lm_streaming.routing_trace import read_trace
+
+    trace = read_trace(trace_spec.split(":", 1)[1])
+    rows = trace.rows[: prompt_rows + warmup + measured]
+    used = []
+    for i, row in enumerate(rows):
+        phase = "decode" if i >= prompt_rows + warmup else "prefill"
+        used.append(replace(row, phase=phase, experts=row.experts[:layers]))
+    header = dict(trace.header, num_layers=layers)
+    sub = type(trace)(header=header, rows=used, path=trace.path)
+    out = {}
+    for name in ("lru", "decay"):
+        out[name] = replay.replay(sub, slots, name).hit_rate("decode")
+    out["belady"] = replay.belady(sub, slots).hit_rate("decode")
+    out["default_policy"] = policy.DEFAULT_POLICY
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--tag", default="gpu-trace")
+    ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--budgets", default="0.25,0.5")
+    ap.add_argument(
+        "--routings",
+        default="uniform,trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl"),
+    )
+    ap.add_argument("--variants", default="staged,staged_t16,direct,direct_t16")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=6)
+    ap.add_argument("--probe-mb", type=int, default=768)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    gpu = mx.default_device().type == mx.gpu
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    variants = [v for v in args.variants.split(",") if v]
+    routings = [r for r in args.routings.split(",") if r]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    res = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "machine": platform.node(),
+        "shape": args.shape,
+        "layers": args.layers,
+        "dtype": dtype,
+    }
+    path = build(Path(args.ckpt_dir), args.shape, args.layers, dtype)
+    files = experts.shards(path)
+    probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
+    cache = probe.expert_streaming.cache
+    res.update(
+        total_expert_bytes=cache.total_expert_bytes,
+        expert_bytes=cache.banks[0].layer.expert_nbytes,
+        moe_layers=len(cache.banks),
+        experts=cache.banks[0].num_experts,
+    )
+    del probe, cache
+    gc.collect()
+
+    bw = {}
+    for threads in (1, 2, 4, 8, 16):
+        for direct in (False, True):
+            key = f"t{threads}{'_direct' if direct else ''}"
+            try:
+                bw[key] = disk_bandwidth(
+                    files, res["expert_bytes"], args.probe_mb * MB, threads, direct
+                )
+            except OSError as e:
+                bw[key] = None
+                log(f"probe {key}: {e}")
+    res["disk_gbps"] = bw
+    res["disk_best_gbps"] = max(v for v in bw.values() if v)
+    log(f"disk GB/s: {bw}")
+
+    stocks = {}
+    for name in ("stock", "stock_again"):
+        stocks[name], config = experts.load_stock(path)
+    import random
+
+    rng = random.Random(1)
+    vocab = config["vocab_size"]
+    stream = [rng.randrange(vocab) for _ in range(4096)]
+    groups = []
+    res["groups"] = groups
+    for spec in routings:
+        routing = make_routing(spec, res["moe_layers"], res["experts"])
+        prompt_len = routing.decode_rows() if hasattr(routing, "decode_rows") else 28
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        for budget in budgets:
+            g = run_group(stocks, path, spec, budget, variants, args, res, files, prompt, stream)
+            g.update(routing=spec, budget=budget, prompt_tokens=prompt_len)
+            if spec.startswith("trace:") and variants:
+                slots = g["configs"][variants[0]]["slots"]
+                g["replay"] = replay_figures(
+                    spec, res["moe_layers"], slots, prompt_len, 3, g["decode_rows"]["measured"]
+                )
+            summarize(g, res)
+            groups.append(g)
+            res["groups"] = groups
+            save(res, args)  # after every group: a run cut short keeps what it measured
+            print(table(res), flush=True)
+
+
+def save(res, args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def summarize(g, res):
+    """limit, ratio to it, read GB/s, paired ratios to ``staged`` per variant."""
+    disk = res["disk_best_gbps"] * GB
+    stock = g["configs"]["stock"]["s_per_token"]
+    for key, c in g["configs"].items():
+        if "bytes_per_token" not in c:
+            continue
+        limit_s = max(stock, c["bytes_per_token"] / disk)
+        c["limit_tok_s"] = 1 / limit_s
+        c["ratio_to_limit"] = c["tok_s"] * limit_s
+        c["read_gbps_in_waits"] = (
+            c["bytes_per_token"] / c["io_wait_s_per_token"] / GB
+            if c["io_wait_s_per_token"]
+            else None
+        )
+        c["read_gbps_wall"] = c["bytes_per_token"] / c["s_per_token"] / GB
+        c["vs_staged_paired"] = (
+            statistics.median(r["staged"] / r[key] for r in g["rounds"])
+            if "staged" in g["rounds"][0]
+            else None
+        )
+
+
+def table(res):
+    lines = [
+        f"disk best {res['disk_best_gbps']:.2f} GB/s; {res['moe_layers']} layers, "
+        f"{res['expert_bytes'] / MB:.2f} MB per expert",
+        "| routing | budget | config | tok/s | limit | ratio | hit | MB/token | io ms | install ms | "
+        "store ms | call ms | GB/s in waits | vs staged | exact steps |",
+        "|" + "---|" * 15,
+    ]
+    for g in res["groups"]:
+        routing = "trace" if g["routing"].startswith("trace") else g["routing"]
+        for key, c in g["configs"].items():
+            same = f"{sum(c['same_as_stock'])}/{len(c['same_as_stock'])}"
+            if "bytes_per_token" not in c:
+                lines.append(
+                    f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | | | | | | | | "
+                    f"{c['call_s_per_token'] * 1e3:.1f} | | | {same} |"
+                )
+                continue
+            lines.append(
+                f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {c['limit_tok_s']:.2f} | "
+                f"{c['ratio_to_limit']:.3f} | {c['hit_rate']:.3f} | {c['bytes_per_token'] / MB:.1f} | "
+                f"{c['io_wait_s_per_token'] * 1e3:.1f} | {c['install_s_per_token'] * 1e3:.1f} | "
+                f"{c['store_s_per_token'] * 1e3:.1f} | {c['call_s_per_token'] * 1e3:.1f} | "
+                f"{(c['read_gbps_in_waits'] or 0):.2f} | {(c['vs_staged_paired'] or 0):.3f} | {same} |"
+            )
+        if "replay" in g:
+            lines.append(f"replay ({g['routing']}, {g['budget']}): {g['replay']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Cold decode against the disk's limit on the H200 (bench/gpu_pipeline.py), then the CUDA parity check
+# with direct reads on and off, in one device call (docs/benchmarks/gpu-trace.md).
+#
+# Before it, from the project root here: ../shared/tools/mlx-cuda-wheels.sh, then one device call
+#   carry [".dev/a"]: mkdir -p /root/stash && cp .dev/a/* /root/stash/
+# then this, in a second call on the same warm machine:
+#   carry [".dev/b"]: bash bench/gpu_trace.sh [gpu_pipeline args...]
+# BENCH_TIMEOUT, PARITY_TIMEOUT (0: skip).
+set -u
+mkdir -p /root/stash "$OUT"
+cp .dev/b/* /root/stash/
+( cd /root/stash && cat cuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl \
+  && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+     mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl ) || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+start=$(date +%s)
+timeout ${BENCH_TIMEOUT:-300} python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out "$OUT" \
+  --layers 16 --rounds 3 --block 6 --probe-mb 512 --variants staged,direct,default "$@" 2>&1 \
+  | tee "$OUT/gpu_pipeline.log" | grep -v '^{' | grep -v '^|'
+grep '^|\|^replay\|^disk' "$OUT/gpu_pipeline.log" | tail -40
+echo "bench: $(( $(date +%s) - start )) s"
+if [ "${PARITY_TIMEOUT:-320}" != 0 ]; then
+  timeout ${PARITY_TIMEOUT:-320} python3 bench/cuda_parity.py --out "$OUT/cuda_parity.json" --cases 1 \
+    --prompt-by-token --direct on,off --overrides '{"hidden": 256, "moe_intermediate": 128}' 2>&1 | tail -30
+fi
+echo "total: $(( $(date +%s) - start )) s"
