@@ -50,3 +50,12 @@ def exit_with(prog: str, error: StreamingError) -> None:
     sys.stderr.write(f"{prog}: error: {one_line(error)}\n")
     sys.stderr.flush()
     raise SystemExit(exit_status(error))
+
+
+def open_output(path, what: str):
+    """``open(path, "w")`` for a file we write as a run goes (a routing trace, a timeline);
+    ``ConfigurationError`` naming the file and ``what`` it is if that fails."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise ConfigurationError(f"{path}: cannot write the {what} ({e.strerror or e})") from None

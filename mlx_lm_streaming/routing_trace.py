@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .errors import CheckpointError, ConfigurationError
+from .errors import CheckpointError, open_output
 
 FORMAT = "moe-routing-trace"
 VERSION = 1
@@ -150,12 +150,7 @@ class TraceWriter:
         expert ids gives it."""
         self.path = Path(path)
         self.num_layers = num_layers
-        try:
-            self._file = open(self.path, "w", encoding="utf-8")
-        except OSError as e:
-            raise ConfigurationError(
-                f"{self.path}: cannot write the routing trace ({e.strerror or e})"
-            ) from None
+        self._file = open_output(self.path, "routing trace")
         self._header = {
             "format": FORMAT,
             "version": VERSION,
@@ -198,12 +193,7 @@ class TraceWriter:
 
 def check_writable(path) -> None:
     """Create (or empty) ``path``; ``ConfigurationError`` naming it if that fails."""
-    try:
-        open(path, "w", encoding="utf-8").close()
-    except OSError as e:
-        raise ConfigurationError(
-            f"{path}: cannot write the routing trace ({e.strerror or e})"
-        ) from None
+    open_output(path, "routing trace").close()
 
 
 class RoutingRecorder:

@@ -20,19 +20,13 @@ from .errors import CheckpointError
 
 # safetensors dtype name -> (mlx dtype, bytes per element)
 DTYPES = {
-    "BOOL": (mx.bool_, 1),
-    "U8": (mx.uint8, 1),
-    "I8": (mx.int8, 1),
-    "U16": (mx.uint16, 2),
-    "I16": (mx.int16, 2),
-    "F16": (mx.float16, 2),
-    "BF16": (mx.bfloat16, 2),
-    "U32": (mx.uint32, 4),
-    "I32": (mx.int32, 4),
-    "F32": (mx.float32, 4),
-    "U64": (mx.uint64, 8),
-    "I64": (mx.int64, 8),
-}
+    name: (dtype, dtype.size)
+    for name, dtype in (
+        ("BOOL", mx.bool_), ("U8", mx.uint8), ("I8", mx.int8), ("U16", mx.uint16),
+        ("I16", mx.int16), ("F16", mx.float16), ("BF16", mx.bfloat16), ("U32", mx.uint32),
+        ("I32", mx.int32), ("F32", mx.float32), ("U64", mx.uint64), ("I64", mx.int64),
+    )
+}  # fmt: skip
 
 
 def mx_dtype(name: str):

@@ -315,22 +315,23 @@ class StreamingSwitchGLU(nn.Module):
         return y.reshape(*idx.shape, y.shape[-1])
 
 
-def _submit(bank, y) -> None:
-    """``mx.async_eval(y)``, recorded on the timeline if there is one."""
+def _timed(bank, run, y, name: str, cat: str) -> None:
+    """``run(y)``, recorded on the timeline as ``name`` if there is one."""
     tl = bank.cache.timeline
     start = tl.now() if tl else 0
-    mx.async_eval(y)
+    run(y)
     if tl:
-        tl.span("submit", start, "compute", layer=bank.path)
+        tl.span(name, start, cat, layer=bank.path)
+
+
+def _submit(bank, y) -> None:
+    """``mx.async_eval(y)``: the layer's compute handed to MLX."""
+    _timed(bank, mx.async_eval, y, "submit", "compute")
 
 
 def _wait(bank, y) -> None:
-    """``mx.eval(y)`` where the layer waits for its own compute, recorded like ``_submit``."""
-    tl = bank.cache.timeline
-    start = tl.now() if tl else 0
-    mx.eval(y)
-    if tl:
-        tl.span("wait compute", start, "wait", layer=bank.path)
+    """``mx.eval(y)`` where the layer waits for its own compute."""
+    _timed(bank, mx.eval, y, "wait compute", "wait")
 
 
 def _stage_ahead(bank, guess) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Optional
 
-from .errors import ConfigurationError
+from .errors import open_output
 
 # events kept in memory before they are written, and the longest they wait
 FLUSH_EVENTS = 512
@@ -31,10 +31,7 @@ FLUSH_SECONDS = 1.0
 
 def check_writable(path) -> None:
     """Create (or empty) ``path``; ``ConfigurationError`` naming it if that fails."""
-    try:
-        open(path, "w", encoding="utf-8").close()
-    except OSError as e:
-        raise ConfigurationError(f"{path}: cannot write the timeline ({e.strerror or e})") from None
+    open_output(path, "timeline").close()
 
 
 class Timeline:
@@ -44,12 +41,7 @@ class Timeline:
 
     def __init__(self, path, process_name: str = "mlx-lm-streaming"):
         self.path = str(path)
-        try:
-            self._file = open(self.path, "w", encoding="utf-8")
-        except OSError as e:
-            raise ConfigurationError(
-                f"{self.path}: cannot write the timeline ({e.strerror or e})"
-            ) from None
+        self._file = open_output(self.path, "timeline")
         Timeline._open.add(os.path.realpath(self.path))
         self.pid = os.getpid()
         self._origin = time.perf_counter()

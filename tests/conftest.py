@@ -66,17 +66,23 @@ def environ():
         os.environ.update(saved)
 
 
-@pytest.fixture(scope="module")
-def q3(tmp_path_factory):
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("prefetch") / "q3",
+@pytest.fixture(scope="session")
+def q3_path(tmp_path_factory):
+    """3 MoE layers (qwen3_moe) of 16 experts each: small enough for many loads."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("q3") / "q3",
         "qwen3_moe",
         "affine4",
         num_layers=3,
         overrides={"experts": 16},
     )
-    stock, _ = load_stock(path)
+
+
+@pytest.fixture(scope="module")
+def q3(q3_path):
+    """``q3_path``, two prompts, and stock's logits for them (``support.decode``)."""
+    stock, _ = load_stock(q3_path)
     tokens = mx.array(
         [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
     )
-    return path, tokens, decode(stock, tokens)
+    return q3_path, tokens, decode(stock, tokens)

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx_lm.utils
@@ -185,11 +186,7 @@ def free_port() -> int:
 def server(model, *flags, cwd, stop=signal.SIGINT):
     """A running ``mlx_lm.server`` on a free port, stopped with ``stop`` (Ctrl-C) afterwards."""
     port = free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("MLX_LM_STREAMING_") and k != "PYTHONPATH"
-    }
+    env = clean_env()
     cmd = [BIN / "mlx_lm.server", "--model", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "WARNING", *flags]
     log = open(cwd / f"server-{port}.log", "w+")
@@ -197,7 +194,7 @@ def server(model, *flags, cwd, stop=signal.SIGINT):
         [str(c) for c in cmd], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
-    result = {"log": ""}
+    result = {"log": "", "proc": proc}
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -295,8 +292,9 @@ def one_error_line(out: subprocess.CompletedProcess, *names) -> str:
     return lines[0]
 
 
-def build_dense_checkpoint(path: Path, tokenizer_from: Path) -> Path:
-    """A tiny dense llama checkpoint (nothing to stream), with the tokenizer of ``tokenizer_from``."""
+def build_dense_checkpoint(path: Path, tokenizer_from: Optional[Path] = None) -> Path:
+    """A tiny dense llama checkpoint (nothing to stream), with the tokenizer of ``tokenizer_from``
+    (none if not given)."""
     import shutil
 
     from mlx_lm.models import llama
@@ -316,6 +314,6 @@ def build_dense_checkpoint(path: Path, tokenizer_from: Path) -> Path:
     mx.eval(model.parameters())
     mlx_lm.utils.save_model(path, model)
     mlx_lm.utils.save_config(config, path / "config.json")
-    for f in tokenizer_from.glob("*token*"):
+    for f in tokenizer_from.glob("*token*") if tokenizer_from else ():
         shutil.copy(f, path / f.name)
     return path

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from support import held_out_env
+from support import clean_env, held_out_env
 
 from mlx_lm_streaming.errors import UnsupportedModelError
 
@@ -47,17 +47,6 @@ STATS_LINE = re.compile(
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-
-def env(**extra) -> dict:
-    """The caller's environment without our variables or PYTHONPATH, plus ``extra``."""
-    e = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("MLX_LM_STREAMING_") and k != "PYTHONPATH"
-    }
-    e.update(extra)
-    return e
 
 
 def free_ports(n: int) -> int:
@@ -139,7 +128,7 @@ class Started:
 @contextmanager
 def started(cmd, cwd: Path, environ=None):
     """Start ``cmd`` in a new process group; kill the whole group on the way out."""
-    proc = Started(cmd, cwd, environ or env())
+    proc = Started(cmd, cwd, environ or clean_env())
     try:
         yield proc
     finally:
@@ -575,7 +564,7 @@ def test_server_pipeline_answers_like_a_stock_server(ckpt, tmp_path):
 
     port = free_ports(1)
     stock = [BIN / "mlx_lm.server", "--model", path, "--port", port]
-    with started(stock, tmp_path / "stock", env(MLX_LM_STREAMING_HOOK="0")) as proc:
+    with started(stock, tmp_path / "stock", clean_env(MLX_LM_STREAMING_HOOK="0")) as proc:
         wait_healthy(port, proc)
         expected = chat(port)
 

@@ -1,13 +1,12 @@
 """In-process: mlx-lm's own Python API with a streaming model, and the ``load_model`` wrapper."""
 
 import os
-import shutil
 
-import mlx.core as mx
 import mlx_lm
 import mlx_lm.utils
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from support import build_dense_checkpoint
 
 from mlx_lm_streaming.errors import UnsupportedModelError
 from mlx_lm_streaming.integration import _wrap_load_model, install
@@ -134,27 +133,7 @@ def test_wrapper_takes_what_an_older_load_model_takes(environ):
 @pytest.fixture(scope="module")
 def dense_checkpoint(checkpoint, tmp_path_factory):
     """A tiny dense llama checkpoint (no experts to stream), with a synthetic tokenizer."""
-    from mlx_lm.models import llama
-
-    path = tmp_path_factory.mktemp("dense")
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 1,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 512,
-        "tie_word_embeddings": True,
-    }
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mlx_lm.utils.save_model(path, model)
-    mlx_lm.utils.save_config(config, path / "config.json")
-    for f in checkpoint("qwen3_moe").glob("*token*"):
-        shutil.copy(f, path / f.name)
-    return path
+    return build_dense_checkpoint(tmp_path_factory.mktemp("dense"), checkpoint("qwen3_moe"))
 
 
 def test_unstreamable_model_asked_by_env_loads_stock(dense_checkpoint, environ, capfd):

@@ -9,7 +9,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from support import held_out_env, load_streaming
+from support import build_dense_checkpoint, held_out_env, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
@@ -137,23 +137,8 @@ def test_shape_disagreeing_with_config_names_file_and_tensor(tmp_path):
 
 
 def test_architecture_without_adapter_names_model_type(tmp_path):
-    from mlx_lm.utils import _get_classes, save_config, save_model
-
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 1,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 128,
-    }
-    model_class, args_class = _get_classes(config)
-    save_model(tmp_path, model_class(args_class.from_dict(config)))
-    save_config(config, tmp_path / "config.json")
     with pytest.raises(UnsupportedModelError, match="'llama'"):
-        load_streaming(tmp_path)
+        load_streaming(build_dense_checkpoint(tmp_path))
 
 
 def test_budget_below_one_expert_per_layer_is_an_error(checkpoint):

@@ -24,23 +24,15 @@ from support import (
 from mlx_lm_streaming import timeline
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.synthetic import build_checkpoint
 
 KEYS = {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"}
 TOKENS = mx.array([[(5 * i + 3) % 512 for i in range(12)]])
 
 
 @pytest.fixture(scope="module")
-def q3(tmp_path_factory):
-    """3 MoE layers of 16 experts, and stock's logits for ``TOKENS``."""
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("timeline") / "q3",
-        "qwen3_moe",
-        "affine4",
-        num_layers=3,
-        overrides={"experts": 16},
-    )
-    return path, decode(load_stock(path)[0], TOKENS)
+def q3(q3_path):
+    """``q3_path`` and stock's logits for ``TOKENS``."""
+    return q3_path, decode(load_stock(q3_path)[0], TOKENS)
 
 
 def run_traced(path, out, slots=4, lookahead=True, **options):

@@ -12,7 +12,18 @@ from dataclasses import dataclass, field
 from typing import List, Tuple
 
 from ..index import CheckpointFiles
+from ..errors import CheckpointChangedError, ExpertIOError
 from ..safetensors_header import TensorRef
+
+
+def shard_error(path, error: OSError, doing: str) -> Exception:
+    """The error to raise for ``error`` while ``doing`` (open, read, stat) a checkpoint shard: the
+    file gone since the model was loaded, or the OS refusing."""
+    if isinstance(error, FileNotFoundError):
+        return CheckpointChangedError(
+            f"{path} is gone from disk since the model was loaded; reload the model"
+        )
+    return ExpertIOError(f"{path}: cannot {doing} checkpoint shard: {error}")
 
 
 @dataclass
@@ -41,6 +52,12 @@ class ExpertStore:
     def __init__(self, files: CheckpointFiles, **options):
         self.files = files
         self.stats = StoreStats()
+        # guards what a store opens or starts lazily (files, pools); set by ``close``
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _closed_error(self) -> ExpertIOError:
+        return ExpertIOError(f"store for {self.files.model_path} is closed")
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
         """Fill ``out`` (exactly ``ref.nbytes`` long) with the bytes of ``ref``."""

@@ -5,13 +5,12 @@ later changes on disk do not matter, since the snapshot it serves is the one the
 """
 
 import os
-import threading
 from pathlib import Path
 from typing import Dict
 
-from ..errors import CheckpointChangedError, ExpertIOError
+from ..errors import CheckpointChangedError
 from ..safetensors_header import TensorRef
-from .base import ExpertStore
+from .base import ExpertStore, shard_error
 
 
 class MemoryStore(ExpertStore):
@@ -22,13 +21,11 @@ class MemoryStore(ExpertStore):
     def __init__(self, files, **options):
         super().__init__(files)
         self._blobs: Dict[Path, bytes] = {}
-        self._lock = threading.Lock()
-        self._closed = False
 
     def _blob(self, path: Path) -> bytes:
         with self._lock:
             if self._closed:
-                raise ExpertIOError(f"store for {self.files.model_path} is closed")
+                raise self._closed_error()
             blob = self._blobs.get(path)
             if blob is not None:
                 return blob
@@ -37,12 +34,8 @@ class MemoryStore(ExpertStore):
                     self.files.check_unchanged(path, os.fstat(f.fileno()))
                     blob = f.read()
                     self.files.check_unchanged(path, os.fstat(f.fileno()))
-            except FileNotFoundError as e:
-                raise CheckpointChangedError(
-                    f"{path} is gone from disk since the model was loaded; reload the model"
-                ) from e
             except OSError as e:
-                raise ExpertIOError(f"{path}: cannot read checkpoint shard: {e}") from e
+                raise shard_error(path, e, "read") from e
             if len(blob) != self.files.identity[path].size:
                 raise CheckpointChangedError(
                     f"{path}: read {len(blob)} bytes, the model was loaded from "

@@ -56,11 +56,6 @@ class PackedStore(ExpertStore):
         self._fallback = None
         self._pool = None
         self._local = threading.local()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _closed_error(self) -> ExpertIOError:
-        return ExpertIOError(f"store for {self.files.model_path} is closed")
 
     def _check(self) -> None:
         if self._closed:

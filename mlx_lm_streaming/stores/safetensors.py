@@ -9,7 +9,6 @@ load (even during the read) is an error, never silently different logits.
 """
 
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, ExpertIOError
 from ..safetensors_header import TensorRef
-from .base import ExpertStore
+from .base import ExpertStore, shard_error
 
 # reads in flight: the H200's disk gave 1.0 GB/s to one reader and 1.4-1.8 GB/s to 8-16
 # (docs/benchmarks/gpu-trace.md); cold decode there ran 1.06-1.10x faster with 8 than with 4
@@ -34,24 +33,18 @@ class SafetensorsStore(ExpertStore):
         super().__init__(files)
         self.threads = max(1, int(threads))
         self._fds: Dict[Path, int] = {}
-        self._lock = threading.Lock()
         self._pool = None
-        self._closed = False
 
     def _fd(self, path: Path) -> int:
         with self._lock:
             if self._closed:
-                raise ExpertIOError(f"store for {self.files.model_path} is closed")
+                raise self._closed_error()
             fd = self._fds.get(path)
             if fd is None:
                 try:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError as e:
-                    raise CheckpointChangedError(
-                        f"{path} is gone from disk since the model was loaded; reload the model"
-                    ) from e
                 except OSError as e:
-                    raise ExpertIOError(f"{path}: cannot open checkpoint shard: {e}") from e
+                    raise shard_error(path, e, "open") from e
                 try:
                     self.files.check_unchanged(path, os.fstat(fd))
                 except BaseException:
@@ -67,12 +60,8 @@ class SafetensorsStore(ExpertStore):
             self.files.check_unchanged(path, os.fstat(fd))
             try:
                 st = os.stat(path)
-            except FileNotFoundError as e:
-                raise CheckpointChangedError(
-                    f"{path} is gone from disk since the model was loaded; reload the model"
-                ) from e
             except OSError as e:
-                raise ExpertIOError(f"{path}: cannot stat checkpoint shard: {e}") from e
+                raise shard_error(path, e, "stat") from e
             self.files.check_unchanged(path, st)
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
@@ -120,7 +109,7 @@ class SafetensorsStore(ExpertStore):
         else:
             with self._lock:
                 if self._closed:
-                    raise ExpertIOError(f"store for {self.files.model_path} is closed")
+                    raise self._closed_error()
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(
                         self.threads, thread_name_prefix="mlx-lm-streaming-read"
