@@ -7,6 +7,7 @@ through the ``register_stores`` hook (see docs/plugins.md).
 """
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import List, Tuple
@@ -52,12 +53,25 @@ class ExpertStore:
     def __init__(self, files: CheckpointFiles, **options):
         self.files = files
         self.stats = StoreStats()
-        # guards what a store opens or starts lazily (files, pools); set by ``close``
+        # guards what a store opens or starts lazily (files, the reader pool); set by ``close``
         self._lock = threading.Lock()
         self._closed = False
+        self._pool = None
 
     def _closed_error(self) -> ExpertIOError:
         return ExpertIOError(f"store for {self.files.model_path} is closed")
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        """``threads`` reader threads, started on first use. Made and taken under the lock: a read
+        racing ``close`` gets our ExpertIOError, and no second pool is ever made."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="mlx-lm-streaming-read"
+                )
+            return self._pool
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
         """Fill ``out`` (exactly ``ref.nbytes`` long) with the bytes of ``ref``."""

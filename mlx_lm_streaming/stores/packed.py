@@ -19,7 +19,6 @@ import os
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -54,7 +53,6 @@ class PackedStore(ExpertStore):
         # reads go through the bounce buffer and a CPU copy
         self.dma_into_buffers = backend() == "cpu"
         self._fallback = None
-        self._pool = None
         self._local = threading.local()
 
     def _check(self) -> None:
@@ -182,18 +180,6 @@ class PackedStore(ExpertStore):
             self._fallback_store().read_many(rest)
         self._check()
         self.stats.add(len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start)
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        # pool and fallback are made, taken and dropped under the lock: a read racing ``close``
-        # gets our ExpertIOError, and no second copy (with its own descriptors) is ever made
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.threads, thread_name_prefix="mlx-lm-streaming-read"
-                )
-            return self._pool
 
     def _fallback_store(self) -> SafetensorsStore:
         with self._lock:

@@ -10,7 +10,6 @@ load (even during the read) is an error, never silently different logits.
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -33,7 +32,6 @@ class SafetensorsStore(ExpertStore):
         super().__init__(files)
         self.threads = max(1, int(threads))
         self._fds: Dict[Path, int] = {}
-        self._pool = None
 
     def _fd(self, path: Path) -> int:
         with self._lock:
@@ -107,14 +105,7 @@ class SafetensorsStore(ExpertStore):
             for ref, out in jobs:
                 self._read(ref, out)
         else:
-            with self._lock:
-                if self._closed:
-                    raise self._closed_error()
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        self.threads, thread_name_prefix="mlx-lm-streaming-read"
-                    )
-                pool = self._pool
+            pool = self._reader_pool()
             # list() re-raises the first error of any read
             list(pool.map(lambda job: self._read(*job), jobs))
         # again after: a change that raced with the reads is caught before the bytes are used
