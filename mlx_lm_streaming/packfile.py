@@ -308,12 +308,14 @@ def pack_checkpoint(
             stale.unlink()
         except OSError:
             pass
-    check_free_space(out, data_start + data_bytes)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    bar = _Progress(data_bytes, progress)
+    bar = None
     fds: Dict[str, int] = {}
     try:
         with open(tmp, "wb") as f:
+            # after the open, so that a directory we cannot write to is named as such
+            check_free_space(out, data_start + data_bytes)
+            bar = _Progress(data_bytes, progress)
             f.truncate(data_start + data_bytes)
             for entry in entries:
                 buf = bytearray(align_up(entry["nbytes"]))
@@ -360,7 +362,8 @@ def pack_checkpoint(
             ) from e
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         for fd in fds.values():
             os.close(fd)
     return out
