@@ -17,6 +17,7 @@ def load(
     store_options=None,
     direct_reads=None,
     stats=False,
+    pack=None,
     **kwargs,
 ):
     """``mlx_lm.load(path, **kwargs)`` with the routed experts streamed from disk.
@@ -39,5 +40,6 @@ def load(
         store_options=dict(store_options or {}),
         direct_reads=direct_reads,
         stats=stats,
+        pack=pack,
     )
     return mlx_lm.utils.load(path_or_hf_repo, model_config=model_config, **kwargs)

@@ -45,6 +45,7 @@ FLAG_ENV = {
     "streaming_stats": ENV["stats"],
     "record_routing": ENV["record_routing"],
     "streaming_trace": ENV["trace"],
+    "expert_pack": ENV["pack"],
 }
 
 
@@ -177,6 +178,12 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
         help="Write a timeline of expert reads, installs, host syncs and compute to FILE as "
         f"Chrome trace-event JSON, for Perfetto or chrome://tracing ({ENV['trace']}).",
     )
+    group.add_argument(
+        "--expert-pack",
+        metavar="PATH",
+        help="Read the experts from this pack (made by `mlx_lm_streaming pack MODEL --out "
+        f"PATH`), e.g. on another disk; implies --expert-store packed ({ENV['pack']}).",
+    )
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
@@ -256,6 +263,8 @@ def _check_flags(parser, given: dict) -> None:
             check_writable(given["record_routing"])
         except StreamingError as e:
             fail(parser, f"argument --record-routing: {e}")
+    if given.get("expert_pack"):
+        _check_pack_flag(parser, given)
     if given.get("streaming_trace"):
         from .timeline import check_writable as check_timeline
 
@@ -263,6 +272,21 @@ def _check_flags(parser, given: dict) -> None:
             check_timeline(given["streaming_trace"])
         except StreamingError as e:
             fail(parser, f"argument --streaming-trace: {e}")
+
+
+def _check_pack_flag(parser, given: dict) -> None:
+    from .packfile import pack_path
+
+    store = given.get("expert_store", "packed")
+    if store != "packed":
+        fail(parser, f"argument --expert-pack: needs --expert-store packed (or none), not {store}")
+    pack = pack_path(".", given["expert_pack"])
+    if not pack.is_file():
+        fail(
+            parser,
+            f"argument --expert-pack: {pack}: no such file; write it with `mlx_lm_streaming pack "
+            f"MODEL --out {given['expert_pack']}`",
+        )
 
 
 def _distributed_size() -> int:

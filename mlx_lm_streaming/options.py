@@ -4,7 +4,7 @@
 2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
    ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
    ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
-   ``MLX_LM_STREAMING_RECORD_ROUTING``, ``MLX_LM_STREAMING_TRACE``;
+   ``MLX_LM_STREAMING_RECORD_ROUTING``, ``MLX_LM_STREAMING_TRACE``, ``MLX_LM_STREAMING_PACK``;
 3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
    for the process (see ``integration``).
 
@@ -31,6 +31,7 @@ ENV = {
     "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
     "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
     "trace": "MLX_LM_STREAMING_TRACE",
+    "pack": "MLX_LM_STREAMING_PACK",
 }
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -102,6 +103,9 @@ class StreamingOptions:
     record_routing: Optional[str] = None
     # write a timeline of reads, installs, syncs and compute to this file (timeline.py)
     trace: Optional[str] = None
+    # the expert pack to read (``mlx_lm_streaming pack``; a file, or a directory holding
+    # experts.pack): implies store "packed" and becomes its ``path`` store option
+    pack: Optional[str] = None
     # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
     # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
     tuning: Any = field(default=None, repr=False, metadata={"internal": True})
@@ -125,6 +129,8 @@ class StreamingOptions:
             if not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
                 raise ConfigurationError("trace must be a file path")
             self.trace = str(self.trace)
+        if self.pack is not None:
+            self._use_pack()
         if self.cache_policy not in POLICIES:
             raise ConfigurationError(
                 f"cache_policy {self.cache_policy!r} is unknown; known: "
@@ -139,6 +145,21 @@ class StreamingOptions:
                 f"direct_reads must be true, false or auto, got {self.direct_reads!r}"
             )
         self.direct_reads = value
+
+    def _use_pack(self) -> None:
+        if not isinstance(self.pack, (str, os.PathLike)) or not str(self.pack):
+            raise ConfigurationError("pack must be a file or directory path")
+        self.pack = str(self.pack)
+        if self.store == "safetensors":  # the default: a pack implies the packed store
+            self.store = "packed"
+        if self.store != "packed":
+            raise ConfigurationError(f"pack needs the packed store, not store {self.store!r}")
+        path = self.store_options.get("path", self.pack)
+        if str(path) != self.pack:
+            raise ConfigurationError(
+                f"pack {self.pack!r} and store_options path {str(path)!r} differ; give one"
+            )
+        self.store_options = {**self.store_options, "path": self.pack}
 
     def use_direct_reads(self, backend: str) -> bool:
         """Whether demand reads go straight into the banks on ``backend`` (cpu, cuda, metal)."""
@@ -183,7 +204,7 @@ class StreamingOptions:
             )
         kwargs = {}
         for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
-                     "record_routing", "trace"):
+                     "record_routing", "trace", "pack"):
             if environ.get(ENV[name]):
                 kwargs[name] = environ[ENV[name]]
                 try:  # one at a time, so that the error names the variable at fault
@@ -192,6 +213,10 @@ class StreamingOptions:
                     raise ConfigurationError(
                         f"{ENV[name]}={environ[ENV[name]]!r}: {e}"
                     ) from None
+        if kwargs.get("pack") and kwargs.get("store", "packed") != "packed":
+            raise ConfigurationError(
+                f"{ENV['pack']} needs {ENV['store']}=packed (or unset), not {kwargs['store']!r}"
+            )
         stats = environ.get(ENV["stats"], "").strip().lower()
         if stats not in TRUE + FALSE:
             raise ConfigurationError(

@@ -27,6 +27,7 @@ on its first read.
 import hashlib
 import json
 import os
+import shutil
 import struct
 import sys
 import time
@@ -69,6 +70,29 @@ def shard_fingerprint(path: Path) -> dict:
         "mtime_ns": st.st_mtime_ns,
         "header_sha256": hashlib.sha256(head + header).hexdigest(),
     }
+
+
+def pack_path(model_path, out=None) -> Path:
+    """Where the pack goes: ``out``, ``out/experts.pack`` when ``out`` is a directory, or
+    ``model_path/experts.pack``."""
+    if out is None:
+        return Path(model_path) / PACK_NAME
+    out = Path(out)
+    return out / PACK_NAME if out.is_dir() else out
+
+
+def check_free_space(out: Path, need: int) -> None:
+    """Refuse, before writing anything, a pack of ``need`` bytes that ``out``'s disk cannot hold.
+
+    The new pack is written beside the old one and renamed over it, so an existing pack's bytes do
+    not count as free."""
+    free = shutil.disk_usage(out.parent).free
+    if need > free:
+        raise ExpertIOError(
+            f"{out.parent}: not enough free space for {out.name}: it needs {need} bytes "
+            f"({need / 1e9:.3f} GB), {free} bytes ({free / 1e9:.3f} GB) are free; free some or "
+            "write the pack to another disk with --out DIR"
+        )
 
 
 HINT = "write it again with `mlx_lm_streaming pack MODEL --force`, or use the default store"
@@ -211,13 +235,14 @@ def pack_checkpoint(
 ) -> Path:
     """Write ``experts.pack`` for the checkpoint at ``model_path``; returns its path.
 
-    An existing pack that matches the checkpoint is kept unless ``force``."""
+    ``out`` is the pack file or an existing directory to write ``experts.pack`` into (default: the
+    model directory). An existing pack that matches the checkpoint is kept unless ``force``."""
     model_path = Path(model_path)
     if not model_path.is_dir():
         raise CheckpointError(
             f"{model_path}: no such model directory (pack needs a local checkpoint)"
         )
-    out = Path(out) if out is not None else model_path / PACK_NAME
+    out = pack_path(model_path, out)
     if not out.parent.is_dir():
         raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
     if out.exists() and not force:
@@ -284,10 +309,13 @@ def pack_checkpoint(
         except OSError:
             pass
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    bar = _Progress(data_bytes, progress)
+    bar = None
     fds: Dict[str, int] = {}
     try:
         with open(tmp, "wb") as f:
+            # after the open, so that a directory we cannot write to is named as such
+            check_free_space(out, data_start + data_bytes)
+            bar = _Progress(data_bytes, progress)
             f.truncate(data_start + data_bytes)
             for entry in entries:
                 buf = bytearray(align_up(entry["nbytes"]))
@@ -334,7 +362,8 @@ def pack_checkpoint(
             ) from e
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         for fd in fds.values():
             os.close(fd)
     return out

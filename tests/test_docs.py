@@ -49,7 +49,7 @@ def test_every_flag_variable_and_key_is_documented():
     integration.add_streaming_arguments(parser)
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     flags.remove("--help")
-    assert len(flags) == 7
+    assert len(flags) == 8
     for flag in flags:
         assert f"`{flag}" in USAGE_MD, f"docs/usage.md does not document {flag}"
     for var in list(ENV.values()) + ["MLX_LM_STREAMING_HOOK", plugins.BLOCK_ENV]:

@@ -4,7 +4,8 @@ The expert cache asks for an expert's tensors as separate ranges of the safetens
 finds them in the pack (by shard and offset), and when the ranges asked for are one expert's tensors
 back to back it reads them with one ``preadv`` that scatters straight into the caller's buffers.
 
-Options (``store_options``): ``path`` (default ``MODEL/experts.pack``); ``direct=True`` opens the pack
+Options (``store_options``): ``path``, the pack or a directory holding ``experts.pack`` (default
+``MODEL/experts.pack``; the ``pack`` option, ``--expert-pack``, sets it); ``direct=True`` opens the pack
 with O_DIRECT (reads bypass the page cache, through an aligned bounce buffer per thread);
 ``verify``: ``"first"`` (default) checks each expert's crc32 on its first read, ``"always"`` on every
 read, ``"off"`` never; ``threads`` (default 4).
@@ -24,7 +25,7 @@ from typing import Dict, List, Tuple
 
 from ..devices import backend
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
-from ..packfile import HINT, PACK_NAME, PackFile, align_up
+from ..packfile import HINT, PackFile, align_up, pack_path
 from ..safetensors_header import FileIdentity, TensorRef
 from .base import ExpertStore
 from .safetensors import SafetensorsStore
@@ -42,7 +43,7 @@ class PackedStore(ExpertStore):
         self.verify = verify
         self.threads = max(1, int(threads))
         self.pack = PackFile(
-            Path(path) if path else files.model_path / PACK_NAME,
+            pack_path(files.model_path, path or None),
             files.model_path,
             direct=bool(direct),
         )
