@@ -20,7 +20,6 @@ import os
 import threading
 import time
 import zlib
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..devices import backend
