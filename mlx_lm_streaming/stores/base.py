@@ -61,6 +61,17 @@ class ExpertStore:
     def _closed_error(self) -> ExpertIOError:
         return ExpertIOError(f"store for {self.files.model_path} is closed")
 
+    def _per_file(self, table: dict, path, make):
+        """``table[path]``, made by ``make(path)`` on first use, under the lock (a closed store
+        raises): the open descriptor or the bytes of a shard, once per store."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            value = table.get(path)
+            if value is None:
+                value = table[path] = make(path)
+            return value
+
     def _reader_pool(self) -> ThreadPoolExecutor:
         """``threads`` reader threads, started on first use. Made and taken under the lock: a read
         racing ``close`` gets our ExpertIOError, and no second pool is ever made."""

@@ -23,26 +23,22 @@ class MemoryStore(ExpertStore):
         self._blobs: Dict[Path, bytes] = {}
 
     def _blob(self, path: Path) -> bytes:
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            blob = self._blobs.get(path)
-            if blob is not None:
-                return blob
-            try:
-                with open(path, "rb") as f:
-                    self.files.check_unchanged(path, os.fstat(f.fileno()))
-                    blob = f.read()
-                    self.files.check_unchanged(path, os.fstat(f.fileno()))
-            except OSError as e:
-                raise shard_error(path, e, "read") from e
-            if len(blob) != self.files.identity[path].size:
-                raise CheckpointChangedError(
-                    f"{path}: read {len(blob)} bytes, the model was loaded from "
-                    f"{self.files.identity[path].size}; reload the model"
-                )
-            self._blobs[path] = blob
-            return blob
+        return self._per_file(self._blobs, path, self._read_file)
+
+    def _read_file(self, path: Path) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                self.files.check_unchanged(path, os.fstat(f.fileno()))
+                blob = f.read()
+                self.files.check_unchanged(path, os.fstat(f.fileno()))
+        except OSError as e:
+            raise shard_error(path, e, "read") from e
+        if len(blob) != self.files.identity[path].size:
+            raise CheckpointChangedError(
+                f"{path}: read {len(blob)} bytes, the model was loaded from "
+                f"{self.files.identity[path].size}; reload the model"
+            )
+        return blob
 
     def read_into(self, ref: TensorRef, out: memoryview) -> None:
         out[:] = memoryview(self._blob(ref.file))[ref.offset : ref.offset + ref.nbytes]

@@ -34,22 +34,19 @@ class SafetensorsStore(ExpertStore):
         self._fds: Dict[Path, int] = {}
 
     def _fd(self, path: Path) -> int:
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except OSError as e:
-                    raise shard_error(path, e, "open") from e
-                try:
-                    self.files.check_unchanged(path, os.fstat(fd))
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._fds[path] = fd
-            return fd
+        return self._per_file(self._fds, path, self._open)
+
+    def _open(self, path: Path) -> int:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise shard_error(path, e, "open") from e
+        try:
+            self.files.check_unchanged(path, os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _check(self, paths) -> None:
         """The open file (truncated? rewritten?) and the path (replaced? deleted?) are unchanged."""
