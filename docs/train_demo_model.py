@@ -62,7 +62,16 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 # stdlib folders left out: tests, the IDLE / turtle / tk GUIs, vendored or generated code
-SKIP = {"test", "tests", "idlelib", "turtledemo", "tkinter", "lib2to3", "ensurepip", "site-packages"}
+SKIP = {
+    "test",
+    "tests",
+    "idlelib",
+    "turtledemo",
+    "tkinter",
+    "lib2to3",
+    "ensurepip",
+    "site-packages",
+}
 
 
 def corpus() -> str:
@@ -101,7 +110,11 @@ def build_tokenizer(text: str, out: pathlib.Path):
     tok.train_from_iterator(text.split("\n\n"), trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    special = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[2], "pad_token": SPECIALS[0]}
+    special = {
+        "bos_token": SPECIALS[0],
+        "eos_token": SPECIALS[2],
+        "pad_token": SPECIALS[0],
+    }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
@@ -168,7 +181,9 @@ def balance_loss(logits: list, k: int) -> mx.array:
     return total / len(logits)
 
 
-def train(ids: np.ndarray, minutes: float, seed: int, log=lambda *a: print(*a, flush=True)):
+def train(
+    ids: np.ndarray, minutes: float, seed: int, log=lambda *a: print(*a, flush=True)
+):
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     args = qwen3_moe.ModelArgs.from_dict(CONFIG)
@@ -199,7 +214,9 @@ def train(ids: np.ndarray, minutes: float, seed: int, log=lambda *a: print(*a, f
         x, y = sample()
         # warm up over 100 steps, then a cosine down to lr / 20 at the end of the time budget
         done = (time.time() - start) / (minutes * 60)
-        cosine = lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        cosine = lr / 20 + (lr - lr / 20) * 0.5 * (
+            1 + math.cos(math.pi * min(done, 1.0))
+        )
         opt.learning_rate = min(1.0, (step + 1) / 100) * cosine
         (loss, ce), grads = step_fn(model, x, y)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
@@ -212,9 +229,15 @@ def train(ids: np.ndarray, minutes: float, seed: int, log=lambda *a: print(*a, f
         layer.mlp.__class__ = qwen3_moe.Qwen3MoeSparseMoeBlock
     x = mx.array(held[: (len(held) // (seq + 1)) * (seq + 1)].reshape(-1, seq + 1))
     val = nn.losses.cross_entropy(model(x[:, :-1]), x[:, 1:], reduction="mean").item()
-    log(f"trained {step} steps ({step * batch * seq} tokens) in {time.time() - start:.0f}s, "
-        f"held-out loss {val:.3f}")
-    return model, {"steps": step, "tokens": step * batch * seq, "heldout_loss": round(val, 3)}
+    log(
+        f"trained {step} steps ({step * batch * seq} tokens) in {time.time() - start:.0f}s, "
+        f"held-out loss {val:.3f}"
+    )
+    return model, {
+        "steps": step,
+        "tokens": step * batch * seq,
+        "heldout_loss": round(val, 3),
+    }
 
 
 def main(argv=None) -> None:
@@ -235,7 +258,9 @@ def main(argv=None) -> None:
 
     config = dict(CONFIG)
     if args.bits:
-        model, config = quantize_model(model, config, group_size=64, bits=args.bits, mode="affine")
+        model, config = quantize_model(
+            model, config, group_size=64, bits=args.bits, mode="affine"
+        )
     for old in out.glob("model*.safetensors"):
         old.unlink()
     save_model(out, model)
