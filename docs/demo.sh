@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODEL=docs/demo-model
 PROMPT="The"
-BUDGET=0.002 # GB of experts kept in memory: 4 of the 8 experts of each layer (all are 3.8 MB)
+BUDGET=0.002 # GB of experts kept in memory: about half of the 8 experts of each layer (3.8 MB in all)
 
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
