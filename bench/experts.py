@@ -1224,7 +1224,7 @@ def main():
         )
         if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
             try:
-                from mlx_lm_streaming.packfile import pack_checkpoint
+                from mlx_lm_streaming.pack import pack_checkpoint
 
                 pack_checkpoint(path, progress=False)
             except ImportError:

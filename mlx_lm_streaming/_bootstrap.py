@@ -4,8 +4,8 @@
 site-packages call ``install()`` at interpreter start. It puts ``MlxLmFinder`` first on
 ``sys.meta_path``; nothing else happens until a module in ``PATCHED`` is imported. The finder lets the
 other finders find the real module, runs it through its own loader, and once it has executed, hands it
-to ``mlx_lm_streaming.mlx_compat.patch_module`` (through ``integration.patch_module``), which
-checks the mlx-lm version and what it patches before it patches anything.
+to ``mlx_lm_streaming.integration.patch_module``, which asks ``mlx_compat`` about the mlx-lm
+version and the shape of what it patches before it patches anything.
 
 This module is stdlib only and imports nothing beyond ``sys`` and ``os`` at start-up. Whatever goes
 wrong in the patching, the module stays the stock one and one line is written to stderr.
@@ -16,7 +16,7 @@ import os
 import sys
 
 HOOK_ENV = "MLX_LM_STREAMING_HOOK"
-# mlx-lm modules whose import triggers a patch (see mlx_compat.patch_module)
+# mlx-lm modules whose import triggers a patch (see integration.patch_module)
 PATCHED = frozenset(
     {
         "mlx_lm.utils",

@@ -25,7 +25,14 @@ import signal
 import sys
 import threading
 
-from .mlx_compat import CLI_MODULES  # noqa: F401  (re-exported: the commands we patch)
+from .mlx_compat import (
+    CLI_MODULES,
+    load_model_problem,
+    problem,
+    refusal,
+    say_refusal,
+    streaming_in_environment,
+)
 from .options import (
     CONFIG_KEY,
     ENV,
@@ -50,10 +57,22 @@ FLAG_ENV = {
 
 
 def patch_module(module) -> None:
-    """Apply our patch to a freshly imported mlx-lm module (see ``mlx_compat.patch_module``)."""
-    from .mlx_compat import patch_module as guarded_patch_module
-
-    guarded_patch_module(module)
+    """Patch a freshly imported mlx-lm module, or nothing where ``mlx_compat``'s checks fail."""
+    name = module.__name__
+    why = problem()
+    if why is None and name == "mlx_lm.utils":
+        why = load_model_problem(getattr(module, "load_model", None))
+    if name == "mlx_lm.utils":
+        if why is None:
+            install(module)
+        elif streaming_in_environment():
+            # a script that calls mlx_lm.load would otherwise load every expert into memory
+            say_refusal(refusal(why))
+    elif name in CLI_MODULES and callable(getattr(module, "main", None)):
+        if why is None:
+            wrap_cli_main(module)
+        else:
+            wrap_cli_main_refusing(module, refusal(why))
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -65,7 +84,6 @@ def install(utils=None) -> None:
     Raises ``IncompatibleMlxLmError`` (and patches nothing) where ``mlx_compat`` finds an mlx-lm
     it cannot patch."""
     from .errors import IncompatibleMlxLmError
-    from .mlx_compat import load_model_problem, problem, refusal
 
     if utils is None:
         import mlx_lm.utils as utils
@@ -384,8 +402,6 @@ def wrap_cli_main_refusing(module, message: str) -> None:
 
     @functools.wraps(stock_main)
     def main(*args, **kwargs):
-        from .mlx_compat import say_refusal, streaming_in_environment
-
         flags = ["--" + dest.replace("_", "-") for dest in FLAG_ENV]
         if streaming_in_environment() or any(
             a.split("=", 1)[0] in flags for a in sys.argv[1:]

@@ -1,7 +1,8 @@
 """Which mlx-lm we can patch, and the check that guards every patch.
 
-Everything mlx_lm_streaming changes in mlx-lm goes through ``patch_module`` (called by the startup
-hook, ``_bootstrap``, right after an mlx-lm module is imported). Before it patches anything it checks:
+Everything mlx_lm_streaming changes in mlx-lm is decided here: ``integration.patch_module`` (called
+by the startup hook, ``_bootstrap``, right after an mlx-lm module is imported) asks ``problem()`` and
+``load_model_problem()`` before it patches anything. They check:
 
 1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
 2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
@@ -193,24 +194,3 @@ def say_refusal(message: str) -> None:
     if not _refused:
         _refused = True
         print(message, file=sys.stderr, flush=True)
-
-
-def patch_module(module) -> None:
-    """Patch a freshly imported mlx-lm module, or nothing where the checks fail."""
-    from . import integration
-
-    name = module.__name__
-    why = problem()
-    if why is None and name == "mlx_lm.utils":
-        why = load_model_problem(getattr(module, "load_model", None))
-    if name == "mlx_lm.utils":
-        if why is None:
-            integration.install(module)
-        elif streaming_in_environment():
-            # a script that calls mlx_lm.load would otherwise load every expert into memory
-            say_refusal(refusal(why))
-    elif name in CLI_MODULES and callable(getattr(module, "main", None)):
-        if why is None:
-            integration.wrap_cli_main(module)
-        else:
-            integration.wrap_cli_main_refusing(module, refusal(why))

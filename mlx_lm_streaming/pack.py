@@ -1,13 +1,42 @@
 """``mlx_lm_streaming pack CKPT``: repack the routed experts for one aligned read per expert.
 
-The file format, its reader and its writer are in packfile.py; this is the subcommand.
+The file format, its reader and its writer are in packfile.py; this is the subcommand, and the
+index of the checkpoint it packs, built the way loading builds it.
 """
 
 import os
 import shlex
 import time
+from pathlib import Path
+from typing import Optional
 
-from .packfile import PACK_NAME, pack_checkpoint, pack_path
+from .packfile import PACK_NAME, pack_path, write_pack
+
+
+def index_checkpoint(model_path: Path):
+    """The ``ExpertIndex`` of a checkpoint, built the way loading builds it (no expert bytes read)."""
+    import mlx_lm.utils
+
+    from .integration import install
+
+    install()
+    model, _ = mlx_lm.utils.load_model(
+        Path(model_path), lazy=True, model_config={"streaming_experts": {"expert_cache_gb": 1e9}}
+    )
+    state = model.expert_streaming
+    index = state.index
+    state.close()
+    return index
+
+
+def pack_checkpoint(
+    model_path, out: Optional[Path] = None, progress: bool = True, index=None, force: bool = False
+) -> Path:
+    """Write ``experts.pack`` for the checkpoint at ``model_path`` (``packfile.write_pack``); the
+    index is built only if a pack must be written."""
+    return write_pack(
+        model_path, index or (lambda: index_checkpoint(model_path)), out, progress, force
+    )
 
 
 def add_arguments(parser) -> None:

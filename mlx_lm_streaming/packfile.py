@@ -1,4 +1,4 @@
-"""The expert pack file: its format, the reader (``PackFile``) and the writer (``pack_checkpoint``).
+"""The expert pack file: its format, the reader (``PackFile``) and the writer (``write_pack``).
 
 ``mlx_lm_streaming pack CKPT`` (pack.py) writes it; the ``packed`` store (stores/packed.py) reads it.
 
@@ -175,22 +175,6 @@ class PackFile:
         self.fd = self.direct_fd = None
 
 
-def index_checkpoint(model_path: Path):
-    """The ``ExpertIndex`` of a checkpoint, built the way loading builds it (no expert bytes read)."""
-    import mlx_lm.utils
-
-    from .integration import install
-
-    install()
-    model, _ = mlx_lm.utils.load_model(
-        Path(model_path), lazy=True, model_config={"streaming_experts": {"expert_cache_gb": 1e9}}
-    )
-    state = model.expert_streaming
-    index = state.index
-    state.close()
-    return index
-
-
 class _Progress:
     def __init__(self, total: int, enabled: bool):
         self.total, self.done, self.enabled = total, 0, enabled
@@ -226,14 +210,15 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def pack_checkpoint(
+def write_pack(
     model_path,
+    index,
     out: Optional[Path] = None,
     progress: bool = True,
-    index=None,
     force: bool = False,
 ) -> Path:
-    """Write ``experts.pack`` for the checkpoint at ``model_path``; returns its path.
+    """Write ``experts.pack`` for the checkpoint at ``model_path``; returns its path. ``index``: the
+    checkpoint's ``ExpertIndex``, or a function that makes it (called only if a pack is written).
 
     ``out`` is the pack file or an existing directory to write ``experts.pack`` into (default: the
     model directory). An existing pack that matches the checkpoint is kept unless ``force``."""
@@ -255,7 +240,7 @@ def pack_checkpoint(
             print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
     from .index import natural_key
 
-    index = index or index_checkpoint(model_path)
+    index = index() if callable(index) else index
     layers = sorted(index.layers.values(), key=lambda l: natural_key(l.path))
     files = index.files
     sources = {p.name: shard_fingerprint(p) for p in sorted(files.identity)}

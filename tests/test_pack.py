@@ -14,7 +14,8 @@ from support import load_stock, load_streaming
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.expert_cache import GB, CacheTuning
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
-from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX, index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.pack import index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
 from mlx_lm_streaming.synthetic import build_checkpoint

@@ -16,7 +16,8 @@ from support import load_stock, load_streaming
 
 import mlx_lm_streaming.packfile as pack_mod
 from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
-from mlx_lm_streaming.packfile import PACK_NAME, pack_checkpoint
+from mlx_lm_streaming.pack import pack_checkpoint
+from mlx_lm_streaming.packfile import PACK_NAME
 
 
 def digest(path):
@@ -70,13 +71,14 @@ KILLED_PACK = textwrap.dedent(
     """
     import sys, time, zlib
     import mlx_lm_streaming.packfile as pack_mod
+    from mlx_lm_streaming.pack import pack_checkpoint
     real = zlib.crc32
     def slow(*a):
         print("writing", flush=True)
         time.sleep(0.5)
         return real(*a)
     pack_mod.zlib.crc32 = slow
-    pack_mod.pack_checkpoint(sys.argv[1], progress=False)
+    pack_checkpoint(sys.argv[1], progress=False)
     """
 )
 
