@@ -103,7 +103,11 @@ def format_table(rows: List[BudgetRow]) -> str:
     lines = [head]
     for r in rows:
         rate = "n/a" if r.decode_hit_rate != r.decode_hit_rate else f"{r.decode_hit_rate:.1%}"
-        speed = "no reads" if r.tok_s is None else f"{r.tok_s:.3g}" if r.tok_s < 1000 else f"{r.tok_s:.0f}"
+        speed = (
+            "no reads"
+            if r.tok_s is None
+            else f"{r.tok_s:.3g}" if r.tok_s < 1000 else f"{r.tok_s:.0f}"
+        )
         lines.append(
             (
                 r.label,
@@ -117,8 +121,9 @@ def format_table(rows: List[BudgetRow]) -> str:
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join(
-        "  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-        .rstrip()
+        "  ".join(
+            c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))
+        ).rstrip()
         for line in lines
     )
 
@@ -146,7 +151,8 @@ def _uncached_fd(path) -> Tuple[int, bool]:
 
 def measure_disk(banks) -> Tuple[float, str]:
     """Read expert-sized ranges of the model's expert files at random, page cache bypassed, for
-    about ``PROBE_SECONDS`` or ``PROBE_BYTES``: the GB/s, and a line that says how it was measured."""
+    about ``PROBE_SECONDS`` or ``PROBE_BYTES``: the GB/s, and a line that says how it was measured.
+    """
     files = sorted({str(f) for b in banks for f in b.layer.files()})
     chunk = max(1 << 18, min(8 << 20, max(b.layer.expert_nbytes for b in banks)))
     fds, bypassed = [], True
@@ -186,7 +192,9 @@ def measure_disk(banks) -> Tuple[float, str]:
 
 # -- the picture ---------------------------------------------------------------------------------
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'mlx-lm-streaming[plot]' (or pip install matplotlib)"
+PLOT_HINT = (
+    "--plot needs matplotlib: pip install 'mlx-lm-streaming[plot]' (or pip install matplotlib)"
+)
 
 
 def check_plotting() -> None:
