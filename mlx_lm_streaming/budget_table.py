@@ -51,7 +51,8 @@ def slots_text(plan: List[int]) -> str:
     """``12`` or ``12; 13 layers get 13`` (what the budget has left gives layers one more)."""
     low = min(plan)
     more = sum(n > low for n in plan)
-    return f"{low}; {more} layers get {low + 1}" if more else str(low)
+    layers = "layer gets" if more == 1 else "layers get"
+    return f"{low}; {more} {layers} {low + 1}" if more else str(low)
 
 
 def plan_for(cache, budget_bytes: int) -> List[int]:
@@ -98,7 +99,7 @@ def budget_rows(state, trace, default_bytes: int, gbps: float, given: bool) -> L
 
 
 def format_table(rows: List[BudgetRow]) -> str:
-    head = ("budget", "GB", "slots per layer", "memory GB", "decode hit rate", "GB/token")
+    head = ("budget", "GB", "slots per layer", "memory GB", "hit rate (decode)", "GB/token")
     head += ("tok/s disk-bound",)
     lines = [head]
     for r in rows:

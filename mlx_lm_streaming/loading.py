@@ -205,7 +205,7 @@ class StreamingState:
         plan = cache.plan_slots()
         slots = min(plan)
         more = sum(n > slots for n in plan)
-        extra = f" ({more} layers {slots + 1})" if more else ""
+        extra = f" ({slots + 1} in {more} layer{'s' if more > 1 else ''})" if more else ""
         experts = "/".join(sorted({str(b.num_experts) for b in banks}))
         return (
             f"[streaming] {self.model_path.name}: expert cache {decimal_gb(cache.budget_bytes)} "

@@ -146,7 +146,7 @@ def table_rows(stdout):
     rows = {}
     for line in stdout.splitlines():
         m = re.match(
-            r"^(default|given|\d+%)\s+([\d.e+-]+)\s+(\d+(?:; \d+ layers get \d+)?)\s+([\d.e+-]+)\s+"
+            r"^(default|given|\d+%)\s+([\d.e+-]+)\s+(\d+(?:; \d+ layers? gets? \d+)?)\s+([\d.e+-]+)\s+"
             r"([\d.]+)%\s+([\d.e+-]+)\s+(no reads|[\d.e+-]+)$",
             line,
         )
