@@ -358,7 +358,7 @@ class ExpertCache:
             "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),
             "cache_gb": self.resident_bytes / 1e9,
             "complete_layers": sum(b.complete for b in self.banks),
-            "layers": [b.summary() for b in self.banks],
+            "per_layer": [b.summary() for b in self.banks],
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }
 

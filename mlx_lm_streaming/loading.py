@@ -165,7 +165,7 @@ class StreamingState:
     def layers_table(self) -> str:
         """``--streaming-stats layers``: hit rate, misses and GB read of each MoE layer."""
         rows = [("layer", "slots", "hit rate", "misses", "GB read")]
-        for layer in self.stats()["layers"]:
+        for layer in self.stats()["per_layer"]:
             asked = layer["hits"] + layer["misses"]
             rows.append(
                 (

@@ -103,7 +103,7 @@ def test_stats_keys_and_layers_are_counted(ckpt):
     model, _ = load_streaming(ckpt, expert_cache_gb=2 * per_slot(load_streaming(ckpt)[0]) / GB)
     model(mx.array([[1, 2, 3, 4, 5, 6]]))
     s = model.expert_streaming.stats()
-    layers = s["layers"]
+    layers = s["per_layer"]
     assert [layer["slots"] for layer in layers] == [2, 2]
     assert sum(layer["misses"] for layer in layers) == s["misses"]
     assert sum(layer["hits"] for layer in layers) == s["hits"]
@@ -118,7 +118,7 @@ def test_every_stats_key_is_documented(ckpt):
     model(mx.array([[1, 2, 3]]))
     s = model.expert_streaming.stats()
     docs = (Path(__file__).parents[1] / "docs" / "usage.md").read_text()
-    keys = set(s) | set(s["layers"][0])
+    keys = set(s) | set(s["per_layer"][0])
     missing = sorted(k for k in keys if f"`{k}`" not in docs)
     assert not missing, f"stats() keys not in docs/usage.md: {missing}"
 
