@@ -210,7 +210,7 @@ class StreamingState:
         return (
             f"[streaming] {self.model_path.name}: expert cache {decimal_gb(cache.budget_bytes)} "
             f"({how}), {slots} of {experts} experts per layer{extra} in {len(banks)} MoE "
-            f"layers, resident weights {decimal_gb(self.resident_bytes)}"
+            f"layer{'s' if len(banks) > 1 else ''}, resident weights {decimal_gb(self.resident_bytes)}"
         )
 
     def close(self, wait: bool = True) -> None:
@@ -377,10 +377,21 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     _stream_per_pipeline_stage(model, state)
     weakref.finalize(model, state.close, wait=False)
     if not lazy and _say_choice(options):
-        print(state.choice_line(), file=sys.stderr, flush=True)
+        _say(state.choice_line())
     if options.stats:
         _print_stats_at_exit(state)
     return model, config
+
+
+_SAID: set = set()  # choice lines already printed in this process
+
+
+def _say(line: str) -> None:
+    # once per process: sharded_load splits a structure-only model before the real one, and a
+    # server that loads a model again chooses the same
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _say_choice(options: StreamingOptions) -> bool:
@@ -473,7 +484,7 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
         except ConfigurationError as e:
             raise ConfigurationError(f"{stage}: {e}") from None
         if _say_choice(state.options):
-            print(state.choice_line(), file=sys.stderr, flush=True)
+            _say(state.choice_line())
         return result
 
     inner.pipeline = pipeline
