@@ -875,14 +875,14 @@ def render_md(r: dict) -> str:
                 f"| mlx peak memory (`mx.get_peak_memory`) | {gib(s['mlx_peak_memory'])} |",
                 f"| load | {s['load_s']:.1f} s |",
                 f"| prefill ({s['prefill_tokens']} tokens) | {s['prefill_s']:.1f} s"
-                f" ({s['prefill_tokens'] / s['prefill_s']:.2f} tok/s), read {s['stats_prefill']['gb_read']:.1f} GiB |",
+                f" ({s['prefill_tokens'] / s['prefill_s']:.2f} tok/s), read {s['stats_prefill']['gb_read']:.1f} GB |",
                 f"| first token (prefill + 1st step) | {s['first_token_s']:.1f} s |",
                 f"| **decode** | **{s['decode_tok_s']:.3f} tok/s** ({1 / s['decode_tok_s']:.1f} s/token;"
                 f" steps {min(s['decode_step_s']):.1f}-{max(s['decode_step_s']):.1f} s) |",
-                f"| decode: GiB read per step | {s['decode_gb_read_per_step']:.2f} GiB"
-                f" ({s['decode_gb_read_per_step'] * GB / one:.1f} experts of {one / 2**20:.0f} MiB) |",
+                f"| decode: GB read per step | {s['decode_gb_read_per_step']:.2f} GB"
+                f" ({s['decode_gb_read_per_step'] * 1e9 / one:.1f} experts of {one / 2**20:.0f} MiB) |",
                 f"| decode hit rate | {s['decode_hit_rate']:.1%} |",
-                f"| whole run: hit rate, experts read, GiB read, s in I/O | {st['hit_rate']:.1%}, {st['experts_read']},"
+                f"| whole run: hit rate, experts read, GB read, s in I/O | {st['hit_rate']:.1%}, {st['experts_read']},"
                 f" {st['gb_read']:.1f}, {st['io_seconds']:.1f} |",
                 f"| logits finite | {s['logprobs_finite']} |",
                 f"| load average (1 min) at start / end | {s['loadavg_start'][0]:.1f} / {s['loadavg'][0]:.1f} |",

@@ -18,13 +18,15 @@ def load(
     direct_reads=None,
     stats=False,
     pack=None,
+    verbose=False,
     **kwargs,
 ):
     """``mlx_lm.load(path, **kwargs)`` with the routed experts streamed from disk.
 
     Returns exactly what ``mlx_lm.load`` returns: ``(model, tokenizer)`` or, with
     ``return_config=True``, ``(model, tokenizer, config)``. The streaming state (cache, store, stats)
-    is ``model.expert_streaming``.
+    is ``model.expert_streaming``. ``verbose=True`` says on stderr which budget was chosen;
+    ``stats=True`` (or ``"layers"``) prints the ``--streaming-stats`` line (and table) at exit.
     """
     import mlx_lm.utils
 
@@ -41,5 +43,6 @@ def load(
         direct_reads=direct_reads,
         stats=stats,
         pack=pack,
+        verbose=verbose,
     )
     return mlx_lm.utils.load(path_or_hf_repo, model_config=model_config, **kwargs)

@@ -5,9 +5,10 @@ Add one by writing those two functions and listing them there.
 
 - ``info``: whether the startup hook is installed and active, and the registered plugins;
 - ``plan MODEL``: what streaming would do with a model: experts per layer, bytes per expert, the
-  default budget and the slots per layer, without reading any expert bytes. With
+  minimum and default budgets and the slots per layer, without reading any expert bytes. With
   ``--routing-trace FILE`` it also replays a recorded routing through the cache's slot tables and
-  eviction policy (``replay.py``): hit rates and the GB each decode token would read.
+  eviction policy (``replay.py``), at this budget and over a range of budgets (``budget_table.py``):
+  hit rates, the GB each decode token would read and the decode speed the disk allows.
 - ``verify MODEL``: stock against streaming logits, bit for bit, on this machine (``parity.py``);
 - ``pack MODEL``: write ``MODEL/experts.pack``, the routed experts repacked for one aligned read each
   (``--expert-store packed``); see ``pack.py``.
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
-from .options import check_budget_gb, format_size, missing_local_path
+from .options import check_budget_gb, decimal_gb, gb_at_least, missing_local_path
 
 
 def _hook_files():
@@ -96,6 +97,29 @@ def add_plan_arguments(parser):
         metavar="NAME",
         help="eviction policy to replay with (default: the cache's, decay; or lru)",
     )
+    parser.add_argument(
+        "--disk-gbps",
+        type=_positive_gbps,
+        metavar="X",
+        help="with --routing-trace: the disk's read bandwidth in GB/s for the disk-bound decode "
+        "speed (default: measured by a short read of the model's files, page cache bypassed)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="with --routing-trace: draw hit rate and disk-bound tok/s against budget "
+        "(needs matplotlib: pip install 'mlx-lm-streaming[plot]')",
+    )
+
+
+def _positive_gbps(value: str) -> float:
+    try:
+        gbps = float(value)
+    except ValueError:
+        gbps = float("nan")
+    if not (gbps > 0 and gbps != float("inf")):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a positive number of GB/s")
+    return gbps
 
 
 def run_plan(args) -> int:
@@ -104,6 +128,7 @@ def run_plan(args) -> int:
     from .integration import install
 
     install()
+    _check_plan_flags(args)
     path = Path(args.model)
     if missing_local_path(args.model):
         raise CheckpointError(f"{args.model}: no such model directory")
@@ -128,31 +153,76 @@ def run_plan(args) -> int:
         path, lazy=True, model_config={"streaming_experts": options}
     )
     state = model.expert_streaming
+    try:
+        _print_plan(args, state, trace)
+    finally:
+        state.close()
+    return 0
+
+
+def _check_plan_flags(args) -> None:
+    """Flags that need each other or an optional package, before anything loads."""
+    for flag, value in (("--plot", args.plot), ("--disk-gbps", args.disk_gbps)):
+        if value is not None and args.routing_trace is None:
+            raise ConfigurationError(f"{flag} needs --routing-trace FILE (a recorded routing)")
+    if args.plot is not None:
+        from .budget_table import check_plotting
+
+        check_plotting()
+
+
+def _print_plan(args, state, trace) -> None:
+    from .budget_table import default_budget, slots_text
+
     cache = state.cache
     banks = cache.banks
     per_slot = sum(b.layer.expert_nbytes for b in banks)
-    slots = cache.slots_for_budget()
     print(f"model: {state.model_path}")
     print(
         f"MoE layers: {len(banks)}, experts per layer: "
         f"{', '.join(sorted({str(b.num_experts) for b in banks}))}"
     )
-    print(f"one expert of every layer: {format_size(per_slot)}")
-    print(f"all routed experts: {format_size(cache.total_expert_bytes)}")
-    print(f"resident weights: {format_size(state.resident_bytes)}")
+    sizes = sorted({b.layer.expert_nbytes for b in banks})
+    print(f"each miss reads one expert: {' or '.join(decimal_gb(n) for n in sizes)}")
+    print(f"all routed experts: {decimal_gb(cache.total_expert_bytes)}")
+    print(f"resident weights: {decimal_gb(state.resident_bytes)}")
+    print(
+        f"minimum budget, one expert per MoE layer: {decimal_gb(per_slot)} "
+        f"(--expert-cache-gb {gb_at_least(per_slot)}; the flag counts GiB, 2**30 bytes)"
+    )
+    default, free = default_budget(state)
+    print(
+        f"default budget: {decimal_gb(default)} (half of the {decimal_gb(free)} that the "
+        "resident weights leave free, between the minimum and every expert)"
+    )
+    slots = cache.slots_for_budget()  # a budget below the minimum stops here, naming it
     how = "given" if args.expert_cache_gb is not None else "default"
-    print(f"expert cache budget ({how}): {format_size(cache.budget_bytes)}")
+    print(f"expert cache budget ({how}): {decimal_gb(cache.budget_bytes)}")
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
-    more = sum(n > slots for n in plan)
-    extra = f"; {more} layers get {slots + 1}" if more else ""
-    print(f"slots per layer: {slots}{extra} ({format_size(used)} used)")
-    try:
-        if trace is not None:
-            print(_replay_line(trace, cache, plan))
-    finally:
-        state.close()
-    return 0
+    print(f"slots per layer: {slots_text(plan)} ({decimal_gb(used)} used)")
+    if trace is None:
+        print(
+            "hit rate and speed against budget: record the routing of your own prompt with "
+            f"`mlx_lm.generate --model {args.model} --streaming-experts --record-routing "
+            f"routing.jsonl --prompt ...`, then run `mlx_lm_streaming plan {args.model} "
+            "--routing-trace routing.jsonl`"
+        )
+        return
+    print(_replay_line(trace, cache, plan))
+    from .budget_table import budget_rows, format_table, measure_disk, plot
+
+    if args.disk_gbps is not None:
+        gbps = args.disk_gbps
+        print(f"disk: {gbps:g} GB/s (--disk-gbps)")
+    else:
+        gbps, line = measure_disk(banks)
+        print(line)
+    rows = budget_rows(state, trace, default, gbps, given=args.expert_cache_gb is not None)
+    print(format_table(rows))
+    if args.plot is not None:
+        plot(rows, args.plot, f"{state.model_path.name}, trace {trace.path.name}")
+        print(f"plot: {args.plot}")
 
 
 def _replay_line(trace, cache, plan) -> str:

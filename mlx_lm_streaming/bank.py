@@ -68,6 +68,9 @@ class LayerBank:
         # would cost staging memory and disk time before the layer has shown it can guess
         self.ahead_precision = 0.0
         self._fill_requested = False
+        # this layer's share of the cache's counters (``--streaming-stats layers``)
+        self.hits = 0
+        self.misses = 0
 
     @property
     def path(self) -> str:
@@ -148,6 +151,7 @@ class LayerBank:
         read one projection at a time and this is called as each but the last lands (before the
         expert is resident: its slot holds that projection's bytes only)."""
         self.cache.ensure_planned()
+        self.cache.stats.start()
         if len(experts) > self.slots:
             raise ValueError(
                 f"{self.path}: {len(experts)} experts asked for at once but the bank has "
@@ -171,9 +175,23 @@ class LayerBank:
             if len(missing):
                 read_into_slots(self, missing, victims, ready=ready, part_ready=part_ready)
             hits = len(experts) - len(missing)
+            self.hits += hits
+            self.misses += len(missing)
             self.cache.stats.add(hits, len(missing), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
+
+    def summary(self) -> dict:
+        """This layer's counters: hits, misses, and the GB (decimal) of the experts it missed."""
+        asked = self.hits + self.misses
+        return {
+            "layer": self.path,
+            "slots": self.slots,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / asked if asked else float("nan"),
+            "gb_read": self.misses * self.layer.expert_nbytes / 1e9,
+        }
 
     def _score_guess(self, missing: np.ndarray) -> None:
         guess, self.predicted = self.predicted, None

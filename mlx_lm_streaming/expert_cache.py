@@ -11,6 +11,7 @@ banks, the settings that turn each of them on or off (``CacheTuning``), and the 
 
 import math
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,13 +49,30 @@ class CacheStats:
     # writing them into the banks
     io_wait_seconds: float = 0.0
     install_seconds: float = 0.0
+    # perf_counter() at the start of the first expert request and the end of the last one: the
+    # span that the time split of ``--streaming-stats`` divides
+    first_request: Optional[float] = None
+    last_request: Optional[float] = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def start(self) -> None:
+        if self.first_request is None:
+            with self.lock:
+                if self.first_request is None:
+                    self.first_request = time.perf_counter()
 
     def add(self, hits: int, misses: int, evictions: int) -> None:
         with self.lock:
             self.hits += hits
             self.misses += misses
             self.evictions += evictions
+            self.last_request = time.perf_counter()
+
+    @property
+    def span_seconds(self) -> float:
+        if self.first_request is None or self.last_request is None:
+            return 0.0
+        return max(0.0, self.last_request - self.first_request)
 
     def add_time(self, io_wait: float, install: float) -> None:
         with self.lock:
@@ -321,21 +339,26 @@ class ExpertCache:
         return sum(b.layer.expert_nbytes * b.num_experts for b in self.banks)
 
     def summary(self) -> Dict[str, float]:
-        """Counters for ``--streaming-stats``: hit rate, experts and GB read, seconds in I/O."""
+        """Counters for ``--streaming-stats`` (every key is described in docs/usage.md). GB are
+        decimal (10**9 bytes), as in mlx-lm's "Peak memory"."""
         s, st = self.stats, self.store.stats
         asked = s.hits + s.misses
+        span = s.span_seconds
         return {
             "hit_rate": s.hits / asked if asked else math.nan,
             "hits": s.hits,
             "misses": s.misses,
             "evictions": s.evictions,
             "experts_read": s.misses,
-            "gb_read": st.bytes_read / GB,
+            "gb_read": st.bytes_read / 1e9,
             "io_seconds": st.seconds,
             "io_wait_seconds": s.io_wait_seconds,
             "install_seconds": s.install_seconds,
-            "cache_gb": self.resident_bytes / GB,
+            "span_seconds": span,
+            "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),
+            "cache_gb": self.resident_bytes / 1e9,
             "complete_layers": sum(b.complete for b in self.banks),
+            "per_layer": [b.summary() for b in self.banks],
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }
 

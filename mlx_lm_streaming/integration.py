@@ -42,7 +42,11 @@ from .options import (
     missing_local_path,
     requested,
 )
+
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
+# set once an mlx-lm command's line or environment asked for streaming: loads then say on stderr
+# which budget they chose (``StreamingState.choice_line``)
+cli_streaming = False
 # argparse dest -> environment variable it sets
 FLAG_ENV = {
     "streaming_experts": ENV["enabled"],
@@ -179,10 +183,12 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--streaming-stats",
-        action="store_true",
+        nargs="?",
+        const=True,
         default=None,
-        help="Print one line at exit: hit rate, experts read, GB read, seconds in I/O "
-        f"({ENV['stats']}=1).",
+        metavar="layers",
+        help="Print one line at exit: hit rate, experts and GB read, where the time went; "
+        f"with `layers`, also a table per MoE layer ({ENV['stats']}=1 or layers).",
     )
     group.add_argument(
         "--record-routing",
@@ -245,6 +251,8 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
     model = getattr(namespace, "model", None)
     if missing_local_path(model):
         fail(parser, f"argument --model: {model}: no such model directory", 1)
+    global cli_streaming
+    cli_streaming = True
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
 
@@ -274,6 +282,9 @@ def _check_flags(parser, given: dict) -> None:
                 parser,
                 f"argument {flag}: {plugins.unknown_name(what, name, known, flag)}",
             )
+    if given.get("streaming_stats") not in (None, True, "layers"):
+        value = given["streaming_stats"]
+        fail(parser, f"argument --streaming-stats: {value!r}: the only value it takes is layers")
     if given.get("record_routing"):
         from .routing_trace import check_writable
 
@@ -380,13 +391,17 @@ def wrap_cli_main(module) -> None:
     def main(*args, **kwargs):
         from .errors import StreamingError, exit_with
 
+        global cli_streaming
         first = _FirstParser()
+        said = cli_streaming
         try:
             with first:
                 return stock_main(*args, **kwargs)
         except StreamingError as e:
             # only we raise these, and only when streaming was asked for: one line, no traceback
             exit_with(first.prog or os.path.basename(sys.argv[0]), e)
+        finally:
+            cli_streaming = said
 
     main.mlx_lm_streaming = True
     main.stock = stock_main

@@ -46,6 +46,12 @@ def format_size(nbytes: float) -> str:
         nbytes /= 1024
 
 
+def decimal_gb(nbytes: float) -> str:
+    """Bytes as decimal GB (10**9 bytes, as mlx-lm's "Peak memory"): ``4.295 GB``, ``0.00265 GB``."""
+    gb = nbytes / 1e9
+    return f"{gb:.3f} GB" if gb >= 1 else f"{gb:.3g} GB"
+
+
 def gb_at_least(nbytes: int) -> str:
     """``nbytes`` as a number of GB to pass to ``--expert-cache-gb``, rounded up (3 digits)."""
     gb = nbytes / GiB
@@ -85,6 +91,20 @@ def check_budget_gb(value) -> float:
     return gb
 
 
+def parse_stats(value):
+    """``stats`` as False, True (one line at exit) or ``"layers"`` (and a per-layer table)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word == "layers":
+        return "layers"
+    if word in TRUE:
+        return True
+    if word in FALSE:
+        return False
+    raise ConfigurationError(f"stats must be true, false or 'layers', got {value!r}")
+
+
 @dataclass
 class StreamingOptions:
     """What to stream through: cache budget, store backend, kernel choice."""
@@ -92,7 +112,10 @@ class StreamingOptions:
     expert_cache_gb: Optional[float] = None  # None: derived from memory (docs/usage.md)
     store: str = "safetensors"
     kernel: str = "auto"
-    stats: bool = False  # print one summary line at exit
+    # at exit, print one summary line (True), and a table per MoE layer ("layers")
+    stats: Any = False
+    # say at load which budget was chosen, on stderr (the mlx-lm commands always do)
+    verbose: bool = False
     store_options: Dict[str, Any] = field(default_factory=dict)
     # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
@@ -136,6 +159,9 @@ class StreamingOptions:
                 f"cache_policy {self.cache_policy!r} is unknown; known: "
                 f"{', '.join(sorted(POLICIES))}"
             )
+        self.stats = parse_stats(self.stats)
+        if not isinstance(self.verbose, bool):
+            raise ConfigurationError(f"verbose must be true or false, got {self.verbose!r}")
         value = self.direct_reads
         if isinstance(value, str):
             word = value.strip().lower()
@@ -217,12 +243,12 @@ class StreamingOptions:
             raise ConfigurationError(
                 f"{ENV['pack']} needs {ENV['store']}=packed (or unset), not {kwargs['store']!r}"
             )
-        stats = environ.get(ENV["stats"], "").strip().lower()
-        if stats not in TRUE + FALSE:
+        try:
+            kwargs["stats"] = parse_stats(environ.get(ENV["stats"], ""))
+        except ConfigurationError:
             raise ConfigurationError(
-                f"{ENV['stats']}={environ[ENV['stats']]!r}: use 1 or 0"
-            )
-        kwargs["stats"] = stats in TRUE
+                f"{ENV['stats']}={environ[ENV['stats']]!r}: use 1, 0 or layers"
+            ) from None
         return cls(**kwargs)
 
     def to_dict(self) -> Dict[str, Any]:

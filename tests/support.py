@@ -83,7 +83,8 @@ def with_slots(path, slots, **options):
 BIN = Path(sys.executable).parent
 PROMPT = "Tell me a story about a dragon"
 STATS = re.compile(
-    r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), [\d.]+ GB read, [\d.]+ s in I/O",
+    r"^\[streaming\] (?:[^:\n]+: )?hit rate [\d.]+%, experts read (\d+), [\d.]+ GB read, "
+    r"[\d.]+ s in I/O",
     re.M,
 )
 

@@ -41,7 +41,7 @@ GB = 1 << 30
 ARCHS = ["qwen3_moe", "deepseek_v3"]
 STATS_LINE = re.compile(
     r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), .*, "
-    r"pipeline rank (\d+)/(\d+) \(layers (\d+)-(\d+)\)$",
+    r"pipeline rank (\d+)/(\d+) \(layers (\d+)-(\d+)\)(?:; .* everything else)?$",
     re.M,
 )
 

@@ -152,8 +152,10 @@ def test_draft_model_streams_too(checkpoint, tmp_path):
     stock = run(cmd, tmp_path)
     out = run(cmd + ["--streaming-experts", "--streaming-stats"], tmp_path)
     assert generated_text(out.stdout) == generated_text(stock.stdout)
-    # one line per streamed model: the main model and the draft model
+    # one line per streamed model: the main model and the draft model, each named
     assert len(STATS.findall(out.stderr)) == 2, out.stderr
+    for model in (ckpt, draft):
+        assert f"[streaming] {model.name}: hit rate" in out.stderr, out.stderr
 
 
 def test_chat_repl_streams(checkpoint, tmp_path):
