@@ -195,7 +195,7 @@ def _print_plan(args, state, trace) -> None:
         f"default budget: {decimal_gb(default)} (half of the {decimal_gb(free)} that the "
         "resident weights leave free, between the minimum and every expert)"
     )
-    slots = cache.slots_for_budget()  # a budget below the minimum stops here, naming it
+    cache.slots_for_budget()  # a budget below the minimum stops here, naming it
     how = "given" if args.expert_cache_gb is not None else "default"
     print(f"expert cache budget ({how}): {decimal_gb(cache.budget_bytes)}")
     plan = cache.plan_slots()

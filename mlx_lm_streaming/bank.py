@@ -38,7 +38,7 @@ from .safetensors_header import mx_dtype
 class LayerBank:
     """Slot bank of one MoE layer, wrapped around that layer's stock ``SwitchGLU``."""
 
-    def __init__(self, cache: "ExpertCache", layer: LayerExperts, glu):
+    def __init__(self, cache, layer: LayerExperts, glu):  # cache: expert_cache.ExpertCache
         self.cache = cache
         self.layer = layer
         self.glu = glu  # the stock SwitchGLU whose arrays become our banks

@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 
+from . import report
 from .mlx_compat import (
     CLI_MODULES,
     load_model_problem,
@@ -44,9 +45,6 @@ from .options import (
 )
 
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
-# set once an mlx-lm command's line or environment asked for streaming: loads then say on stderr
-# which budget they chose (``StreamingState.choice_line``)
-cli_streaming = False
 # argparse dest -> environment variable it sets
 FLAG_ENV = {
     "streaming_experts": ENV["enabled"],
@@ -251,8 +249,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
     model = getattr(namespace, "model", None)
     if missing_local_path(model):
         fail(parser, f"argument --model: {model}: no such model directory", 1)
-    global cli_streaming
-    cli_streaming = True
+    report.cli_streaming = True
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
 
@@ -391,9 +388,8 @@ def wrap_cli_main(module) -> None:
     def main(*args, **kwargs):
         from .errors import StreamingError, exit_with
 
-        global cli_streaming
         first = _FirstParser()
-        said = cli_streaming
+        said = report.cli_streaming
         try:
             with first:
                 return stock_main(*args, **kwargs)
@@ -401,7 +397,7 @@ def wrap_cli_main(module) -> None:
             # only we raise these, and only when streaming was asked for: one line, no traceback
             exit_with(first.prog or os.path.basename(sys.argv[0]), e)
         finally:
-            cli_streaming = said
+            report.cli_streaming = said
 
     main.mlx_lm_streaming = True
     main.stock = stock_main

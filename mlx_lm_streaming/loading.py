@@ -18,20 +18,17 @@ from typing import Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import plugins
+from . import plugins, report
 from .expert_cache import GB, CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
-from .options import CONFIG_KEY, StreamingOptions, decimal_gb
+from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions
 from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 from .timeline import open_timeline
 
-# Of the memory the resident weights leave free, this share goes to the expert cache; the rest stays
-# for the OS page cache, the KV cache and activations.
-DEFAULT_CACHE_SHARE = 0.5
 
 
 # what the default budget assumes where the OS does not say how much memory there is
@@ -135,83 +132,7 @@ class StreamingState:
         return self.cache.summary()
 
     def stats_line(self, label: bool = False) -> str:
-        """The ``--streaming-stats`` line; ``label``: name the model (several stream in this
-        process, e.g. a draft model or the server's models)."""
-        s = self.stats()
-        # no expert was asked for yet (nothing generated): no rate to give
-        rate = "n/a" if s["hits"] + s["misses"] == 0 else f"{s['hit_rate']:.1%}"
-        name = f"{self.model_path.name}: " if label else ""
-        line = (
-            f"[streaming] {name}hit rate {rate}, experts read {s['experts_read']}, "
-            f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
-            f"cache {s['cache_gb']:.3f} GB"
-        )
-        if s.get("failed_background_reads"):
-            line += (
-                f", background reads of {s['failed_background_reads']} experts failed (read "
-                f"again on demand; first: {s['first_background_error']})"
-            )
-        if self.pipeline is not None:
-            rank, size, start, end = self.pipeline
-            line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
-        if s["span_seconds"] > 0:
-            line += (
-                f"; {s['span_seconds']:.2f} s from first to last expert request: "
-                f"{s['io_wait_seconds']:.2f} s waiting for reads, {s['install_seconds']:.2f} s "
-                f"installing, {s['other_seconds']:.2f} s everything else"
-            )
-        return line
-
-    def layers_table(self) -> str:
-        """``--streaming-stats layers``: hit rate, misses and GB read of each MoE layer."""
-        rows = [("layer", "slots", "hit rate", "misses", "GB read")]
-        for layer in self.stats()["per_layer"]:
-            asked = layer["hits"] + layer["misses"]
-            rows.append(
-                (
-                    layer["layer"],
-                    str(layer["slots"]),
-                    f"{layer['hit_rate']:.1%}" if asked else "n/a",
-                    str(layer["misses"]),
-                    f"{layer['gb_read']:.3f}",
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join(
-            "[streaming]   " + "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
-            )
-            for r in rows
-        )
-
-    def choice_line(self) -> str:
-        """What was chosen, said at load: budget (and where it came from), slots, resident weights."""
-        cache = self.cache
-        banks = cache.banks
-        if cache.budget_bytes is None or not banks:
-            return f"[streaming] {self.model_path.name}: no MoE layer streams on this rank"
-        per_slot = sum(b.layer.expert_nbytes for b in banks)
-        if self.options.expert_cache_gb is not None:
-            how = f"given {self.options.expert_cache_gb:g} GiB"
-        elif self.free_bytes is None:
-            how = "default"
-        else:
-            share = f"{DEFAULT_CACHE_SHARE:.0%} of the {decimal_gb(self.free_bytes)}"
-            how = f"default: {share} that the resident weights leave free"
-            if cache.budget_bytes >= cache.total_expert_bytes:
-                how += ", capped at every expert"
-            elif cache.budget_bytes == per_slot:
-                how += ", raised to one expert per layer"
-        plan = cache.plan_slots()
-        slots = min(plan)
-        more = sum(n > slots for n in plan)
-        extra = f" ({slots + 1} in {more} layer{'s' if more > 1 else ''})" if more else ""
-        experts = "/".join(sorted({str(b.num_experts) for b in banks}))
-        return (
-            f"[streaming] {self.model_path.name}: expert cache {decimal_gb(cache.budget_bytes)} "
-            f"({how}), {slots} of {experts} experts per layer{extra} in {len(banks)} MoE "
-            f"layer{'s' if len(banks) > 1 else ''}, resident weights {decimal_gb(self.resident_bytes)}"
-        )
+        return report.stats_line(self, label)
 
     def close(self, wait: bool = True) -> None:
         """Stop background reads, then close the store. ``wait=False`` (the finalizer of a model
@@ -376,30 +297,11 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         model.shard = _tensor_parallel_unsupported
     _stream_per_pipeline_stage(model, state)
     weakref.finalize(model, state.close, wait=False)
-    if not lazy and _say_choice(options):
-        _say(state.choice_line())
+    if not lazy and report.say_choice(options):
+        report.say(report.choice_line(state))
     if options.stats:
-        _print_stats_at_exit(state)
+        report.print_stats_at_exit(state)
     return model, config
-
-
-_SAID: set = set()  # choice lines already printed in this process
-
-
-def _say(line: str) -> None:
-    # once per process: sharded_load splits a structure-only model before the real one, and a
-    # server that loads a model again chooses the same
-    if line not in _SAID:
-        _SAID.add(line)
-        print(line, file=sys.stderr, flush=True)
-
-
-def _say_choice(options: StreamingOptions) -> bool:
-    """At load, in the mlx-lm commands and where the API asked for it (``verbose=True``)."""
-    from . import integration
-
-    return options.verbose or integration.cli_streaming
-
 
 
 _JOINING_AT_EXIT = []  # non-empty once ``close_all`` is registered with atexit
@@ -483,32 +385,10 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
             state.cache.slots_for_budget()
         except ConfigurationError as e:
             raise ConfigurationError(f"{stage}: {e}") from None
-        if _say_choice(state.options):
-            _say(state.choice_line())
+        if report.say_choice(state.options):
+            report.say(report.choice_line(state))
         return result
 
     inner.pipeline = pipeline
 
 
-_REPORTING: list = []  # states whose stats are printed at exit, in load order
-
-
-def _print_stats_at_exit(state: StreamingState) -> None:
-    if not _REPORTING:
-        atexit.register(_report_stats)
-    _REPORTING.append(state)
-
-
-def _report_stats() -> None:
-    shown = []
-    for state in _REPORTING:
-        s = state.stats()
-        if state.closed and s["hits"] + s["misses"] == 0:
-            # a model that was dropped unused, e.g. the one sharded_load builds only to see the
-            # model's structure before loading the rank's part
-            continue
-        shown.append(state)
-    for state in shown:
-        print(state.stats_line(label=len(shown) > 1), file=sys.stderr, flush=True)
-        if state.options.stats == "layers":
-            print(state.layers_table(), file=sys.stderr, flush=True)

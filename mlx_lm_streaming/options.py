@@ -33,6 +33,9 @@ ENV = {
     "trace": "MLX_LM_STREAMING_TRACE",
     "pack": "MLX_LM_STREAMING_PACK",
 }
+# Of the memory the resident weights leave free, this share goes to the expert cache by default; the
+# rest stays for the OS page cache, the KV cache and activations.
+DEFAULT_CACHE_SHARE = 0.5
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
 GiB = 1 << 30

@@ -1,0 +1,129 @@
+"""What a streaming model says: the chosen budget at load, and the ``--streaming-stats`` line (and
+per-layer table) at exit. Functions of a ``loading.StreamingState``."""
+
+import atexit
+import sys
+
+from .options import DEFAULT_CACHE_SHARE, StreamingOptions, decimal_gb
+
+_REPORTING: list = []  # states whose stats are printed at exit, in load order
+# set (integration.py) once an mlx-lm command's line or environment asked for streaming: loads then
+# say on stderr which budget they chose (``choice_line``)
+cli_streaming = False
+
+
+def stats_line(state, label: bool = False) -> str:
+    """The ``--streaming-stats`` line; ``label``: name the model (several stream in this
+    process, e.g. a draft model or the server's models)."""
+    s = state.stats()
+    # no expert was asked for yet (nothing generated): no rate to give
+    rate = "n/a" if s["hits"] + s["misses"] == 0 else f"{s['hit_rate']:.1%}"
+    name = f"{state.model_path.name}: " if label else ""
+    line = (
+        f"[streaming] {name}hit rate {rate}, experts read {s['experts_read']}, "
+        f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
+        f"cache {s['cache_gb']:.3f} GB"
+    )
+    if s.get("failed_background_reads"):
+        line += (
+            f", background reads of {s['failed_background_reads']} experts failed (read "
+            f"again on demand; first: {s['first_background_error']})"
+        )
+    if state.pipeline is not None:
+        rank, size, start, end = state.pipeline
+        line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
+    if s["span_seconds"] > 0:
+        line += (
+            f"; {s['span_seconds']:.2f} s from first to last expert request: "
+            f"{s['io_wait_seconds']:.2f} s waiting for reads, {s['install_seconds']:.2f} s "
+            f"installing, {s['other_seconds']:.2f} s everything else"
+        )
+    return line
+
+def layers_table(state) -> str:
+    """``--streaming-stats layers``: hit rate, misses and GB read of each MoE layer."""
+    rows = [("layer", "slots", "hit rate", "misses", "GB read")]
+    for layer in state.stats()["per_layer"]:
+        asked = layer["hits"] + layer["misses"]
+        rows.append(
+            (
+                layer["layer"],
+                str(layer["slots"]),
+                f"{layer['hit_rate']:.1%}" if asked else "n/a",
+                str(layer["misses"]),
+                f"{layer['gb_read']:.3f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "[streaming]   " + "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        )
+        for r in rows
+    )
+
+def choice_line(state) -> str:
+    """What was chosen, said at load: budget (and where it came from), slots, resident weights."""
+    cache = state.cache
+    banks = cache.banks
+    if cache.budget_bytes is None or not banks:
+        return f"[streaming] {state.model_path.name}: no MoE layer streams on this rank"
+    per_slot = sum(b.layer.expert_nbytes for b in banks)
+    if state.options.expert_cache_gb is not None:
+        how = f"given {state.options.expert_cache_gb:g} GiB"
+    elif state.free_bytes is None:
+        how = "default"
+    else:
+        share = f"{DEFAULT_CACHE_SHARE:.0%} of the {decimal_gb(state.free_bytes)}"
+        how = f"default: {share} that the resident weights leave free"
+        if cache.budget_bytes >= cache.total_expert_bytes:
+            how += ", capped at every expert"
+        elif cache.budget_bytes == per_slot:
+            how += ", raised to one expert per layer"
+    plan = cache.plan_slots()
+    slots = min(plan)
+    more = sum(n > slots for n in plan)
+    extra = f" ({slots + 1} in {more} layer{'s' if more > 1 else ''})" if more else ""
+    experts = "/".join(sorted({str(b.num_experts) for b in banks}))
+    return (
+        f"[streaming] {state.model_path.name}: expert cache {decimal_gb(cache.budget_bytes)} "
+        f"({how}), {slots} of {experts} experts per layer{extra} in {len(banks)} MoE "
+        f"layer{'s' if len(banks) > 1 else ''}, resident weights {decimal_gb(state.resident_bytes)}"
+    )
+
+
+_SAID: set = set()  # choice lines already printed in this process
+
+
+def say(line: str) -> None:
+    # once per process: sharded_load splits a structure-only model before the real one, and a
+    # server that loads a model again chooses the same
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def say_choice(options: StreamingOptions) -> bool:
+    """At load, in the mlx-lm commands and where the API asked for it (``verbose=True``)."""
+    return options.verbose or cli_streaming
+
+
+def print_stats_at_exit(state) -> None:
+    if not _REPORTING:
+        atexit.register(_report_stats)
+    _REPORTING.append(state)
+
+
+def _report_stats() -> None:
+    shown = []
+    for state in _REPORTING:
+        s = state.stats()
+        if state.closed and s["hits"] + s["misses"] == 0:
+            # a model that was dropped unused, e.g. the one sharded_load builds only to see the
+            # model's structure before loading the rank's part
+            continue
+        shown.append(state)
+    for state in shown:
+        print(stats_line(state, label=len(shown) > 1), file=sys.stderr, flush=True)
+        if state.options.stats == "layers":
+            print(layers_table(state), file=sys.stderr, flush=True)
