@@ -298,6 +298,7 @@ class ForcedRouting:
         from mlx_lm_streaming.switch import StreamingSwitchGLU
 
         import seeds
+        from routing_replay import routed
 
         kinds = (SwitchGLU, StreamingSwitchGLU, seeds._SeedSwitch)
         found = [(p, m) for p, m in model.named_modules() if isinstance(m, kinds)]
@@ -306,7 +307,7 @@ class ForcedRouting:
             parts = path.split(".")
             for q in parts[:-1]:
                 parent = parent[int(q)] if isinstance(parent, list) else parent[q]
-            parent[parts[-1]] = _Forced(module, self, layer_no)
+            parent[parts[-1]] = routed(module, self, layer_no)
         return len(found)
 
     def reset(self):
@@ -349,26 +350,6 @@ def routing_arg(value: str) -> str:
             raise argparse.ArgumentTypeError(str(e)) from None
         return value
     raise argparse.ArgumentTypeError(f"{value!r}: use uniform, model or trace:FILE")
-
-
-def _forced_class():
-    import mlx.nn as nn
-
-    class _ForcedSwitch(nn.Module):
-        def __init__(self, inner, routing, layer_no):
-            super().__init__()
-            object.__setattr__(self, "_inner", inner)
-            object.__setattr__(self, "_routing", routing)
-            object.__setattr__(self, "_layer_no", layer_no)
-
-        def __call__(self, x, indices):
-            return self._inner(x, self._routing.indices(self._layer_no, indices.shape))
-
-    return _ForcedSwitch
-
-
-def _Forced(inner, routing, layer_no):
-    return _forced_class()(inner, routing, layer_no)
 
 
 def delta(a, b):

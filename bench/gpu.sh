@@ -8,12 +8,7 @@
 #   carry [".dev/b"]: bash bench/gpu.sh [bench args...]
 # GPU_BENCH=0 skips the benchmark; BENCH_TIMEOUT, PARITY_TIMEOUT (0: skip) and PARITY_ARGS as below.
 set -u
-mkdir -p /root/stash "$OUT"
-cp .dev/b/* /root/stash/
-( cd /root/stash && cat cuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl \
-  && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-     mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl ) || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.cuda.is_available())"
 python3 -m pip list 2>/dev/null | grep -i -E "^(matplotlib|numpy|pluggy|tqdm) " || true

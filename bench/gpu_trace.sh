@@ -8,12 +8,7 @@
 #   carry [".dev/b"]: bash bench/gpu_trace.sh [gpu_pipeline args...]
 # BENCH_TIMEOUT, PARITY_TIMEOUT (0: skip).
 set -u
-mkdir -p /root/stash "$OUT"
-cp .dev/b/* /root/stash/
-( cd /root/stash && cat cuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl \
-  && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-     mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl ) || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 start=$(date +%s)
 timeout ${BENCH_TIMEOUT:-300} python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out "$OUT" \
   --layers 16 --rounds 3 --block 6 --probe-mb 512 --variants staged,direct,default "$@" 2>&1 \
