@@ -95,7 +95,8 @@ class StreamingSwitchGLU(nn.Module):
     def _in_one_call(self, x, indices, idx, experts, ahead):
         """Without direct reads (no host view of the bank, or several calling threads): load the
         call's experts (through staging buffers), then one kernel call over all rows.
-        Measured: the default on GPUs; H200 Qwen3-shape cold 11.20 tok/s, ``seed_stack`` 8.12."""
+        Measured (staged reads, the GPU default before 2026-12-01): H200 Qwen3-shape cold 11.20
+        tok/s, ``seed_stack`` 8.12."""
         bank = self._bank
         bank.load(experts)
         if ahead is not None:
