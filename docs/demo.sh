@@ -17,6 +17,7 @@ fi
 # Linux needs an mlx backend extra; macOS wheels carry Metal
 if [ "$(uname -s)" = Darwin ]; then EXTRA=""; else EXTRA="[cpu]"; fi
 .venv/bin/python -m pip install -q --upgrade pip
+rm -rf build  # setuptools builds in the tree: a stale build/ would install old files
 .venv/bin/python -m pip install -q ".$EXTRA"
 
 echo
