@@ -540,9 +540,12 @@ def run_arch(name, path, args, device):
             path, expert_cache_gb=total_expert / GB * 1.001, tuning=CacheTuning(skip_sync=False)
         )
         configs["warm_sync"] = Config("warm_sync", m)
-    if "cold_t8" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": 8})
-        configs["cold_t8"] = Config("cold_t8", m, cold=True, files=files)
+    for threads in (4, 8):
+        if f"cold_t{threads}" in ablations:
+            m, _ = load_streaming(
+                path, expert_cache_gb=cold_gb, store_options={"threads": threads}
+            )
+            configs[f"cold_t{threads}"] = Config(f"cold_t{threads}", m, cold=True, files=files)
     for hint in ("prefetch", "host"):
         # CUDA unified-memory hints with direct reads (bench/cuda_uvm.py)
         if f"cold_uvm_{hint}" in ablations:
@@ -1097,7 +1100,7 @@ def main():
         "--ablations",
         default=None,
         help="comma-separated: stock_again (noise floor),warm_sync,cold_staged,"
-        "cold_nolookahead,cold_t8,"
+        "cold_nolookahead,cold_t4,cold_t8,"
         "cold_packed,cold_packed_direct,cold_nophase,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")
