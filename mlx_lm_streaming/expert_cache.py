@@ -14,12 +14,13 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from .bank import LayerBank
+from .counters import Counters
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
 from .options import format_size, gb_at_least
@@ -39,7 +40,7 @@ _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
 
 
 @dataclass
-class CacheStats:
+class CacheStats(Counters):
     """Expert requests served from the banks (hits) or read from the store (misses)."""
 
     hits: int = 0
@@ -53,7 +54,6 @@ class CacheStats:
     # span that the time split of ``--streaming-stats`` divides
     first_request: Optional[float] = None
     last_request: Optional[float] = None
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def start(self) -> None:
         if self.first_request is None:
@@ -62,11 +62,8 @@ class CacheStats:
                     self.first_request = time.perf_counter()
 
     def add(self, hits: int, misses: int, evictions: int) -> None:
-        with self.lock:
-            self.hits += hits
-            self.misses += misses
-            self.evictions += evictions
-            self.last_request = time.perf_counter()
+        self.add_counts(hits=hits, misses=misses, evictions=evictions)
+        self.last_request = time.perf_counter()
 
     @property
     def span_seconds(self) -> float:
@@ -75,9 +72,7 @@ class CacheStats:
         return max(0.0, self.last_request - self.first_request)
 
     def add_time(self, io_wait: float, install: float) -> None:
-        with self.lock:
-            self.io_wait_seconds += io_wait
-            self.install_seconds += install
+        self.add_counts(io_wait_seconds=io_wait, install_seconds=install)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ through the ``register_stores`` hook (see docs/plugins.md).
 """
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import List, Tuple
 
-from ..index import CheckpointFiles
+from ..counters import Counters
 from ..errors import CheckpointChangedError, ExpertIOError
+from ..index import CheckpointFiles
 from ..safetensors_header import TensorRef
 
 
@@ -28,19 +29,15 @@ def shard_error(path, error: OSError, doing: str) -> Exception:
 
 
 @dataclass
-class StoreStats:
+class StoreStats(Counters):
     """Counters every store keeps; the expert cache and ``--streaming-stats`` report them."""
 
     reads: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, reads: int, nbytes: int, seconds: float) -> None:
-        with self.lock:
-            self.reads += reads
-            self.bytes_read += nbytes
-            self.seconds += seconds
+        self.add_counts(reads=reads, bytes_read=nbytes, seconds=seconds)
 
 
 class ExpertStore:
