@@ -172,7 +172,8 @@ def _check_plan_flags(args) -> None:
 
 
 def _print_plan(args, state, trace) -> None:
-    from .budget_table import default_budget, slots_text
+    from .budget_table import slots_text
+    from .loading import default_budget
 
     cache = state.cache
     banks = cache.banks

@@ -37,16 +37,6 @@ class BudgetRow:
     tok_s: Optional[float]  # decode tokens per second the disk allows; None: no reads
 
 
-def default_budget(state) -> Tuple[int, int]:
-    """The default budget for ``state``'s model on this machine, and the free memory it comes from."""
-    from .loading import default_budget_bytes, physical_memory_bytes
-
-    cache = state.cache
-    per_slot = sum(b.layer.expert_nbytes for b in cache.banks)
-    free = physical_memory_bytes() - state.resident_bytes
-    return default_budget_bytes(state.resident_bytes, cache.total_expert_bytes, per_slot), free
-
-
 def slots_text(plan: List[int]) -> str:
     """``12`` or ``12; 13 layers get 13`` (what the budget has left gives layers one more)."""
     low = min(plan)

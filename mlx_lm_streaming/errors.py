@@ -59,3 +59,9 @@ def open_output(path, what: str):
         return open(path, "w", encoding="utf-8")
     except OSError as e:
         raise ConfigurationError(f"{path}: cannot write the {what} ({e.strerror or e})") from None
+
+
+def check_writable(path, what: str) -> None:
+    """Create (or empty) ``path`` now, so that a file we write as a run goes fails at load or at the
+    flag, naming it, not at the first token."""
+    open_output(path, what).close()

@@ -257,7 +257,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
 def _check_flags(parser, given: dict) -> None:
     """Each flag's value on its own, so that the error names the flag (the budget as a float)."""
     from . import plugins
-    from .errors import ConfigurationError, StreamingError
+    from .errors import ConfigurationError, StreamingError, check_writable
 
     if "expert_cache_gb" in given:
         try:
@@ -282,22 +282,14 @@ def _check_flags(parser, given: dict) -> None:
     if given.get("streaming_stats") not in (None, True, "layers"):
         value = given["streaming_stats"]
         fail(parser, f"argument --streaming-stats: {value!r}: the only value it takes is layers")
-    if given.get("record_routing"):
-        from .routing_trace import check_writable
-
-        try:
-            check_writable(given["record_routing"])
-        except StreamingError as e:
-            fail(parser, f"argument --record-routing: {e}")
+    for dest, what in (("record_routing", "routing trace"), ("streaming_trace", "timeline")):
+        if given.get(dest):
+            try:
+                check_writable(given[dest], what)
+            except StreamingError as e:
+                fail(parser, f"argument --{dest.replace('_', '-')}: {e}")
     if given.get("expert_pack"):
         _check_pack_flag(parser, given)
-    if given.get("streaming_trace"):
-        from .timeline import check_writable as check_timeline
-
-        try:
-            check_timeline(given["streaming_trace"])
-        except StreamingError as e:
-            fail(parser, f"argument --streaming-trace: {e}")
 
 
 def _check_pack_flag(parser, given: dict) -> None:

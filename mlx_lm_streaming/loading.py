@@ -59,21 +59,20 @@ def physical_memory_bytes() -> int:
     return ASSUMED_MEMORY_BYTES
 
 
-def set_default_budget(state: "StreamingState") -> None:
-    """The default budget of ``state``'s cache, and the free memory it was derived from."""
+def default_budget(state: "StreamingState"):
+    """``(budget, free)``: the default budget for ``state``'s model on this machine,
+    ``clamp(0.5 * free, one expert per layer, every expert)``, and ``free``, the memory the resident
+    weights leave."""
     cache = state.cache
-    state.free_bytes = physical_memory_bytes() - state.resident_bytes
-    cache.budget_bytes = default_budget_bytes(
-        state.resident_bytes,
-        cache.total_expert_bytes,
-        sum(b.layer.expert_nbytes for b in cache.banks),
-    )
+    free = physical_memory_bytes() - state.resident_bytes
+    per_slot = sum(b.layer.expert_nbytes for b in cache.banks)
+    budget = min(cache.total_expert_bytes, max(per_slot, DEFAULT_CACHE_SHARE * free))
+    return int(budget), free
 
 
-def default_budget_bytes(resident_bytes: int, total_expert_bytes: int, min_bytes: int) -> int:
-    """``clamp(0.5 * (RAM - resident weights), one expert per layer, every expert)``."""
-    free = physical_memory_bytes() - resident_bytes
-    return int(min(total_expert_bytes, max(min_bytes, DEFAULT_CACHE_SHARE * free)))
+def set_default_budget(state: "StreamingState") -> None:
+    """Give ``state``'s cache the default budget, and keep the free memory it was derived from."""
+    state.cache.budget_bytes, state.free_bytes = default_budget(state)
 
 
 class StreamingState:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .errors import CheckpointError, open_output
+from .errors import CheckpointError, check_writable, open_output
 
 FORMAT = "moe-routing-trace"
 VERSION = 1
@@ -191,11 +191,6 @@ class TraceWriter:
         self.close()
 
 
-def check_writable(path) -> None:
-    """Create (or empty) ``path``; ``ConfigurationError`` naming it if that fails."""
-    open_output(path, "routing trace").close()
-
-
 class RoutingRecorder:
     """Records a streaming model's routing: ``record(bank, idx)`` from each MoE layer's call.
 
@@ -221,7 +216,7 @@ class RoutingRecorder:
         self.seq = 0
         self.width = 1  # sequences in the current batch
         self.phase = None
-        check_writable(self.path)  # fail at load, not at the first token
+        check_writable(self.path, "routing trace")  # fail at load, not at the first token
         RoutingRecorder._open.add(self.path.resolve())
 
     def record(self, bank, idx) -> None:

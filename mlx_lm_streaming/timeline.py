@@ -29,11 +29,6 @@ FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
 
 
-def check_writable(path) -> None:
-    """Create (or empty) ``path``; ``ConfigurationError`` naming it if that fails."""
-    open_output(path, "timeline").close()
-
-
 class Timeline:
     """Thread-safe recorder of trace events, written to ``path`` as the run goes."""
 
