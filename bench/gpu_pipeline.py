@@ -59,31 +59,54 @@ SHAPES = {
     ),
 }
 
-VARIANTS = {
-    # name: (direct_reads, store threads); None: the package's default
-    "default": (None, None),
-    "staged": (False, 4),
-    "staged_t8": (False, 8),
-    "staged_t16": (False, 16),
-    "direct": (True, 4),
-    "direct_t8": (True, 8),
-    "direct_t16": (True, 16),
-    # the defaults without the next-layer lookahead (its router evaluation in every cold sync)
-    "default_nolookahead": (None, None),
-}
+# A variant is a name made of "_"-joined words: "default" (the package's defaults), "staged" /
+# "direct" (direct reads off / on, 4 store threads unless a "tN" word says otherwise), "tN" (N store
+# threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "once" / "each" (with
+# direct reads, one compute call per layer once every read landed / a call per landing:
+# ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "tl" (records a timeline,
+# ``--streaming-trace``, summarized by bench/timeline_summary.py). E.g. "direct_t8_c256_once".
+VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, tl"
 
 
-def _without_lookahead(path, **opts):
-    """A streaming model whose cache does not run the next-layer lookahead."""
+def variant_options(name: str):
+    """``(load options, CacheTuning fields)`` of a variant name (see above)."""
+    opts, tuning = {}, {}
+    store = {}
+    for word in name.split("_"):
+        if word in ("staged", "direct"):
+            opts["direct_reads"] = word == "direct"
+            store.setdefault("threads", 4)
+        elif word in ("once", "each"):
+            tuning["landings"] = word
+        elif word == "nolookahead":
+            tuning["lookahead"] = False
+        elif word == "tl":
+            opts["trace"] = True  # the caller names the file
+        elif word[:1] in "tc" and word[1:].isdigit():
+            if word[0] == "t":
+                store["threads"] = int(word[1:])
+            else:
+                store["chunk_bytes"] = int(word[1:]) * 1024
+        elif word != "default":
+            raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {VARIANT_WORDS})")
+    if store:
+        opts["store_options"] = store
+    return opts, tuning
+
+
+def load_variant(path, name: str, timeline=None, **opts):
+    """A streaming model configured as the variant ``name`` (``timeline``: its file, for "tl")."""
     from experts import load_streaming
 
-    try:
-        from mlx_lm_streaming.expert_cache import CacheTuning
-    except ImportError:  # before CacheTuning: a plain attribute of the cache
-        model, _ = load_streaming(path, **opts)
-        model.expert_streaming.cache.lookahead = False
-        return model
-    model, _ = load_streaming(path, tuning=CacheTuning(lookahead=False), **opts)
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    more, tuning = variant_options(name)
+    opts.update(more)
+    if opts.get("trace"):
+        opts["trace"] = str(timeline)
+    if tuning:
+        opts["tuning"] = CacheTuning(**tuning)
+    model, _ = load_streaming(path, **opts)
     return model
 
 
@@ -149,23 +172,18 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
     """One routing x budget: the variants and the stocks, interleaved rounds. Returns a dict."""
     import random
 
-    from experts import delta, load_streaming, reset_banks
+    from experts import delta, reset_banks
 
     total = res["total_expert_bytes"]
     configs = {}
     for name, model in stocks.items():
         cfg = Config(name, model)
         configs[name] = cfg
+    timelines = {}
+    group = f"{routing_spec.split(':')[0]}-{int(round(budget * 100))}"
     for v in variants:
-        direct, threads = VARIANTS[v]
-        opts = {} if direct is None else {"direct_reads": direct}
-        if threads is not None:
-            opts["store_options"] = {"threads": threads}
-        opts["expert_cache_gb"] = budget * total / GB
-        if v.endswith("_nolookahead"):
-            model = _without_lookahead(path, **opts)
-        else:
-            model, _ = load_streaming(path, **opts)
+        timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
+        model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
         configs[v] = Config(v, model, cold=True, files=files)
     for cfg in configs.values():
         cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
@@ -219,6 +237,12 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
                 direct=all(b.direct for b in cfg.cache.banks),
                 policy=getattr(cfg.cache, "policy", None),
             )
+        if cfg.cache is not None and cfg.cache.timeline is not None:
+            from timeline_summary import summarize as timeline_summary
+
+            cfg.cache.timeline.flush()
+            entry["timeline"] = timeline_summary(timelines[key], last=n)
+            entry["timeline_file"] = timelines[key].name
         out["configs"][key] = entry
     # warm-up decode rows of the trace: 3 (generate_step computes one ahead), then the measured ones
     out["decode_rows"] = {
@@ -286,6 +310,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=6)
     ap.add_argument("--probe-mb", type=int, default=768)
+    ap.add_argument("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -293,6 +318,11 @@ def main():
     gpu = mx.default_device().type == mx.gpu
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        variant_options(v)  # an unknown word fails before anything is built
+    for d in (args.out, args.timeline_dir):
+        if d:
+            Path(d).mkdir(parents=True, exist_ok=True)
     routings = [r for r in args.routings.split(",") if r]
     budgets = [float(b) for b in args.budgets.split(",")]
     res = {

@@ -94,6 +94,10 @@ class CacheTuning:
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``StreamingSwitchGLU._by_projection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
+    # with direct reads, decode-sized calls: "each" computes the hits, then each read expert as it
+    # lands; "once" all rows in one call after the reads; "auto": "once" where partial calls are
+    # padded (``StreamingSwitchGLU._in_one_landing_call``)
+    landings: str = "each"
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2

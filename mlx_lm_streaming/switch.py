@@ -153,7 +153,8 @@ class StreamingSwitchGLU(nn.Module):
 
         landed = []
         part_ready = None
-        if flat.size >= SORT_THRESHOLD:
+        once = self._in_one_landing_call(flat.size)
+        if flat.size >= SORT_THRESHOLD or once:
             ready = landed.extend
         elif self._phased(flat.size):
             ready, part_ready = self._by_projection(x, idx, compute, rows_done, outs)
@@ -192,10 +193,14 @@ class StreamingSwitchGLU(nn.Module):
                 # copy the whole bank: read them again directly instead
                 bank._drop_staged()
             hit = wave[bank.slot_of[wave] >= 0]
-            if len(hit):
+            if len(hit) and not once:
                 compute(hit)
             bank.load(wave, ready=ready, keep=keep, part_ready=part_ready)
-            rest()
+            if once:
+                landed.clear()
+                compute(wave)  # hits and reads in one call: a whole call's rows, never padded
+            else:
+                rest()
             ends.append(len(outs))
         if ahead is not None:
             _stage_ahead(*ahead)
@@ -207,6 +212,17 @@ class StreamingSwitchGLU(nn.Module):
             order = np.argsort(np.concatenate(rows_done), kind="stable")
             y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
+
+    def _in_one_landing_call(self, rows: int) -> bool:
+        """Whether this call's rows are computed in one kernel call once every read expert has
+        landed, instead of the hits first and then each expert as it lands: ``CacheTuning.landings``
+        ``"once"``, or ``"auto"`` where partial calls are padded to the whole call's rows (each
+        partial call then costs a whole call, and the GPU's compute is short next to a read)."""
+        mode = self._bank.cache.tuning.landings
+        if mode != "auto":
+            return mode == "once"
+        kernel = self._selector.select(self._bank, rows)
+        return not kernel.subset_exact(self._selector.backend)
 
     def _phased(self, rows: int) -> bool:
         """Whether this decode-sized call's direct reads go a projection at a time

@@ -11,9 +11,9 @@ load (even during the read) is an error, never silently different logits.
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ..errors import CheckpointChangedError, ExpertIOError
+from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..safetensors_header import TensorRef
 from .base import ExpertStore, shard_error
 
@@ -21,6 +21,9 @@ from .base import ExpertStore, shard_error
 # (docs/benchmarks/gpu-trace.md); cold decode there ran 1.06-1.10x faster with 8 than with 4
 DEFAULT_THREADS = 8
 MAX_RETRIES = 8
+# ranges longer than this are read as pieces of this size in parallel, so that even one expert (a
+# few ranges, most of its bytes in three) keeps every reader busy; None: one read per range
+DEFAULT_CHUNK_BYTES: Optional[int] = None
 
 
 class SafetensorsStore(ExpertStore):
@@ -28,9 +31,12 @@ class SafetensorsStore(ExpertStore):
 
     name = "safetensors"
 
-    def __init__(self, files, threads: int = DEFAULT_THREADS, **options):
+    def __init__(
+        self, files, threads: int = DEFAULT_THREADS, chunk_bytes=DEFAULT_CHUNK_BYTES, **options
+    ):
         super().__init__(files)
         self.threads = max(1, int(threads))
+        self.chunk_bytes = _chunk_option(chunk_bytes)
         self._fds: Dict[Path, int] = {}
 
     def _fd(self, path: Path) -> int:
@@ -64,12 +70,14 @@ class SafetensorsStore(ExpertStore):
         self._read(ref, out)
         self._check([ref.file])
 
-    def _read(self, ref: TensorRef, out: memoryview) -> None:
+    def _read(self, ref: TensorRef, out: memoryview, start: int = 0, end: int = -1) -> None:
+        """Bytes ``start:end`` of ``ref`` (all by default) into the same bytes of ``out``."""
         fd = self._fd(ref.file)
-        done, retries = 0, 0
-        while done < ref.nbytes:
+        end = ref.nbytes if end < 0 else end
+        done, retries = start, 0
+        while done < end:
             try:
-                n = os.preadv(fd, [out[done:]], ref.offset + done)
+                n = os.preadv(fd, [out[done:end]], ref.offset + done)
             except InterruptedError:
                 retries += 1
                 if retries > MAX_RETRIES:
@@ -98,18 +106,30 @@ class SafetensorsStore(ExpertStore):
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        if self.threads == 1 or len(jobs) == 1:
-            for ref, out in jobs:
-                self._read(ref, out)
+        pieces = self._pieces(jobs)
+        if self.threads == 1 or len(pieces) == 1:
+            for piece in pieces:
+                self._read(*piece)
         else:
             pool = self._reader_pool()
             # list() re-raises the first error of any read
-            list(pool.map(lambda job: self._read(*job), jobs))
+            list(pool.map(lambda piece: self._read(*piece), pieces))
         # again after: a change that raced with the reads is caught before the bytes are used
         self._check(files)
         self.stats.add(
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
+
+    def _pieces(self, jobs):
+        """``(ref, out, start, end)`` reads: whole ranges, or ``chunk_bytes`` pieces of long ones."""
+        size = self.chunk_bytes
+        if size is None or self.threads == 1:
+            return [(ref, out, 0, ref.nbytes) for ref, out in jobs]
+        return [
+            (ref, out, a, min(a + size, ref.nbytes))
+            for ref, out in jobs
+            for a in range(0, max(ref.nbytes, 1), size)
+        ]
 
     def close(self, wait: bool = True) -> None:
         """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
@@ -121,3 +141,18 @@ class SafetensorsStore(ExpertStore):
             self._pool = None
         for fd in fds.values():
             os.close(fd)
+
+
+def _chunk_option(value) -> Optional[int]:
+    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else at least 4096 bytes."""
+    if value is None or value == 0:
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size < 4096:
+        raise ConfigurationError(
+            f"store option chunk_bytes must be 0 (whole ranges) or at least 4096, not {value!r}"
+        )
+    return size
