@@ -63,9 +63,11 @@ SHAPES = {
 # "direct" (direct reads off / on, 4 store threads unless a "tN" word says otherwise), "tN" (N store
 # threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "once" / "each" (with
 # direct reads, one compute call per layer once every read landed / a call per landing:
-# ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "tl" (records a timeline,
+# ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "coact" (lookahead guesses
+# from the co-activation of experts in consecutive layers, ``CacheTuning.coactivation``), "gateN"
+# (lookahead guesses read once their running precision is N% or more), "tl" (records a timeline,
 # ``--streaming-trace``, summarized by bench/timeline_summary.py). E.g. "direct_t8_c256_once".
-VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, tl"
+VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, tl"
 
 
 def variant_options(name: str):
@@ -80,8 +82,12 @@ def variant_options(name: str):
             tuning["landings"] = word
         elif word == "nolookahead":
             tuning["lookahead"] = False
+        elif word == "coact":
+            tuning["coactivation"] = True
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
+        elif word.startswith("gate") and word[4:].isdigit():
+            tuning["lookahead_min_precision"] = int(word[4:]) / 100
         elif word[:1] in "tc" and word[1:].isdigit():
             if word[0] == "t":
                 store["threads"] = int(word[1:])

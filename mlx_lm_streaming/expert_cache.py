@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from .bank import LayerBank
+from .cooccurrence import CoactivationPredictor
 from .counters import Counters
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
@@ -98,6 +99,13 @@ class CacheTuning:
     # lands; "once" all rows in one call after the reads; "auto": "once" where partial calls are
     # padded (``StreamingSwitchGLU._in_one_landing_call``)
     landings: str = "each"
+    # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
+    # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
+    # staged right after the layer's host sync, so they are read beside the layer's own misses.
+    # ``coactivation_limit`` guesses at most per call, each of score ``coactivation_min_score`` or more
+    coactivation: bool = False
+    coactivation_limit: int = 4
+    coactivation_min_score: float = 0.25
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2
@@ -137,6 +145,9 @@ class ExpertCache:
         self._banks: "weakref.WeakSet[LayerBank]" = weakref.WeakSet()
         self._order: Optional[List[LayerBank]] = None
         self._planned = False
+        self._numbers: Dict[int, int] = {}
+        # cooccurrence.CoactivationPredictor with ``CacheTuning.coactivation`` (made by ``_plan``)
+        self.coactivation = None
         self._lock = threading.Lock()
         self._closed = False
         _LIVE.add(self)
@@ -326,8 +337,18 @@ class ExpertCache:
         return plan
 
     def _plan(self) -> None:
-        for bank, slots in zip(self.banks, self.plan_slots()):
+        banks = self.banks
+        for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
+        self._numbers = {id(b): i for i, b in enumerate(banks)}
+        self.coactivation = None
+        if self.tuning.coactivation and len(banks) > 1:
+            most = max(b.num_experts for b in banks)
+            self.coactivation = CoactivationPredictor(len(banks), most, ahead=2)
+
+    def layer_number(self, bank: LayerBank) -> int:
+        """The bank's MoE layer number (0 first), in model order."""
+        return self._numbers[id(bank)]
 
     @property
     def resident_bytes(self) -> int:

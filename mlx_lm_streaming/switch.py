@@ -63,6 +63,9 @@ class StreamingSwitchGLU(nn.Module):
             tl.span("host sync", start, "sync", layer=bank.path)
         if cache.recorder is not None:
             cache.recorder.record(bank, idx)
+        guess = self._coactivation_guess(idx)
+        if guess is not None:
+            _stage_ahead(*guess)  # read beside this layer's own misses
         experts = np.unique(idx)
         try:
             with bank.lock:
@@ -288,11 +291,31 @@ class StreamingSwitchGLU(nn.Module):
         if staged:
             bank.load(np.array(staged, dtype=np.int64), keep=keep)
 
+    def _coactivation_guess(self, idx):
+        """With ``CacheTuning.coactivation``: this call's experts taught to the predictor, and for a
+        decode-sized call (next bank, the experts it is guessed to use that it does not hold)."""
+        bank = self._bank
+        cache = bank.cache
+        pred = cache.coactivation
+        if pred is None:
+            return None
+        layer = cache.layer_number(bank)
+        pred.observe(layer, idx)
+        nxt = cache.next_bank(bank)
+        tokens = idx.size // idx.shape[-1]
+        if nxt is None or nxt.identity or nxt.slots == 0 or tokens > 1:
+            return None
+        tuning = cache.tuning
+        limit = min(tuning.coactivation_limit, nxt.slots)
+        held = nxt.slot_of >= 0
+        guess = pred.predict(layer, idx, limit, tuning.coactivation_min_score, exclude=held)
+        return (nxt, guess) if len(guess) else None
+
     def _lookahead(self, x, indices):
         """(next bank, its predicted expert ids, lazy) or None."""
         bank = self._bank
         cache = bank.cache
-        if not cache.tuning.lookahead:
+        if not cache.tuning.lookahead or cache.tuning.coactivation:
             return None
         nxt = cache.next_bank(bank)
         # identity banks are filled in the background instead
