@@ -75,8 +75,10 @@ class CoactivationPredictor:
 
     def _mean(self, d: int, layer: int, ids: np.ndarray) -> np.ndarray:
         """Mean over ``ids`` at ``layer`` of P(b at layer + d | a), smoothed: pairs / (uses + 1)."""
-        rows = self.pairs[d - 1][layer][ids] / (self.uses[d - 1][layer][ids] + 1.0)[:, None]
-        return rows.sum(axis=0) / len(ids)
+        count = np.bincount(ids, minlength=self.num_experts)
+        a = np.flatnonzero(count)  # each distinct expert once, weighted by its tokens
+        weight = count[a] / (self.uses[d - 1][layer][a] + 1.0) / len(ids)
+        return weight.astype(np.float32) @ self.pairs[d - 1][layer][a]
 
     def scores(self, layer: int, experts, ahead: int = 1) -> np.ndarray:
         """Every expert's score for MoE layer ``layer + ahead`` (float32 in [0, 1); 0: never seen).
