@@ -103,7 +103,8 @@ def main():
             cells += [best, (lru.hit_rate("decode") + best) / 2, look.hit_rate("decode")]
             reads = [lru, ours[DEFAULT_POLICY], look]
             cells += [f"{r.reads_per_decode_token:.1f}" for r in reads] + [look.precision]
-            print("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+            text = [f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells]
+            print("| " + " | ".join(text) + " |")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ L + 1. ``CoactivationPredictor`` counts this online, from the tokens seen so far
 - ``pairs[L][a, b]``: tokens that used expert ``a`` at layer L and ``b`` at layer L + 1;
 - ``uses[L][a]``: tokens that used ``a`` at layer L while layer L + 1 also ran for them.
 
-A guess for layer L + 1 from this token's experts ``E`` at layer L scores each ``b`` by the mean over
-``a`` in ``E`` of P(b at L + 1 | a at L), smoothed: ``pairs[L][a, b] / (uses[L][a] + 1)``; where
+A guess for layer L + 1 from this token's experts ``E`` at layer L scores each ``b`` by the mean
+over ``a`` in ``E`` of P(b at L + 1 | a at L), smoothed: ``pairs[L][a, b] / (uses[L][a] + 1)``; where
 layer L - 1 was observed in the same step, that score is averaged with the same one from L - 1's
 experts to L + 1 (tables for layers two apart). Scores lie in [0, 1); the best come first; an
 expert never seen after any of ``E`` is never guessed.
@@ -17,8 +17,9 @@ API (called at each layer's host sync, in the order the layers run):
 
 - ``observe(layer, experts)``: this call of ``layer`` used ``experts``, an int array of shape
   ``(tokens, k)`` (or ``(k,)`` for one token). A call of a layer at or below the last one observed
-  starts a new step (so a new call of layer 0 does); ``next_token()`` says so explicitly. The rows of
-  consecutive layers in one step are counted as the same tokens, pair by pair, when their counts match.
+  starts a new step (so a new call of layer 0 does); ``next_token()`` says so explicitly. The rows
+  of consecutive layers in one step are counted as the same tokens, pair by pair, when their counts
+  match.
 - ``predict(layer, experts, limit, min_score=0.0, exclude=None, ahead=1) -> np.ndarray``: up to
   ``limit`` expert ids (int64, best first) for MoE layer ``layer + ahead`` (``ahead`` 1 or 2), from
   ``experts`` ((tokens, k) or (k,)) at ``layer``, each with score >= ``min_score`` and > 0, none

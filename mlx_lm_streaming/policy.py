@@ -169,7 +169,8 @@ class SlotTable:
     def prefetch(self, experts: np.ndarray) -> Tuple[np.ndarray, np.ndarray, int]:
         """Read ahead on a guess: like ``admit`` for the non-resident ``experts`` (at most
         ``slots``, in the order given), but not a use; they enter on probation
-        (``EvictionPolicy.prefetched``). Nothing is pinned: the layer's next call has not started."""
+        (``EvictionPolicy.prefetched``). Nothing is pinned: the layer's next call has not
+        started."""
         experts = np.asarray(experts, dtype=np.int64)
         missing = experts[self.slot_of[experts] < 0][: self.slots]
         if len(missing) == 0 or self.identity:

@@ -59,8 +59,9 @@ class ReplayResult:
 
 @dataclass
 class Lookahead:
-    """Read ahead the ``limit`` best guesses of the next layer scoring at least ``min_score``, while
-    the layer's running precision (an average over calls, rate 0.2) is at least ``min_precision``."""
+    """Read ahead the ``limit`` best guesses of the next layer scoring at least ``min_score``,
+    while the layer's running precision (an average over calls, rate 0.2) is at least
+    ``min_precision``."""
 
     # chosen on the real traces at 16 and 32 slots (docs/routing.md): the most hits that read no
     # more per decode token than LRU without lookahead; the gate stops reads ahead where layers
