@@ -12,8 +12,11 @@ start, prefill rows warm the cache) every ``*.jsonl`` trace in ``--traces`` and 
   of which is reshuffled every 64 tokens, and each token reuses each of the previous token's experts
   with probability 0.3 (bursts).
 
-Prints a Markdown table: per trace and slots, LRU, each policy, Belady, and the halfway mark
-``(LRU + Belady) / 2``. Pure CPU, a few seconds per trace.
+Prints a Markdown table: per trace and slots, the decode hit rate of LRU, each policy, Belady, the
+halfway mark ``(LRU + Belady) / 2``, and the default policy with lookahead (``replay.Lookahead``,
+its defaults: guesses of the next layer read ahead); then experts read per decode token (misses,
+plus reads ahead) for LRU, the default policy, and it with lookahead, and the lookahead's precision
+(reads ahead used by the call they were read for). Pure CPU, a few seconds per trace.
 """
 
 import argparse
@@ -25,8 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from mlx_lm_streaming.policy import POLICIES  # noqa: E402
-from mlx_lm_streaming.replay import belady, replay  # noqa: E402
+from mlx_lm_streaming.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
+from mlx_lm_streaming.replay import Lookahead, belady, replay  # noqa: E402
 from mlx_lm_streaming.routing_trace import RoutingTrace, TraceRow, read_trace  # noqa: E402
 
 
@@ -82,17 +85,26 @@ def main():
         traces += [(f"{path.stem} second half (cold)", second)]
     traces.append(("zipf-drift (synthetic)", zipf_drift()))
     policies = [p for p in sorted(POLICIES) if p != "lru"]
-    print("| trace | slots | LRU | " + " | ".join(policies) + " | Belady | halfway |")
-    print("|---|---|---|" + "---|" * len(policies) + "---|---|")
+    ahead = f"{DEFAULT_POLICY} + lookahead"
+    head = ["trace", "slots", "LRU", *policies, "Belady", "halfway", ahead]
+    head += ["reads: LRU", DEFAULT_POLICY, ahead, "precision"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
     for name, trace in traces:
         for n in slots:
             if n >= trace.num_experts:
                 continue
-            lru = replay(trace, n, "lru").hit_rate("decode")
-            ours = [replay(trace, n, p).hit_rate("decode") for p in policies]
+            lru = replay(trace, n, "lru")
+            ours = {p: replay(trace, n, p) for p in policies}
             best = belady(trace, n).hit_rate("decode")
-            cells = " | ".join(f"{v:.3f}" for v in ours)
-            print(f"| {name} | {n} | {lru:.3f} | {cells} | {best:.3f} | {(lru + best) / 2:.3f} |")
+            look = replay(trace, n, DEFAULT_POLICY, Lookahead())
+            rates = [lru, *ours.values()]
+            cells = [name, n, *(r.hit_rate("decode") for r in rates)]
+            cells += [best, (lru.hit_rate("decode") + best) / 2, look.hit_rate("decode")]
+            reads = [lru, ours[DEFAULT_POLICY], look]
+            cells += [f"{r.reads_per_decode_token:.1f}" for r in reads] + [look.precision]
+            text = [f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells]
+            print("| " + " | ".join(text) + " |")
 
 
 if __name__ == "__main__":

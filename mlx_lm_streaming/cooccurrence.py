@@ -7,24 +7,30 @@ L + 1. ``CoactivationPredictor`` counts this online, from the tokens seen so far
 - ``pairs[L][a, b]``: tokens that used expert ``a`` at layer L and ``b`` at layer L + 1;
 - ``uses[L][a]``: tokens that used ``a`` at layer L while layer L + 1 also ran for them.
 
-A guess for layer L + 1 from this token's experts ``E`` at layer L scores each ``b`` by the mean over
-``a`` in ``E`` of P(b at L + 1 | a at L) = ``pairs[L][a, b] / uses[L][a]``: a score in [0, 1], the
-fraction of ``E``'s history that went on to ``b``. The best scores come first; an expert never seen
-after any of ``E`` is never guessed.
+A guess for layer L + 1 from this token's experts ``E`` at layer L scores each ``b`` by the mean
+over ``a`` in ``E`` of P(b at L + 1 | a at L), smoothed: ``pairs[L][a, b] / (uses[L][a] + 1)``; where
+layer L - 1 was observed in the same step, that score is averaged with the same one from L - 1's
+experts to L + 1 (tables for layers two apart). Scores lie in [0, 1); the best come first; an
+expert never seen after any of ``E`` is never guessed.
 
 API (called at each layer's host sync, in the order the layers run):
 
 - ``observe(layer, experts)``: this call of ``layer`` used ``experts``, an int array of shape
   ``(tokens, k)`` (or ``(k,)`` for one token). A call of a layer at or below the last one observed
-  starts a new step (so a new call of layer 0 does); ``next_token()`` says so explicitly. The rows of
-  consecutive layers in one step are counted as the same tokens, pair by pair, when their counts match.
-- ``predict(layer, experts, limit, min_score=0.0, ahead=1) -> np.ndarray``: up to ``limit`` expert ids
-  (int64, best first) for MoE layer ``layer + ahead`` (``ahead`` 1 or 2), from ``experts`` at
-  ``layer``, with score >= ``min_score`` (and > 0); several tokens' scores are averaged. Empty for
-  the last layer(s) and before anything was learnt.
+  starts a new step (so a new call of layer 0 does); ``next_token()`` says so explicitly. The rows
+  of consecutive layers in one step are counted as the same tokens, pair by pair, when their counts
+  match.
+- ``predict(layer, experts, limit, min_score=0.0, exclude=None, ahead=1) -> np.ndarray``: up to
+  ``limit`` expert ids (int64, best first) for MoE layer ``layer + ahead`` (``ahead`` 1 or 2), from
+  ``experts`` ((tokens, k) or (k,)) at ``layer``, each with score >= ``min_score`` and > 0, none
+  where the boolean mask ``exclude`` (num_experts,) is set (e.g. the next bank's ``slot_of >= 0``);
+  several tokens' scores are averaged. Empty for the last layer(s) and before anything was learnt.
+  Call it after ``observe(layer, ...)`` of the same step (for the layer before's evidence).
+- ``scores(layer, experts, ahead=1) -> np.ndarray``: every expert's score (float32, num_experts).
 
-Pure numpy, one float32 (experts x experts) table per layer pair and distance; a decode call of
-``observe`` or ``predict`` costs about 10-20 microseconds.
+Pure numpy, one float32 (experts x experts) table per layer pair and distance (6 MB for 48 x 128);
+a decode call of ``observe`` or ``predict`` costs about 15-40 microseconds, a 512-token call under
+1 ms.
 """
 
 from typing import List, Optional

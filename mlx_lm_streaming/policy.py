@@ -33,7 +33,8 @@ HALF_LIFE = 16.0
 
 class EvictionPolicy:
     """Per-layer policy state, keyed by expert id. ``used`` sees every call's experts, in the
-    router's rank order; ``victims`` picks which resident experts to evict."""
+    router's rank order; ``victims`` picks which resident experts to evict; ``evict`` is what the
+    slot table asks: prefetched experts not used since go first (``prefetched``)."""
 
     name = ""
 
@@ -42,6 +43,8 @@ class EvictionPolicy:
         self.clock = 0  # calls of the layer
         self.order = 0  # uses, one per expert per call, in rank order
         self.last = np.full(num_experts, -1, dtype=np.int64)  # ``order`` of the last use
+        # read ahead on a guess and not used since: on probation, evicted before any other
+        self.probation = np.zeros(num_experts, dtype=bool)
 
     def used(self, experts: np.ndarray) -> None:
         """One call of the layer uses ``experts`` (unique ids, rank order where known)."""
@@ -49,6 +52,22 @@ class EvictionPolicy:
         n = len(experts)
         self.last[experts] = np.arange(self.order, self.order + n)
         self.order += n
+        self.probation[experts] = False
+
+    def prefetched(self, experts: np.ndarray) -> None:
+        """``experts`` were read ahead on a guess: not a use (no score, no recency), but on
+        probation until a call uses them, so a wrong guess is the first to go."""
+        self.probation[experts] = True
+
+    def evict(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """``victims``, taken first among the experts on probation."""
+        on = self.probation[candidates]
+        first, rest = candidates[on], candidates[~on]
+        if len(first) >= count:
+            return self.victims(first, count)
+        if len(first) == 0:
+            return self.victims(rest, count)
+        return np.concatenate([first, self.victims(rest, count - len(first))])
 
     def victims(self, candidates: np.ndarray, count: int) -> np.ndarray:
         """``count`` of the resident, unpinned expert ids ``candidates``, to evict."""
@@ -139,33 +158,48 @@ class SlotTable:
         if len(missing) == 0 or self.identity:
             self.policy.used(experts)
             return missing, missing.copy(), 0
-        free = np.nonzero(self.expert_of < 0)[0]
-        slots = free[: len(missing)]
-        evicted = 0
-        if len(slots) < len(missing):
-            pinned = np.zeros(self.num_experts, dtype=bool)
-            pinned[experts] = True
-            if len(keep):
-                pinned[np.asarray(keep, dtype=np.int64)] = True
-            resident = self.expert_of[self.expert_of >= 0]
-            candidates = resident[~pinned[resident]]
-            need = len(missing) - len(slots)
-            if len(candidates) < need:
-                raise ValueError(
-                    f"{len(missing)} experts to read but fewer slots are free of pinned and kept "
-                    "experts"
-                )
-            chosen = np.asarray(self.policy.victims(candidates, need), dtype=np.int64)
-            valid = len(np.unique(chosen)) == need and np.isin(chosen, candidates).all()
-            if not valid:
-                raise RuntimeError(f"policy {self.policy_name!r} chose invalid victims {chosen}")
-            taken = self.slot_of[chosen]
-            self.slot_of[chosen] = -1
-            self.expert_of[taken] = -1
-            slots = np.concatenate([slots, taken])
-            evicted = need
+        pinned = np.zeros(self.num_experts, dtype=bool)
+        pinned[experts] = True
+        if len(keep):
+            pinned[np.asarray(keep, dtype=np.int64)] = True
+        slots, evicted = self._take(len(missing), pinned)
         self.policy.used(experts)
         return missing, slots, evicted
+
+    def prefetch(self, experts: np.ndarray) -> Tuple[np.ndarray, np.ndarray, int]:
+        """Read ahead on a guess: like ``admit`` for the non-resident ``experts`` (at most
+        ``slots``, in the order given), but not a use; they enter on probation
+        (``EvictionPolicy.prefetched``). Nothing is pinned: the layer's next call has not
+        started."""
+        experts = np.asarray(experts, dtype=np.int64)
+        missing = experts[self.slot_of[experts] < 0][: self.slots]
+        if len(missing) == 0 or self.identity:
+            return missing, missing.copy(), 0
+        slots, evicted = self._take(len(missing), np.zeros(self.num_experts, dtype=bool))
+        self.policy.prefetched(missing)
+        return missing, slots, evicted
+
+    def _take(self, count: int, pinned: np.ndarray) -> Tuple[np.ndarray, int]:
+        """``count`` slots: free ones first, then the policy's victims among the unpinned."""
+        free = np.nonzero(self.expert_of < 0)[0]
+        slots = free[:count]
+        if len(slots) == count:
+            return slots, 0
+        resident = self.expert_of[self.expert_of >= 0]
+        candidates = resident[~pinned[resident]]
+        need = count - len(slots)
+        if len(candidates) < need:
+            raise ValueError(
+                f"{count} experts to read but fewer slots are free of pinned and kept experts"
+            )
+        chosen = np.asarray(self.policy.evict(candidates, need), dtype=np.int64)
+        valid = len(np.unique(chosen)) == need and np.isin(chosen, candidates).all()
+        if not valid:
+            raise RuntimeError(f"policy {self.policy_name!r} chose invalid victims {chosen}")
+        taken = self.slot_of[chosen]
+        self.slot_of[chosen] = -1
+        self.expert_of[taken] = -1
+        return np.concatenate([slots, taken]), need
 
     def place(self, experts, slots) -> None:
         """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
