@@ -88,6 +88,7 @@ def variant_options(name: str):
             opts["trace"] = True  # the caller names the file
         elif word.startswith("gate") and word[4:].isdigit():
             tuning["lookahead_min_precision"] = int(word[4:]) / 100
+            tuning["coactivation_min_precision"] = int(word[4:]) / 100
         elif word[:1] in "tc" and word[1:].isdigit():
             if word[0] == "t":
                 store["threads"] = int(word[1:])

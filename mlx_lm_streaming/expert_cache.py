@@ -76,6 +76,9 @@ class CacheStats(Counters):
         self.add_counts(io_wait_seconds=io_wait, install_seconds=install)
 
 
+LANDINGS = ("each", "once", "auto")
+
+
 @dataclass(frozen=True)
 class CacheTuning:
     """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
@@ -101,11 +104,21 @@ class CacheTuning:
     landings: str = "each"
     # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
     # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
-    # staged right after the layer's host sync, so they are read beside the layer's own misses.
-    # ``coactivation_limit`` guesses at most per call, each of score ``coactivation_min_score`` or more
+    # staged right after the layer's host sync, so they are read beside the layer's own misses:
+    # ``coactivation_limit`` guesses at most per call, each of score ``coactivation_min_score`` or
+    # more, read while the layer's running precision is ``coactivation_min_precision`` or more (the
+    # defaults: the best of the replays in docs/routing.md). Off: not faster on the H200 yet
+    # (docs/benchmarks/gpu-pipeline.md)
     coactivation: bool = False
-    coactivation_limit: int = 4
-    coactivation_min_score: float = 0.25
+    coactivation_limit: int = 2
+    coactivation_min_score: float = 0.275
+    coactivation_min_precision: float = 0.2
+
+    def __post_init__(self):
+        if self.landings not in LANDINGS:
+            raise ConfigurationError(
+                f"landings must be one of {', '.join(LANDINGS)}, not {self.landings!r}"
+            )
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2

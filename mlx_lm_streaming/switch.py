@@ -302,9 +302,8 @@ class StreamingSwitchGLU(nn.Module):
         layer = cache.layer_number(bank)
         pred.observe(layer, idx)
         nxt = cache.next_bank(bank)
-        tokens = idx.size // idx.shape[-1]
-        if nxt is None or nxt.identity or nxt.slots == 0 or tokens > 1:
-            return None
+        if nxt is None or nxt.identity or nxt.slots == 0 or idx.size >= SORT_THRESHOLD:
+            return None  # (prefill-sized calls read in waves of their own)
         tuning = cache.tuning
         limit = min(tuning.coactivation_limit, nxt.slots)
         held = nxt.slot_of >= 0
@@ -386,6 +385,8 @@ def _stage_ahead(bank, guess) -> None:
     with bank.lock:
         ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
         bank.predicted = set(ids)
-        good = bank.ahead_precision >= bank.cache.tuning.lookahead_min_precision
+        tuning = bank.cache.tuning
+        gate = tuning.coactivation_min_precision if tuning.coactivation else tuning.lookahead_min_precision
+        good = bank.ahead_precision >= gate
     if ids and good:
         bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)

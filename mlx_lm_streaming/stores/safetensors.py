@@ -144,15 +144,15 @@ class SafetensorsStore(ExpertStore):
 
 
 def _chunk_option(value) -> Optional[int]:
-    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else at least 4096 bytes."""
+    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else at least 512 bytes."""
     if value is None or value == 0:
         return None
     try:
         size = int(value)
     except (TypeError, ValueError):
         size = -1
-    if size < 4096:
+    if size < 512:
         raise ConfigurationError(
-            f"store option chunk_bytes must be 0 (whole ranges) or at least 4096, not {value!r}"
+            f"store option chunk_bytes must be 0 (whole ranges) or at least 512, not {value!r}"
         )
     return size

@@ -1,0 +1,115 @@
+"""The I/O pipeline's tuning options (issue 14): ranges read in pieces (store option ``chunk_bytes``),
+one compute call per layer once the reads landed (``CacheTuning.landings``) and lookahead guesses
+from the co-activation of experts in consecutive layers (``CacheTuning.coactivation``). Each only
+moves work: logits equal stock's bit for bit, and each option does what it says.
+"""
+
+import numpy as np
+import pytest
+from support import decode, same, with_slots
+
+from mlx_lm_streaming import bank_io
+from mlx_lm_streaming import switch as switch_mod
+from mlx_lm_streaming.errors import ConfigurationError
+from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.stores.safetensors import SafetensorsStore
+
+
+def test_ranges_read_in_pieces_are_exact_and_are_pieces(q3, monkeypatch):
+    path, tokens, want = q3
+    model = with_slots(path, 3, store_options={"chunk_bytes": 512})
+    store = model.expert_streaming.cache.store
+    assert isinstance(store, SafetensorsStore) and store.chunk_bytes == 512
+    pieces = []
+    real = SafetensorsStore._read
+
+    def read(self, ref, out, start=0, end=-1):
+        pieces.append((ref.nbytes, start, end))
+        return real(self, ref, out, start, end)
+
+    monkeypatch.setattr(SafetensorsStore, "_read", read)
+    assert same(want, decode(model, tokens))
+    # a range longer than a piece was read as several, none longer than a piece
+    assert any(n > 512 for n, _, _ in pieces)
+    assert all(end - start <= 512 for _, start, end in pieces)
+    assert any(start > 0 for _, start, _ in pieces)
+    model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("bad", [100, -1, "big", 511])
+def test_a_bad_piece_size_is_named(q3, bad):
+    path, _, _ = q3
+    with pytest.raises(ConfigurationError, match="chunk_bytes"):
+        with_slots(path, 3, store_options={"chunk_bytes": bad})
+
+
+@pytest.mark.parametrize("landings", ["once", "each"])
+def test_one_call_per_layer_or_one_per_landing_is_exact(q3, landings, monkeypatch):
+    path, tokens, want = q3
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False, landings=landings))
+    reported = []
+    real_direct = bank_io.read_direct
+
+    def read_direct(bank, pairs, resident, *args):
+        return real_direct(bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args)
+
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
+    calls = []  # (rows of the call, rows computed at once)
+
+    real_rows = switch_mod.StreamingSwitchGLU._rows
+
+    def rows(self, x, idx, which):
+        calls.append((idx.size, len(which)))
+        return real_rows(self, x, idx, which)
+
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    assert same(want, decode(model, tokens))
+    assert reported
+    # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each)
+    decode_calls = [c for c in calls if c[0] <= 4]
+    if landings == "once":
+        # every such call computes all its rows at once
+        assert decode_calls and all(n == size for size, n in decode_calls)
+    else:
+        assert any(n < size for size, n in decode_calls)
+    model.expert_streaming.close()
+
+
+def test_landings_is_each_once_or_auto():
+    assert CacheTuning().landings == "each"
+    with pytest.raises(ConfigurationError, match="landings"):
+        CacheTuning(landings="sometimes")
+
+
+def test_coactivation_lookahead_is_exact_and_learns_the_routing(q3, monkeypatch):
+    path, tokens, want = q3
+    tuning = CacheTuning(coactivation=True, coactivation_min_precision=0.0, coactivation_min_score=0.0)
+    model = with_slots(path, 4, tuning=tuning)
+    cache = model.expert_streaming.cache
+    staged = []
+    real_stage = switch_mod._stage_ahead
+
+    def stage(bank, guess):
+        staged.append((bank.path, np.asarray(guess).tolist()))
+        return real_stage(bank, guess)
+
+    monkeypatch.setattr(switch_mod, "_stage_ahead", stage)
+    assert same(want, decode(model, tokens))
+    pred = cache.coactivation
+    assert pred is not None and pred.num_layers == len(cache.banks)
+    # it learnt from the calls (pairs of consecutive layers counted) and its guesses were staged
+    assert pred.pairs[0].sum() > 0
+    assert staged and all(guess for _, guess in staged)
+    # never a guess for the first layer (nothing comes before it)
+    assert cache.banks[0].path not in {p for p, _ in staged}
+    assert cache.prefetch_stats.predicted > 0
+    model.expert_streaming.close()
+
+
+def test_coactivation_is_off_by_default(q3):
+    path, tokens, want = q3
+    model = with_slots(path, 4)
+    cache = model.expert_streaming.cache
+    assert same(want, decode(model, tokens))
+    assert cache.coactivation is None
+    model.expert_streaming.close()
