@@ -65,9 +65,10 @@ SHAPES = {
 # direct reads, one compute call per layer once every read landed / a call per landing:
 # ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "coact" (lookahead guesses
 # from the co-activation of experts in consecutive layers, ``CacheTuning.coactivation``), "gateN"
-# (lookahead guesses read once their running precision is N% or more), "tl" (records a timeline,
+# (lookahead guesses read once their running precision is N% or more), "pack" / "packdirect" (the
+# ``packed`` store, buffered / O_DIRECT), "tl" (records a timeline,
 # ``--streaming-trace``, summarized by bench/timeline_summary.py). E.g. "direct_t8_c256_once".
-VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, tl"
+VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, tl"
 
 
 def variant_options(name: str):
@@ -82,6 +83,14 @@ def variant_options(name: str):
             tuning["landings"] = word
         elif word == "nolookahead":
             tuning["lookahead"] = False
+        elif word in ("pack", "packdirect"):
+            # the packed store (one read per expert; the pack is made once, before the runs), its
+            # first-read crc32 left out (CPU time, not I/O); packdirect: O_DIRECT
+            opts["store"] = "packed"
+            store["verify"] = "off"
+            store.setdefault("threads", 8)
+            if word == "packdirect":
+                store["direct"] = True
         elif word == "coact":
             tuning["coactivation"] = True
         elif word == "tl":
@@ -191,7 +200,8 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
     for v in variants:
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
         model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
-        configs[v] = Config(v, model, cold=True, files=files)
+        packed = variant_options(v)[0].get("store") == "packed"
+        configs[v] = Config(v, model, cold=True, files=experts.pack_files(path) if packed else files)
     for cfg in configs.values():
         cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
         if cfg.name in stocks:
@@ -344,6 +354,12 @@ def main():
     }
     path = build(Path(args.ckpt_dir), args.shape, args.layers, dtype)
     files = experts.shards(path)
+    if any(variant_options(v)[0].get("store") == "packed" for v in variants):
+        from mlx_lm_streaming.pack import pack_checkpoint
+
+        start = time.time()
+        pack_checkpoint(path, progress=False)
+        log(f"packed in {time.time() - start:.0f} s")
     probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
     cache = probe.expert_streaming.cache
     res.update(
