@@ -66,9 +66,10 @@ SHAPES = {
 # ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "coact" (lookahead guesses
 # from the co-activation of experts in consecutive layers, ``CacheTuning.coactivation``), "gateN"
 # (lookahead guesses read once their running precision is N% or more), "pack" / "packdirect" (the
-# ``packed`` store, buffered / O_DIRECT), "tl" (records a timeline,
+# ``packed`` store, buffered / O_DIRECT), "serial" (a demand thread reads its expert's ranges
+# itself, ``CacheTuning.ranges_in_parallel``), "tl" (records a timeline,
 # ``--streaming-trace``, summarized by bench/timeline_summary.py). E.g. "direct_t8_c256_once".
-VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, tl"
+VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, serial, tl"
 
 
 def variant_options(name: str):
@@ -79,6 +80,8 @@ def variant_options(name: str):
         if word in ("staged", "direct"):
             opts["direct_reads"] = word == "direct"
             store.setdefault("threads", 4)
+        elif word == "serial":
+            tuning["ranges_in_parallel"] = False
         elif word in ("once", "each"):
             tuning["landings"] = word
         elif word == "nolookahead":

@@ -137,6 +137,8 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
     views, refs, parts = bank.views, bank.layer.refs, bank.layer.parts
     store = bank.cache.store
+    # an expert's ranges on the store's reader pool, or one after another on this demand thread
+    read_ranges = store.read_many if bank.cache.tuning.ranges_in_parallel else store.read_serial
     written = bank.cache.tuning.on_slot_written
     if part_landed is None:
         groups = [(None, list(range(len(parts))))]
@@ -153,7 +155,7 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         try:
             expert_refs = refs(e)
             for g, (proj, members) in enumerate(groups):
-                store.read_many([(expert_refs[i], memoryview(views[i][slot])) for i in members])
+                read_ranges([(expert_refs[i], memoryview(views[i][slot])) for i in members])
                 if g < len(groups) - 1:
                     events.put((pair, proj, None))
             if written is not None:

@@ -102,6 +102,10 @@ class CacheTuning:
     # lands; "once" all rows in one call after the reads; "auto": "once" where partial calls are
     # padded (``StreamingSwitchGLU._in_one_landing_call``)
     landings: str = "each"
+    # with direct reads, a demand thread hands its expert's ranges to the store's reader pool
+    # (``read_many``), or reads them itself one after another (``read_serial``): fewer threads
+    # and hand-offs per expert, while the demand threads still read several experts at once
+    ranges_in_parallel: bool = True
     # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
     # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
     # staged right after the layer's host sync, so they are read beside the layer's own misses:

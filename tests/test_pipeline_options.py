@@ -106,3 +106,30 @@ def test_coactivation_lookahead_is_exact_and_learns_the_routing(q3, monkeypatch)
     assert cache.prefetch_stats.predicted > 0
     model.expert_streaming.close()
 
+
+
+def test_demand_threads_reading_their_own_ranges_is_exact(q3, monkeypatch):
+    path, tokens, want = q3
+    model = with_slots(path, 3, tuning=CacheTuning(ranges_in_parallel=False))
+    store = model.expert_streaming.cache.store
+    calls = {"serial": 0, "many": 0}
+    real_serial, real_many = store.read_serial, store.read_many
+
+    def serial(jobs):
+        calls["serial"] += 1
+        return real_serial(jobs)
+
+    def many(jobs):
+        calls["many"] += 1
+        return real_many(jobs)
+
+    monkeypatch.setattr(store, "read_serial", serial)
+    monkeypatch.setattr(store, "read_many", many)
+    pools = []
+    real_pool = SafetensorsStore._reader_pool
+    monkeypatch.setattr(SafetensorsStore, "_reader_pool", lambda s: pools.append(1) or real_pool(s))
+    assert same(want, decode(model, tokens))
+    # every demand read went through read_serial, and none of them used the reader pool
+    assert calls["serial"] > 0
+    assert not pools or calls["many"] > 0  # only background reads (read_many) may use it
+    model.expert_streaming.close()

@@ -101,13 +101,19 @@ class SafetensorsStore(ExpertStore):
             retries = 0
 
     def read_many(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        self._read_jobs(jobs, parallel=True)
+
+    def read_serial(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        self._read_jobs(jobs, parallel=False)
+
+    def _read_jobs(self, jobs, parallel: bool) -> None:
         if not jobs:
             return
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        pieces = self._pieces(jobs)
-        if self.threads == 1 or len(pieces) == 1:
+        pieces = self._pieces(jobs) if parallel else [(r, o, 0, r.nbytes) for r, o in jobs]
+        if not parallel or self.threads == 1 or len(pieces) == 1:
             for piece in pieces:
                 self._read(*piece)
         else:
