@@ -95,7 +95,7 @@ def add_plan_arguments(parser):
     parser.add_argument(
         "--cache-policy",
         metavar="NAME",
-        help="eviction policy to replay with (default: the cache's, decay; or lru)",
+        help="eviction policy to replay with (default: the cache's, decay_next; or decay, lru)",
     )
     parser.add_argument(
         "--disk-gbps",

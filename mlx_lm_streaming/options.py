@@ -123,7 +123,7 @@ class StreamingOptions:
     # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
-    # which resident expert a full bank evicts (policy.py): "decay" (default) or "lru"
+    # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
     # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
     record_routing: Optional[str] = None

@@ -12,7 +12,12 @@ Policies keep per-expert state across evictions (an expert read again keeps its 
 
 - ``lru``: least recently used; within one call, the router's rank order (the first-ranked expert
   counts as used first).
-- ``decay`` (default): frequency with exponential aging. Each use adds 1 to the expert's score, and
+- ``decay_next`` (default): ``decay``, plus how likely the layer's next call is to use the expert, given the
+  experts of this call: learnt online, per layer, from which experts followed which in the calls so
+  far (``NEXT_WEIGHT`` times the sum over this call's experts a of P(next call uses b | a)). On the
+  traces it adds 0.2-1.4 points of decode hit rate to ``decay`` at every budget, held-out halves
+  included (docs/routing.md).
+- ``decay``: frequency with exponential aging. Each use adds 1 to the expert's score, and
   every score halves every ``HALF_LIFE`` calls of the layer; the lowest score goes first, the least
   recently used among equals. Replaying real routing (docs/routing.md), it beats LRU at every budget
   tried: it keeps the experts a layer keeps coming back to, where LRU lets one burst of
@@ -29,6 +34,9 @@ from .errors import ConfigurationError
 
 # calls of a layer after which a use counts half (``decay``); 8-32 all beat LRU on the traces
 HALF_LIFE = 16.0
+# how much the chance of a use in the next call weighs against ``decay``'s score (``decay_next``);
+# 1-8 all beat ``decay`` on the traces, 4 at 32 slots the most
+NEXT_WEIGHT = 4.0
 
 
 class EvictionPolicy:
@@ -53,6 +61,9 @@ class EvictionPolicy:
         self.last[experts] = np.arange(self.order, self.order + n)
         self.order += n
         self.probation[experts] = False
+
+    def calling(self, experts: np.ndarray) -> None:
+        """A call of the layer is about to use ``experts`` (before its victims are chosen)."""
 
     def prefetched(self, experts: np.ndarray) -> None:
         """``experts`` were read ahead on a guess: not a use (no score, no recency), but on
@@ -106,8 +117,58 @@ class DecayPolicy(EvictionPolicy):
         return candidates[order[:count]]
 
 
-POLICIES: Dict[str, Type[EvictionPolicy]] = {"lru": LRUPolicy, "decay": DecayPolicy}
-DEFAULT_POLICY = "decay"
+class DecayNextPolicy(DecayPolicy):
+    name = "decay_next"
+
+    def __init__(self, num_experts: int, half_life: float = HALF_LIFE, weight: float = NEXT_WEIGHT):
+        super().__init__(num_experts, half_life)
+        self.weight = weight
+        # follows[a, b]: calls that used a followed by a call that used b; after[a]: calls that used
+        # a followed by any call
+        self.follows = np.zeros((num_experts, num_experts), dtype=np.float32)
+        self.after = np.zeros(num_experts, dtype=np.float32)
+        self.previous = None  # the last call's experts
+        self.current = None  # the experts of the call choosing victims
+
+    def calling(self, experts):
+        # what followed the last call is known now, before this call's victims are chosen
+        self._learn(experts)
+        self.current = experts
+
+    def used(self, experts):
+        super().used(experts)
+        if self.current is not experts:  # a call that chose no victims
+            self._learn(experts)
+        self.current = None
+        self.previous = np.asarray(experts, dtype=np.int64)
+
+    def _learn(self, experts) -> None:
+        if self.previous is not None and len(self.previous):
+            self.after[self.previous] += 1.0
+            self.follows[self.previous[:, None], experts] += 1.0
+            self.previous = None
+
+    def next_use(self, candidates: np.ndarray) -> np.ndarray:
+        """Per candidate: the sum over the current call's experts ``a`` of P(next call uses it |
+        a call used ``a``), smoothed (``follows / (after + 1)``)."""
+        cur = self.current
+        if cur is None or len(cur) == 0:
+            return np.zeros(len(candidates))
+        rows = self.follows[cur[:, None], candidates] / (self.after[cur] + 1.0)[:, None]
+        return rows.sum(axis=0)
+
+    def victims(self, candidates, count):
+        score = self.scores(candidates) + self.weight * self.next_use(candidates)
+        order = np.lexsort((self.last[candidates], score))
+        return candidates[order[:count]]
+
+
+POLICIES: Dict[str, Type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "decay": DecayPolicy,
+    "decay_next": DecayNextPolicy,
+}
+DEFAULT_POLICY = "decay_next"
 
 
 def make_policy(name: str, num_experts: int) -> EvictionPolicy:
@@ -162,6 +223,7 @@ class SlotTable:
         pinned[experts] = True
         if len(keep):
             pinned[np.asarray(keep, dtype=np.int64)] = True
+        self.policy.calling(experts)
         slots, evicted = self._take(len(missing), pinned)
         self.policy.used(experts)
         return missing, slots, evicted

@@ -21,6 +21,7 @@ from support import (
     run_cli,
 )
 
+from mlx_lm_streaming.policy import DEFAULT_POLICY
 from mlx_lm_streaming.replay import replay
 from mlx_lm_streaming.routing_trace import TraceWriter, read_trace
 
@@ -185,7 +186,7 @@ def test_plan_table_replays_the_trace_at_each_budget(ckpt, tmp_path):
     assert {"default", "given", "100%"} <= set(rows), out.stdout
     trace = read_trace(trace_path)
     for label, slots in (("given", 3), ("100%", 8)):
-        want = replay(trace, slots, "decay")
+        want = replay(trace, slots, DEFAULT_POLICY)
         read = sum(m * b.layer.expert_nbytes for m, b in zip(want.decode_misses, banks))
         per_token = read / want.decode_tokens / 1e9
         row = rows[label]

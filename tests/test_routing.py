@@ -124,7 +124,7 @@ def test_a_policy_choosing_a_pinned_expert_is_caught():
 
 
 def test_unknown_policy_names_the_known_ones():
-    with pytest.raises(ConfigurationError, match="decay, lru"):
+    with pytest.raises(ConfigurationError, match="decay, decay_next, lru"):
         make_policy("fifo", 8)
 
 
@@ -473,3 +473,27 @@ def test_the_record_routing_flag_and_env_var(checkpoint, tmp_path):
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"argument --record-routing: {bad}: cannot write" in done.stderr.splitlines()[-1]
+
+
+def test_decay_next_keeps_the_expert_that_follows_what_this_call_uses():
+    # 1 followed 0 the one time 0 was used; when a call with 0 misses and must give up 1 or 4
+    # (1 used less recently), decay evicts 1 and decay_next keeps it
+    decay, nxt = SlotTable(6, "decay"), SlotTable(6, "decay_next")
+    for table in (decay, nxt):
+        table.reset(3)
+        for call in ([3], [2], [0], [1], [4]):
+            admit(table, call)
+        assert sorted(table.expert_of.tolist()) == [0, 1, 4]
+        assert admit(table, [0, 5]) == ([5], 1)
+    assert decay.slot_of[1] < 0 and decay.slot_of[4] >= 0
+    assert nxt.slot_of[1] >= 0 and nxt.slot_of[4] < 0
+
+
+def test_decay_next_learns_only_from_what_followed():
+    policy = make_policy("decay_next", 4)
+    policy.used(np.array([0]))
+    policy.calling(np.array([1]))
+    policy.used(np.array([1]))
+    policy.used(np.array([2]))  # a call with no victims to choose learns too
+    assert policy.follows[0, 1] == 1 and policy.follows[1, 2] == 1
+    assert policy.follows.sum() == 2 and policy.after[[0, 1]].tolist() == [1, 1]
