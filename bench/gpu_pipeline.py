@@ -204,7 +204,9 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
         model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
         packed = variant_options(v)[0].get("store") == "packed"
-        configs[v] = Config(v, model, cold=True, files=experts.pack_files(path) if packed else files)
+        configs[v] = Config(
+            v, model, cold=True, files=experts.pack_files(path) if packed else files
+        )
     for cfg in configs.values():
         cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
         if cfg.name in stocks:

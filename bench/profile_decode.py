@@ -32,7 +32,9 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--budget", type=float, default=0.5)
-    ap.add_argument("--routing", default="trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl"))
+    ap.add_argument(
+        "--routing", default="trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variant", default="default")
     ap.add_argument("--top", type=int, default=35)

@@ -117,12 +117,6 @@ class CacheTuning:
     coactivation_limit: int = 2
     coactivation_min_score: float = 0.275
     coactivation_min_precision: float = 0.2
-
-    def __post_init__(self):
-        if self.landings not in LANDINGS:
-            raise ConfigurationError(
-                f"landings must be one of {', '.join(LANDINGS)}, not {self.landings!r}"
-            )
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2
@@ -132,6 +126,12 @@ class CacheTuning:
     # (re)made. They may move bytes, never change them
     on_slot_written: Optional[Callable[[np.ndarray], None]] = None
     on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
+
+    def __post_init__(self):
+        if self.landings not in LANDINGS:
+            raise ConfigurationError(
+                f"landings must be one of {', '.join(LANDINGS)}, not {self.landings!r}"
+            )
 
 
 class ExpertCache:

@@ -386,7 +386,10 @@ def _stage_ahead(bank, guess) -> None:
         ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
         bank.predicted = set(ids)
         tuning = bank.cache.tuning
-        gate = tuning.coactivation_min_precision if tuning.coactivation else tuning.lookahead_min_precision
+        if tuning.coactivation:
+            gate = tuning.coactivation_min_precision
+        else:
+            gate = tuning.lookahead_min_precision
         good = bank.ahead_precision >= gate
     if ids and good:
         bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)

@@ -51,7 +51,9 @@ def test_one_call_per_layer_or_one_per_landing_is_exact(q3, landings, monkeypatc
     real_direct = bank_io.read_direct
 
     def read_direct(bank, pairs, resident, *args):
-        return real_direct(bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args)
+        return real_direct(
+            bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args
+        )
 
     monkeypatch.setattr(bank_io, "read_direct", read_direct)
     calls = []  # (rows of the call, rows computed at once)
@@ -84,7 +86,9 @@ def test_the_defaults_and_landings_checked():
 
 def test_coactivation_lookahead_is_exact_and_learns_the_routing(q3, monkeypatch):
     path, tokens, want = q3
-    tuning = CacheTuning(coactivation=True, coactivation_min_precision=0.0, coactivation_min_score=0.0)
+    tuning = CacheTuning(
+        coactivation=True, coactivation_min_precision=0.0, coactivation_min_score=0.0
+    )
     model = with_slots(path, 4, tuning=tuning)
     cache = model.expert_streaming.cache
     staged = []
@@ -105,7 +109,6 @@ def test_coactivation_lookahead_is_exact_and_learns_the_routing(q3, monkeypatch)
     assert cache.banks[0].path not in {p for p, _ in staged}
     assert cache.prefetch_stats.predicted > 0
     model.expert_streaming.close()
-
 
 
 def test_demand_threads_reading_their_own_ranges_is_exact(q3, monkeypatch):
