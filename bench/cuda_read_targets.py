@@ -12,7 +12,9 @@ that the layer computed from), and ``host_then_copy`` (into host memory, then a 
 MLX array, the copy timed in), and, for the checkpoint's real layout, ``expert_ranges`` (random
 experts, each read as the store reads it: its tensors' ranges, one after another on the thread) and
 ``expert_store`` (through ``SafetensorsStore.read_many``, which reads an expert's ranges in parallel on
-its reader pool), both into host memory. Prints one JSON line per measurement.
+its reader pool), both into host memory, and ``expert_direct`` (the same ranges in parallel on 8
+threads, but with O_DIRECT: each range's 4 KiB-aligned superset into a page-aligned buffer, then the
+range copied out: what an O_DIRECT default store would do). Prints one JSON line per measurement.
 """
 
 import argparse
@@ -107,6 +109,40 @@ def expert_jobs(path, total):
     return out, cache.store, model  # the model keeps the store open
 
 
+def run_direct(files, refs_list, threads):
+    """``expert_direct``: O_DIRECT reads of each expert's ranges (aligned supersets), 8 per expert
+    at once, ``threads`` experts at once."""
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
+    most = max(r.nbytes for refs in refs_list for r in refs) + 2 * 4096
+    pool = ThreadPoolExecutor(8 * threads)
+    outs = [[np.empty(r.nbytes, dtype=np.uint8) for r in refs_list[0]] for _ in range(threads)]
+    bounce = [[mmap.mmap(-1, most) for _ in refs_list[0]] for _ in range(threads)]
+
+    def one(t, i, ref):
+        start = ref.offset // 4096 * 4096
+        end = -(-(ref.offset + ref.nbytes) // 4096) * 4096
+        buf = memoryview(bounce[t][i])[: end - start]
+        got = os.preadv(fds[ref.file], [buf], start)
+        assert got >= ref.offset + ref.nbytes - start
+        head = ref.offset - start
+        outs[t][i][:] = np.frombuffer(buf[head : head + ref.nbytes], dtype=np.uint8)
+        return ref.nbytes
+
+    def read(t, refs):
+        return sum(pool.map(lambda a: one(t, a[0], a[1]), enumerate(refs)))
+
+    drop_page_cache(files)
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as experts_pool:
+            got = sum(experts_pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(refs_list)))
+    finally:
+        pool.shutdown()
+        for fd in fds.values():
+            os.close(fd)
+    return got / (time.perf_counter() - start) / 1e9
+
+
 def run_experts(files, refs_list, threads, store, through_store):
     bufs = [[np.empty(r.nbytes, dtype=np.uint8) for r in refs_list[0]] for _ in range(threads)]
 
@@ -132,7 +168,8 @@ def main():
     ap.add_argument("--mb", type=int, default=768)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument(
-        "--targets", default="host,mlx,mlx_gpu,host_then_copy,expert_ranges,expert_store"
+        "--targets",
+        default="host,mlx,mlx_gpu,host_then_copy,expert_ranges,expert_store,expert_direct",
     )
     args = ap.parse_args()
     files = shards(Path(args.ckpt))
@@ -142,7 +179,9 @@ def main():
         refs_list, store, _model = expert_jobs(Path(args.ckpt), args.mb * 1_000_000)
     for threads in [int(t) for t in args.threads.split(",")]:
         for target in targets:
-            if target.startswith("expert_"):
+            if target == "expert_direct":
+                gbps = run_direct(files, refs_list, threads)
+            elif target.startswith("expert_"):
                 through = target == "expert_store"
                 gbps = run_experts(files, refs_list, threads, store, through)
             else:
