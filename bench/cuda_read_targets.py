@@ -82,14 +82,19 @@ def run(files, jobs, threads, target):
             copies[t][:] = bufs[t]
         return n
 
-    drop_page_cache(files)
-    start = time.perf_counter()
     try:
-        with ThreadPoolExecutor(threads) as pool:
-            got = sum(pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(jobs)))
+        return timed(files, jobs, threads, read)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def timed(files, jobs, threads, read):
+    """GB/s of ``read(thread slot, job)`` over ``jobs`` on ``threads`` threads, page cache dropped."""
+    drop_page_cache(files)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        got = sum(pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(jobs)))
     return got / (time.perf_counter() - start) / 1e9
 
 
@@ -131,16 +136,12 @@ def run_direct(files, refs_list, threads):
     def read(t, refs):
         return sum(pool.map(lambda a: one(t, a[0], a[1]), enumerate(refs)))
 
-    drop_page_cache(files)
-    start = time.perf_counter()
     try:
-        with ThreadPoolExecutor(threads) as experts_pool:
-            got = sum(experts_pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(refs_list)))
+        return timed(files, refs_list, threads, read)
     finally:
         pool.shutdown()
         for fd in fds.values():
             os.close(fd)
-    return got / (time.perf_counter() - start) / 1e9
 
 
 def run_experts(files, refs_list, threads, store, through_store):
@@ -155,11 +156,7 @@ def run_experts(files, refs_list, threads, store, through_store):
                 store._read(r, b)
         return sum(r.nbytes for r in refs)
 
-    drop_page_cache(files)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        got = sum(pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(refs_list)))
-    return got / (time.perf_counter() - start) / 1e9
+    return timed(files, refs_list, threads, read)
 
 
 def main():
