@@ -542,9 +542,7 @@ def run_arch(name, path, args, device):
         configs["warm_sync"] = Config("warm_sync", m)
     for threads in (4, 8):
         if f"cold_t{threads}" in ablations:
-            m, _ = load_streaming(
-                path, expert_cache_gb=cold_gb, store_options={"threads": threads}
-            )
+            m, _ = load_streaming(path, expert_cache_gb=cold_gb, store_options={"threads": threads})
             configs[f"cold_t{threads}"] = Config(f"cold_t{threads}", m, cold=True, files=files)
     for hint in ("prefetch", "host"):
         # CUDA unified-memory hints with direct reads (bench/cuda_uvm.py)
@@ -788,7 +786,7 @@ def num_experts(model):
     raise ValueError("no MoE layer")
 
 
-def rss_child(path, which, prefill_tokens, decode_tokens, routing):
+def rss_child(path, which, prefill_tokens, decode_tokens, routing, store_threads=None):
     import mlx.core as mx
     import mlx_lm.generate  # noqa: F401  (imports are the interpreter's, not the model's memory)
     import mlx_lm.utils  # noqa: F401
@@ -808,7 +806,8 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing):
         gc.collect()
         gb = total / GB * (1.001 if which == "warm" else COLD_SHARE)
         drop_page_cache(shards(path))
-        model, config = load_streaming(path, expert_cache_gb=gb)
+        sopts = {"store_options": {"threads": store_threads}} if store_threads else {}
+        model, config = load_streaming(path, expert_cache_gb=gb, **sopts)
         cache = model.expert_streaming.cache
         cache.ensure_planned()
         budget = cache.resident_bytes
@@ -859,6 +858,8 @@ def measure_rss(path, args):
         ]
         if args.device_kind == "gpu":
             cmd += ["--device-kind", "gpu"]
+        if args.store_threads:
+            cmd += ["--store-threads", str(args.store_threads)]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
         if p.returncode or not line:
@@ -1160,7 +1161,12 @@ def main():
         mx.set_default_device(mx.cpu)
     if args.rss_child:
         return rss_child(
-            Path(args.rss_path), args.rss_child, args.rss_prefill, args.rss_decode, args.routing
+            Path(args.rss_path),
+            args.rss_child,
+            args.rss_prefill,
+            args.rss_decode,
+            args.routing,
+            args.store_threads,
         )
 
     archs = args.archs.split(",") if args.archs else (["qwen3"] if args.quick else list(ARCHS))
@@ -1172,8 +1178,7 @@ def main():
         args.ablations = (
             "warm_sync,cold_staged,cold_nolookahead,cold_packed"
             if args.quick
-            else "warm_sync,cold_staged,cold_nolookahead,cold_t8,cold_packed,"
-            "cold_packed_direct"
+            else "warm_sync,cold_staged,cold_nolookahead,cold_t8,cold_packed," "cold_packed_direct"
         )
     args.ablations = [a for a in args.ablations.split(",") if a]
     args.seeds = [s for s in args.seeds.split(",") if s]
