@@ -4,14 +4,16 @@ from the co-activation of experts in consecutive layers (``CacheTuning.coactivat
 moves work: logits equal stock's bit for bit, and each option does what it says.
 """
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from support import decode, same, with_slots
+from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
 from mlx_lm_streaming import switch as switch_mod
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 
@@ -135,4 +137,31 @@ def test_demand_threads_reading_their_own_ranges_is_exact(q3, monkeypatch):
     # every demand read went through read_serial, and none of them used the reader pool
     assert calls["serial"] > 0
     assert not pools or calls["many"] > 0  # only background reads (read_many) may use it
+    model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("landings", ["each", "once"])
+def test_cpu_prefill_computes_read_experts_as_they_land(q3, landings, monkeypatch):
+    # a call per wave on the CPU kept +5 points of peak RSS over the budget (docs/design.md): there,
+    # prefill-sized calls compute each read expert as it lands unless landings="once"
+    path, _, _ = q3
+    tokens = mx.array([[(7 * i + 1) % 512 for i in range(40)]])
+    stock, _ = load_stock(path)
+    want = stock(tokens)
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False, landings=landings))
+    experts_per_call = []  # (rows of the layer call, experts one kernel call computed)
+    real_rows = switch_mod.StreamingSwitchGLU._rows
+
+    def rows(self, x, idx, which):
+        experts_per_call.append((idx.size, len(np.unique(idx.reshape(-1)[which]))))
+        return real_rows(self, x, idx, which)
+
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    assert same([want], [model(tokens)])
+    prefill = [n for size, n in experts_per_call if size >= SORT_THRESHOLD]
+    assert prefill
+    if landings == "each":
+        assert all(n == 1 for n in prefill)  # the banks start empty: every call is one read expert
+    else:
+        assert max(prefill) > 1
     model.expert_streaming.close()
