@@ -12,11 +12,11 @@ Policies keep per-expert state across evictions (an expert read again keeps its 
 
 - ``lru``: least recently used; within one call, the router's rank order (the first-ranked expert
   counts as used first).
-- ``decay_next`` (default): ``decay``, plus how likely the layer's next call is to use the expert, given the
-  experts of this call: learnt online, per layer, from which experts followed which in the calls so
-  far (``NEXT_WEIGHT`` times the sum over this call's experts a of P(next call uses b | a)). On the
-  traces it adds 0.2-1.4 points of decode hit rate to ``decay`` at every budget, held-out halves
-  included (docs/routing.md).
+- ``decay_next`` (default): ``decay``, plus how likely the layer's next call is to use the expert,
+  given the experts of this call: learnt online, per layer, from which experts followed which in the
+  calls so far (``NEXT_WEIGHT`` times the sum over this call's experts a of P(next call uses b | a)).
+  On the traces it adds 0.1-1.5 points of decode hit rate to ``decay`` at every budget, held-out
+  halves included (docs/routing.md).
 - ``decay``: frequency with exponential aging. Each use adds 1 to the expert's score, and
   every score halves every ``HALF_LIFE`` calls of the layer; the lowest score goes first, the least
   recently used among equals. Replaying real routing (docs/routing.md), it beats LRU at every budget
@@ -63,7 +63,8 @@ class EvictionPolicy:
         self.probation[experts] = False
 
     def calling(self, experts: np.ndarray) -> None:
-        """A call of the layer is about to use ``experts`` (before its victims are chosen)."""
+        """A call of the layer is about to use ``experts`` (before its victims, if any, are
+        chosen); ``used`` follows once its slots are found."""
 
     def prefetched(self, experts: np.ndarray) -> None:
         """``experts`` were read ahead on a guess: not a use (no score, no recency), but on
@@ -132,21 +133,15 @@ class DecayNextPolicy(DecayPolicy):
 
     def calling(self, experts):
         # what followed the last call is known now, before this call's victims are chosen
-        self._learn(experts)
+        if self.previous is not None and len(self.previous):
+            self.after[self.previous] += 1.0
+            self.follows[self.previous[:, None], experts] += 1.0
         self.current = experts
 
     def used(self, experts):
         super().used(experts)
-        if self.current is not experts:  # a call that chose no victims
-            self._learn(experts)
         self.current = None
         self.previous = np.asarray(experts, dtype=np.int64)
-
-    def _learn(self, experts) -> None:
-        if self.previous is not None and len(self.previous):
-            self.after[self.previous] += 1.0
-            self.follows[self.previous[:, None], experts] += 1.0
-            self.previous = None
 
     def next_use(self, candidates: np.ndarray) -> np.ndarray:
         """Per candidate: the sum over the current call's experts ``a`` of P(next call uses it |
@@ -216,6 +211,7 @@ class SlotTable:
                 f"{len(experts)} experts asked for at once but only {self.slots} slots"
             )
         missing = experts[self.slot_of[experts] < 0]
+        self.policy.calling(experts)
         if len(missing) == 0 or self.identity:
             self.policy.used(experts)
             return missing, missing.copy(), 0
@@ -223,7 +219,6 @@ class SlotTable:
         pinned[experts] = True
         if len(keep):
             pinned[np.asarray(keep, dtype=np.int64)] = True
-        self.policy.calling(experts)
         slots, evicted = self._take(len(missing), pinned)
         self.policy.used(experts)
         return missing, slots, evicted

@@ -490,10 +490,11 @@ def test_decay_next_keeps_the_expert_that_follows_what_this_call_uses():
 
 
 def test_decay_next_learns_only_from_what_followed():
-    policy = make_policy("decay_next", 4)
-    policy.used(np.array([0]))
-    policy.calling(np.array([1]))
-    policy.used(np.array([1]))
-    policy.used(np.array([2]))  # a call with no victims to choose learns too
+    table = SlotTable(4, "decay_next")
+    table.reset(2)
+    admit(table, [0])
+    admit(table, [1])
+    admit(table, [2])  # a call that must choose a victim learns as one with a free slot does
+    policy = table.policy
     assert policy.follows[0, 1] == 1 and policy.follows[1, 2] == 1
     assert policy.follows.sum() == 2 and policy.after[[0, 1]].tolist() == [1, 1]

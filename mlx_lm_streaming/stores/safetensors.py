@@ -112,7 +112,7 @@ class SafetensorsStore(ExpertStore):
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        pieces = self._pieces(jobs) if parallel else [(r, o, 0, r.nbytes) for r, o in jobs]
+        pieces = self._pieces(jobs, self.chunk_bytes if parallel else None)
         if not parallel or self.threads == 1 or len(pieces) == 1:
             for piece in pieces:
                 self._read(*piece)
@@ -126,9 +126,8 @@ class SafetensorsStore(ExpertStore):
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
-    def _pieces(self, jobs):
-        """``(ref, out, start, end)`` reads: whole ranges, or ``chunk_bytes`` pieces of long ones."""
-        size = self.chunk_bytes
+    def _pieces(self, jobs, size: Optional[int]):
+        """``(ref, out, start, end)`` reads: whole ranges, or pieces of ``size`` of long ones."""
         if size is None or self.threads == 1:
             return [(ref, out, 0, ref.nbytes) for ref, out in jobs]
         return [
