@@ -315,14 +315,19 @@ class ForcedRouting:
 
     def indices(self, layer_no, shape):
         import mlx.core as mx
+
+        pick = self.peek(layer_no, shape)
+        self.calls[layer_no] = self.calls.get(layer_no, 0) + 1
+        return mx.array(pick)
+
+    def peek(self, layer_no, shape):
+        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
         import numpy as np
 
-        call = self.calls.get(layer_no, 0)
-        self.calls[layer_no] = call + 1
-        rng = np.random.default_rng([self.seed, layer_no, call])
+        rng = np.random.default_rng([self.seed, layer_no, self.calls.get(layer_no, 0)])
         rows = int(np.prod(shape[:-1]))
         pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
-        return mx.array(pick.astype(np.uint32).reshape(shape))
+        return pick.astype(np.uint32).reshape(shape)
 
 
 def make_routing(routing: str, num_experts: int, layers: int):

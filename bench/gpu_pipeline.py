@@ -68,8 +68,15 @@ SHAPES = {
 # (lookahead guesses read once their running precision is N% or more), "pack" / "packdirect" (the
 # ``packed`` store, buffered / O_DIRECT), "serial" (a demand thread reads its expert's ranges
 # itself, ``CacheTuning.ranges_in_parallel``), "tl" (records a timeline,
-# ``--streaming-trace``, summarized by bench/timeline_summary.py). E.g. "direct_t8_c256_once".
-VARIANT_WORDS = "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, serial, tl"
+# ``--streaming-trace``, summarized by bench/timeline_summary.py), "early" (the lookahead's guesses
+# staged right after the host sync, ``CacheTuning.lookahead_early``), "oracleN" (bench only: each
+# layer's router in the lookahead replaced by ``routing_replay.OracleRouter``, which knows the
+# routing's next choice, right with probability N%), "depthN" (the lookahead guesses the next N
+# layers, ``CacheTuning.lookahead_depth``). E.g. "direct_t8_c256_once", "oracle100_early_depth2".
+VARIANT_WORDS = (
+    "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
+    "serial, tl, early, oracleN, depthN"
+)
 
 
 def variant_options(name: str):
@@ -98,6 +105,12 @@ def variant_options(name: str):
             tuning["coactivation"] = True
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
+        elif word == "early":
+            tuning["lookahead_early"] = True
+        elif word.startswith("depth") and word[5:].isdigit():
+            tuning["lookahead_depth"] = int(word[5:])
+        elif word.startswith("oracle") and word[6:].isdigit() and int(word[6:]) <= 100:
+            pass  # ``oracle_precision``: set on the model once it is routed
         elif word.startswith("gate") and word[4:].isdigit():
             tuning["lookahead_min_precision"] = int(word[4:]) / 100
             tuning["coactivation_min_precision"] = int(word[4:]) / 100
@@ -111,6 +124,23 @@ def variant_options(name: str):
     if store:
         opts["store_options"] = store
     return opts, tuning
+
+
+def oracle_precision(name: str):
+    """The "oracleN" word's precision (N / 100), or None."""
+    for word in name.split("_"):
+        if word.startswith("oracle") and word[6:].isdigit():
+            return int(word[6:]) / 100
+    return None
+
+
+def set_oracle(model, routing, precision: float) -> None:
+    """Every streaming layer's lookahead router replaced by an ``OracleRouter`` over ``routing``."""
+    from routing_replay import OracleRouter, _expert_counts
+
+    num_experts, top_k = _expert_counts(model)
+    for layer_no, bank in enumerate(model.expert_streaming.cache.banks):
+        bank.router = OracleRouter(routing, layer_no, num_experts, top_k, precision)
 
 
 def load_variant(path, name: str, timeline=None, **opts):
@@ -213,6 +243,8 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
             _set_routing(cfg.model, cfg.routing)
         else:
             wrap(cfg.model, cfg.routing)
+            if oracle_precision(cfg.name) is not None:
+                set_oracle(cfg.model, cfg.routing, oracle_precision(cfg.name))
     for cfg in configs.values():
         cfg.routing.reset()
         if cfg.cache is not None:
@@ -258,6 +290,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
                 slots=[b.slots for b in cfg.cache.banks],
                 direct=all(b.direct for b in cfg.cache.banks),
                 policy=getattr(cfg.cache, "policy", None),
+                prefetch=experts.precision_recall(c.get("prefetch")),
             )
         if cfg.cache is not None and cfg.cache.timeline is not None:
             from timeline_summary import summarize as timeline_summary
@@ -442,11 +475,22 @@ def summarize(g, res):
             else None
         )
         c["read_gbps_wall"] = c["bytes_per_token"] / c["s_per_token"] / GB
-        c["vs_staged_paired"] = (
-            statistics.median(r["staged"] / r[key] for r in g["rounds"])
-            if "staged" in g["rounds"][0]
-            else None
+        # paired against "default" where it ran, else "staged": median over rounds of
+        # (base's s per token / this one's), > 1 is faster
+        base = next((b for b in ("default", "staged") if b in g["rounds"][0]), None)
+        c["vs_base"] = base
+        c["vs_base_paired"] = (
+            statistics.median(r[base] / r[key] for r in g["rounds"]) if base else None
         )
+
+
+def _ahead(p):
+    """ "used/staged (precision)" of the lookahead's reads, per run."""
+    if not p:
+        return ""
+    prec = p.get("lookahead_precision")
+    tail = f" ({prec:.2f})" if prec is not None else ""
+    return f"{p.get('lookahead_used', 0)}/{p.get('lookahead_staged', 0)}{tail}"
 
 
 def table(res):
@@ -454,8 +498,8 @@ def table(res):
         f"disk best {res['disk_best_gbps']:.2f} GB/s; {res['moe_layers']} layers, "
         f"{res['expert_bytes'] / MB:.2f} MB per expert",
         "| routing | budget | config | tok/s | limit | ratio | hit | MB/token | io ms | install ms | "
-        "store ms | call ms | GB/s in waits | vs staged | exact steps |",
-        "|" + "---|" * 15,
+        "store ms | call ms | GB/s in waits | vs base | ahead used/staged (prec) | exact steps |",
+        "|" + "---|" * 16,
     ]
     for g in res["groups"]:
         routing = "trace" if g["routing"].startswith("trace") else g["routing"]
@@ -464,7 +508,7 @@ def table(res):
             if "bytes_per_token" not in c:
                 lines.append(
                     f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | | | | | | | | "
-                    f"{c['call_s_per_token'] * 1e3:.1f} | | | {same} |"
+                    f"{c['call_s_per_token'] * 1e3:.1f} | | | | {same} |"
                 )
                 continue
             lines.append(
@@ -472,7 +516,8 @@ def table(res):
                 f"{c['ratio_to_limit']:.3f} | {c['hit_rate']:.3f} | {c['bytes_per_token'] / MB:.1f} | "
                 f"{c['io_wait_s_per_token'] * 1e3:.1f} | {c['install_s_per_token'] * 1e3:.1f} | "
                 f"{c['store_s_per_token'] * 1e3:.1f} | {c['call_s_per_token'] * 1e3:.1f} | "
-                f"{(c['read_gbps_in_waits'] or 0):.2f} | {(c['vs_staged_paired'] or 0):.3f} | {same} |"
+                f"{(c['read_gbps_in_waits'] or 0):.2f} | {(c['vs_base_paired'] or 0):.3f} | "
+                f"{_ahead(c.get('prefetch') or {})} | {same} |"
             )
         if "replay" in g:
             lines.append(f"replay ({g['routing']}, {g['budget']}): {g['replay']}")

@@ -94,6 +94,13 @@ class TraceRouting:
         """The trace's next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
         import mlx.core as mx
 
+        take = self.peek(layer_no, shape)
+        table = self.table[layer_no]
+        self.cursor[layer_no] = (self.cursor.get(layer_no, 0) + take.size // shape[-1]) % len(table)
+        return mx.array(take)
+
+    def peek(self, layer_no: int, shape) -> np.ndarray:
+        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
         if shape[-1] != self.top_k:
             raise TraceError(
                 f"{self.trace.path}: layer {layer_no} asked for {shape[-1]} experts per token, "
@@ -102,9 +109,7 @@ class TraceRouting:
         table = self.table[layer_no]
         rows = int(np.prod(shape[:-1]))
         start = self.cursor.get(layer_no, 0)
-        self.cursor[layer_no] = (start + rows) % len(table)
-        take = table[np.arange(start, start + rows) % len(table)]
-        return mx.array(take.reshape(shape))
+        return table[np.arange(start, start + rows) % len(table)].reshape(shape)
 
     def decode_rows(self):
         """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""
@@ -112,6 +117,39 @@ class TraceRouting:
             if row.phase == "decode":
                 return i
         return len(self.trace.rows)
+
+
+class OracleRouter:
+    """Bench only: a stand-in for a streaming layer's router in the cache's lookahead
+    (``LayerBank.router``, applied by the layer before) that "predicts" exactly what the routing
+    source will pick for this layer next (``routing.peek``), each id replaced by a random other one
+    with probability ``1 - precision``. It emulates a trained router's lookahead, which random
+    weights and replayed routing cannot exercise, to measure what the I/O pipeline does with a
+    predictor of a known precision. Only guesses change (reads): the computed rows, and so the
+    logits, stay stock's."""
+
+    def __init__(self, routing, layer_no: int, num_experts: int, top_k: int, precision=1.0):
+        self.routing = routing
+        self.layer_no = layer_no
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.precision = precision
+        self.rng = np.random.default_rng([7, layer_no])
+
+    def __call__(self, x):
+        import mlx.core as mx
+
+        k = self.top_k
+        ids = np.array(self.routing.peek(self.layer_no, (*x.shape[:-1], k))).reshape(-1, k)
+        ids = ids.astype(np.int64)
+        if self.precision < 1:
+            for row in ids:
+                for j in np.nonzero(self.rng.random(k) >= self.precision)[0]:
+                    others = np.setdiff1d(np.arange(self.num_experts), row)
+                    row[j] = self.rng.choice(others)
+        logits = np.zeros((len(ids), self.num_experts), dtype=np.float32)
+        logits[np.arange(len(ids))[:, None], ids] = 1.0
+        return mx.array(logits.reshape(*x.shape[:-1], self.num_experts))
 
 
 def expert_kinds():

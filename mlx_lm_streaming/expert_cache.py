@@ -92,6 +92,13 @@ class CacheTuning:
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
+    # decode-sized calls stage the lookahead's guesses right after the layer's host sync, so that
+    # they are read beside the layer's own misses; off: once the layer's own reads have landed
+    # (before its compute ends). Off by default: measured no gain yet (docs/benchmarks/gpu-oracle.md)
+    lookahead_early: bool = False
+    # how many MoE layers ahead the lookahead guesses (each from its own router applied to this
+    # layer's input: the further, the less precise on trained models); 1: the next layer only
+    lookahead_depth: int = 1
     # background fill of identity banks; complete identity banks skip the host sync
     fill: bool = True
     skip_sync: bool = True
@@ -128,6 +135,11 @@ class CacheTuning:
     on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
 
     def __post_init__(self):
+        if not isinstance(self.lookahead_depth, int) or self.lookahead_depth < 1:
+            raise ConfigurationError(
+                f"lookahead_depth must be a whole number of layers, 1 or more, not "
+                f"{self.lookahead_depth!r}"
+            )
         if self.landings not in LANDINGS:
             raise ConfigurationError(
                 f"landings must be one of {', '.join(LANDINGS)}, not {self.landings!r}"

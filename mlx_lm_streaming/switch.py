@@ -57,7 +57,7 @@ class StreamingSwitchGLU(nn.Module):
         indices = mx.stop_gradient(indices)
         ahead = self._lookahead(x, indices)
         if ahead is not None:
-            mx.eval(indices, ahead[1])  # one sync for this layer's ids and the next one's guess
+            mx.eval(indices, *[g for _, g in ahead])  # one sync for the ids and the guesses
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
         if tl:
             tl.span("host sync", start, "sync", layer=bank.path)
@@ -66,6 +66,9 @@ class StreamingSwitchGLU(nn.Module):
         guess = self._coactivation_guess(idx)
         if guess is not None:
             _stage_ahead(*guess)  # read beside this layer's own misses
+        if ahead is not None and cache.tuning.lookahead_early and idx.size < SORT_THRESHOLD:
+            _stage_all(ahead)  # the same, for the router's guesses
+            ahead = None
         experts = np.unique(idx)
         try:
             with bank.lock:
@@ -103,7 +106,7 @@ class StreamingSwitchGLU(nn.Module):
         bank = self._bank
         bank.load(experts)
         if ahead is not None:
-            _stage_ahead(*ahead)
+            _stage_all(ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         kernel = self._selector.select(bank, idx.size)
@@ -209,7 +212,7 @@ class StreamingSwitchGLU(nn.Module):
                 rest()
             ends.append(len(outs))
         if ahead is not None:
-            _stage_ahead(*ahead)
+            _stage_all(ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         if len(outs) == 1 and len(rows_done[0]) == flat.size:
@@ -318,17 +321,25 @@ class StreamingSwitchGLU(nn.Module):
         return (nxt, guess) if len(guess) else None
 
     def _lookahead(self, x, indices):
-        """(next bank, its predicted expert ids, lazy) or None."""
+        """((bank, its predicted expert ids, lazy), ...) for the next ``CacheTuning.lookahead_depth``
+        MoE layers, each from its router applied to this layer's input, or None."""
         bank = self._bank
         cache = bank.cache
         if not cache.tuning.lookahead or cache.tuning.coactivation:
             return None
-        nxt = cache.next_bank(bank)
-        # identity banks are filled in the background instead
-        if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
-            return None
-        guess = predict(nxt.router, x, indices.shape[-1])
-        return None if guess is None else (nxt, guess)
+        out = []
+        nxt = bank
+        for _ in range(cache.tuning.lookahead_depth):
+            nxt = cache.next_bank(nxt)
+            if nxt is None:
+                break
+            # identity banks are filled in the background instead
+            if nxt.identity or nxt.router is None or nxt.slots == 0:
+                continue
+            guess = predict(nxt.router, x, indices.shape[-1])
+            if guess is not None:
+                out.append((nxt, guess))
+        return tuple(out) or None
 
     def _waves(self, x, idx, experts, ahead):
         """Without direct reads, a call that needs more experts than the bank has slots (prefill
@@ -350,7 +361,7 @@ class StreamingSwitchGLU(nn.Module):
                 if w + 1 < len(waves):
                     bank.stage(waves[w + 1], "wave", WAVE, fit=True)
                 elif ahead is not None:
-                    _stage_ahead(*ahead)
+                    _stage_all(ahead)
                 yw = self._rows(x, idx, rows)
                 # finish this wave before the next one reuses the slots
                 _wait(bank, yw)
@@ -378,6 +389,12 @@ def _submit(bank, y) -> None:
 def _wait(bank, y) -> None:
     """``mx.eval(y)`` where the layer waits for its own compute."""
     _timed(bank, mx.eval, y, "wait compute", "wait")
+
+
+def _stage_all(ahead) -> None:
+    """``_stage_ahead`` for each (bank, guess) of a lookahead, nearest layer first."""
+    for bank, guess in ahead:
+        _stage_ahead(bank, guess)
 
 
 def _stage_ahead(bank, guess) -> None:

@@ -165,3 +165,54 @@ def test_cpu_prefill_computes_read_experts_as_they_land(q3, landings, monkeypatc
     else:
         assert max(prefill) > 1
     model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("early,depth", [(False, 1), (True, 1), (True, 2), (False, 3)])
+def test_router_lookahead_early_and_deeper_is_exact(q3, early, depth, monkeypatch):
+    # lookahead_early: decode-sized calls stage the router's guesses right after the host sync,
+    # before the layer's own reads; lookahead_depth: guesses for that many layers ahead
+    path, tokens, want = q3
+    tuning = CacheTuning(
+        lookahead_early=early,
+        lookahead_depth=depth,
+        lookahead_min_precision=0.0,
+        staging_bytes=1 << 24,  # room for every guess (the default is a share of the budget)
+    )
+    model = with_slots(path, 4, tuning=tuning)
+    cache = model.expert_streaming.cache
+    events = []  # ("stage", layer guessed for) and ("load", layer loading), in order
+    real_stage = switch_mod._stage_ahead
+
+    def stage(bank, guess):
+        events.append(("stage", cache.layer_number(bank)))
+        return real_stage(bank, guess)
+
+    real_load = type(cache.banks[0]).load
+
+    def load(self, experts, *args, **kwargs):
+        events.append(("load", cache.layer_number(self)))
+        return real_load(self, experts, *args, **kwargs)
+
+    monkeypatch.setattr(switch_mod, "_stage_ahead", stage)
+    monkeypatch.setattr(type(cache.banks[0]), "load", load)
+    assert same(want, decode(model, tokens))
+    # how many layers before the guessed one the next load is: staged after the calling layer's
+    # loads (0 .. reach - 1) or before them (1 .. reach)
+    gaps = set()
+    for i, (what, layer) in enumerate(events):
+        if what == "stage":
+            nxt = next(lay for w, lay in events[i + 1 :] if w == "load")
+            gaps.add(layer - nxt)
+    reach = min(depth, len(cache.banks) - 1)
+    assert (min(gaps), max(gaps)) == ((1, reach) if early else (0, reach - 1))
+    guessed = {layer for what, layer in events if what == "stage"}
+    assert guessed == set(range(1, len(cache.banks)))  # every layer but the first is guessed
+    assert cache.prefetch_stats.staged["lookahead"] > 0
+    model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_a_bad_lookahead_depth_is_named(bad):
+    with pytest.raises(ConfigurationError, match="lookahead_depth"):
+        CacheTuning(lookahead_depth=bad)
+    assert CacheTuning().lookahead_early is False and CacheTuning().lookahead_depth == 1
