@@ -230,8 +230,11 @@ class LayerBank:
             want = want[: max(0, prefetcher.room()) // self.layer.expert_nbytes]
             if not want:
                 return 0
+        # a bank with direct reads copies staged bytes in through its host views: host buffers
+        # (should it lose them before the load, ``_install`` copies from those buffers instead)
+        host = self.direct and not self.identity
         batch = prefetcher.submit(
-            self.layer, np.array(want), kind, priority, block=block, start=False
+            self.layer, np.array(want), kind, priority, block=block, start=False, host=host
         )
         if batch is None:
             return 0

@@ -45,7 +45,7 @@ class StagedBatch:
     on the CPU backend (measured). Where MLX memory has no writable host view, numpy buffers are used.
     """
 
-    def __init__(self, layer, experts: np.ndarray, kind: str):
+    def __init__(self, layer, experts: np.ndarray, kind: str, host: bool = False):
         self.layer = layer
         self.experts = np.asarray(experts, dtype=np.int64)
         self.kind = kind
@@ -53,7 +53,12 @@ class StagedBatch:
         n = len(self.experts)
         self.arrays, self.buffers = [], []
         for p in layer.parts:
-            arr, view = staging_buffer(n, p.nbytes)
+            # ``host``: for a bank that copies staged bytes in through its host views
+            # (``bank_io._copy_in``): numpy buffers, no MLX allocation and evaluation per part
+            if host:
+                arr, view = None, np.empty((n, p.nbytes), dtype=np.uint8)
+            else:
+                arr, view = staging_buffer(n, p.nbytes)
             self.arrays.append(arr)
             self.buffers.append(view)
         self.nbytes = n * layer.expert_nbytes
@@ -253,15 +258,23 @@ class ExpertPrefetcher:
     # -- reading ---------------------------------------------------------------------------------
 
     def submit(
-        self, layer, experts: np.ndarray, kind: str, priority: int, block=False, start=True
+        self,
+        layer,
+        experts: np.ndarray,
+        kind: str,
+        priority: int,
+        block=False,
+        start=True,
+        host=False,
     ):
         """Start reading ``experts`` of ``layer``; None if it does not fit (and ``block`` is off).
-        ``start=False``: the batch is made and its bytes reserved, and its read waits for
+        ``host``: numpy staging buffers (``StagedBatch``). ``start=False``: the batch is made
+        and its bytes reserved, and its read waits for
         ``start(batch, priority)`` (the caller records the batch first, so that no read of its
         experts can begin before others can see it is coming)."""
         if len(experts) == 0 or self._closed:
             return None  # closed: no MLX work on this (background) thread any more
-        batch = StagedBatch(layer, experts, kind)
+        batch = StagedBatch(layer, experts, kind, host=host)
         if not self.reserve(batch.nbytes, block):
             if kind == "lookahead":
                 with self.stats.lock:

@@ -193,9 +193,18 @@ def test_router_lookahead_early_and_deeper_is_exact(q3, early, depth, monkeypatc
         events.append(("load", cache.layer_number(self)))
         return real_load(self, experts, *args, **kwargs)
 
+    copied = []  # staged experts written into slots through the host views (direct reads)
+    real_copy = bank_io._copy_in
+
+    def copy_in(bank, groups):
+        copied.extend(len(rows) for _, rows, _ in groups)
+        return real_copy(bank, groups)
+
     monkeypatch.setattr(switch_mod, "_stage_ahead", stage)
     monkeypatch.setattr(type(cache.banks[0]), "load", load)
+    monkeypatch.setattr(bank_io, "_copy_in", copy_in)
     assert same(want, decode(model, tokens))
+    assert sum(copied) == cache.prefetch_stats.used["lookahead"] > 0
     # how many layers before the guessed one the next load is: staged after the calling layer's
     # loads (0 .. reach - 1) or before them (1 .. reach)
     gaps = set()
