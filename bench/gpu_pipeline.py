@@ -72,10 +72,11 @@ SHAPES = {
 # staged right after the host sync, ``CacheTuning.lookahead_early``), "oracleN" (bench only: each
 # layer's router in the lookahead replaced by ``routing_replay.OracleRouter``, which knows the
 # routing's next choice, right with probability N%), "depthN" (the lookahead guesses the next N
-# layers, ``CacheTuning.lookahead_depth``). E.g. "direct_t8_c256_once", "oracle100_early_depth2".
+# layers, ``CacheTuning.lookahead_depth``), "into" (guesses read straight into the guessed layer's
+# slots, ``CacheTuning.lookahead_into_slots``). E.g. "direct_t8_c256_once", "oracle100_early_depth2".
 VARIANT_WORDS = (
     "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
-    "serial, tl, early, oracleN, depthN"
+    "serial, tl, early, oracleN, depthN, into"
 )
 
 
@@ -107,6 +108,8 @@ def variant_options(name: str):
             opts["trace"] = True  # the caller names the file
         elif word == "early":
             tuning["lookahead_early"] = True
+        elif word == "into":
+            tuning["lookahead_into_slots"] = True
         elif word.startswith("depth") and word[5:].isdigit():
             tuning["lookahead_depth"] = int(word[5:])
         elif word.startswith("oracle") and word[6:].isdigit() and int(word[6:]) <= 100:

@@ -23,6 +23,7 @@ slice updates.
 """
 
 import threading
+import time
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -68,6 +69,10 @@ class LayerBank:
         # would cost staging memory and disk time before the layer has shown it can guess
         self.ahead_precision = 0.0
         self._fill_requested = False
+        # expert -> (slot, Future) of guesses read straight into their slots (``read_ahead``):
+        # mapped already, their bytes are usable once ``settle_ahead`` has waited for them
+        self.ahead_reads: Dict[int, tuple] = {}
+        self._ahead_used: List[int] = []
         # this layer's share of the cache's counters (``--streaming-stats layers``)
         self.hits = 0
         self.misses = 0
@@ -95,6 +100,7 @@ class LayerBank:
         """
         with self.lock:
             self._drop_staged(everything=True)
+            self.settle_ahead(())  # no read may still write into the memory given up here
         self.predicted = None
         self.ahead_precision = 0.0
         self.slots = slots
@@ -162,8 +168,13 @@ class LayerBank:
                 # (a caller passing ``ready`` has work pending on the bank: it did this before)
                 install_finished(self)
             resident = self.slot_of[experts] >= 0
+            # guesses read ahead into their slots that this call uses: read for it, so counted
+            # as its misses (and as misses guessed)
+            used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
+            if len(used):
+                self._ahead_used = [e for e in self._ahead_used if e not in set(used.tolist())]
             if self.predicted is not None:
-                self._score_guess(experts[~resident])
+                self._score_guess(np.union1d(experts[~resident], used).astype(np.int64))
             # slots for the missing experts: free ones first, then the policy's victims, never
             # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
             # if the read fails, no slot may still name an evicted expert (evicting that slot
@@ -174,10 +185,10 @@ class LayerBank:
                 raise ValueError(f"{self.path}: {e}") from None
             if len(missing):
                 read_into_slots(self, missing, victims, ready=ready, part_ready=part_ready)
-            hits = len(experts) - len(missing)
+            hits = len(experts) - len(missing) - len(used)
             self.hits += hits
-            self.misses += len(missing)
-            self.cache.stats.add(hits, len(missing), evicted)
+            self.misses += len(missing) + len(used)
+            self.cache.stats.add(hits, len(missing) + len(used), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
 
@@ -249,6 +260,82 @@ class LayerBank:
         if not prefetcher.start(batch, priority):
             return 0
         return len(want) - len(batch.skip)
+
+    def read_ahead(self, experts: np.ndarray) -> int:
+        """Read guessed ``experts`` (best first) straight into slots of this bank, on the cache's
+        demand threads, without waiting (``CacheTuning.lookahead_into_slots``): each is mapped to
+        its slot (a free one or the policy's victim; it enters on probation, so a wrong guess is
+        evicted first) and recorded in ``ahead_reads`` until ``settle_ahead``.
+
+        Safe only while no pending work reads this bank, and until its next call starts: called
+        by the layer before, after its host sync, which waited for every call that used this
+        bank (module docstring); this bank's next call settles the reads before anything else.
+        Returns the experts whose read was started; 0 where the bank has no direct reads."""
+        with self.lock:
+            if not self.direct or self.identity or self.slots == 0:
+                return 0
+            stream = mx.default_stream(mx.default_device())
+            if self.last_stream is not None and self.last_stream != stream:
+                return 0  # work of another stream may still read it
+            experts = np.asarray(experts, dtype=np.int64)
+            want = [e for e in experts.tolist() if e not in self.staged]
+            pending = list(self.ahead_reads)
+            missing, slots, evicted = self.table.prefetch(np.array(want, dtype=np.int64), pending)
+            if not len(missing):
+                return 0
+            self.table.place(missing, slots)
+            self.cache.stats.add(0, 0, evicted)
+            views, refs = self.views, self.layer.refs
+            store, tl = self.cache.store, self.cache.timeline
+            nbytes, path = self.layer.expert_nbytes, self.path
+
+            def read(e, slot):
+                start = time.perf_counter()
+                store.read_many([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
+                if tl:
+                    tl.read(start, path, e, nbytes, "lookahead", slot=slot)
+
+            pool = self.cache.demand_pool
+            for e, slot in zip(missing.tolist(), slots.tolist()):
+                self.ahead_reads[e] = (slot, pool.submit(read, e, slot))
+            self.cache.prefetch_stats.add("staged", "lookahead", len(missing))
+            return len(missing)
+
+    def settle_ahead(self, experts) -> None:
+        """Wait for every read ahead into this bank's slots (``read_ahead``); one that failed or
+        never ran leaves its slot free (the expert is read on demand if asked for). ``experts``:
+        the experts of the call that is starting (counted as used guesses)."""
+        if not self.ahead_reads:
+            return
+        reads, self.ahead_reads = self.ahead_reads, {}
+        tl = self.cache.timeline
+        start = tl.now() if tl else 0
+        waited = time.perf_counter()
+        stats = self.cache.prefetch_stats
+        failed = set()
+        for e, (slot, future) in reads.items():
+            try:
+                future.result()
+            except BaseException as exc:  # cancelled, or a failed read: unmapped
+                failed.add(e)
+                if self.table.slot_of[e] == slot:
+                    self.table.slot_of[e] = -1
+                    self.table.expert_of[slot] = -1
+                if not isinstance(exc, Exception) or future.cancelled():
+                    continue
+                with stats.lock:
+                    stats.failed += 1
+                    if stats.first_error is None:
+                        stats.first_error = f"{type(exc).__name__}: {exc}"
+        with stats.lock:
+            stats.waited_s += time.perf_counter() - waited
+        if tl:
+            tl.span("wait ahead", start, "wait", layer=self.path, experts=len(reads))
+        used = [
+            e for e in np.asarray(experts, dtype=np.int64).tolist() if e in reads and e not in failed
+        ]
+        self._ahead_used = used
+        stats.add("used", "lookahead", len(used))
 
     def drop_staged(self) -> None:
         """End of a call: staged experts it did not use are dropped (identity banks keep them)."""

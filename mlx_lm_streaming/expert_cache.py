@@ -99,6 +99,10 @@ class CacheTuning:
     # how many MoE layers ahead the lookahead guesses (each from its own router applied to this
     # layer's input: the further, the less precise on trained models); 1: the next layer only
     lookahead_depth: int = 1
+    # with direct reads, decode-sized guesses are read straight into slots of the guessed layer's
+    # bank (``LayerBank.read_ahead``: victims chosen now, the guesses on probation) instead of
+    # staging buffers that its call then copies in; off: staged
+    lookahead_into_slots: bool = False
     # background fill of identity banks; complete identity banks skip the host sync
     fill: bool = True
     skip_sync: bool = True

@@ -223,16 +223,23 @@ class SlotTable:
         self.policy.used(experts)
         return missing, slots, evicted
 
-    def prefetch(self, experts: np.ndarray) -> Tuple[np.ndarray, np.ndarray, int]:
+    def prefetch(
+        self, experts: np.ndarray, keep: Sequence[int] = ()
+    ) -> Tuple[np.ndarray, np.ndarray, int]:
         """Read ahead on a guess: like ``admit`` for the non-resident ``experts`` (at most
         ``slots``, in the order given), but not a use; they enter on probation
-        (``EvictionPolicy.prefetched``). Nothing is pinned: the layer's next call has not
-        started."""
+        (``EvictionPolicy.prefetched``). Only ``keep`` is pinned (experts whose bytes are still
+        being read): the layer's next call has not started."""
         experts = np.asarray(experts, dtype=np.int64)
-        missing = experts[self.slot_of[experts] < 0][: self.slots]
+        pinned = np.zeros(self.num_experts, dtype=bool)
+        if len(keep):
+            pinned[np.asarray(keep, dtype=np.int64)] = True
+        free = int((self.expert_of < 0).sum())
+        room = free + int((~pinned[self.expert_of[self.expert_of >= 0]]).sum())
+        missing = experts[self.slot_of[experts] < 0][: min(self.slots, room)]
         if len(missing) == 0 or self.identity:
             return missing, missing.copy(), 0
-        slots, evicted = self._take(len(missing), np.zeros(self.num_experts, dtype=bool))
+        slots, evicted = self._take(len(missing), pinned)
         self.policy.prefetched(missing)
         return missing, slots, evicted
 

@@ -70,6 +70,8 @@ class StreamingSwitchGLU(nn.Module):
             _stage_all(ahead)  # the same, for the router's guesses
             ahead = None
         experts = np.unique(idx)
+        with bank.lock:
+            bank.settle_ahead(experts)  # guesses read into this bank's slots have landed
         try:
             with bank.lock:
                 if bank.direct:
@@ -415,5 +417,8 @@ def _stage_ahead(bank, guess) -> None:
         else:
             gate = tuning.lookahead_min_precision
         good = bank.ahead_precision >= gate
-    if ids and good:
-        bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)
+    if not ids or not good:
+        return
+    if tuning.lookahead_into_slots and len(ids) <= bank.slots // 2 and bank.read_ahead(ids):
+        return
+    bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)

@@ -4,6 +4,8 @@ from the co-activation of experts in consecutive layers (``CacheTuning.coactivat
 moves work: logits equal stock's bit for bit, and each option does what it says.
 """
 
+from concurrent.futures import Future
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -225,3 +227,73 @@ def test_a_bad_lookahead_depth_is_named(bad):
     with pytest.raises(ConfigurationError, match="lookahead_depth"):
         CacheTuning(lookahead_depth=bad)
     assert CacheTuning().lookahead_early is False and CacheTuning().lookahead_depth == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_guesses_read_straight_into_slots_are_exact(q3, depth, monkeypatch):
+    # lookahead_into_slots: decode-sized guesses are read into the guessed layer's slots (on
+    # probation) rather than staged; that layer's next call waits for them first
+    path, tokens, want = q3
+    tuning = CacheTuning(
+        lookahead_early=True,
+        lookahead_depth=depth,
+        lookahead_into_slots=True,
+        lookahead_min_precision=0.0,
+    )
+    model = with_slots(path, 8, tuning=tuning)
+    cache = model.expert_streaming.cache
+    bank_type = type(cache.banks[0])
+    ahead, settled = [], []
+    real_ahead, real_settle = bank_type.read_ahead, bank_type.settle_ahead
+
+    def read_ahead(self, experts):
+        n = real_ahead(self, experts)
+        ahead.append((cache.layer_number(self), n))
+        return n
+
+    def settle(self, experts):
+        # nothing of this bank is being read ahead once its call has settled
+        real_settle(self, experts)
+        assert not self.ahead_reads
+        settled.append(self.path)
+
+    monkeypatch.setattr(bank_type, "read_ahead", read_ahead)
+    monkeypatch.setattr(bank_type, "settle_ahead", settle)
+    assert same(want, decode(model, tokens))
+    assert sum(n for _, n in ahead) > 0 and 0 not in {layer for layer, _ in ahead}
+    st = cache.prefetch_stats
+    # (prefill-sized guesses, more than half the slots, are still staged)
+    assert st.staged["lookahead"] >= sum(n for _, n in ahead) and st.used["lookahead"] > 0
+    # each read ahead is a miss of the call that used it (or of none): hits + misses = asked
+    asked = sum(b.hits + b.misses for b in cache.banks)
+    assert asked == cache.stats.hits + cache.stats.misses
+    model.expert_streaming.close()
+
+
+def test_a_failed_read_ahead_leaves_its_slot_free(q3, monkeypatch):
+    # a guess whose read fails is unmapped when its layer's call settles: read on demand instead
+    path, tokens, want = q3
+    tuning = CacheTuning(
+        lookahead_early=True, lookahead_into_slots=True, lookahead_min_precision=0.0
+    )
+    model = with_slots(path, 8, tuning=tuning)
+    cache = model.expert_streaming.cache
+    bank_type = type(cache.banks[0])
+    real_ahead = bank_type.read_ahead
+    failed = []
+
+    def read_ahead(self, experts):
+        n = real_ahead(self, experts)
+        for e, (slot, future) in list(self.ahead_reads.items()):
+            future.result()  # the real read has ended: nothing writes the slot any more
+            bad = Future()
+            bad.set_exception(OSError("disk gone"))
+            self.ahead_reads[e] = (slot, bad)
+            failed.append((self, e, slot))
+        return n
+
+    monkeypatch.setattr(bank_type, "read_ahead", read_ahead)
+    assert same(want, decode(model, tokens))
+    assert failed and cache.prefetch_stats.failed == len(failed)
+    assert "disk gone" in cache.prefetch_stats.first_error
+    model.expert_streaming.close()
