@@ -241,9 +241,10 @@ class LayerBank:
             want = want[: max(0, prefetcher.room()) // self.layer.expert_nbytes]
             if not want:
                 return 0
-        # a bank with direct reads copies staged bytes in through its host views: host buffers
-        # (should it lose them before the load, ``_install`` copies from those buffers instead)
-        host = self.direct and not self.identity
+        # on the CPU backend a bank with direct reads copies staged bytes in through its host
+        # views (``bank_io._copy_in``): host buffers (should it lose them before the load,
+        # ``_install`` copies from those buffers instead). On a GPU an MLX update was faster
+        host = self.direct and not self.identity and mx.default_device().type == mx.cpu
         batch = prefetcher.submit(
             self.layer, np.array(want), kind, priority, block=block, start=False, host=host
         )

@@ -76,7 +76,7 @@ def read_into_slots(
     def write(groups):
         nonlocal install
         t = time.perf_counter()
-        if bank.direct:
+        if bank.direct and all(batch.host for batch, _, _ in groups):
             _copy_in(bank, groups)
         else:
             _install(bank, groups)
@@ -245,8 +245,12 @@ def _copy_in(bank, groups) -> None:
     """With direct reads: write staged rows into slots through the banks' host views, a memcpy per
     run of consecutive slots, with no MLX update (no evaluation, no views to remake). Safe where a
     direct read into the same slots is (module docstring of bank.py): the slots are the call's
-    victims, which no pending work reads. Measured: an MLX update per layer cost 2.1 ms per
-    install call on the H200 (docs/benchmarks/gpu-oracle.md)."""
+    victims, which no pending work reads. Used for batches with host buffers, which banks make
+    on the CPU backend only (``LayerBank.stage``). Measured (bench/staging_cost.py): on the CPU,
+    4 experts made and written in 0.19 ms against 0.91 ms with MLX buffers and updates; on the
+    H200 the copy is faster alone (0.87 against 2.86 ms for 2 experts) but slower inside decode,
+    where the GPU last touched the slots' memory (install 35-130 ms per token against 22-48:
+    docs/benchmarks/gpu-oracle.md)."""
     start = time.perf_counter()
     written = bank.cache.tuning.on_slot_written
     for batch, rows, slots in groups:

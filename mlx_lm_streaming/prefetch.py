@@ -51,6 +51,7 @@ class StagedBatch:
         self.kind = kind
         self.row = {e: i for i, e in enumerate(self.experts.tolist())}
         n = len(self.experts)
+        self.host = host
         self.arrays, self.buffers = [], []
         for p in layer.parts:
             # ``host``: for a bank that copies staged bytes in through its host views
