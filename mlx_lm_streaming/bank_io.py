@@ -249,7 +249,7 @@ def _copy_in(bank, groups) -> None:
     on the CPU backend only (``LayerBank.stage``). Measured (bench/staging_cost.py): on the CPU,
     4 experts made and written in 0.19 ms against 0.91 ms with MLX buffers and updates; on the
     H200 the copy is faster alone (0.87 against 2.86 ms for 2 experts) but slower inside decode,
-    where the GPU last touched the slots' memory (install 35-130 ms per token against 22-48:
+    where the GPU last touched the slots' memory (install 14-130 ms per token against 8-47:
     docs/benchmarks/gpu-oracle.md)."""
     start = time.perf_counter()
     written = bank.cache.tuning.on_slot_written

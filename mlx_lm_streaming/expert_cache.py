@@ -94,7 +94,10 @@ class CacheTuning:
     lookahead_min_precision: float = 0.5
     # decode-sized calls stage the lookahead's guesses right after the layer's host sync, so that
     # they are read beside the layer's own misses; off: once the layer's own reads have landed
-    # (before its compute ends). Off by default: measured no gain yet (docs/benchmarks/gpu-oracle.md)
+    # (before its compute ends). This, ``lookahead_depth`` and ``lookahead_into_slots`` are off by
+    # default: on the H200 with a stand-in predictor they gain 1.21-1.53x when its guesses are all
+    # right and lose on trace routing when they are right 46-60% of the time; no trained
+    # checkpoint's router was measured with them yet (docs/benchmarks/gpu-oracle.md)
     lookahead_early: bool = False
     # how many MoE layers ahead the lookahead guesses (each from its own router applied to this
     # layer's input: the further, the less precise on trained models); 1: the next layer only
