@@ -53,8 +53,10 @@ def main():
             write.append(time.perf_counter() - t)
         key = "numpy buffers + copy through host views" if host else "MLX buffers + MLX update"
         out[key] = (statistics.median(make) * 1e3, statistics.median(write) * 1e3)
-    print(f"{n} experts of {bank.layer.expert_nbytes / 2**20:.2f} MiB, direct={bank.direct}, "
-          f"{mx.default_device()}")
+    print(
+        f"{n} experts of {bank.layer.expert_nbytes / 2**20:.2f} MiB, direct={bank.direct}, "
+        f"{mx.default_device()}"
+    )
     for key, (m, w) in out.items():
         print(f"{key}: make {m:.3f} ms, write into slots {w:.3f} ms (median of {args.repeat})")
     model.expert_streaming.close()

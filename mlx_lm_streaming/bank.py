@@ -333,7 +333,9 @@ class LayerBank:
         if tl:
             tl.span("wait ahead", start, "wait", layer=self.path, experts=len(reads))
         used = [
-            e for e in np.asarray(experts, dtype=np.int64).tolist() if e in reads and e not in failed
+            e
+            for e in np.asarray(experts, dtype=np.int64).tolist()
+            if e in reads and e not in failed
         ]
         self._ahead_used = used
         stats.add("used", "lookahead", len(used))
