@@ -127,7 +127,7 @@ def read_into_slots(
 
 def read_direct(bank, pairs, resident, part_landed=None) -> float:
     """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
-    ``resident`` as it lands. Every read has ended when this returns, also on error (the first
+    ``resident`` as it lands (with any others that landed meanwhile). Every read has ended when this returns, also on error (the first
     error is raised then; experts that landed stay resident). Returns the seconds waited.
 
     ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
@@ -190,27 +190,48 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
     for batch in batches:
         pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))
     pending, error, waited = len(pairs), None, 0.0
+    together = bank.cache.tuning.batch_landings
     while pending:
         t = time.perf_counter()
-        pair, proj, exc = events.get()
+        batch = [events.get()]
         waited += time.perf_counter() - t
         if tl:
-            tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
-        if proj is not None:
-            if error is None:
-                try:
-                    part_landed(*pair, proj)
-                except BaseException as e:  # still wait for every read before raising
-                    error = e
-            continue
-        pending -= 1
-        if exc is not None:
-            error = error or exc
-        elif error is None:
+            tl.span(
+                "wait read", t, "wait", layer=bank.path, expert=batch[0][0][0], part=batch[0][1]
+            )
+        # every other expert that has landed meanwhile is reported with it, in one call: one
+        # compute call for all of them instead of one each (``CacheTuning.batch_landings``)
+        while together:
             try:
-                resident([pair])
-            except BaseException as e:
-                error = e
+                batch.append(events.get_nowait())
+            except queue.Empty:
+                break
+        landed = []
+
+        def report():
+            nonlocal error
+            if landed and error is None:
+                try:
+                    resident(list(landed))
+                except BaseException as e:
+                    error = e
+            landed.clear()
+
+        for pair, proj, exc in batch:
+            if proj is not None:
+                if error is None:
+                    try:
+                        part_landed(*pair, proj)
+                    except BaseException as e:  # still wait for every read before raising
+                        error = e
+                continue
+            pending -= 1
+            if exc is not None:
+                report()  # those that landed before it stay resident
+                error = error or exc
+            else:
+                landed.append(pair)
+        report()
     if error is not None:
         raise error
     return waited

@@ -120,6 +120,9 @@ class CacheTuning:
     # (``read_many``), or reads them itself one after another (``read_serial``): fewer threads
     # and hand-offs per expert, while the demand threads still read several experts at once
     ranges_in_parallel: bool = True
+    # with direct reads, experts that landed while the calling thread was busy are reported (and
+    # computed, in decode-sized calls) together, in one call; off: one call per expert
+    batch_landings: bool = True
     # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
     # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
     # staged right after the layer's host sync, so they are read beside the layer's own misses:

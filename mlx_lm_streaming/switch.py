@@ -169,8 +169,13 @@ class StreamingSwitchGLU(nn.Module):
             ready = landed.extend
         elif flat.size < SORT_THRESHOLD and self._phased(flat.size):
             ready, part_ready = self._by_projection(x, idx, compute, rows_done, outs)
+        elif flat.size < SORT_THRESHOLD:
+            ready = compute  # the experts that landed together, in one call
         else:
-            ready = compute
+            # prefill-sized: each read expert alone (fewer and smaller temporaries: peak RSS)
+            def ready(ids):
+                for e in ids:
+                    compute(np.array([e]))
 
         def rest():
             if landed:

@@ -297,3 +297,38 @@ def test_a_failed_read_ahead_leaves_its_slot_free(q3, monkeypatch):
     assert failed and cache.prefetch_stats.failed == len(failed)
     assert "disk gone" in cache.prefetch_stats.first_error
     model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_experts_that_land_together_are_computed_together(q3, together, monkeypatch):
+    # batch_landings: experts whose reads ended while the calling thread was busy are reported
+    # (and computed) in one call; off: one call each
+    import time
+
+    path, tokens, want = q3
+    tuning = CacheTuning(lookahead=False, batch_landings=together)
+    model = with_slots(path, 8, tuning=tuning)
+    reported = []
+    real_direct = bank_io.read_direct
+
+    def read_direct(bank, pairs, resident, *args):
+        return real_direct(
+            bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args
+        )
+
+    real_rows = switch_mod.StreamingSwitchGLU._rows
+
+    def slow_rows(self, x, idx, which):
+        time.sleep(0.01)  # busy: the other reads of the call land meanwhile
+        return real_rows(self, x, idx, which)
+
+    monkeypatch.setattr(bank_io, "read_direct", read_direct)
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", slow_rows)
+    assert same(want, decode(model, tokens))
+    assert reported
+    if together:
+        assert max(reported) > 1
+    else:
+        assert set(reported) == {1}
+    assert CacheTuning().batch_landings is True
+    model.expert_streaming.close()
