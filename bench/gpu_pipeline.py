@@ -73,11 +73,12 @@ SHAPES = {
 # layer's router in the lookahead replaced by ``routing_replay.OracleRouter``, which knows the
 # routing's next choice, right with probability N%), "depthN" (the lookahead guesses the next N
 # layers, ``CacheTuning.lookahead_depth``), "into" (guesses read straight into the guessed layer's
-# slots, ``CacheTuning.lookahead_into_slots``), "single" (one compute call per landed expert, not
-# one for all that landed together: ``CacheTuning.batch_landings`` off). E.g. "direct_t8_c256_once", "oracle100_early_depth2".
+# slots, ``CacheTuning.lookahead_into_slots``), "single" / "together" (one compute call per landed
+# expert / one for all that landed together: ``CacheTuning.batch_landings``).
+# E.g. "direct_t8_c256_once", "oracle100_early_depth2_into".
 VARIANT_WORDS = (
     "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
-    "serial, tl, early, oracleN, depthN, into, single"
+    "serial, tl, early, oracleN, depthN, into, single, together"
 )
 
 
@@ -109,8 +110,8 @@ def variant_options(name: str):
             opts["trace"] = True  # the caller names the file
         elif word == "early":
             tuning["lookahead_early"] = True
-        elif word == "single":
-            tuning["batch_landings"] = False
+        elif word in ("single", "together"):
+            tuning["batch_landings"] = word == "together"
         elif word == "into":
             tuning["lookahead_into_slots"] = True
         elif word.startswith("depth") and word[5:].isdigit():

@@ -121,8 +121,9 @@ class CacheTuning:
     # and hand-offs per expert, while the demand threads still read several experts at once
     ranges_in_parallel: bool = True
     # with direct reads, experts that landed while the calling thread was busy are reported (and
-    # computed, in decode-sized calls) together, in one call; off: one call per expert
-    batch_landings: bool = True
+    # computed, in decode-sized calls) together, in one call; off: one call per expert. Off by
+    # default: within noise on the H200 (0.98-1.01 of one call each; docs/benchmarks/gpu-oracle.md)
+    batch_landings: bool = False
     # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
     # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
     # staged right after the layer's host sync, so they are read beside the layer's own misses:

@@ -330,5 +330,5 @@ def test_experts_that_land_together_are_computed_together(q3, together, monkeypa
         assert max(reported) > 1
     else:
         assert set(reported) == {1}
-    assert CacheTuning().batch_landings is True
+    assert CacheTuning().batch_landings is False  # within noise on the H200: an option
     model.expert_streaming.close()
