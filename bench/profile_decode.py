@@ -52,6 +52,8 @@ def main():
     cfg = Config(args.variant, model, cold=True, files=experts.shards(path))
     cfg.routing = gp.make_routing(args.routing, layers, num)
     gp.wrap(cfg.model, cfg.routing)
+    if gp.oracle_precision(args.variant) is not None:
+        gp.set_oracle(cfg.model, cfg.routing, gp.oracle_precision(args.variant))
     rng = random.Random(1)
     vocab = model.args.vocab_size
     gp.prompt_by_token(cfg, [rng.randrange(vocab) for _ in range(28)])

@@ -170,11 +170,15 @@ class LayerBank:
             resident = self.slot_of[experts] >= 0
             # guesses read ahead into their slots that this call uses: read for it, so counted
             # as its misses (and as misses guessed)
-            used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
-            if len(used):
+            used = ()
+            if self._ahead_used:
+                used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
                 self._ahead_used = [e for e in self._ahead_used if e not in set(used.tolist())]
             if self.predicted is not None:
-                self._score_guess(np.union1d(experts[~resident], used).astype(np.int64))
+                missed = experts[~resident]
+                if len(used):
+                    missed = np.union1d(missed, used).astype(np.int64)
+                self._score_guess(missed)
             # slots for the missing experts: free ones first, then the policy's victims, never
             # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
             # if the read fails, no slot may still name an evicted expert (evicting that slot
