@@ -293,10 +293,14 @@ class LayerBank:
             views, refs = self.views, self.layer.refs
             store, tl = self.cache.store, self.cache.timeline
             nbytes, path = self.layer.expert_nbytes, self.path
+            # as demand reads do (``bank_io.read_direct``): the ranges on the store's reader pool,
+            # or one after another on this demand thread
+            parallel = self.cache.tuning.ranges_in_parallel
+            read_ranges = store.read_many if parallel else store.read_serial
 
             def read(e, slot):
                 start = time.perf_counter()
-                store.read_many([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
+                read_ranges([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
                 if tl:
                     tl.read(start, path, e, nbytes, "lookahead", slot=slot)
 

@@ -229,8 +229,8 @@ def test_a_bad_lookahead_depth_is_named(bad):
     assert CacheTuning().lookahead_early is False and CacheTuning().lookahead_depth == 1
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_guesses_read_straight_into_slots_are_exact(q3, depth, monkeypatch):
+@pytest.mark.parametrize("depth,parallel", [(1, True), (2, True), (2, False)])
+def test_guesses_read_straight_into_slots_are_exact(q3, depth, parallel, monkeypatch):
     # lookahead_into_slots: decode-sized guesses are read into the guessed layer's slots (on
     # probation) rather than staged; that layer's next call waits for them first
     path, tokens, want = q3
@@ -239,9 +239,14 @@ def test_guesses_read_straight_into_slots_are_exact(q3, depth, monkeypatch):
         lookahead_depth=depth,
         lookahead_into_slots=True,
         lookahead_min_precision=0.0,
+        ranges_in_parallel=parallel,
     )
     model = with_slots(path, 8, tuning=tuning)
     cache = model.expert_streaming.cache
+    store = cache.store
+    serial = []  # ranges_in_parallel=False: reads ahead, like demand reads, read_serial
+    real_serial = store.read_serial
+    monkeypatch.setattr(store, "read_serial", lambda jobs: serial.append(1) or real_serial(jobs))
     bank_type = type(cache.banks[0])
     ahead, settled = [], []
     real_ahead, real_settle = bank_type.read_ahead, bank_type.settle_ahead
@@ -264,6 +269,7 @@ def test_guesses_read_straight_into_slots_are_exact(q3, depth, monkeypatch):
     st = cache.prefetch_stats
     # (prefill-sized guesses, more than half the slots, are still staged)
     assert st.staged["lookahead"] >= sum(n for _, n in ahead) and st.used["lookahead"] > 0
+    assert bool(serial) == (not parallel)
     # each read ahead is a miss of the call that used it (or of none): hits + misses = asked
     asked = sum(b.hits + b.misses for b in cache.banks)
     assert asked == cache.stats.hits + cache.stats.misses
