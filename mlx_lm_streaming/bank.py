@@ -147,7 +147,9 @@ class LayerBank:
     def resident_bytes(self) -> int:
         return self.slots * self.layer.expert_nbytes
 
-    def load(self, experts: np.ndarray, ready=None, keep=(), part_ready=None) -> None:
+    def load(
+        self, experts: np.ndarray, ready=None, keep=(), part_ready=None, guessed=False
+    ) -> None:
         """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
 
         ``ready(ids)``: called (on this thread) with the experts that were read, as they become
@@ -167,9 +169,12 @@ class LayerBank:
             if self.identity and self.staged and ready is None:
                 # (a caller passing ``ready`` has work pending on the bank: it did this before)
                 install_finished(self)
+            if guessed:
+                self._load_guessed(experts, keep)
+                return
             resident = self.slot_of[experts] >= 0
-            # guesses read ahead into their slots that this call uses: read for it, so counted
-            # as its misses (and as misses guessed)
+            # guesses read ahead (into their slots, or staged and loaded with ``guessed``) that
+            # this call uses: read for it, so counted as its misses (and as misses guessed)
             used = ()
             if self._ahead_used:
                 used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
@@ -195,6 +200,18 @@ class LayerBank:
             self.cache.stats.add(hits, len(missing) + len(used), evicted)
             if self.identity and not self.complete:
                 self.complete = bool((self.slot_of >= 0).all())
+
+    def _load_guessed(self, experts: np.ndarray, keep) -> None:
+        """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting
+        (staged), made resident before its own ``load``: slots as for a read ahead (not a use of the
+        policy, so the call is one call to it; nothing but ``keep`` pinned), not counted here; the
+        call's own load counts them as its misses, and as misses guessed, as it does for guesses
+        read straight into slots."""
+        missing, victims, evicted = self.table.prefetch(experts, keep)
+        if len(missing):
+            read_into_slots(self, missing, victims)
+        self._ahead_used.extend(missing.tolist())
+        self.cache.stats.add(0, 0, evicted)
 
     def summary(self) -> dict:
         """This layer's counters: hits, misses, and the GB (decimal) of the experts it missed."""

@@ -306,7 +306,9 @@ class StreamingSwitchGLU(nn.Module):
             install_finished(bank)
         staged = [e for e in experts.tolist() if e in bank.staged]
         if staged:
-            bank.load(np.array(staged, dtype=np.int64), keep=keep)
+            # counted once, as misses, by the call's own load of ``experts`` (not as a miss here
+            # and a hit there), and one call to the policy
+            bank.load(np.array(staged, dtype=np.int64), keep=keep, guessed=True)
 
     def _coactivation_guess(self, idx):
         """With ``CacheTuning.coactivation``: this call's experts taught to the predictor, and for a

@@ -338,3 +338,30 @@ def test_experts_that_land_together_are_computed_together(q3, together, monkeypa
         assert set(reported) == {1}
     assert CacheTuning().batch_landings is False  # within noise on the H200: an option
     model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_guess_read_ahead_counts_once(q3, into, monkeypatch):
+    # a guess the call uses is one miss of that call, staged or read into its slot: every expert a
+    # call asks for is counted once (a staged one was once counted a miss and then a hit)
+    path, tokens, want = q3
+    tuning = CacheTuning(
+        lookahead_early=True,
+        lookahead_into_slots=into,
+        lookahead_min_precision=0.0,
+        staging_bytes=1 << 24,
+    )
+    model = with_slots(path, 8, tuning=tuning)
+    cache = model.expert_streaming.cache
+    asked = []
+    real_call = switch_mod.StreamingSwitchGLU.__call__
+
+    def call(self, x, indices):
+        asked.append(len(np.unique(np.array(indices))))
+        return real_call(self, x, indices)
+
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "__call__", call)
+    assert same(want, decode(model, tokens))
+    assert cache.prefetch_stats.used["lookahead"] > 0
+    assert cache.stats.hits + cache.stats.misses == sum(asked)
+    model.expert_streaming.close()
