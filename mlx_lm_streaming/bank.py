@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .bank_io import install_finished, read_into_slots
+from .bank_io import install_finished, read_into_slots, slot_reader, slot_written
 from .index import LayerExperts
 from .policy import SlotTable
 from .prefetch import StagedBatch, host_address, host_bytes
@@ -178,7 +178,8 @@ class LayerBank:
             used = ()
             if self._ahead_used:
                 used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
-                self._ahead_used = [e for e in self._ahead_used if e not in set(used.tolist())]
+                taken = set(used.tolist())
+                self._ahead_used = [e for e in self._ahead_used if e not in taken]
             if self.predicted is not None:
                 missed = experts[~resident]
                 if len(used):
@@ -307,17 +308,13 @@ class LayerBank:
                 return 0
             self.table.place(missing, slots)
             self.cache.stats.add(0, 0, evicted)
-            views, refs = self.views, self.layer.refs
-            store, tl = self.cache.store, self.cache.timeline
-            nbytes, path = self.layer.expert_nbytes, self.path
-            # as demand reads do (``bank_io.read_direct``): the ranges on the store's reader pool,
-            # or one after another on this demand thread
-            parallel = self.cache.tuning.ranges_in_parallel
-            read_ranges = store.read_many if parallel else store.read_serial
+            read_slot, every = slot_reader(self), range(len(self.layer.parts))
+            tl, nbytes, path = self.cache.timeline, self.layer.expert_nbytes, self.path
 
-            def read(e, slot):
+            def read(e, slot):  # as demand reads do (``bank_io.read_direct``)
                 start = time.perf_counter()
-                read_ranges([(ref, memoryview(v[slot])) for ref, v in zip(refs(e), views)])
+                read_slot(e, slot, every)
+                slot_written(self, slot)
                 if tl:
                     tl.read(start, path, e, nbytes, "lookahead", slot=slot)
 
@@ -344,15 +341,9 @@ class LayerBank:
                 future.result()
             except BaseException as exc:  # cancelled, or a failed read: unmapped
                 failed.add(e)
-                if self.table.slot_of[e] == slot:
-                    self.table.slot_of[e] = -1
-                    self.table.expert_of[slot] = -1
-                if not isinstance(exc, Exception) or future.cancelled():
-                    continue
-                with stats.lock:
-                    stats.failed += 1
-                    if stats.first_error is None:
-                        stats.first_error = f"{type(exc).__name__}: {exc}"
+                self.table.unplace(e, slot)
+                if isinstance(exc, Exception) and not future.cancelled():
+                    stats.fail(1, exc)
         with stats.lock:
             stats.waited_s += time.perf_counter() - waited
         if tl:

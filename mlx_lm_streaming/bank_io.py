@@ -125,10 +125,35 @@ def read_into_slots(
         bank.cache.stats.add_time(io, install)
 
 
+def slot_reader(bank):
+    """``read(expert, slot, members)``: the bank parts ``members`` of ``expert`` read into ``slot``'s
+    memory through the bank's host views (as they are now), on the store's reader pool or one
+    range after another on the calling thread (``CacheTuning.ranges_in_parallel``). For direct
+    reads: demand ones (``read_direct``) and guesses read ahead (``LayerBank.read_ahead``)."""
+    store = bank.cache.store
+    read_ranges = store.read_many if bank.cache.tuning.ranges_in_parallel else store.read_serial
+    views, refs = bank.views, bank.layer.refs
+
+    def read(expert, slot, members):
+        expert_refs = refs(expert)
+        read_ranges([(expert_refs[i], memoryview(views[i][slot])) for i in members])
+
+    return read
+
+
+def slot_written(bank, slot) -> None:
+    """``CacheTuning.on_slot_written`` for each part of ``slot`` once an expert's bytes are in it."""
+    written = bank.cache.tuning.on_slot_written
+    if written is not None:
+        for v in bank.views:
+            written(v[slot])
+
+
 def read_direct(bank, pairs, resident, part_landed=None) -> float:
     """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
-    ``resident`` as it lands (with any others that landed meanwhile). Every read has ended when this returns, also on error (the first
-    error is raised then; experts that landed stay resident). Returns the seconds waited.
+    ``resident`` as it lands (with any others that landed meanwhile). Every read has ended when
+    this returns, also on error (the first error is raised then; experts that landed stay
+    resident). Returns the seconds waited.
 
     ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
     ``PHASE_ORDER``, and this is called (on this thread) as each projection but the last lands,
@@ -138,11 +163,8 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
     stream = bank.last_stream
     if stream is not None and stream != mx.default_stream(mx.default_device()):
         mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
-    views, refs, parts = bank.views, bank.layer.refs, bank.layer.parts
-    store = bank.cache.store
-    # an expert's ranges on the store's reader pool, or one after another on this demand thread
-    read_ranges = store.read_many if bank.cache.tuning.ranges_in_parallel else store.read_serial
-    written = bank.cache.tuning.on_slot_written
+    parts = bank.layer.parts
+    read_slot = slot_reader(bank)
     if part_landed is None:
         groups = [(None, list(range(len(parts))))]
     else:
@@ -156,14 +178,11 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         e, slot = pair
         start = time.perf_counter()
         try:
-            expert_refs = refs(e)
             for g, (proj, members) in enumerate(groups):
-                read_ranges([(expert_refs[i], memoryview(views[i][slot])) for i in members])
+                read_slot(e, slot, members)
                 if g < len(groups) - 1:
                     events.put((pair, proj, None))
-            if written is not None:
-                for v in views:
-                    written(v[slot])
+            slot_written(bank, slot)
         except BaseException as exc:
             events.put((pair, None, exc))
             return
@@ -191,6 +210,17 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
         pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))
     pending, error, waited = len(pairs), None, 0.0
     together = bank.cache.tuning.batch_landings
+    landed = []  # landed and not yet reported
+
+    def report():
+        nonlocal error
+        if landed and error is None:
+            try:
+                resident(list(landed))
+            except BaseException as e:
+                error = e
+        landed.clear()
+
     while pending:
         t = time.perf_counter()
         batch = [events.get()]
@@ -206,17 +236,6 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
                 batch.append(events.get_nowait())
             except queue.Empty:
                 break
-        landed = []
-
-        def report():
-            nonlocal error
-            if landed and error is None:
-                try:
-                    resident(list(landed))
-                except BaseException as e:
-                    error = e
-            landed.clear()
-
         for pair, proj, exc in batch:
             if proj is not None:
                 if error is None:

@@ -269,3 +269,10 @@ class SlotTable:
         """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
         self.slot_of[experts] = slots
         self.expert_of[slots] = experts
+
+    def unplace(self, expert: int, slot: int) -> None:
+        """``expert`` is no longer in ``slot`` (its read failed), if it still is there: the slot is
+        free."""
+        if self.slot_of[expert] == slot:
+            self.slot_of[expert] = -1
+            self.expert_of[slot] = -1

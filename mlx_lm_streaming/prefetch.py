@@ -191,9 +191,10 @@ class PrefetchStats:
         with self.lock:
             getattr(self, what)[kind] += n
 
-    def fail(self, batch: StagedBatch, error: BaseException) -> None:
+    def fail(self, experts: int, error: BaseException) -> None:
+        """``experts`` background reads failed with ``error``."""
         with self.lock:
-            self.failed += len(batch.experts)
+            self.failed += experts
             if self.first_error is None:
                 self.first_error = f"{type(error).__name__}: {error}"
 
@@ -329,7 +330,7 @@ class ExpertPrefetcher:
             except BaseException as e:  # the load that wanted it reads again and reports
                 if tl:
                     tl.batch_read(start, batch, error=e)
-                self.stats.fail(batch, e)
+                self.stats.fail(len(batch.experts), e)
                 batch.future.set_exception(e)
             else:
                 if tl:
