@@ -74,11 +74,13 @@ SHAPES = {
 # routing's next choice, right with probability N%), "depthN" (the lookahead guesses the next N
 # layers, ``CacheTuning.lookahead_depth``), "into" (guesses read straight into the guessed layer's
 # slots, ``CacheTuning.lookahead_into_slots``), "single" / "together" (one compute call per landed
-# expert / one for all that landed together: ``CacheTuning.batch_landings``).
+# expert / one for all that landed together: ``CacheTuning.batch_landings``), "hitsfirst" (the
+# hits' rows submitted before the reads are issued, as before 2026-12-01:
+# ``CacheTuning.reads_first=False``).
 # E.g. "direct_t8_c256_once", "oracle100_early_depth2_into".
 VARIANT_WORDS = (
     "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
-    "serial, tl, early, oracleN, depthN, into, single, together"
+    "serial, tl, early, oracleN, depthN, into, single, together, hitsfirst"
 )
 
 
@@ -112,6 +114,8 @@ def variant_options(name: str):
             tuning["lookahead_early"] = True
         elif word in ("single", "together"):
             tuning["batch_landings"] = word == "together"
+        elif word == "hitsfirst":
+            tuning["reads_first"] = False
         elif word == "into":
             tuning["lookahead_into_slots"] = True
         elif word.startswith("depth") and word[5:].isdigit():

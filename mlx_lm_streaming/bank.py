@@ -148,7 +148,13 @@ class LayerBank:
         return self.slots * self.layer.expert_nbytes
 
     def load(
-        self, experts: np.ndarray, ready=None, keep=(), part_ready=None, guessed=False
+        self,
+        experts: np.ndarray,
+        ready=None,
+        keep=(),
+        part_ready=None,
+        guessed=False,
+        started=None,
     ) -> None:
         """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
 
@@ -157,7 +163,9 @@ class LayerBank:
         read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
         a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
         read one projection at a time and this is called as each but the last lands (before the
-        expert is resident: its slot holds that projection's bytes only)."""
+        expert is resident: its slot holds that projection's bytes only). ``started()``: called
+        (on this thread, once) when the reads have been handed to the readers, before any is
+        waited for; at once where nothing is read."""
         self.cache.ensure_planned()
         self.cache.stats.start()
         if len(experts) > self.slots:
@@ -194,7 +202,11 @@ class LayerBank:
             except ValueError as e:
                 raise ValueError(f"{self.path}: {e}") from None
             if len(missing):
-                read_into_slots(self, missing, victims, ready=ready, part_ready=part_ready)
+                read_into_slots(
+                    self, missing, victims, ready=ready, part_ready=part_ready, started=started
+                )
+            elif started is not None:
+                started()
             hits = len(experts) - len(missing) - len(used)
             self.hits += hits
             self.misses += len(missing) + len(used)

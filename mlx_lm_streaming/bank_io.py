@@ -33,9 +33,11 @@ def read_into_slots(
     slots: np.ndarray,
     ready=None,
     part_ready=None,
+    started=None,
 ) -> None:
     """Bytes from staged background reads where there are, from the store for the rest; each
-    expert is mapped to its slot once its bytes are there, and reported to ``ready``."""
+    expert is mapped to its slot once its bytes are there, and reported to ``ready``.
+    ``started()``: called once, when the store's reads have been issued (``LayerBank.load``)."""
     start = time.perf_counter()
     stats = bank.cache.prefetch_stats
     tl = bank.cache.timeline
@@ -90,8 +92,10 @@ def read_into_slots(
             if groups:
                 write(groups)
                 groups = []
-            io += read_direct(bank, rest, resident, part_ready)
+            io += read_direct(bank, rest, resident, part_ready, started)
         else:
+            if started is not None:
+                started()
             # the rest from the store, in chunks of at most the staging bound (a prefill wave
             # can miss a whole bank's worth of experts: its bytes need not all be staged at once)
             chunk = max(1, bank.cache.staging_limit // max(1, bank.layer.expert_nbytes))
@@ -149,7 +153,7 @@ def slot_written(bank, slot) -> None:
             written(v[slot])
 
 
-def read_direct(bank, pairs, resident, part_landed=None) -> float:
+def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
     """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
     ``resident`` as it lands (with any others that landed meanwhile). Every read has ended when
     this returns, also on error (the first error is raised then; experts that landed stay
@@ -157,8 +161,12 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
 
     ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
     ``PHASE_ORDER``, and this is called (on this thread) as each projection but the last lands,
-    so that the caller can start computing it (``StreamingSwitchGLU._as_they_land``)."""
+    so that the caller can start computing it (``StreamingSwitchGLU._as_they_land``).
+    ``started()``, if given: called (on this thread) once every read has been handed to the demand
+    threads, before the first wait (at once if there is nothing to read)."""
     if not pairs:
+        if started is not None:
+            started()
         return 0.0
     stream = bank.last_stream
     if stream is not None and stream != mx.default_stream(mx.default_device()):
@@ -209,6 +217,11 @@ def read_direct(bank, pairs, resident, part_landed=None) -> float:
     for batch in batches:
         pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))
     pending, error, waited = len(pairs), None, 0.0
+    if started is not None:
+        try:
+            started()
+        except BaseException as e:  # still wait for every read before raising
+            error = e
     together = bank.cache.tuning.batch_landings
     landed = []  # landed and not yet reported
 

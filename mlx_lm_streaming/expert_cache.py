@@ -116,6 +116,10 @@ class CacheTuning:
     # lands; "once" all rows in one call after the reads; "auto": "once" where partial calls are
     # padded (``StreamingSwitchGLU._in_one_landing_call``)
     landings: str = "each"
+    # with direct reads and "each": the hits' rows are submitted once the call's reads have been
+    # handed to the demand threads, while they are read; off: before the reads are issued (the
+    # submission then delays every read of the call)
+    reads_first: bool = True
     # with direct reads, a demand thread hands its expert's ranges to the store's reader pool
     # (``read_many``), or reads them itself one after another (``read_serial``): fewer threads
     # and hand-offs per expert, while the demand threads still read several experts at once

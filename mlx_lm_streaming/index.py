@@ -186,10 +186,8 @@ class LayerExperts:
         self.parts = parts
         # refs[i][e] is the TensorRef of parts[i] for expert e
         self._refs = refs
-
-    @property
-    def expert_nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        # asked once or more per layer call: computed once (the parts never change)
+        self.expert_nbytes = sum(p.nbytes for p in parts)
 
     def refs(self, expert: int) -> List[TensorRef]:
         return [r[expert] for r in self._refs]

@@ -156,7 +156,7 @@ class StreamingSwitchGLU(nn.Module):
         rows_done, outs = [], []
 
         def compute(ids):
-            rows = np.nonzero(np.isin(flat, ids))[0]
+            rows = np.nonzero(_member(flat, ids, bank.num_experts))[0]
             y = self._rows(x, idx, rows)
             _submit(bank, y)
             rows_done.append(rows)
@@ -209,9 +209,13 @@ class StreamingSwitchGLU(nn.Module):
                 # copy the whole bank: read them again directly instead
                 bank._drop_staged()
             hit = wave[bank.slot_of[wave] >= 0]
+            started = None
             if len(hit) and not once:
-                compute(hit)
-            bank.load(wave, ready=ready, keep=keep, part_ready=part_ready)
+                if bank.cache.tuning.reads_first:
+                    started = lambda hit=hit: compute(hit)  # noqa: E731 (while they are read)
+                else:
+                    compute(hit)
+            bank.load(wave, ready=ready, keep=keep, part_ready=part_ready, started=started)
             if once:
                 landed.clear()
                 compute(wave)  # hits and reads in one call: a whole call's rows, never padded
@@ -379,6 +383,14 @@ class StreamingSwitchGLU(nn.Module):
         order = np.argsort(np.concatenate(rows_done), kind="stable")
         y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
+
+
+def _member(ids: np.ndarray, of: np.ndarray, num_experts: int) -> np.ndarray:
+    """``np.isin(ids, of)`` for expert ids, by a mask over the experts: ~10x faster on the few
+    ids of a decode call (numpy's ``isin`` sorts)."""
+    mask = np.zeros(num_experts, dtype=bool)
+    mask[of] = True
+    return mask[ids]
 
 
 def _timed(bank, run, y, name: str, cat: str) -> None:

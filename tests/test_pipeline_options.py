@@ -365,3 +365,48 @@ def test_a_guess_read_ahead_counts_once(q3, into, monkeypatch):
     assert cache.prefetch_stats.used["lookahead"] > 0
     assert cache.stats.hits + cache.stats.misses == sum(asked)
     model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("reads_first", [True, False])
+def test_the_hits_rows_follow_the_reads_issue(q3, reads_first, monkeypatch):
+    # reads_first: a decode call hands its reads to the demand threads before it computes the rows
+    # of its resident experts, so that their submission no longer delays every read; off: before
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, tokens, want = q3
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False, reads_first=reads_first))
+    events = []  # on the thread that calls the model: "call", "rows" (a kernel call), "read"
+    main = threading.current_thread()
+    real_call = switch_mod.StreamingSwitchGLU.__call__
+    real_rows = switch_mod.StreamingSwitchGLU._rows
+    real_submit = ThreadPoolExecutor.submit
+
+    def call(self, x, indices):
+        events.append("call")
+        return real_call(self, x, indices)
+
+    def rows(self, x, idx, which):
+        events.append("rows")
+        return real_rows(self, x, idx, which)
+
+    def submit(self, fn, *args, **kwargs):
+        if threading.current_thread() is main:
+            events.append("read")  # a demand read handed to its thread
+        return real_submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "__call__", call)
+    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
+    assert same(want, decode(model, tokens))
+    calls = " ".join(events).split("call")
+    # calls that computed rows before their first read was issued: those of the hits
+    mixed = [c.split() for c in calls if "read" in c.split() and "rows" in c.split()]
+    rows_first = [c for c in mixed if c.index("rows") < c.index("read")]
+    assert mixed
+    if reads_first:
+        assert not rows_first
+    else:
+        assert rows_first
+    assert CacheTuning().reads_first is True
+    model.expert_streaming.close()
