@@ -76,12 +76,11 @@ SHAPES = {
 # slots, ``CacheTuning.lookahead_into_slots``), "single" / "together" (one compute call per landed
 # expert / one for all that landed together: ``CacheTuning.batch_landings``), "hitsfirst" (the
 # hits' rows submitted before the reads are issued, as before 2026-12-01:
-# ``CacheTuning.reads_first=False``), "willneed" (the store asks the kernel to read all of a
-# batch's ranges at once, then reads them on the demand thread: store option ``willneed``).
+# ``CacheTuning.reads_first=False``).
 # E.g. "direct_t8_c256_once", "oracle100_early_depth2_into".
 VARIANT_WORDS = (
     "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
-    "serial, tl, early, oracleN, depthN, into, single, together, hitsfirst, willneed"
+    "serial, tl, early, oracleN, depthN, into, single, together, hitsfirst"
 )
 
 
@@ -115,8 +114,6 @@ def variant_options(name: str):
             tuning["lookahead_early"] = True
         elif word in ("single", "together"):
             tuning["batch_landings"] = word == "together"
-        elif word == "willneed":
-            store["willneed"] = True
         elif word == "hitsfirst":
             tuning["reads_first"] = False
         elif word == "into":

@@ -410,39 +410,3 @@ def test_the_hits_rows_follow_the_reads_issue(q3, reads_first, monkeypatch):
         assert rows_first
     assert CacheTuning().reads_first is True
     model.expert_streaming.close()
-
-
-def test_willneed_reads_are_exact_and_advised(q3, monkeypatch):
-    # store option willneed: every range of a batch advised to the kernel first, then read on the
-    # calling thread (no reader pool)
-    import os
-
-    path, tokens, want = q3
-    model = with_slots(path, 3, store_options={"willneed": True})
-    store = model.expert_streaming.cache.store
-    assert store.willneed
-    advised, read = [], []
-    real_fadvise, real_read = os.posix_fadvise, SafetensorsStore._read
-
-    def fadvise(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((offset, length))
-        return real_fadvise(fd, offset, length, advice)
-
-    def traced_read(self, ref, out, start=0, end=-1):
-        read.append((ref.offset + start, (ref.nbytes if end < 0 else end) - start))
-        return real_read(self, ref, out, start, end)
-
-    monkeypatch.setattr(os, "posix_fadvise", fadvise)
-    monkeypatch.setattr(SafetensorsStore, "_read", traced_read)
-    assert same(want, decode(model, tokens))
-    assert read and sorted(read) == sorted(advised)
-    assert store._pool is None  # nothing handed to reader threads
-    model.expert_streaming.close()
-
-
-@pytest.mark.parametrize("bad", ["yes", 2])
-def test_a_bad_willneed_is_named(q3, bad):
-    path, _, _ = q3
-    with pytest.raises(ConfigurationError, match="willneed"):
-        with_slots(path, 3, store_options={"willneed": bad})

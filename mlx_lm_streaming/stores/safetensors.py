@@ -24,7 +24,6 @@ MAX_RETRIES = 8
 # ranges longer than this are read as pieces of this size in parallel, so that even one expert (a
 # few ranges, most of its bytes in three) keeps every reader busy; None: one read per range
 DEFAULT_CHUNK_BYTES: Optional[int] = None
-WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if hasattr(os, "posix_fadvise") else None
 
 
 class SafetensorsStore(ExpertStore):
@@ -33,17 +32,11 @@ class SafetensorsStore(ExpertStore):
     name = "safetensors"
 
     def __init__(
-        self,
-        files,
-        threads: int = DEFAULT_THREADS,
-        chunk_bytes=DEFAULT_CHUNK_BYTES,
-        willneed=False,
-        **options,
+        self, files, threads: int = DEFAULT_THREADS, chunk_bytes=DEFAULT_CHUNK_BYTES, **options
     ):
         super().__init__(files)
         self.threads = max(1, int(threads))
         self.chunk_bytes = _chunk_option(chunk_bytes)
-        self.willneed = _willneed_option(willneed)
         self._fds: Dict[Path, int] = {}
 
     def _fd(self, path: Path) -> int:
@@ -120,15 +113,6 @@ class SafetensorsStore(ExpertStore):
         files = {ref.file for ref, _ in jobs}
         self._check(files)
         pieces = self._pieces(jobs, self.chunk_bytes if parallel else None)
-        if self.willneed:
-            # the kernel reads every range at once in the background (readahead); the reads
-            # below, one after another on this thread, then wait only for bytes still on their way
-            for ref, _, a, b in pieces:
-                try:
-                    os.posix_fadvise(self._fd(ref.file), ref.offset + a, b - a, WILLNEED)
-                except OSError:
-                    pass  # advice only: the read below still reads every byte
-            parallel = False
         if not parallel or self.threads == 1 or len(pieces) == 1:
             for piece in pieces:
                 self._read(*piece)
@@ -138,7 +122,9 @@ class SafetensorsStore(ExpertStore):
             list(pool.map(lambda piece: self._read(*piece), pieces))
         # again after: a change that raced with the reads is caught before the bytes are used
         self._check(files)
-        self.stats.add(len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start)
+        self.stats.add(
+            len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
+        )
 
     def _pieces(self, jobs, size: Optional[int]):
         """``(ref, out, start, end)`` reads: whole ranges, or pieces of ``size`` of long ones."""
@@ -160,21 +146,6 @@ class SafetensorsStore(ExpertStore):
             self._pool = None
         for fd in fds.values():
             os.close(fd)
-
-
-def _willneed_option(value) -> bool:
-    """The ``willneed`` store option: before reading a batch of ranges, ask the kernel to read them
-    all into the page cache in the background (``posix_fadvise(POSIX_FADV_WILLNEED)``), then read
-    them on the calling thread, one after another: the disk sees every range of the batch at once
-    with no reader thread per range (fewer Python hand-offs). Where the platform has no
-    ``posix_fadvise`` (macOS) it is refused."""
-    if value not in (True, False, 0, 1):
-        raise ConfigurationError(f"store option willneed must be true or false, not {value!r}")
-    if value and WILLNEED is None:
-        raise ConfigurationError(
-            "store option willneed needs posix_fadvise (Linux); this platform has none"
-        )
-    return bool(value)
 
 
 def _chunk_option(value) -> Optional[int]:
