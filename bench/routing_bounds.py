@@ -1,19 +1,22 @@
 """How far an eviction policy can get on routing traces: two yardsticks that see the future.
 
-    python bench/routing_bounds.py [--traces tests/data/routing] [--slots 8,16,32] [--policy decay_next]
+    python bench/routing_bounds.py [--traces tests/data/routing] [--slots 8,16,32]
+                                   [--policy decay_next] [--halves]
 
-For every ``*.jsonl`` trace in ``--traces``, at each slot count, prints the decode hit rate of:
+For every ``*.jsonl`` trace in ``--traces`` (with ``--halves``, also its halves as
+``bench/routing_policy.py`` cuts them), at each slot count, prints the decode hit rate of:
 
 - ``--policy`` with the same slots in every layer (``replay.replay``, the figure docs/routing.md
   gives), LRU, Belady and the halfway mark ``(LRU + Belady) / 2`` (issue 14, item 3);
 - ``next k``: the policy told the layer's next ``k`` calls exactly: a resident expert one of them
   uses is never evicted while another can be (the sooner its use, the later it goes), the others in
   the policy's order. With ``k = 1`` this is a perfect guess of the next call's experts, what
-  ``decay_next`` estimates online; no online predictor of the next call does better;
-- ``best split``: the policy with the same total slots split between the layers the best way for this
-  trace, chosen knowing every layer's decode hit curve (1 to 4 x the slots per layer, at least
-  the trace's top-k) and replayed through ``replay.replay`` with that split: no online reallocation
-  of slots between layers under this policy does better.
+  ``decay_next`` estimates online: about the most a better estimate of it can add;
+- ``best split``: the policy with the same total slots split between the layers the best way for
+  this trace, chosen knowing every layer's decode hit curve (from the trace's top-k to 4 x the
+  slots per layer) and replayed through ``replay.replay`` with that split: no fixed split does
+  better under this policy, and slots moved between layers online would have to beat a split
+  chosen in hindsight.
 
 Pure CPU; a minute or two per trace (the hit curves are one replay per slot count).
 """
@@ -30,6 +33,7 @@ sys.path[:0] = [str(ROOT)]
 from mlx_lm_streaming.policy import SlotTable, make_policy  # noqa: E402
 from mlx_lm_streaming.replay import belady, replay  # noqa: E402
 from mlx_lm_streaming.routing_trace import RoutingTrace, read_trace  # noqa: E402
+from routing_policy import halves  # noqa: E402
 
 
 def foresight(trace: RoutingTrace, slots: int, policy: str, k: int) -> float:
@@ -113,6 +117,7 @@ def main():
     ap.add_argument("--traces", default=str(ROOT / "tests" / "data" / "routing"))
     ap.add_argument("--slots", default="8,16,32")
     ap.add_argument("--policy", default="decay_next")
+    ap.add_argument("--halves", action="store_true", help="also each trace's two halves")
     args = ap.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
     ks = (1, 2, 4, 8)
@@ -120,8 +125,15 @@ def main():
     head += ["best split", "Belady", "halfway"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+    traces = []
     for path in sorted(Path(args.traces).glob("*.jsonl")):
         trace = read_trace(path)
+        traces.append((path.stem, trace))
+        if args.halves:
+            first, second = halves(trace)
+            traces += [(f"{path.stem} first half", first)]
+            traces += [(f"{path.stem} second half (cold)", second)]
+    for name, trace in traces:
         widest = max(len(ids) for row in trace.rows for ids in row.experts)
         sizes = range(widest, min(4 * max(slots), trace.num_experts) + 1)
         curves = {n: replay(trace, n, args.policy).decode_misses for n in sizes}
@@ -132,7 +144,7 @@ def main():
             ahead = [foresight(trace, n, args.policy, k) for k in ks]
             split = replay(trace, best_split(trace, n, args.policy, curves), args.policy)
             best = belady(trace, n).hit_rate("decode")
-            cells = [path.stem, n, lru, ours, *ahead, split.hit_rate("decode"), best]
+            cells = [name, n, lru, ours, *ahead, split.hit_rate("decode"), best]
             cells.append((lru + best) / 2)
             text = [f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells]
             print("| " + " | ".join(text) + " |", flush=True)
