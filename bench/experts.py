@@ -1277,8 +1277,12 @@ def plot(report, path):
     except ImportError:
         return "matplotlib is not installed: no plot"
     archs = report["archs"]
-    fig, axes = plt.subplots(1, len(archs), figsize=(5 * len(archs), 4), squeeze=False)
-    for ax, res in zip(axes[0], archs):
+    cols = min(len(archs), 3)
+    rows = -(-len(archs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(archs) :]:
+        ax.set_visible(False)
+    for ax, res in zip(axes.flat, archs):
         keys = list(res["decode"])
         vals = [res["decode"][k]["tok_s"] for k in keys]
         ax.bar(
@@ -1294,8 +1298,19 @@ def plot(report, path):
         ax.set_yscale("log")
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        limit = res.get("ratios", {}).get("cold_limit_tok_s")
+        if limit and "cold" in keys:
+            i = keys.index("cold")
+            ax.hlines(limit, i - 0.45, i + 0.45, colors="#000", linestyles="dashed")
+            ax.text(i, limit, "limit", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(bottom=min(vals + ([limit] if limit else [])) * 0.5)
         ax.set_ylabel("decode tok/s (log scale)")
-        ax.set_title(f"{res['label']} ({res['layers']} layers, {report['device']})", fontsize=9)
+        routing = res.get("routing", "uniform")
+        routing = "trace" if routing.startswith("trace:") else routing
+        routing += ", folded" if res.get("routing_fold") else ""
+        ax.set_title(
+            f"{res['label']} ({res['layers']} layers, {report['device']}, {routing})", fontsize=9
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
