@@ -1303,7 +1303,8 @@ def plot(report, path):
             i = keys.index("cold")
             ax.hlines(limit, i - 0.45, i + 0.45, colors="#000", linestyles="dashed")
             ax.text(i, limit, "limit", ha="center", va="bottom", fontsize=7)
-        ax.set_ylim(bottom=min(vals + ([limit] if limit else [])) * 0.5)
+        drawn = vals + ([limit] if limit else [])
+        ax.set_ylim(bottom=min(drawn) * 0.5, top=max(drawn) * 1.25)
         ax.set_ylabel("decode tok/s (log scale)")
         routing = res.get("routing", "uniform")
         routing = "trace" if routing.startswith("trace:") else routing
