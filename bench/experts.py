@@ -24,7 +24,9 @@ conditions; and ablations (``cold_nolookahead``, ``warm_sync``, ``cold_packed``,
 Measured: decode tok/s; prefill of a 512-token prompt (stock, warm, cold with empty banks and cold
 page cache); bytes read per token; hit rate; seconds waiting for I/O vs the rest; lookahead
 precision / recall; the disk's own bandwidth for reads of one expert (1 and 4 threads, buffered and
-O_DIRECT); peak RSS of stock / warm / cold, each in a process of its own. Writes
+O_DIRECT); peak RSS of stock / warm / cold, each in a process of its own. With uniform or trace
+routing, the cold configuration's own rows are replayed offline through its policy, LRU and Belady
+at its slots per layer, and the GB/s its reads achieved is reported beside the disk's. Writes
 ``<out>/<tag>.json``, ``<out>/<tag>.md`` and ``<out>/<tag>.png``.
 """
 
