@@ -24,7 +24,9 @@ conditions; and ablations (``cold_nolookahead``, ``warm_sync``, ``cold_packed``,
 Measured: decode tok/s; prefill of a 512-token prompt (stock, warm, cold with empty banks and cold
 page cache); bytes read per token; hit rate; seconds waiting for I/O vs the rest; lookahead
 precision / recall; the disk's own bandwidth for reads of one expert (1 and 4 threads, buffered and
-O_DIRECT); peak RSS of stock / warm / cold, each in a process of its own. Writes
+O_DIRECT); peak RSS of stock / warm / cold, each in a process of its own. With uniform or trace
+routing, the cold configuration's own rows are replayed offline through its policy, LRU and Belady
+at its slots per layer, and the GB/s its reads achieved is reported beside the disk's. Writes
 ``<out>/<tag>.json``, ``<out>/<tag>.md`` and ``<out>/<tag>.png``.
 """
 
@@ -119,15 +121,19 @@ def log(*a):
 # -- checkpoints and the page cache ---------------------------------------------------------------
 
 
-def checkpoint(ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None) -> Path:
-    """The checkpoint of shape ``name`` (``layers``, ``top_k``: other than the shape's, for trace
-    routing), built once."""
+def checkpoint(
+    ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None, experts=None
+) -> Path:
+    """The checkpoint of shape ``name`` (``layers``, ``top_k``, ``experts`` per layer: other than
+    the shape's, for trace routing), built once."""
     spec = ARCHS[name]
     layers = layers or spec["layers"]
     overrides = dict(spec["overrides"])
     k = "" if top_k in (None, overrides["top_k"]) else f"-k{top_k}"
+    e = "" if experts in (None, overrides["experts"]) else f"-e{experts}"
     overrides["top_k"] = top_k or overrides["top_k"]
-    path = ckpt_dir / f"{name}-{layers}l{k}-{dtype}"
+    overrides["experts"] = experts or overrides["experts"]
+    path = ckpt_dir / f"{name}-{layers}l{k}{e}-{dtype}"
     if (path / ".complete").is_file():
         return path
     from mlx_lm_streaming.synthetic import build_checkpoint
@@ -220,6 +226,9 @@ class Config:
         self.tokens = []
         self.drop_s = 0.0
         self.stats0 = None
+        self.calls = None  # CallLog of the routing's ids (cold, routing replaced)
+        self.decode_from = 0
+        self.spans = None  # ReadSpans of the store (cold)
 
     @property
     def cache(self):
@@ -242,6 +251,7 @@ class Config:
             "hits": s["hits"],
             "misses": s["misses"],
             "bytes_read": cache.store.stats.bytes_read,
+            "store_read_seconds": cache.store.stats.seconds,
             "io_wait_seconds": s["io_wait_seconds"],
             "install_seconds": s["install_seconds"],
             "prefetch": _prefetch_counts(cache),
@@ -330,31 +340,152 @@ class ForcedRouting:
         return pick.astype(np.uint32).reshape(shape)
 
 
-def make_routing(routing: str, num_experts: int, layers: int):
+def make_routing(routing: str, num_experts: int, layers: int, fold=None):
     """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
-    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones), or None."""
+    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones; ``fold`` =
+    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None."""
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
-        from routing_replay import TraceRouting, read_trace
+        from routing_replay import TraceRouting, fold_trace, read_trace
 
         trace = read_trace(routing[len("trace:") :])
+        if fold is not None:
+            trace = fold_trace(trace, *fold)
         return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
     return None
 
 
-def routing_arg(value: str) -> str:
-    if value in ("uniform", "model"):
-        return value
-    if value.startswith("trace:"):
-        from mlx_lm_streaming.routing_trace import TraceError, read_trace
+def routing_label(routing: str, fold=None, layers=None) -> str:
+    """How a run's routing is named in its report."""
+    if not routing.startswith("trace:"):
+        return routing
+    label = f"trace {Path(routing[len('trace:') :]).name}"
+    if layers:
+        label += f", its first {layers} MoE layers"
+    if fold:
+        label += (
+            f", folded onto {fold[0]} experts, top {fold[1]} (id % {fold[0]}, the first "
+            f"{fold[1]} distinct ids in rank order): a real trace's reuse, not this model's routing"
+        )
+    return label
 
-        try:
-            read_trace(value[len("trace:") :])
-        except TraceError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r}: use uniform, model or trace:FILE")
+
+class CallLog:
+    """The expert ids a configuration's routing passed each MoE layer, call by call (taken with the
+    routing's ``peek`` just before its ``indices``: the very ids the layer computed), so that the
+    same rows can be replayed offline through LRU and Belady (``replay_figures``)."""
+
+    def __init__(self, routing):
+        self.calls = {}
+        take = routing.indices
+
+        def indices(layer_no, shape):
+            import numpy as np
+
+            ids = np.asarray(routing.peek(layer_no, shape)).reshape(-1, shape[-1])
+            self.calls.setdefault(layer_no, []).append(ids.copy())
+            return take(layer_no, shape)
+
+        routing.indices = indices
+
+    def clear(self):
+        self.calls = {}
+
+    def rows(self) -> int:
+        return min((sum(len(c) for c in calls) for calls in self.calls.values()), default=0)
+
+
+def replay_figures(log: CallLog, decode_from: int, slots, num_experts: int, policy: str):
+    """Decode hit rates of the cold configuration's own rows (``log``: from its cold start, the
+    rows before ``decode_from`` warm the tables and are not counted) replayed through the package's
+    slot tables with its own policy, LRU and Belady's offline optimum, at its slots per layer."""
+    from routing_replay import trace_of_calls
+
+    from mlx_lm_streaming import replay as rp
+
+    trace = trace_of_calls(log.calls, num_experts, decode_from)
+    rows = len(trace.rows)
+    return {
+        "rows_warm": decode_from,
+        "rows_decode": rows - decode_from,
+        "slots": list(slots),
+        "num_experts": num_experts,
+        "top_k": trace.top_k,
+        "policy": policy,
+        "policy_hit_rate": rp.replay(trace, slots, policy).hit_rate("decode"),
+        "lru_hit_rate": rp.replay(trace, slots, "lru").hit_rate("decode"),
+        "belady_hit_rate": rp.belady(trace, slots).hit_rate("decode"),
+        "random_hit_rate": sum(slots) / len(slots) / num_experts,
+    }
+
+
+class ReadSpans:
+    """When each of a store's reads ran (its ``stats.add`` reports a read's bytes and seconds as it
+    ends): the union of their spans is the wall time at least one read was in flight."""
+
+    def __init__(self, store):
+        self.spans = []
+        add = store.stats.add
+
+        def record(reads, nbytes, seconds):
+            end = time.perf_counter()
+            self.spans.append((end - seconds, end, nbytes))
+            add(reads, nbytes, seconds)
+
+        store.stats.add = record
+
+    def clear(self):
+        self.spans = []
+
+    def figures(self):
+        """bytes, summed read seconds, and seconds with a read in flight."""
+        spans = list(self.spans)
+        flight, end = 0.0, None
+        for a, b, _ in sorted(spans):
+            if end is None or a > end:
+                flight += b - a
+                end = b
+            elif b > end:
+                flight += b - end
+                end = b
+        return {
+            "bytes": sum(n for _, _, n in spans),
+            "read_seconds": sum(b - a for a, b, _ in spans),
+            "in_flight_seconds": flight,
+            "reads": len(spans),
+        }
+
+
+def routing_arg(value: str) -> str:
+    """One or more of uniform, model, trace:FILE, comma-separated (each is run in turn)."""
+    for one in value.split(","):
+        if one in ("uniform", "model"):
+            continue
+        if one.startswith("trace:"):
+            from mlx_lm_streaming.routing_trace import TraceError, read_trace
+
+            try:
+                read_trace(one[len("trace:") :])
+            except TraceError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+            continue
+        raise argparse.ArgumentTypeError(f"{one!r}: use uniform, model or trace:FILE")
+    return value
+
+
+def layers_arg(value: str):
+    """N (every shape) or NAME=N,... (per shape)."""
+    if value.isdigit():
+        return int(value)
+    try:
+        out = {k: int(v) for k, v in (part.split("=") for part in value.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use N or NAME=N,...") from None
+    unknown = set(out) - set(ARCHS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shapes {sorted(unknown)}: use {list(ARCHS)}")
+    return out
 
 
 def delta(a, b):
@@ -595,10 +726,15 @@ def run_arch(name, path, args, device):
             configs[kind] = Config(kind, m, cold=True, files=files, lru=lru)
 
     res["routing"] = args.routing
+    fold = getattr(args, "fold", None)
+    res["routing_fold"] = fold
+    res["routing_label"] = routing_label(args.routing, fold, layers)
     for cfg in configs.values():
-        cfg.routing = make_routing(args.routing, res["experts"], layers)
+        cfg.routing = make_routing(args.routing, res["experts"], layers, fold=fold)
         if cfg.routing is not None:
             cfg.routing.wrap(cfg.model)
+        cfg.calls = CallLog(cfg.routing) if cfg.routing is not None and cfg.name == "cold" else None
+        cfg.spans = ReadSpans(cfg.cache.store) if cfg.cold and cfg.cache is not None else None
 
     # warm-up: stock once; warm until its background fill completed
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
@@ -663,12 +799,18 @@ def run_arch(name, path, args, device):
     for cfg in configs.values():
         if cfg.cache is not None and cfg.cold:
             reset_banks(cfg.model)
+        if cfg.calls is not None:
+            cfg.calls.clear()  # from the cold start on: the rows replay_figures replays
         _, cfg.kv, logits = prefill(cfg, short)
         cfg.stream, cfg.pos = stream, 1
         # one warm-up block (allocations, first reads) outside the measurement
         decode_block(cfg, 2)
         cfg.tokens = []
         cfg.stats0 = cfg.counters()
+        if cfg.calls is not None:
+            cfg.decode_from = cfg.calls.rows()
+        if cfg.spans is not None:
+            cfg.spans.clear()
     rounds = []
     order = list(configs)
     for r in range(args.rounds):
@@ -706,7 +848,32 @@ def run_arch(name, path, args, device):
             "install_s_per_token": c.get("install_seconds", 0.0) / n,
             "prefetch": precision_recall(c.get("prefetch")),
         }
+        if cfg.spans is not None:
+            # the GB/s the reads achieved (GB = 2**30, as the disk probe's): over the wall time at
+            # least one read was in flight, and over the store's own read seconds (its stats:
+            # summed over reads, which overlap on the reader threads), over the I/O wait
+            f = cfg.spans.figures()
+            read = c.get("bytes_read", 0)
+            dec[key]["reads"] = f
+            dec[key]["read_gbps_in_flight"] = (
+                f["bytes"] / f["in_flight_seconds"] / GB if f["in_flight_seconds"] else None
+            )
+            sec = c.get("store_read_seconds", 0.0)
+            dec[key]["read_gbps_store_seconds"] = read / sec / GB if sec else None
+            wait = c.get("io_wait_seconds", 0.0)
+            dec[key]["read_gbps_io_wait"] = read / wait / GB if wait else None
     res["decode"] = dec
+    cold_cfg = configs.get("cold")
+    if cold_cfg is not None and cold_cfg.calls is not None:
+        banks = cold_cfg.cache.banks
+        res["replay"] = replay_figures(
+            cold_cfg.calls,
+            cold_cfg.decode_from,
+            [b.slots for b in banks],
+            res["experts"],
+            cold_cfg.cache.policy,
+        )
+        log(f"[{name}] replay of the cold rows: {res['replay']}")
     # exactness across configurations: identical greedy tokens
     ref = configs["stock"].tokens
     res["same_tokens"] = {k: cfg.tokens == ref[: len(cfg.tokens)] for k, cfg in configs.items()}
@@ -748,6 +915,11 @@ def ratios(res, rounds):
             limits.append(max(r["stock"], io) / r["cold"])
     out["cold_vs_limit"] = statistics.median(limits) if limits else None
     out["cold_limit_io_s_per_token"] = dec["cold"]["miss_bytes_per_token"] / disk
+    # the same limit from the run's totals: limit tok/s = 1 / max(stock s per token, miss bytes per
+    # token / disk); cold tok/s over it (the median of per-round ratios above weighs rounds alike)
+    limit_s = max(dec["stock"]["s_per_token_mean"], out["cold_limit_io_s_per_token"])
+    out["cold_limit_tok_s"] = 1 / limit_s
+    out["cold_vs_limit_totals"] = dec["cold"]["tok_s"] / out["cold_limit_tok_s"]
     for key in dec:
         if key != "stock":
             out[f"{key}_vs_stock"] = paired(rounds, key, "stock")
@@ -822,7 +994,14 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing, store_threads
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
     from mlx_lm.generate import generate_step
 
-    forced = make_routing(routing, num_experts(model), len(model.layers))
+    fold = None
+    if routing.startswith("trace:"):
+        from routing_replay import _expert_counts, read_trace
+
+        experts, top_k = _expert_counts(model)
+        if read_trace(routing[len("trace:") :]).num_experts != experts:
+            fold = (experts, top_k)  # as the run's --trace-fold
+    forced = make_routing(routing, num_experts(model), len(model.layers), fold=fold)
     if forced is not None:
         forced.wrap(model)
 
@@ -927,15 +1106,96 @@ def _spread(res):
     return {k: v for k, v in out.items() if v}
 
 
+def _pct(v):
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1%}"
+
+
+def _gbps(v):
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def routing_summary(report):
+    """Per shape, one row per routing: the cold configuration's hit rate beside the replay's LRU and
+    Belady at the same slots, tok/s against the limit, and the GB/s its reads achieved beside the
+    disk probe's best (runs with ``res["replay"]``, written since 2026-12-01)."""
+    runs = [res for res in report["archs"] if "replay" in res and "cold" in res["decode"]]
+    if not runs:
+        return []
+    lines = [
+        "## Cold decode by shape and routing",
+        "",
+        "`cold`: budget 25% of the expert bytes, page cache dropped before every decode step. Hit "
+        "rate: the cold configuration's own (cache stats, measured steps). Beside it, its very rows "
+        "(the ids its layers were called with, recorded from its cold start: the short prompt's "
+        "rows and the warm-up steps warm the tables and are not counted, then every measured step) "
+        "replayed through `mlx_lm_streaming.replay` with its slots per layer: the cache's own "
+        "policy, LRU, Belady (offline optimum), and slots / experts (what random choices hit). The "
+        "replay takes a prompt row by row where the model took it in one call. Limit tok/s = 1 / "
+        "max(stock s per token, miss bytes per token / probe best GB/s), from the run's totals; "
+        "cold / limit = cold tok/s / limit tok/s (the paired median of per-round ratios in "
+        "brackets). Read GB/s (GB = 2^30): bytes the store read over the wall time at least one "
+        "read was in flight (union of the reads' spans); in brackets over the store's own read "
+        "seconds (`store.stats.seconds`, summed over reads that overlap on its threads) and over "
+        "the calling thread's I/O wait (`cache.stats.io_wait_seconds`).",
+        "",
+    ]
+    by_shape = {}
+    for res in runs:
+        by_shape.setdefault(res["label"], []).append(res)
+    for label, group in by_shape.items():
+        lines += [
+            f"### {label}",
+            "",
+            "| routing | layers x experts, top-k, slots | hit rate | replay: own policy | LRU | "
+            "Belady | slots / experts | cold tok/s | stock tok/s | limit tok/s | cold / limit | "
+            "MB read / token | read GB/s in flight (store s; I/O wait) | probe best GB/s | "
+            "bit-exact logits |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for res in group:
+            rp, d, r = res["replay"], res["decode"], res["ratios"]
+            slots = sorted(set(rp["slots"]))
+            exact = res["same_tokens"]
+            bad = [k for k, v in exact.items() if not v]
+            lines.append(
+                f"| {res.get('routing_label', res['routing'])} | {res['layers']} x "
+                f"{res['experts']}, top {rp['top_k']}, {'/'.join(map(str, slots))} | "
+                f"{_pct(d['cold']['hit_rate'])} | {_pct(rp['policy_hit_rate'])} "
+                f"({rp['policy']}) | {_pct(rp['lru_hit_rate'])} | {_pct(rp['belady_hit_rate'])} | "
+                f"{_pct(rp['random_hit_rate'])} | {d['cold']['tok_s']:.2f} | "
+                f"{d['stock']['tok_s']:.2f} | {r['cold_limit_tok_s']:.2f} | "
+                f"{r['cold_vs_limit_totals']:.3f} ({fmt(r['cold_vs_limit'])}) | "
+                f"{d['cold']['bytes_per_token'] / MB:.1f} | "
+                f"{_gbps(d['cold'].get('read_gbps_in_flight'))} "
+                f"({_gbps(d['cold'].get('read_gbps_store_seconds'))}; "
+                f"{_gbps(d['cold'].get('read_gbps_io_wait'))}) | {res['disk_best_gbps']:.2f} | "
+                f"{'all (' + ', '.join(exact) + ')' if not bad else 'NOT ' + ', '.join(bad)} |"
+            )
+        lines.append("")
+        for res in group:
+            rp = res["replay"]
+            lines.append(
+                f"- {res.get('routing_label', res['routing'])}: {rp['rows_decode']} measured rows "
+                f"per layer replayed after {rp['rows_warm']} warm-up rows; "
+                f"{res['decode']['cold']['tokens']} cold decode steps timed."
+            )
+        lines.append("")
+    return lines
+
+
 def markdown(report):
     lines = [f"# Expert streaming benchmark: {report['tag']}", ""]
     m = report["machine"]
     lines += [f"Machine: {m['summary']}. Command: `{report['command']}`. {report['when']}.", ""]
+    lines += routing_summary(report)
     for res in report["archs"]:
         r = res["ratios"]
+        routing = res.get("routing_label") or res.get("routing")
         lines += [
             f"## {res['label']} experts ({res['layers']} layers, {res['experts']} experts of "
-            f"{res['expert_bytes'] / MB:.2f} MB, {res['total_expert_bytes'] / GB:.2f} GB of experts)",
+            f"{res['expert_bytes'] / MB:.2f} MB, {res['total_expert_bytes'] / GB:.2f} GB of experts"
+            + (f"; routing: {routing}" if routing and "routing_label" in res else "")
+            + ")",
             "",
             "| target | measured | goal |",
             "|---|---|---|",
@@ -1019,8 +1279,12 @@ def plot(report, path):
     except ImportError:
         return "matplotlib is not installed: no plot"
     archs = report["archs"]
-    fig, axes = plt.subplots(1, len(archs), figsize=(5 * len(archs), 4), squeeze=False)
-    for ax, res in zip(axes[0], archs):
+    cols = min(len(archs), 3)
+    rows = -(-len(archs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(archs) :]:
+        ax.set_visible(False)
+    for ax, res in zip(axes.flat, archs):
         keys = list(res["decode"])
         vals = [res["decode"][k]["tok_s"] for k in keys]
         ax.bar(
@@ -1036,8 +1300,20 @@ def plot(report, path):
         ax.set_yscale("log")
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        limit = res.get("ratios", {}).get("cold_limit_tok_s")
+        if limit and "cold" in keys:
+            i = keys.index("cold")
+            ax.hlines(limit, i - 0.45, i + 0.45, colors="#000", linestyles="dashed")
+            ax.text(i, limit, "limit", ha="center", va="bottom", fontsize=7)
+        drawn = vals + ([limit] if limit else [])
+        ax.set_ylim(bottom=min(drawn) * 0.5, top=max(drawn) * 1.25)
         ax.set_ylabel("decode tok/s (log scale)")
-        ax.set_title(f"{res['label']} ({res['layers']} layers, {report['device']})", fontsize=9)
+        routing = res.get("routing", "uniform")
+        routing = "trace" if routing.startswith("trace:") else routing
+        routing += ", folded" if res.get("routing_fold") else ""
+        ax.set_title(
+            f"{res['label']} ({res['layers']} layers, {report['device']}, {routing})", fontsize=9
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
@@ -1118,14 +1394,24 @@ def main():
         help="uniform: random experts per token and layer, the same for every "
         "configuration (default; a random-weight model's own routing barely varies); "
         "model: the checkpoint's routers; trace:FILE: a routing trace's experts "
-        "(bench/routing_replay.py), on checkpoints built with its MoE layer count and top-k",
+        "(bench/routing_replay.py), on checkpoints built with its MoE layer count, experts per "
+        "layer and top-k (or folded onto the shape's: --trace-fold); several, comma-separated: "
+        "each shape is run under each in turn",
     )
     ap.add_argument(
         "--layers",
-        type=int,
+        type=layers_arg,
         default=None,
-        help="MoE layers of the checkpoints (default: the shape's; with trace routing the "
-        "trace's; fewer than the trace's replay its first ones)",
+        help="MoE layers of the checkpoints, N or per shape NAME=N,... (default: the shape's; "
+        "with trace routing the trace's; fewer than the trace's replay its first ones)",
+    )
+    ap.add_argument(
+        "--trace-fold",
+        default="mixtral",
+        help="comma-separated shapes whose expert count is not the trace's that replay the trace "
+        "folded onto their own experts and top-k (routing_replay.fold_trace: id %% experts, the "
+        "first top-k distinct ids) instead of being built with the trace's experts per layer "
+        "(default mixtral: 128 of its experts would be 13 GB per layer); reported as folded",
     )
     ap.add_argument(
         "--store-threads",
@@ -1152,8 +1438,19 @@ def main():
     DIRECT_READS = args.direct_reads
 
     if args.render:
-        src = Path(args.render)
-        report = json.loads(src.read_text())
+        files = [Path(f) for f in args.render.split(",")]
+        report = json.loads(files[0].read_text())
+        if len(files) > 1:
+            # several results merged into <out>/<tag>: one report, every run's sections
+            for f in files[1:]:
+                more = json.loads(f.read_text())
+                report["archs"] += more["archs"]
+                report["command"] += f"`; `{more['command']}"
+            report["tag"] = args.tag or report["tag"]
+            return write(report, Path(args.out), report["tag"]) or print(
+                f"wrote {args.out}/{report['tag']}.json, .md and .png"
+            )
+        src = files[0]
         (src.with_suffix(".md")).write_text(markdown(report))
         note = plot(report, src.with_suffix(".png"))
         return print(note or f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}")
@@ -1201,21 +1498,29 @@ def main():
         "exact_check": "sha1 of every step's log-probabilities, compared with stock",
         "archs": [],
     }
-    trace = None
-    if args.routing.startswith("trace:"):
-        from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.routing_trace import read_trace
 
-        trace = read_trace(args.routing[len("trace:") :])
-        args.layers = args.layers or trace.num_layers
-        archs = [a for a in archs if ARCHS[a]["overrides"]["experts"] == trace.num_experts]
-        if not archs:
-            ap.error(
-                f"--routing: no shape of {trace.num_experts} experts per layer, as the trace has"
-            )
+    routings = args.routing.split(",")
+    folded = {a for a in args.trace_fold.split(",") if a}
+    runs = []
     for name in archs:
-        path = checkpoint(
-            ckpt_dir, name, dtype, layers=args.layers, top_k=trace.top_k if trace else None
-        )
+        shape = ARCHS[name]["overrides"]
+        for routing in routings:
+            run = argparse.Namespace(**vars(args))
+            run.routing, run.fold = routing, None
+            layers = args.layers.get(name) if isinstance(args.layers, dict) else args.layers
+            experts = top_k = None
+            if routing.startswith("trace:"):
+                trace = read_trace(routing[len("trace:") :])
+                layers = layers or trace.num_layers
+                if shape["experts"] != trace.num_experts and name in folded:
+                    run.fold = (shape["experts"], shape["top_k"])
+                else:
+                    experts, top_k = trace.num_experts, trace.top_k
+            run.layers = layers
+            runs.append((name, run, dict(layers=layers, top_k=top_k, experts=experts)))
+    for name, run, shape in runs:
+        path = checkpoint(ckpt_dir, name, dtype, **shape)
         if args.pack or any(a.startswith("cold_packed") for a in args.ablations):
             try:
                 from mlx_lm_streaming.pack import pack_checkpoint
@@ -1223,9 +1528,9 @@ def main():
                 pack_checkpoint(path, progress=False)
             except ImportError:
                 pass
-        res = run_arch(name, path, args, args.device_kind)
+        res = run_arch(name, path, run, args.device_kind)
         if not args.no_rss:
-            res["rss"] = measure_rss(path, args)
+            res["rss"] = measure_rss(path, run)
             cold = res["rss"].get("cold")
             if cold:
                 net = cold["peak_rss"] - cold["rss_after_imports"]

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mlx_lm_streaming.routing_trace import RoutingTrace, TraceError, read_trace
+from mlx_lm_streaming.routing_trace import RoutingTrace, TraceError, TraceRow, read_trace
 
 
 class TraceRouting:
@@ -241,3 +241,65 @@ def routed(inner, routing, layer_no):
     if _ROUTED is None:
         _ROUTED = _routed_class()
     return _ROUTED(inner, routing, layer_no)
+
+
+def fold_trace(trace: RoutingTrace, num_experts: int, top_k: int) -> RoutingTrace:
+    """``trace`` folded onto ``num_experts`` experts per layer and ``top_k`` per token, for a shape
+    whose expert count is not the trace's (Mixtral's 8 experts, where a layer of 128 such experts
+    would be 13 GB): each row and layer takes ``id % num_experts`` of the trace's ids and keeps the
+    first ``top_k`` distinct ones in rank order; where fewer are distinct, the lowest ids not yet
+    chosen fill the row (empty rows stay empty). It keeps the trace's reuse from token to token,
+    folded, but it is not the folded shape's own routing: say so wherever it is reported."""
+    if not 0 < top_k <= num_experts:
+        raise TraceError(f"{trace.path}: cannot fold onto top {top_k} of {num_experts} experts")
+    rows = []
+    for row in trace.rows:
+        experts = []
+        for ids in row.experts:
+            picked: List[int] = []
+            for e in ids:
+                if e % num_experts not in picked:
+                    picked.append(e % num_experts)
+            picked = picked[:top_k]
+            spare = (e for e in range(num_experts) if e not in picked)
+            while ids and len(picked) < top_k:
+                picked.append(next(spare))
+            experts.append(picked)
+        rows.append(TraceRow(row.seq, row.phase, experts))
+    header = dict(trace.header)
+    header.update(
+        num_experts=num_experts,
+        top_k=top_k,
+        folded_from={"num_experts": trace.num_experts, "top_k": trace.top_k},
+    )
+    return RoutingTrace(header, rows, path=trace.path)
+
+
+def trace_of_calls(calls: Dict[int, List[np.ndarray]], num_experts: int, decode_from: int):
+    """A ``RoutingTrace`` of the expert ids a model's MoE layers were called with: ``calls[layer]``
+    holds each call's ids, ``(rows, top_k)``, in call order (every layer called for the same rows).
+    Row i is one token; rows before ``decode_from`` are marked ``prefill`` (they warm a replay's
+    tables and are not counted in its decode hit rate), the rest ``decode``."""
+    layers = sorted(calls)
+    if layers != list(range(len(layers))):
+        raise ValueError(f"layers {layers}: expected 0..{len(layers) - 1}")
+    per_layer = [np.concatenate(calls[layer]) for layer in layers]
+    counts = {len(ids) for ids in per_layer}
+    if len(counts) != 1:
+        raise ValueError(f"the layers were called for different rows: {sorted(counts)}")
+    top_k = per_layer[0].shape[1]
+    header = {
+        "format": "moe-routing-trace",
+        "version": 1,
+        "model": "recorded calls",
+        "num_layers": len(layers),
+        "num_experts": num_experts,
+        "top_k": top_k,
+    }
+    rows = [
+        TraceRow(
+            0, "prefill" if i < decode_from else "decode", [ids[i].tolist() for ids in per_layer]
+        )
+        for i in range(counts.pop())
+    ]
+    return RoutingTrace(header, rows)

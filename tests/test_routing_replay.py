@@ -100,3 +100,58 @@ def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
     )
     with pytest.raises(TraceError, match="128 experts per layer, the model"):
         rr.TraceRouting.from_file(TRACE, layers=2).wrap(few)
+
+
+def test_a_folded_trace_keeps_the_first_distinct_ids_in_rank_order(rr):
+    trace = read_trace(TRACE)
+    folded = rr.fold_trace(trace, 8, 2)
+    assert (folded.num_experts, folded.top_k, folded.num_layers) == (8, 2, trace.num_layers)
+    assert folded.header["folded_from"] == {"num_experts": 128, "top_k": 6}
+    for row, out in zip(trace.rows, folded.rows):
+        assert (out.seq, out.phase) == (row.seq, row.phase)
+        for ids, got in zip(row.experts, out.experts):
+            if not ids:
+                assert got == []  # a layer that did not run stays so
+                continue
+            want = []
+            for e in ids:
+                if e % 8 not in want:
+                    want.append(e % 8)
+            assert got == want[:2]
+    # fewer distinct ids than top-k: the lowest ones not chosen fill the row
+    row = read_trace(TRACE).rows[0]
+    row.experts[0] = [3, 11, 19, 27, 35, 43]
+    one = type(trace)(dict(trace.header), [row])
+    assert rr.fold_trace(one, 8, 3).rows[0].experts[0] == [3, 0, 1]
+    routing = rr.TraceRouting(folded, layers=2)
+    assert np.array(routing.indices(0, (1, 1, 2))).reshape(-1).tolist() == (
+        folded.rows[0].experts[0]
+    )
+
+
+def test_recorded_calls_replay_as_the_trace_they_came_from(rr):
+    from mlx_lm_streaming import replay
+
+    trace = read_trace(TRACE)
+    routing = rr.TraceRouting(trace, layers=2)
+    calls = {0: [], 1: []}
+    for shape in [(1, 3, 6)] + [(1, 1, 6)] * 9:  # a 3-token prompt, then 9 single tokens
+        for layer in (0, 1):
+            calls[layer].append(routing.peek(layer, shape).reshape(-1, 6))
+            routing.indices(layer, shape)
+    got = rr.trace_of_calls(calls, 128, decode_from=3)
+    assert (got.num_layers, got.num_experts, got.top_k, len(got.rows)) == (2, 128, 6, 12)
+    assert [r.phase for r in got.rows] == ["prefill"] * 3 + ["decode"] * 9
+    assert [r.experts for r in got.rows] == [r.experts[:2] for r in trace.rows[:12]]
+    # the same rows, phases set alike, give the same replay as the trace's own
+    want = type(trace)(
+        dict(trace.header, num_layers=2),
+        [type(r)(0, p.phase, r.experts[:2]) for r, p in zip(trace.rows[:12], got.rows)],
+    )
+    for policy in ("lru", "decay_next"):
+        assert replay.replay(got, 16, policy).hit_rate("decode") == replay.replay(
+            want, 16, policy
+        ).hit_rate("decode")
+    assert replay.belady(got, 16).hit_rate("decode") == replay.belady(want, 16).hit_rate("decode")
+    with pytest.raises(ValueError, match="different rows"):
+        rr.trace_of_calls({0: calls[0], 1: calls[1][:-1]}, 128, decode_from=3)
