@@ -700,6 +700,11 @@ def run_arch(name, path, args, device):
         # demand reads through staging buffers and an MLX copy into the banks (before direct reads)
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=False, **sopts)
         configs["cold_staged"] = Config("cold_staged", m, cold=True, files=files)
+    if "cold_hitsfirst" in ablations:
+        # a decode call's hits' rows submitted before its reads are issued (before 2026-12-01)
+        tuning = CacheTuning(reads_first=False)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, tuning=tuning, **sopts)
+        configs["cold_hitsfirst"] = Config("cold_hitsfirst", m, cold=True, files=files)
     if "cold_nolookahead" in ablations:
         tuning = CacheTuning(lookahead=False)
         m, _ = load_streaming(path, expert_cache_gb=cold_gb, tuning=tuning, **sopts)
@@ -1382,7 +1387,7 @@ def main():
         "--ablations",
         default=None,
         help="comma-separated: stock_again (noise floor),warm_sync,cold_staged,"
-        "cold_nolookahead,cold_t4,cold_t8,"
+        "cold_nolookahead,cold_hitsfirst,cold_t4,cold_t8,"
         "cold_packed,cold_packed_direct,cold_nophase,cold_uvm_prefetch,cold_uvm_host (CUDA)",
     )
     ap.add_argument("--seeds", default="seed_loop,seed_stack")

@@ -96,8 +96,9 @@ class CacheTuning:
     # they are read beside the layer's own misses; off: once the layer's own reads have landed
     # (before its compute ends). This, ``lookahead_depth`` and ``lookahead_into_slots`` are off by
     # default: on the H200 with a stand-in predictor they gain 1.21-1.53x when its guesses are all
-    # right and lose on trace routing when they are right 46-60% of the time; no trained
-    # checkpoint's router was measured with them yet (docs/benchmarks/gpu-oracle.md)
+    # right and lose on trace routing when they are right 46-60% of the time; right 70-85% (what
+    # a trained router gives), one layer ahead, 0.93-1.10 on trace routing: inside the noise
+    # (docs/benchmarks/gpu-oracle.md, runs 6 and 7)
     lookahead_early: bool = False
     # how many MoE layers ahead the lookahead guesses (each from its own router applied to this
     # layer's input: the further, the less precise on trained models); 1: the next layer only
