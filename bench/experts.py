@@ -440,19 +440,13 @@ class ReadSpans:
 
     def figures(self):
         """bytes, summed read seconds, and seconds with a read in flight."""
+        from timeline_summary import span_union
+
         spans = list(self.spans)
-        flight, end = 0.0, None
-        for a, b, _ in sorted(spans):
-            if end is None or a > end:
-                flight += b - a
-                end = b
-            elif b > end:
-                flight += b - end
-                end = b
         return {
             "bytes": sum(n for _, _, n in spans),
             "read_seconds": sum(b - a for a, b, _ in spans),
-            "in_flight_seconds": flight,
+            "in_flight_seconds": span_union((a, b) for a, b, _ in spans),
             "reads": len(spans),
         }
 

@@ -28,8 +28,8 @@ def load_events(path):
     return [e for e in json.loads(text) if e.get("ph") == "X"]
 
 
-def _union(spans):
-    """Total length of the union of ``(start, end)`` spans."""
+def span_union(spans):
+    """Total length of the union of ``(start, end)`` spans (also ``experts.ReadSpans``)."""
     total, end = 0.0, None
     for a, b in sorted(spans):
         if end is None or a > end:
@@ -64,7 +64,7 @@ def summarize(path, last=None):
         sums["reads"] += len(reads)
         sums["read bytes"] += sum(e["args"].get("bytes", 0) for e in reads)
         sums["read time summed"] += sum(e["dur"] for e in reads)
-        sums["read in flight"] += _union([(e["ts"], e["ts"] + e["dur"]) for e in reads])
+        sums["read in flight"] += span_union([(e["ts"], e["ts"] + e["dur"]) for e in reads])
     n = len(steps)
     ms = {k: v / n / 1e3 for k, v in sums.items() if k not in ("reads", "read bytes")}
     out = {"steps": n}

@@ -37,7 +37,8 @@ def read_into_slots(
 ) -> None:
     """Bytes from staged background reads where there are, from the store for the rest; each
     expert is mapped to its slot once its bytes are there, and reported to ``ready``.
-    ``started()``: called once, when the store's reads have been issued (``LayerBank.load``)."""
+    ``started()``: called once (``LayerBank.load``): with direct reads when the store's reads have
+    been issued, else before they are read (staged reads end before this returns)."""
     start = time.perf_counter()
     stats = bank.cache.prefetch_stats
     tl = bank.cache.timeline
@@ -305,15 +306,13 @@ def _copy_in(bank, groups) -> None:
     where the GPU last touched the slots' memory (install 14-130 ms per token against 8-47:
     docs/benchmarks/gpu-oracle.md)."""
     start = time.perf_counter()
-    written = bank.cache.tuning.on_slot_written
     for batch, rows, slots in groups:
         runs = _runs(rows, slots)
         for view, staged in zip(bank.views, batch.buffers):
             for r, s, n in runs:
                 view[s : s + n] = staged[r : r + n]
-            if written is not None:
-                for s in slots:
-                    written(view[s])
+        for s in slots:
+            slot_written(bank, s)
     if bank.cache.timeline:
         experts = sum(len(rows) for _, rows, _ in groups)
         bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)

@@ -366,7 +366,7 @@ class StreamingSwitchGLU(nn.Module):
         waves = [experts[i : i + size] for i in range(0, len(experts), size)]
         outs, rows_done = [], []
         for w, wave in enumerate(waves):
-            rows = np.nonzero(np.isin(flat, wave))[0]
+            rows = np.nonzero(_member(flat, wave, bank.num_experts))[0]
             with bank.lock:
                 bank.load(wave)
                 # read ahead while this wave computes: the next wave, or after the last one the
