@@ -76,6 +76,8 @@ class LayerBank:
         # this layer's share of the cache's counters (``--streaming-stats layers``)
         self.hits = 0
         self.misses = 0
+        # (table, version, slot of each expert, whether each expert is missing): ``device_map``
+        self._device = None
 
     @property
     def path(self) -> str:
@@ -90,6 +92,20 @@ class LayerBank:
     def expert_of(self) -> np.ndarray:
         """``expert_of[slot]``: the slot's expert, -1 if free (read-only: see ``table``)."""
         return self.table.expert_of
+
+    def device_map(self):
+        """``(slots, missing)``: the slot table as two device arrays indexed by expert id, the slot
+        (``uint32``; 0 for a missing expert) and whether the expert is missing (``bool``). Made anew
+        whenever the table changed: a graph that read one keeps the residency of its own moment,
+        whatever the host does to the table after (mlx-lm builds step t+1 before step t ran)."""
+        table = self.table
+        made = self._device
+        if made is None or made[0] is not table or made[1] != table.version:
+            slot_of = table.slot_of
+            slots = mx.array(np.maximum(slot_of, 0).astype(np.uint32))
+            missing = mx.array(slot_of < 0)
+            made = self._device = (table, table.version, slots, missing)
+        return made[2], made[3]
 
     def allocate(self, slots: int) -> None:
         """Give the bank ``slots`` slots, zeroed.

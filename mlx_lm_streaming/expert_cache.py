@@ -110,6 +110,9 @@ class CacheTuning:
     # background fill of identity banks; complete identity banks skip the host sync
     fill: bool = True
     skip_sync: bool = True
+    # decode-sized calls whose experts are all resident run with no host sync per layer, checked
+    # once per call (``verified_step.py``)
+    verified_steps: bool = True
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``StreamingSwitchGLU._by_projection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
@@ -182,6 +185,8 @@ class ExpertCache:
         self.recorder = None
         # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
         self.timeline = None
+        # verified_step.StepRunner of the model, whose ``current()`` step a layer call joins
+        self.steps = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None

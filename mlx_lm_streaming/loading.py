@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import plugins, report
+from . import mlx_compat, plugins, report
 from .expert_cache import GB, CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
@@ -27,6 +27,7 @@ from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions
 from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
+from .verified_step import StepRunner
 from .timeline import open_timeline
 
 
@@ -292,6 +293,8 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     if "sanitize" in model.__dict__:
         del model.sanitize
     model.expert_streaming = state
+    state.steps = state.cache.steps = StepRunner(state)
+    mlx_compat.wrap_model_call(model, state.steps)
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported
     _stream_per_pipeline_stage(model, state)

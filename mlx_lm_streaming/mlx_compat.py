@@ -194,3 +194,60 @@ def say_refusal(message: str) -> None:
     if not _refused:
         _refused = True
         print(message, file=sys.stderr, flush=True)
+
+
+# -- the model's forward and its KV caches (verified_step.py) ----------------------------------------
+
+
+def wrap_model_call(model, around) -> None:
+    """Route calls of ``model`` (an mlx-lm ``Model``: ``model(inputs, cache=...)``) through
+    ``around(call, args, kwargs)``, where ``call(*args, **kwargs)`` is the stock forward. The model
+    gets a subclass of its own class of the same name and module with that one method: its
+    parameters, attributes and every other method are untouched."""
+    cls = type(model)
+
+    def __call__(self, *args, **kwargs):
+        return around(lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
+
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
+    model.__class__ = sub
+
+
+def call_inputs(args, kwargs):
+    """``(inputs, cache)`` of a model call ``model(inputs, cache=None, ...)``."""
+    inputs = args[0] if args else kwargs.get("inputs")
+    cache = args[1] if len(args) > 1 else kwargs.get("cache")
+    return inputs, cache
+
+
+def rewindable(cache, tokens: int) -> bool:
+    """Whether a forward of ``tokens`` tokens over ``cache`` (a model's list of mlx-lm caches,
+    or None) can be undone exactly by ``rewind``: every entry a ``KVCache`` or
+    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), or a
+    ``RotatingKVCache`` that stays short of its window (it then overwrites nothing kept). Any other
+    cache (state space models' ``ArraysCache``, batches, chunked caches) is not rewound."""
+    if cache is None:
+        return True
+    from mlx_lm.models import cache as mc
+
+    plain = tuple(getattr(mc, n) for n in ("KVCache", "QuantizedKVCache") if hasattr(mc, n))
+    rotating = getattr(mc, "RotatingKVCache", None)
+    for c in cache:
+        if type(c) in plain:
+            continue
+        if rotating is not None and type(c) is rotating and c.offset + tokens < c.max_size:
+            continue
+        return False
+    return True
+
+
+def rewind(cache, tokens: int) -> None:
+    """Take back the last ``tokens`` tokens of every entry of ``cache`` (see ``rewindable``)."""
+    if cache is None:
+        return
+    for c in cache:
+        c.trim(tokens)

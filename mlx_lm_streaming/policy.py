@@ -186,6 +186,9 @@ class SlotTable:
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)
         self.expert_of = np.zeros(0, dtype=np.int64)
         self.identity = False
+        # bumped by every change of the maps: a device copy of ``slot_of`` made at one version is
+        # the residency of that version only (``LayerBank.device_map``)
+        self.version = 0
 
     @property
     def slots(self) -> int:
@@ -197,6 +200,7 @@ class SlotTable:
         self.slot_of[:] = -1
         self.expert_of = np.full(slots, -1, dtype=np.int64)
         self.identity = slots == self.num_experts
+        self.version += 1
 
     def admit(
         self, experts: np.ndarray, keep: Sequence[int] = ()
@@ -263,12 +267,14 @@ class SlotTable:
         taken = self.slot_of[chosen]
         self.slot_of[chosen] = -1
         self.expert_of[taken] = -1
+        self.version += 1
         return np.concatenate([slots, taken]), need
 
     def place(self, experts, slots) -> None:
         """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
         self.slot_of[experts] = slots
         self.expert_of[slots] = experts
+        self.version += 1
 
     def unplace(self, expert: int, slot: int) -> None:
         """``expert`` is no longer in ``slot`` (its read failed), if it still is there: the slot is
@@ -276,3 +282,4 @@ class SlotTable:
         if self.slot_of[expert] == slot:
             self.slot_of[expert] = -1
             self.expert_of[slot] = -1
+            self.version += 1

@@ -50,6 +50,11 @@ class StreamingSwitchGLU(nn.Module):
             y = self._stock_graph(x, indices)
             if y is not None:
                 return y
+        step = cache.steps.current() if cache.steps is not None else None
+        if step is not None:
+            y = self._verified(x, indices, step)
+            if y is not None:
+                return y
         cache.note_caller()
         tl = cache.timeline
         start = tl.now() if tl else 0
@@ -99,6 +104,25 @@ class StreamingSwitchGLU(nn.Module):
         if kernel.needs_host_slots:
             return None
         return kernel(x, indices, None, self._bank)
+
+    def _verified(self, x, indices, step):
+        """In a verified step (``verified_step.py``): the router's ids mapped to slot ids on the
+        device, with no host sync, and the count of the call's missing experts handed to the step,
+        which checks every layer's at once after the forward. None where the kernel needs the ids on
+        the host or reads into this bank are still in flight."""
+        bank = self._bank
+        if bank.slots == 0 or bank.ahead_reads:
+            return None
+        kernel = self._selector.select(bank, indices.size)
+        if kernel.needs_host_slots:
+            return None
+        indices = mx.stop_gradient(indices)
+        with bank.lock:
+            slots, missing = bank.device_map()
+            y = kernel(x, slots[indices], None, bank)
+        step.add(bank, indices, missing[indices].sum())
+        bank.last_stream = mx.default_stream(mx.default_device())
+        return y
 
     def _in_one_call(self, x, indices, idx, experts, ahead):
         """Without direct reads (no host view of the bank, or several calling threads): load the

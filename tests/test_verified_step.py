@@ -1,0 +1,119 @@
+"""Verified steps (verified_step.py): decode with no host sync per layer, checked once per call.
+
+Exactness is checked through mlx-lm's own ``generate_step``, which builds step t+1's graph before
+step t is evaluated: a device slot map or a slot that the host rewrote under a pending graph would
+show here as a different token or log-probability.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from support import load_stock, with_slots
+
+from mlx_lm_streaming import mlx_compat
+from mlx_lm_streaming.expert_cache import CacheTuning
+
+PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
+STEPS = 24
+
+
+def generated(model, steps=STEPS):
+    """Tokens and log-probabilities of greedy decoding through mlx-lm's ``generate_step``."""
+    out = []
+    for (token, logprobs), _ in zip(generate_step(PROMPT, model, max_tokens=steps), range(steps)):
+        out.append((int(token), np.array(logprobs)))
+    return out
+
+
+def assert_same(expected, got):
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(expected, got):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def expected(q3_path):
+    stock, _ = load_stock(q3_path)
+    return generated(stock)
+
+
+def test_verified_steps_match_stock_through_generate_step(q3_path, expected):
+    # one slot fewer than experts: most decode steps find everything resident (verified), some
+    # find a miss (taken back and run again per layer)
+    model = with_slots(q3_path, 15)
+    assert_same(expected, generated(model))
+    runner = model.expert_streaming.steps
+    assert runner.verified > runner.recomputed > 0
+    # a second generation over a warm cache
+    assert_same(expected, generated(model))
+
+
+def test_a_miss_found_late_is_taken_back_exactly(q3_path, expected):
+    # few slots: nearly every verified step misses and is run again per layer
+    model = with_slots(q3_path, 3)
+    runner = model.expert_streaming.steps
+    runner.trusted = True
+    got = []
+    for (token, logprobs), _ in zip(generate_step(PROMPT, model, max_tokens=STEPS), range(STEPS)):
+        runner.trusted = True  # try a verified step at every call
+        got.append((int(token), np.array(logprobs)))
+    assert_same(expected, got)
+    assert runner.recomputed >= STEPS // 4
+
+
+def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
+    model = with_slots(q3_path, 15)
+    cache = model.expert_streaming.cache
+    mx.eval(model(PROMPT[None], cache=(kv := make_prompt_cache(model))))
+    bank = cache.banks[0]
+    before = (cache.stats.hits, bank.hits, bank.table.policy.__dict__.copy())
+    runner = model.expert_streaming.steps
+    while True:  # until a call is verified with nothing missing
+        done = runner.verified - runner.recomputed
+        runner.trusted = True
+        mx.eval(model(mx.array([[11]]), cache=kv))
+        if runner.verified - runner.recomputed > done:
+            break
+    assert cache.stats.hits > before[0] and bank.hits > before[1]
+    assert cache.stats.hits + cache.stats.misses == sum(b.hits + b.misses for b in cache.banks)
+    changed = [k for k, v in bank.table.policy.__dict__.items() if not np.array_equal(v, before[2][k])]
+    assert changed  # the policy saw the uses
+
+
+def test_off_means_a_host_sync_in_every_layer(q3_path, expected):
+    model = with_slots(q3_path, 15, tuning=CacheTuning(verified_steps=False))
+    assert_same(expected, generated(model))
+    assert model.expert_streaming.steps.verified == 0
+
+
+def test_rewindable_caches():
+    assert mlx_compat.rewindable(None, 1)
+    assert mlx_compat.rewindable([KVCache(), KVCache()], 4)
+    rotating = RotatingKVCache(max_size=8)
+    assert mlx_compat.rewindable([rotating], 4)
+    rotating.offset = 6
+    assert not mlx_compat.rewindable([rotating], 4)  # the write would wrap over kept entries
+
+    class Other:
+        offset = 0
+
+    assert not mlx_compat.rewindable([KVCache(), Other()], 1)
+
+
+def test_a_cache_that_cannot_be_rewound_runs_per_layer(q3_path):
+    model = with_slots(q3_path, 15)
+    runner = model.expert_streaming.steps
+    cache = make_prompt_cache(model)
+    mx.eval(model(PROMPT[None], cache=cache))
+    runner.trusted = True
+    verified = runner.verified
+    mx.eval(model(mx.array([[5]]), cache=cache))  # plain KVCaches: a verified step
+    assert runner.verified == verified + 1
+    rotating = [RotatingKVCache(max_size=4) for _ in cache]
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=rotating))
+    runner.trusted = True
+    verified = runner.verified
+    mx.eval(model(mx.array([[5]]), cache=rotating))  # offset 3 + 1 reaches the window
+    assert runner.verified == verified
