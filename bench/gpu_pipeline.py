@@ -248,6 +248,38 @@ def make_routing(spec: str, layers: int, num_experts: int):
     return TraceRouting.from_file(spec.split(":", 1)[1], layers)
 
 
+# The routing's ids made to depend on the router's own (``ids + 0 * router ids``): the values are
+# the routing's, but they exist only once the layer's router has run, as with a trained model, so a
+# host readback of them waits for the graph up to that router. Without it (``--no-graph-ids``, the
+# default without ``--regimes``), the ids are host data: a host sync on them waits for nothing
+# unless something else it evaluates (the lookahead's guesses) depends on the layer's input.
+GRAPH_IDS = False
+_GRAPH_ROUTED = None
+
+
+def _graph_routed(inner, routing, layer_no):
+    global _GRAPH_ROUTED
+    import routing_replay
+
+    if _GRAPH_ROUTED is None:
+        base = type(routing_replay.routed(None, None, 0))
+
+        class GraphRouted(base):
+            def __call__(self, x, indices):
+                start = time.perf_counter()
+                ids = self._routing.indices(self._layer_no, indices.shape)
+                ids = ids + (indices * 0).astype(ids.dtype)
+                out = self._inner(x, ids)
+                routing = self._routing
+                routing.call_seconds = getattr(routing, "call_seconds", 0.0) + (
+                    time.perf_counter() - start
+                )
+                return out
+
+        _GRAPH_ROUTED = GraphRouted
+    return _GRAPH_ROUTED(inner, routing, layer_no)
+
+
 def wrap(model, routing):
     """Route ``model`` through ``routing`` (its ``call_seconds``: host time in the expert modules)."""
     from routing_replay import expert_modules, routed
@@ -258,7 +290,7 @@ def wrap(model, routing):
 
         routing.check(len(found), *_expert_counts(model))
     for layer_no, (parent, name, module) in enumerate(found):
-        parent[name] = routed(module, routing, layer_no)
+        parent[name] = (_graph_routed if GRAPH_IDS else routed)(module, routing, layer_no)
 
 
 def prompt_by_token(cfg, prompt):
@@ -591,6 +623,13 @@ def main(argv=None):
         help="define variant word NAME setting those CacheTuning fields (bool/int/float/None/str "
         "values), usable in --variants alone or with other words; repeatable",
     )
+    ap.add_argument(
+        "--graph-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the routing's ids computed after the layer's router (default: on with --regimes, off "
+        "without, as before)",
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=6)
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: a trace's "
@@ -618,6 +657,8 @@ def main(argv=None):
     for r in args.regimes:
         if r not in REGIMES:
             raise SystemExit(f"--regimes: unknown {r!r} (known: {', '.join(REGIMES)})")
+    global GRAPH_IDS
+    GRAPH_IDS = bool(args.regimes) if args.graph_ids is None else args.graph_ids
     for spec in args.tuning_variant:
         name, fields = tuning_variant(spec)
         TUNING_VARIANTS[name] = fields
@@ -645,6 +686,7 @@ def main(argv=None):
         "rounds": args.rounds,
         "block": args.block,
         "tuning_variants": TUNING_VARIANTS,
+        "graph_ids": GRAPH_IDS,
     }
     path = build(Path(args.ckpt_dir), args.shape, args.layers, dtype)
     files = experts.shards(path)
