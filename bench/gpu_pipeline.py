@@ -512,9 +512,18 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         if cfg.cache is not None and cfg.cache.timeline is not None:
             from timeline_summary import summarize as timeline_summary
 
-            cfg.cache.timeline.flush()
+            # closed, not flushed: the last decode step's span is written when the step ends
+            cfg.cache.timeline.close()
             entry["timeline"] = timeline_summary(timelines[key], last=n)
             entry["timeline_file"] = timelines[key].name
+            per_token = entry["timeline"].get("split", {}).get("ms per token")
+            if per_token:
+                # the timeline's step runs from the first MoE layer call to the last: the rest of
+                # the token's measured time (embedding, first attention, head, sampling, mlx-lm)
+                per_token["outside"] = round(
+                    entry["s_per_token"] * 1e3 - entry["timeline"]["step ms"], 4
+                )
+                per_token["token"] = round(entry["s_per_token"] * 1e3, 4)
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
     # warm-up decode rows of the trace: 3 (generate_step computes one ahead), the warm pass's
@@ -832,7 +841,8 @@ def _split_cell(c, per):
     ms = sp.get(per)
     if not ms:
         return ""
-    return " / ".join(f"{ms.get(k, 0):.3f}" for k, _ in SPLIT_SHORT)
+    keys = [k for k, _ in SPLIT_SHORT] + (["outside", "token"] if per == "ms per token" else [])
+    return " / ".join(f"{ms.get(k, 0):.3f}" for k in keys)
 
 
 def regime_tables(res):
@@ -848,7 +858,8 @@ def regime_tables(res):
             f"### {regime}",
             "",
             f"| routing | budget | config | tok/s | ratio to {against} | stock/stock | exact | hit "
-            "| ms per layer: " + " / ".join(s for _, s in SPLIT_SHORT) + " | ms per token: same |",
+            "| ms per layer: " + " / ".join(s for _, s in SPLIT_SHORT)
+            + " | ms per token: same / outside / token |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in groups:
@@ -871,7 +882,16 @@ def markdown(res):
         f"# gpu_pipeline: {res.get('shape')} shape, {res.get('moe_layers')} MoE layers, "
         f"{res.get('dtype')}, {res.get('device')} (mlx {res.get('mlx')})",
         "",
-        f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block']} tokens)",
+        f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
+        f"steps per configuration; disk best {res['disk_best_gbps']:.2f} GB/s; routing ids "
+        f"{'after the router (graph ids)' if res.get('graph_ids') else 'host data'})",
+        "",
+        "Regimes: hit = budget 0.99 (or --hit-budget), page cache warm, the rounds' steps decoded "
+        "once before them with the same routing (replayed), so every expert they use is resident; "
+        "ram = budget 0.90 (or --ram-budget), page cache warm, the rounds' steps decoded once "
+        "before them (the cache filled); cold = page cache dropped before every token. Floors "
+        "(stock, patched in the benchmark only): stock_synclayer = one np.array(router ids) per MoE "
+        "layer, stock_synctoken = one mx.eval(logits) per token.",
         "",
         "Ratios: medians over rounds of per-round ratios; hit and ram to stock, cold to the limit "
         "(1 / max(stock's step, bytes per token / the disk's best GB/s)); stock configurations: "
@@ -880,7 +900,9 @@ def markdown(res):
         "timeline, variants with `tl`): ids = waiting for the router's ids (host sync), host = host "
         "work from then to the layer's compute submission, reads = waits for reads, inst = "
         "installs, comp = submit + wait for compute, rest = the rest of the layer call, between = "
-        "outside layer calls (attention, norms, mlx-lm), per MoE layer call.",
+        "between MoE layer calls (attention, norms), per MoE layer call; per token, the same plus "
+        "outside = the token's measured time outside its first to last MoE layer call (embedding, "
+        "head, sampling, mlx-lm) and token = the measured time per token.",
         "",
     ]
     return "\n".join(head) + regime_tables(res) + "\n\n## Details\n\n" + table(res) + "\n"

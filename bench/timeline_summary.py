@@ -21,6 +21,7 @@ time between layer calls (attention, norms, mlx-lm).
 import argparse
 import json
 import sys
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 
 # names of the spans inside a layer call, on the calling thread (switch.py, bank_io.py)
@@ -107,24 +108,29 @@ def layer_split(events, steps):
     for e in events:
         if e["name"] in names and e["cat"] != "read":
             own[e["tid"]].append(e)
-    for spans in own.values():
+    starts = {}
+    for tid, spans in own.items():
         spans.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in spans]
+    layer_calls = defaultdict(list)
+    for e in events:
+        if e["cat"] == "layer":
+            layer_calls[e["tid"]].append(e)
+    for calls_of in layer_calls.values():
+        calls_of.sort(key=lambda e: e["ts"])
     part_of = {n: k for k, parts in SPLIT_PARTS.items() for n in parts}
     sums = defaultdict(float)
     calls = 0
     for step in steps:
         a, b, tid = step["ts"], step["ts"] + step["dur"], step["tid"]
-        layers = [
-            e
-            for e in events
-            if e["cat"] == "layer" and e["tid"] == tid and a <= e["ts"] and e["ts"] + e["dur"] <= b + 1
-        ]
+        layers = [e for e in layer_calls[tid] if a <= e["ts"] and e["ts"] + e["dur"] <= b + 1]
         calls += len(layers)
         in_layers = 0.0
         for lay in layers:
             la, lb = lay["ts"], lay["ts"] + lay["dur"]
             in_layers += lay["dur"]
-            inside = [e for e in own[tid] if la <= e["ts"] and e["ts"] + e["dur"] <= lb + 1]
+            lo, hi = bisect_left(starts[tid], la), bisect_right(starts[tid], lb + 1)
+            inside = [e for e in own[tid][lo:hi] if e["ts"] + e["dur"] <= lb + 1]
             sync = [e for e in inside if e["name"] == "host sync"]
             sync_end = sync[0]["ts"] + sync[0]["dur"] if sync else la
             submits = [e["ts"] for e in inside if e["name"] == "submit" and e["ts"] >= sync_end]

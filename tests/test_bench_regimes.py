@@ -61,7 +61,8 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
             if key.endswith("_tl"):
                 split = c["timeline"]["split"]
                 assert split["layer calls per token"] == res["moe_layers"], where
-                assert set(split["ms per token"]) == set(SPLIT), where
+                assert set(split["ms per token"]) == set(SPLIT) | {"outside", "token"}, where
+                assert set(split["ms per layer"]) == set(SPLIT), where
                 assert all(v >= 0 for v in split["ms per token"].values()), (where, split)
             else:
                 assert "timeline" not in c
