@@ -1,26 +1,63 @@
-"""Cold decode against the disk's limit, per budget and routing, with the I/O pipeline's variants side by side.
+"""Decode in three regimes (hit, ram, cold) against stock or the disk's limit, stock floors beside.
+
+The H200 run (issue 22; 16 MoE layers, bf16, Qwen3-30B-A3B expert shape):
+
+    python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
+        --regimes hit,ram,cold --floors \
+        --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
+        --variants default,default_tl --rounds 4
+
+(or ``BENCH=pipeline bash bench/gpu.sh <the same arguments>``). On the CPU, everything at tiny size
+in ~10 s: ``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floors --out /tmp/q``
+(``tests/test_bench_regimes.py`` runs it). Without ``--regimes``: the cold regime alone at
+``--budgets``, as before this option existed:
 
     python bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
         --budgets 0.25,0.5 --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
         --variants staged,staged_t16,direct,direct_t16
 
 One checkpoint with Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768, 128 experts,
-affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers; a trace of more layers is
-replayed on its first ones: ``bench/routing_replay.py``). For each routing (uniform random experts,
-or a trace) and each budget (share of the expert bytes), every variant of the streaming model is
-timed cold (checkpoint dropped from the page cache before every token) in interleaved rounds with
-two separately loaded stock models. Each configuration first feeds the same prompt one token at a
-time (one-token calls are deterministic on stock mlx-cuda 0.32.4, multi-token prompts are not on
-small shapes), then decodes a fixed token stream through mlx-lm's ``generate_step``; each step's
-log-probabilities are hashed, and every configuration is compared with the first stock model token
-by token (the second stock model is stock's own run-to-run agreement).
+affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers, at most the trace's: 48 for
+``qwen3-30b-a3b.jsonl``, 30 for ``gemma-4-26b-a4b.jsonl``; a trace of more layers is replayed on its
+first ones: ``bench/routing_replay.py``). Groups: regime x routing (uniform random experts, or a
+trace) x budget (share of the expert bytes). In each group every variant of the streaming model
+runs in interleaved rounds with two separately loaded stock models (``stock``, ``stock_again``: stock's
+own run-to-run) and, with ``--floors``, two stock models patched here (never in the package):
+``stock_synclayer`` (one ``np.array(indices)`` of the router's ids per MoE layer, then the stock
+module) and ``stock_synctoken`` (``mx.eval(logits)`` inside the model call, once per token).
 
-Per configuration: tok/s, bytes read per token, hit rate, seconds per token in I/O waits, installs,
-the store's reads and the expert modules' calls; the disk's best bandwidth by the probe (random reads
-of one expert's size, 1-16 threads, buffered and O_DIRECT); limit = 1 / max(stock step time, bytes
-read per token / best bandwidth); and, for trace routing, the hit rates a replay of the same rows
-gives (``mlx_lm_streaming.replay``: the cache's own policy, LRU, Belady) with the same slots.
-Writes ``<out>/<tag>.json``.
+Regimes:
+- ``hit``: budget ``--hit-budget`` (0.99: below "all", so the streaming path runs), page cache warm
+  (the files read once), and the rounds' steps decoded once before them, untimed, after which the
+  routing is rewound: the rounds ask for exactly the experts that pass made resident. The measured
+  hit rate is reported; a warning is printed (and kept in the JSON) where it is not 1.0.
+- ``ram``: budget ``--ram-budget`` (0.90), page cache warm, the rounds' steps decoded once before
+  them (the cache in its steady state): every miss is a copy from RAM (buffered reads; O_DIRECT
+  reads still go to the disk).
+- ``cold``: the page cache dropped before every token, at ``--budgets``.
+
+Each configuration first feeds the same prompt one token at a time (one-token calls are
+deterministic on stock mlx-cuda 0.32.4, multi-token prompts are not on small shapes), then decodes a
+fixed token stream through mlx-lm's ``generate_step`` (``--block`` + 1 steps per round); each step's
+log-probabilities are hashed, and every configuration is compared with the first stock model token
+by token. With ``--regimes`` the routing's ids are made to depend on the layer's router
+(``--graph-ids``): a host readback of them then waits for the graph, as with a trained model.
+
+Per configuration: tok/s, ``ratio`` (median over rounds of the per-round ratio: to stock for hit and
+ram, to the limit for cold, to stock for stock configurations), exact steps, hit rate, bytes read
+per token, seconds per token in I/O waits, installs, the store's reads and the expert modules'
+calls; the disk's best bandwidth by the probe (random reads of one expert's size, ``--probe-threads``,
+buffered and O_DIRECT); limit = 1 / max(stock step time, bytes read per token / best bandwidth); for
+trace routing (ram, cold), the hit rates a replay of the same rows gives (``mlx_lm_streaming.replay``:
+LRU, decay, Belady) with the same slots. Variants with the word ``tl`` record a timeline, summarized
+(``bench/timeline_summary.py``) into a per-layer split of a token's time: waiting for the router's
+ids, host work from then to the layer's compute submission, reads, installs, compute, the rest, and
+the time between layer calls, in ms per MoE layer call and per token; ``default`` beside
+``default_tl`` shows the timeline's own cost. ``--tuning-variant NAME:field=value,...`` defines a
+variant word for any ``CacheTuning`` fields (``nolk:lookahead=false``; ``--variants default,nolk``).
+
+Writes ``<out>/<tag>.json`` (after every group) and ``<out>/<tag>.md`` (a table per regime: config,
+tok/s, ratio, stock/stock, exact steps, hit rate, per-layer split; then the detailed table).
 """
 
 import argparse
