@@ -32,8 +32,8 @@ Regimes:
   routing is rewound: the rounds ask for exactly the experts that pass made resident. The measured
   hit rate is reported; a warning is printed (and kept in the JSON) where it is not 1.0.
 - ``ram``: budget ``--ram-budget`` (0.90), page cache warm, the rounds' steps decoded once before
-  them (the cache in its steady state): every miss is a copy from RAM (buffered reads; O_DIRECT
-  reads still go to the disk).
+  them (the cache in its steady state): every miss is a copy from RAM (the safetensors store's
+  buffered reads; the ``packdirect`` store's O_DIRECT reads still go to the disk).
 - ``cold``: the page cache dropped before every token, at ``--budgets``.
 
 Each configuration first feeds the same prompt one token at a time (one-token calls are
@@ -806,8 +806,18 @@ def main(argv=None):
         summarize(g, res)
         groups.append(g)
         res["groups"] = groups
+        # regime -> "routing budget" -> config -> its ratio (and stock's own run-to-run)
+        where = f"{'trace' if spec.startswith('trace') else spec} {budget}"
+        res.setdefault("summary", {}).setdefault(regime, {})[where] = {
+            k: {
+                "ratio": round(c["ratio"], 4),
+                "exact": f"{c['exact_steps']}/{c['total_steps']}",
+                "hit_rate": c.get("hit_rate"),
+            }
+            for k, c in g["configs"].items()
+        }
         save(res, args)  # after every group: a run cut short keeps what it measured
-        log(table(res))
+        log(table(dict(res, groups=[g])))  # this group's detailed rows
     print(regime_tables(res), flush=True)
     bad = [
         f"{g['regime']} {g['routing']} {g['budget']} {k}"
