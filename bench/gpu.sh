@@ -7,6 +7,10 @@
 # then this, in a second call on the same warm machine:
 #   carry [".dev/b"]: bash bench/gpu.sh [bench args...]
 # GPU_BENCH=0 skips the benchmark; BENCH_TIMEOUT, PARITY_TIMEOUT (0: skip) and PARITY_ARGS as below.
+# BENCH=pipeline runs bench/gpu_pipeline.py (the decode regimes) instead of bench/experts.py, e.g.
+#   BENCH=pipeline PARITY_TIMEOUT=0 bash bench/gpu.sh --layers 16 --regimes hit,ram,cold --floors \
+#     --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl --variants default,default_tl
+# (its --ckpt-dir /root/ckpt and --out $OUT are added here; its tables go to stdout and $OUT).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -15,8 +19,14 @@ python3 -m pip list 2>/dev/null | grep -i -E "^(matplotlib|numpy|pluggy|tqdm) " 
 df -h /root | tail -1
 start=$(date +%s)
 if [ "${GPU_BENCH:-1}" = 1 ]; then
-  timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
-    --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" || true
+  if [ "${BENCH:-experts}" = pipeline ]; then
+    timeout ${BENCH_TIMEOUT:-540} python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt \
+      --out "$OUT" "$@" 2> "$OUT/bench.log" || echo "gpu_pipeline.py: exit $? (log: bench.log)"
+    grep -E "WARNING|NOT EXACT|Error" "$OUT/bench.log" | tail -20 || true
+  else
+    timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
+      --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" || true
+  fi
   echo "bench: $(( $(date +%s) - start )) s"
 fi
 # PARITY_ARGS: e.g. "--cases 2 --direct on"; PARITY_TIMEOUT=0 skips the parity check

@@ -1,26 +1,63 @@
-"""Cold decode against the disk's limit, per budget and routing, with the I/O pipeline's variants side by side.
+"""Decode in three regimes (hit, ram, cold) against stock or the disk's limit, stock floors beside.
+
+The H200 run (issue 22; 16 MoE layers, bf16, Qwen3-30B-A3B expert shape):
+
+    python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
+        --regimes hit,ram,cold --floors \
+        --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
+        --variants default,default_tl --rounds 4
+
+(or ``BENCH=pipeline bash bench/gpu.sh <the same arguments>``). On the CPU, everything at tiny size
+in ~10 s: ``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floors --out /tmp/q``
+(``tests/test_bench_regimes.py`` runs it). Without ``--regimes``: the cold regime alone at
+``--budgets``, as before this option existed:
 
     python bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
         --budgets 0.25,0.5 --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
         --variants staged,staged_t16,direct,direct_t16
 
 One checkpoint with Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768, 128 experts,
-affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers; a trace of more layers is
-replayed on its first ones: ``bench/routing_replay.py``). For each routing (uniform random experts,
-or a trace) and each budget (share of the expert bytes), every variant of the streaming model is
-timed cold (checkpoint dropped from the page cache before every token) in interleaved rounds with
-two separately loaded stock models. Each configuration first feeds the same prompt one token at a
-time (one-token calls are deterministic on stock mlx-cuda 0.32.4, multi-token prompts are not on
-small shapes), then decodes a fixed token stream through mlx-lm's ``generate_step``; each step's
-log-probabilities are hashed, and every configuration is compared with the first stock model token
-by token (the second stock model is stock's own run-to-run agreement).
+affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers, at most the trace's: 48 for
+``qwen3-30b-a3b.jsonl``, 30 for ``gemma-4-26b-a4b.jsonl``; a trace of more layers is replayed on its
+first ones: ``bench/routing_replay.py``). Groups: regime x routing (uniform random experts, or a
+trace) x budget (share of the expert bytes). In each group every variant of the streaming model
+runs in interleaved rounds with two separately loaded stock models (``stock``, ``stock_again``: stock's
+own run-to-run) and, with ``--floors``, two stock models patched here (never in the package):
+``stock_synclayer`` (one ``np.array(indices)`` of the router's ids per MoE layer, then the stock
+module) and ``stock_synctoken`` (``mx.eval(logits)`` inside the model call, once per token).
 
-Per configuration: tok/s, bytes read per token, hit rate, seconds per token in I/O waits, installs,
-the store's reads and the expert modules' calls; the disk's best bandwidth by the probe (random reads
-of one expert's size, 1-16 threads, buffered and O_DIRECT); limit = 1 / max(stock step time, bytes
-read per token / best bandwidth); and, for trace routing, the hit rates a replay of the same rows
-gives (``mlx_lm_streaming.replay``: the cache's own policy, LRU, Belady) with the same slots.
-Writes ``<out>/<tag>.json``.
+Regimes:
+- ``hit``: budget ``--hit-budget`` (0.99: below "all", so the streaming path runs), page cache warm
+  (the files read once), and the rounds' steps decoded once before them, untimed, after which the
+  routing is rewound: the rounds ask for exactly the experts that pass made resident. The measured
+  hit rate is reported; a warning is printed (and kept in the JSON) where it is not 1.0.
+- ``ram``: budget ``--ram-budget`` (0.90), page cache warm, the rounds' steps decoded once before
+  them (the cache in its steady state): every miss is a copy from RAM (the safetensors store's
+  buffered reads; the ``packdirect`` store's O_DIRECT reads still go to the disk).
+- ``cold``: the page cache dropped before every token, at ``--budgets``.
+
+Each configuration first feeds the same prompt one token at a time (one-token calls are
+deterministic on stock mlx-cuda 0.32.4, multi-token prompts are not on small shapes), then decodes a
+fixed token stream through mlx-lm's ``generate_step`` (``--block`` + 1 steps per round); each step's
+log-probabilities are hashed, and every configuration is compared with the first stock model token
+by token. With ``--regimes`` the routing's ids are made to depend on the layer's router
+(``--graph-ids``): a host readback of them then waits for the graph, as with a trained model.
+
+Per configuration: tok/s, ``ratio`` (median over rounds of the per-round ratio: to stock for hit and
+ram, to the limit for cold, to stock for stock configurations), exact steps, hit rate, bytes read
+per token, seconds per token in I/O waits, installs, the store's reads and the expert modules'
+calls; the disk's best bandwidth by the probe (random reads of one expert's size, ``--probe-threads``,
+buffered and O_DIRECT); limit = 1 / max(stock step time, bytes read per token / best bandwidth); for
+trace routing (ram, cold), the hit rates a replay of the same rows gives (``mlx_lm_streaming.replay``:
+LRU, decay, Belady) with the same slots. Variants with the word ``tl`` record a timeline, summarized
+(``bench/timeline_summary.py``) into a per-layer split of a token's time: waiting for the router's
+ids, host work from then to the layer's compute submission, reads, installs, compute, the rest, and
+the time between layer calls, in ms per MoE layer call and per token; ``default`` beside
+``default_tl`` shows the timeline's own cost. ``--tuning-variant NAME:field=value,...`` defines a
+variant word for any ``CacheTuning`` fields (``nolk:lookahead=false``; ``--variants default,nolk``).
+
+Writes ``<out>/<tag>.json`` (after every group) and ``<out>/<tag>.md`` (a table per regime: config,
+tok/s, ratio, stock/stock, exact steps, hit rate, per-layer split; then the detailed table).
 """
 
 import argparse
@@ -84,12 +121,64 @@ VARIANT_WORDS = (
 )
 
 
+# Variants defined on the command line (``--tuning-variant NAME:field=value,...``): a word NAME
+# that sets those ``CacheTuning`` fields, alone or "_"-joined with other words ("nolk_tl").
+TUNING_VARIANTS = {}
+
+
+def _tuning_value(text: str):
+    low = text.strip().lower()
+    if low in ("true", "on", "yes"):
+        return True
+    if low in ("false", "off", "no"):
+        return False
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def tuning_variant(spec: str):
+    """``NAME:field=value,field=value`` -> ``(NAME, {field: value})``; fields must be
+    ``CacheTuning``'s (checked here, before anything is built)."""
+    import dataclasses
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    name, sep, body = spec.partition(":")
+    name = name.strip()
+    if not sep or not name or "_" in name or not name.isidentifier():
+        raise SystemExit(
+            f"--tuning-variant {spec!r}: use NAME:field=value,... (NAME a word without '_')"
+        )
+    known = {f.name for f in dataclasses.fields(CacheTuning)}
+    fields = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        field, eq, value = item.partition("=")
+        field = field.strip()
+        if not eq or field not in known:
+            raise SystemExit(
+                f"--tuning-variant {spec!r}: {item!r} is not field=value of a CacheTuning field "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        fields[field] = _tuning_value(value)
+    if not fields:
+        raise SystemExit(f"--tuning-variant {spec!r}: no field=value")
+    return name, fields
+
+
 def variant_options(name: str):
     """``(load options, CacheTuning fields)`` of a variant name (see above)."""
     opts, tuning = {}, {}
     store = {}
     for word in name.split("_"):
-        if word in ("staged", "direct"):
+        if word in TUNING_VARIANTS:
+            tuning.update(TUNING_VARIANTS[word])
+        elif word in ("staged", "direct"):
             opts["direct_reads"] = word == "direct"
             store.setdefault("threads", 4)
         elif word == "serial":
@@ -196,6 +285,38 @@ def make_routing(spec: str, layers: int, num_experts: int):
     return TraceRouting.from_file(spec.split(":", 1)[1], layers)
 
 
+# The routing's ids made to depend on the router's own (``ids + 0 * router ids``): the values are
+# the routing's, but they exist only once the layer's router has run, as with a trained model, so a
+# host readback of them waits for the graph up to that router. Without it (``--no-graph-ids``, the
+# default without ``--regimes``), the ids are host data: a host sync on them waits for nothing
+# unless something else it evaluates (the lookahead's guesses) depends on the layer's input.
+GRAPH_IDS = False
+_GRAPH_ROUTED = None
+
+
+def _graph_routed(inner, routing, layer_no):
+    global _GRAPH_ROUTED
+    import routing_replay
+
+    if _GRAPH_ROUTED is None:
+        base = type(routing_replay.routed(None, None, 0))
+
+        class GraphRouted(base):
+            def __call__(self, x, indices):
+                start = time.perf_counter()
+                ids = self._routing.indices(self._layer_no, indices.shape)
+                ids = ids + (indices * 0).astype(ids.dtype)
+                out = self._inner(x, ids)
+                routing = self._routing
+                routing.call_seconds = getattr(routing, "call_seconds", 0.0) + (
+                    time.perf_counter() - start
+                )
+                return out
+
+        _GRAPH_ROUTED = GraphRouted
+    return _GRAPH_ROUTED(inner, routing, layer_no)
+
+
 def wrap(model, routing):
     """Route ``model`` through ``routing`` (its ``call_seconds``: host time in the expert modules)."""
     from routing_replay import expert_modules, routed
@@ -206,7 +327,7 @@ def wrap(model, routing):
 
         routing.check(len(found), *_expert_counts(model))
     for layer_no, (parent, name, module) in enumerate(found):
-        parent[name] = routed(module, routing, layer_no)
+        parent[name] = (_graph_routed if GRAPH_IDS else routed)(module, routing, layer_no)
 
 
 def prompt_by_token(cfg, prompt):
@@ -228,26 +349,123 @@ def counters(cfg):
     return c
 
 
-def run_group(stocks, path, routing_spec, budget, variants, args, res, files, prompt, stream):
-    """One routing x budget: the variants and the stocks, interleaved rounds. Returns a dict."""
+# -- the stock floors (bench only: they patch stock models in this process, never the package) ---
+
+FLOORS = ("stock_synclayer", "stock_synctoken")
+
+
+def _sync_layer_class():
+    import mlx.nn as nn
+    import numpy as np
+
+    class SyncLayer(nn.Module):
+        """Stock's expert module after one host readback of the router's own ids
+        (``np.array(indices)``, which waits for everything the router depends on)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner  # a child, so ``_set_routing`` still finds the routed module
+
+        def __call__(self, x, indices):
+            np.array(indices)
+            return self.inner(x, indices)
+
+    return SyncLayer
+
+
+def sync_per_layer(model) -> int:
+    """Wrap every routed expert module of stock ``model`` in a ``SyncLayer`` (outside the routing
+    wrapper: the readback is of the router's real ids, computed from the layer's input)."""
+    import routing_replay
+
+    cls = type(routing_replay.routed(None, None, 0))
+    sync = _sync_layer_class()
+    found = [(p, m) for p, m in model.named_modules() if isinstance(m, cls)]
+    for path, module in found:
+        parent = model
+        parts = path.split(".")
+        for q in parts[:-1]:
+            parent = parent[int(q)] if isinstance(parent, list) else parent[q]
+        parent[parts[-1]] = sync(module)
+    return len(found)
+
+
+def sync_per_token(model) -> None:
+    """Stock ``model`` with one host wait per token: its ``__call__`` evaluates the logits before
+    returning (mlx-lm's ``generate_step`` then cannot build step t+1 while step t runs)."""
+    import mlx.core as mx
+
+    base = type(model)
+
+    class SyncToken(base):
+        def __call__(self, *a, **k):
+            out = base.__call__(self, *a, **k)
+            mx.eval(out)
+            return out
+
+    SyncToken.__name__ = SyncToken.__qualname__ = base.__name__
+    model.__class__ = SyncToken
+
+
+# -- regimes ---------------------------------------------------------------------------------------
+
+# regime -> (the page cache dropped before every token, a pass over the measured steps before the
+# rounds: "replay" replays the same routing after it (every expert the rounds use is resident
+# where the budget holds them), "fill" goes on after it (the cache in its steady state))
+REGIMES = {
+    "hit": dict(cold=False, warm_pass="replay"),
+    "ram": dict(cold=False, warm_pass="fill"),
+    "cold": dict(cold=True, warm_pass=None),
+}
+
+
+def warm_page_cache(files) -> float:
+    """Read ``files`` once, whole, so later reads of them are copies from RAM; returns seconds."""
+    start = time.perf_counter()
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+    return time.perf_counter() - start
+
+
+def routing_state(routing):
+    """A copy of the routing's position (``ForcedRouting.calls``, ``TraceRouting.cursor``)."""
+    return {k: dict(getattr(routing, k)) for k in ("calls", "cursor") if hasattr(routing, k)}
+
+
+def set_routing_state(routing, state) -> None:
+    for k, v in state.items():
+        setattr(routing, k, dict(v))
+
+
+def run_group(stocks, path, routing_spec, budget, variants, args, res, files, prompt, stream,
+              regime="cold"):
+    """One regime x routing x budget: the variants and the stocks, interleaved rounds."""
     import random
 
     from experts import delta, reset_banks
 
+    mode = REGIMES[regime]
     total = res["total_expert_bytes"]
     configs = {}
     for name, model in stocks.items():
         cfg = Config(name, model)
         configs[name] = cfg
     timelines = {}
-    group = f"{routing_spec.split(':')[0]}-{int(round(budget * 100))}"
+    group = f"{regime}-{routing_spec.split(':')[0]}-{int(round(budget * 100))}"
+    all_files = list(files)
     for v in variants:
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
+        if timelines[v].exists():
+            timelines[v].unlink()
         model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
         packed = variant_options(v)[0].get("store") == "packed"
-        configs[v] = Config(
-            v, model, cold=True, files=experts.pack_files(path) if packed else files
-        )
+        vfiles = experts.pack_files(path) if packed else files
+        all_files += [f for f in vfiles if f not in all_files]
+        configs[v] = Config(v, model, cold=mode["cold"], files=vfiles)
     for cfg in configs.values():
         cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
         if cfg.name in stocks:
@@ -256,6 +474,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
             wrap(cfg.model, cfg.routing)
             if oracle_precision(cfg.name) is not None:
                 set_oracle(cfg.model, cfg.routing, oracle_precision(cfg.name))
+    warm_s = warm_page_cache(all_files) if not mode["cold"] else 0.0
     for cfg in configs.values():
         cfg.routing.reset()
         if cfg.cache is not None:
@@ -263,8 +482,19 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         prompt_by_token(cfg, prompt)
         cfg.stream, cfg.pos = stream, 1
         decode_block(cfg, 2)  # warm-up: allocations, kernels
+        if mode["warm_pass"]:
+            # the rounds' steps once, untimed: "replay" then rewinds the routing, so the rounds
+            # ask for exactly the experts this pass made resident
+            state = routing_state(cfg.routing)
+            for _ in range(args.rounds):
+                decode_block(cfg, args.block)
+            if mode["warm_pass"] == "replay":
+                set_routing_state(cfg.routing, state)
         cfg.tokens = []
+        cfg.decode_s = []
         cfg.stats0 = counters(cfg)
+    if not mode["cold"]:
+        warm_s += warm_page_cache(all_files)
     rounds = []
     for r in range(args.rounds):
         row = {}
@@ -274,21 +504,26 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
             row[key] = sum(times) / len(times)
         rounds.append(row)
         log(
-            f"[{routing_spec} {budget}] round {r}: "
+            f"[{regime} {routing_spec} {budget}] round {r}: "
             + ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items())
         )
-    out = {"rounds": rounds, "configs": {}}
+    out = {"regime": regime, "rounds": rounds, "configs": {}, "page_cache_warm_s": warm_s}
     ref = configs["stock"].tokens
     for key, cfg in configs.items():
         n = len(cfg.decode_s)
         c = delta(cfg.stats0, counters(cfg))
         asked = c.get("hits", 0) + c.get("misses", 0)
+        same = [a == b for a, b in zip(cfg.tokens, ref)]
         entry = {
             "tokens": n,
             "tok_s": n / sum(cfg.decode_s),
             "s_per_token": sum(cfg.decode_s) / n,
-            "same_as_stock": [a == b for a, b in zip(cfg.tokens, ref)],
+            "same_as_stock": same,
+            "exact_steps": sum(same),
+            "total_steps": len(ref),
+            "exact": len(cfg.tokens) == len(ref) and all(same),
             "call_s_per_token": c["call_seconds"] / n,
+            "ratio_to_stock": statistics.median(r["stock"] / r[key] for r in rounds),
         }
         if cfg.cache is not None:
             entry.update(
@@ -303,17 +538,40 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
                 policy=getattr(cfg.cache, "policy", None),
                 prefetch=experts.precision_recall(c.get("prefetch")),
             )
+            if regime == "hit" and entry["hit_rate"] != 1.0:
+                msg = (
+                    f"WARNING: regime hit, {routing_spec} {budget}, {key}: measured hit rate "
+                    f"{entry['hit_rate']} (not 1.0; slots {min(entry['slots'])}-"
+                    f"{max(entry['slots'])} per layer)"
+                )
+                log(msg)
+                out.setdefault("warnings", []).append(msg)
         if cfg.cache is not None and cfg.cache.timeline is not None:
             from timeline_summary import summarize as timeline_summary
 
-            cfg.cache.timeline.flush()
+            # closed, not flushed: the last decode step's span is written when the step ends
+            cfg.cache.timeline.close()
             entry["timeline"] = timeline_summary(timelines[key], last=n)
             entry["timeline_file"] = timelines[key].name
+            per_token = entry["timeline"].get("split", {}).get("ms per token")
+            if per_token:
+                # the timeline's step runs from the first MoE layer call to the last: the rest of
+                # the token's measured time (embedding, first attention, head, sampling, mlx-lm)
+                per_token["outside"] = round(
+                    entry["s_per_token"] * 1e3 - entry["timeline"]["step ms"], 4
+                )
+                per_token["token"] = round(entry["s_per_token"] * 1e3, 4)
         out["configs"][key] = entry
-    # warm-up decode rows of the trace: 3 (generate_step computes one ahead), then the measured ones
+    out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
+    # warm-up decode rows of the trace: 3 (generate_step computes one ahead), the warm pass's
+    # (hit: replayed by the rounds; ram: before them), then the measured ones
+    warm = 3 + (configs["stock"].pos - 1 - 3) // 2 if mode["warm_pass"] == "fill" else 3
     out["decode_rows"] = {
-        "warmup": 3,
-        "measured": configs[variants[0]].pos - 1 - 3 if variants else 0,
+        "warmup": warm,
+        "measured": configs["stock"].pos - 1 - warm
+        if mode["warm_pass"] != "replay"
+        else (configs["stock"].pos - 1 - 3) // 2,
+        "replayed": mode["warm_pass"] == "replay",
     }
     for cfg in configs.values():
         if cfg.name not in stocks:
@@ -359,7 +617,24 @@ def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
     return out
 
 
-def main():
+def plan(args, routings):
+    """``(regime, routing, budget)`` of every group, in run order."""
+    if not args.regimes:
+        return [("cold", r, b) for r in routings for b in args.budget_list]
+    out = []
+    for regime in args.regimes:
+        budgets = {"hit": [args.hit_budget], "ram": [args.ram_budget]}.get(regime, args.budget_list)
+        out += [(regime, r, b) for r in routings for b in budgets]
+    return out
+
+
+QUICK = dict(
+    shape="tiny", layers=4, rounds=2, block=2, probe_mb=8, prompt=6, probe_threads="1,4",
+    variants="default,default_tl", budgets="0.25,0.5", ckpt_dir="/tmp/bench_ckpt_quick",
+)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -367,17 +642,72 @@ def main():
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    ap.add_argument("--budgets", default="0.25,0.5")
+    ap.add_argument(
+        "--regimes",
+        default=None,
+        help="comma list of hit, ram, cold (default: cold only, at --budgets, as before)",
+    )
+    ap.add_argument("--budgets", default="0.25,0.5", help="the cold regime's budgets")
+    ap.add_argument("--hit-budget", type=float, default=0.99)
+    ap.add_argument("--ram-budget", type=float, default=0.90)
+    ap.add_argument(
+        "--floors",
+        action="store_true",
+        help="also time stock_synclayer (one np.array(indices) per MoE layer) and stock_synctoken "
+        "(one mx.eval(logits) per token) in the same rounds",
+    )
     ap.add_argument(
         "--routings",
         default="uniform,trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl"),
     )
     ap.add_argument("--variants", default="staged,staged_t16,direct,direct_t16")
+    ap.add_argument(
+        "--tuning-variant",
+        action="append",
+        default=[],
+        metavar="NAME:field=value,...",
+        help="define variant word NAME setting those CacheTuning fields (bool/int/float/None/str "
+        "values), usable in --variants alone or with other words; repeatable",
+    )
+    ap.add_argument(
+        "--graph-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the routing's ids computed after the layer's router (default: on with --regimes, off "
+        "without, as before)",
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=6)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: a trace's "
+                    "prefill rows, 28 for uniform)")
     ap.add_argument("--probe-mb", type=int, default=768)
+    ap.add_argument("--probe-threads", default="1,2,4,8,16")
     ap.add_argument("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a CPU try of everything in well under a minute: " + ", ".join(
+            f"{k}={v}" for k, v in QUICK.items()) + " (flags given explicitly still win)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
+        if "routings" not in given:
+            args.routings = "uniform,trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
+    args.budget_list = [float(b) for b in args.budgets.split(",") if b]
+    args.regimes = [r for r in (args.regimes or "").split(",") if r]
+    for r in args.regimes:
+        if r not in REGIMES:
+            raise SystemExit(f"--regimes: unknown {r!r} (known: {', '.join(REGIMES)})")
+    global GRAPH_IDS
+    GRAPH_IDS = bool(args.regimes) if args.graph_ids is None else args.graph_ids
+    for spec in args.tuning_variant:
+        name, fields = tuning_variant(spec)
+        TUNING_VARIANTS[name] = fields
 
     import mlx.core as mx
 
@@ -390,9 +720,8 @@ def main():
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
     routings = [r for r in args.routings.split(",") if r]
-    budgets = [float(b) for b in args.budgets.split(",")]
     res = {
-        "command": " ".join(sys.argv),
+        "command": " ".join([Path(sys.argv[0]).name] + list(argv)),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
@@ -400,6 +729,10 @@ def main():
         "shape": args.shape,
         "layers": args.layers,
         "dtype": dtype,
+        "rounds": args.rounds,
+        "block": args.block,
+        "tuning_variants": TUNING_VARIANTS,
+        "graph_ids": GRAPH_IDS,
     }
     path = build(Path(args.ckpt_dir), args.shape, args.layers, dtype)
     files = experts.shards(path)
@@ -421,7 +754,7 @@ def main():
     gc.collect()
 
     bw = {}
-    for threads in (1, 2, 4, 8, 16):
+    for threads in [int(t) for t in args.probe_threads.split(",")]:
         for direct in (False, True):
             key = f"t{threads}{'_direct' if direct else ''}"
             try:
@@ -436,8 +769,14 @@ def main():
     log(f"disk GB/s: {bw}")
 
     stocks = {}
-    for name in ("stock", "stock_again"):
+    names = ("stock", "stock_again") + (FLOORS if args.floors else ())
+    for name in names:
         stocks[name], config = experts.load_stock(path)
+        # routed now (pointed at each group's routing later), so the floors wrap the routed modules
+        wrap(stocks[name], make_routing(routings[0], res["moe_layers"], res["experts"]))
+    if args.floors:
+        sync_per_layer(stocks["stock_synclayer"])
+        sync_per_token(stocks["stock_synctoken"])
     import random
 
     rng = random.Random(1)
@@ -445,41 +784,79 @@ def main():
     stream = [rng.randrange(vocab) for _ in range(4096)]
     groups = []
     res["groups"] = groups
-    for spec in routings:
-        routing = make_routing(spec, res["moe_layers"], res["experts"])
-        prompt_len = routing.decode_rows() if hasattr(routing, "decode_rows") else 28
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        for budget in budgets:
-            g = run_group(stocks, path, spec, budget, variants, args, res, files, prompt, stream)
-            g.update(routing=spec, budget=budget, prompt_tokens=prompt_len)
-            if spec.startswith("trace:") and variants:
-                slots = g["configs"][variants[0]]["slots"]
-                g["replay"] = replay_figures(
-                    spec, res["moe_layers"], slots, prompt_len, 3, g["decode_rows"]["measured"]
-                )
-            summarize(g, res)
-            groups.append(g)
-            res["groups"] = groups
-            save(res, args)  # after every group: a run cut short keeps what it measured
-            print(table(res), flush=True)
+    prompts = {}
+    for regime, spec, budget in plan(args, routings):
+        if spec not in prompts:
+            routing = make_routing(spec, res["moe_layers"], res["experts"])
+            prompt_len = args.prompt or (
+                routing.decode_rows() if hasattr(routing, "decode_rows") else 28
+            )
+            prompts[spec] = [rng.randrange(vocab) for _ in range(prompt_len)]
+        prompt = prompts[spec]
+        g = run_group(
+            stocks, path, spec, budget, variants, args, res, files, prompt, stream, regime
+        )
+        g.update(routing=spec, budget=budget, prompt_tokens=len(prompt))
+        if spec.startswith("trace:") and variants and regime != "hit":
+            slots = g["configs"][variants[0]]["slots"]
+            rows = g["decode_rows"]
+            g["replay"] = replay_figures(
+                spec, res["moe_layers"], slots, len(prompt), rows["warmup"], rows["measured"]
+            )
+        summarize(g, res)
+        groups.append(g)
+        res["groups"] = groups
+        # regime -> "routing budget" -> config -> its ratio (and stock's own run-to-run)
+        where = f"{'trace' if spec.startswith('trace') else spec} {budget}"
+        res.setdefault("summary", {}).setdefault(regime, {})[where] = {
+            k: {
+                "ratio": round(c["ratio"], 4),
+                "exact": f"{c['exact_steps']}/{c['total_steps']}",
+                "hit_rate": c.get("hit_rate"),
+            }
+            for k, c in g["configs"].items()
+        }
+        save(res, args)  # after every group: a run cut short keeps what it measured
+        log(table(dict(res, groups=[g])))  # this group's detailed rows
+    print(regime_tables(res), flush=True)
+    bad = [
+        f"{g['regime']} {g['routing']} {g['budget']} {k}"
+        for g in groups
+        for k, c in g["configs"].items()
+        if not c["exact"]
+    ]
+    if bad:
+        log("NOT EXACT: " + "; ".join(bad))
+    return res
 
 
 def save(res, args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
+    if res.get("groups"):
+        (out / f"{args.tag}.md").write_text(markdown(res))
 
 
 def summarize(g, res):
-    """limit, ratio to it, read GB/s, paired ratios to ``staged`` per variant."""
+    """limit, ratio to it (also the median of per-round ratios), read GB/s, paired ratios to the
+    base variant; the regime's headline ratio per configuration (``ratio``): to stock for hit and
+    ram, to the limit for cold (stock configurations: to stock)."""
     disk = res["disk_best_gbps"] * GB
     stock = g["configs"]["stock"]["s_per_token"]
     for key, c in g["configs"].items():
+        c["ratio"] = c["ratio_to_stock"]
         if "bytes_per_token" not in c:
             continue
         limit_s = max(stock, c["bytes_per_token"] / disk)
         c["limit_tok_s"] = 1 / limit_s
         c["ratio_to_limit"] = c["tok_s"] * limit_s
+        # per round: the limit with that round's stock time, over this one's
+        c["ratio_to_limit_median"] = statistics.median(
+            max(r["stock"], c["bytes_per_token"] / disk) / r[key] for r in g["rounds"]
+        )
+        if g.get("regime", "cold") == "cold":
+            c["ratio"] = c["ratio_to_limit_median"]
         c["read_gbps_in_waits"] = (
             c["bytes_per_token"] / c["io_wait_s_per_token"] / GB
             if c["io_wait_s_per_token"]
@@ -495,6 +872,89 @@ def summarize(g, res):
         )
 
 
+SPLIT_SHORT = (
+    ("ids wait", "ids"),
+    ("host to submit", "host"),
+    ("reads", "reads"),
+    ("installs", "inst"),
+    ("compute", "comp"),
+    ("rest", "rest"),
+    ("between layers", "between"),
+)
+
+
+def _split_cell(c, per):
+    sp = (c.get("timeline") or {}).get("split") or {}
+    ms = sp.get(per)
+    if not ms:
+        return ""
+    keys = [k for k, _ in SPLIT_SHORT] + (["outside", "token"] if per == "ms per token" else [])
+    return " / ".join(f"{ms.get(k, 0):.3f}" for k in keys)
+
+
+def regime_tables(res):
+    """One markdown table per regime (see ``markdown``)."""
+    lines = []
+    for regime in REGIMES:
+        groups = [g for g in res["groups"] if g.get("regime", "cold") == regime]
+        if not groups:
+            continue
+        against = "limit" if regime == "cold" else "stock"
+        lines += [
+            "",
+            f"### {regime}",
+            "",
+            f"| routing | budget | config | tok/s | ratio to {against} | stock/stock | exact | hit "
+            "| ms per layer: " + " / ".join(s for _, s in SPLIT_SHORT)
+            + " | ms per token: same / outside / token |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for g in groups:
+            routing = "trace" if g["routing"].startswith("trace") else g["routing"]
+            for key, c in g["configs"].items():
+                hit = "" if c.get("hit_rate") is None else f"{c['hit_rate']:.3f}"
+                ratio = c.get("ratio", c["ratio_to_stock"])
+                lines.append(
+                    f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {ratio:.3f} | "
+                    f"{g['stock_vs_stock']:.3f} | {c['exact_steps']}/{c['total_steps']} | {hit} | "
+                    f"{_split_cell(c, 'ms per layer')} | {_split_cell(c, 'ms per token')} |"
+                )
+            for w in g.get("warnings", []):
+                lines.append(f"\n{w}\n")
+    return "\n".join(lines).lstrip("\n")
+
+
+def markdown(res):
+    head = [
+        f"# gpu_pipeline: {res.get('shape')} shape, {res.get('moe_layers')} MoE layers, "
+        f"{res.get('dtype')}, {res.get('device')} (mlx {res.get('mlx')})",
+        "",
+        f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
+        f"steps per configuration; disk best {res['disk_best_gbps']:.2f} GB/s; routing ids "
+        f"{'after the router (graph ids)' if res.get('graph_ids') else 'host data'})",
+        "",
+        "Regimes: hit = budget 0.99 (or --hit-budget), page cache warm, the rounds' steps decoded "
+        "once before them with the same routing (replayed), so every expert they use is resident; "
+        "ram = budget 0.90 (or --ram-budget), page cache warm, the rounds' steps decoded once "
+        "before them (the cache filled); cold = page cache dropped before every token. Floors "
+        "(stock, patched in the benchmark only): stock_synclayer = one np.array(router ids) per MoE "
+        "layer, stock_synctoken = one mx.eval(logits) per token.",
+        "",
+        "Ratios: medians over rounds of per-round ratios; hit and ram to stock, cold to the limit "
+        "(1 / max(stock's step, bytes per token / the disk's best GB/s)); stock configurations: "
+        "to stock. stock/stock: the second stock model to the first (stock's run-to-run). exact: "
+        "steps whose log-probabilities equal stock's bit for bit. Per-layer split (from the "
+        "timeline, variants with `tl`): ids = waiting for the router's ids (host sync), host = host "
+        "work from then to the layer's compute submission, reads = waits for reads, inst = "
+        "installs, comp = submit + wait for compute, rest = the rest of the layer call, between = "
+        "between MoE layer calls (attention, norms), per MoE layer call; per token, the same plus "
+        "outside = the token's measured time outside its first to last MoE layer call (embedding, "
+        "head, sampling, mlx-lm) and token = the measured time per token.",
+        "",
+    ]
+    return "\n".join(head) + regime_tables(res) + "\n\n## Details\n\n" + table(res) + "\n"
+
+
 def _ahead(p):
     """ "used/staged (precision)" of the lookahead's reads, per run."""
     if not p:
@@ -508,9 +968,9 @@ def table(res):
     lines = [
         f"disk best {res['disk_best_gbps']:.2f} GB/s; {res['moe_layers']} layers, "
         f"{res['expert_bytes'] / MB:.2f} MB per expert",
-        "| routing | budget | config | tok/s | limit | ratio | hit | MB/token | io ms | install ms | "
+        "| regime | routing | budget | config | tok/s | limit | ratio | hit | MB/token | io ms | install ms | "
         "store ms | call ms | GB/s in waits | vs base | ahead used/staged (prec) | exact steps |",
-        "|" + "---|" * 16,
+        "|" + "---|" * 17,
     ]
     for g in res["groups"]:
         routing = "trace" if g["routing"].startswith("trace") else g["routing"]
@@ -518,12 +978,12 @@ def table(res):
             same = f"{sum(c['same_as_stock'])}/{len(c['same_as_stock'])}"
             if "bytes_per_token" not in c:
                 lines.append(
-                    f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | | | | | | | | "
+                    f"| {g.get('regime', 'cold')} | {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | | | | | | | | "
                     f"{c['call_s_per_token'] * 1e3:.1f} | | | | {same} |"
                 )
                 continue
             lines.append(
-                f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {c['limit_tok_s']:.2f} | "
+                f"| {g.get('regime', 'cold')} | {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {c['limit_tok_s']:.2f} | "
                 f"{c['ratio_to_limit']:.3f} | {c['hit_rate']:.3f} | {c['bytes_per_token'] / MB:.1f} | "
                 f"{c['io_wait_s_per_token'] * 1e3:.1f} | {c['install_s_per_token'] * 1e3:.1f} | "
                 f"{c['store_s_per_token'] * 1e3:.1f} | {c['call_s_per_token'] * 1e3:.1f} | "

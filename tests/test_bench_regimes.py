@@ -1,0 +1,73 @@
+"""bench/gpu_pipeline.py --quick: the three regimes, the stock floors and a command-line tuning
+variant, run on the CPU at tiny size; every configuration exact, every regime's ratio there."""
+
+import json
+import sys
+from pathlib import Path
+
+from support import clean_env, run
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_pipeline.py"
+SPLIT = ("ids wait", "host to submit", "reads", "installs", "compute", "rest", "between layers")
+
+
+def test_quick_regimes_floors_and_tuning_variant(tmp_path):
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--quick",
+        "--regimes",
+        "hit,ram,cold",
+        "--floors",
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+        "--out",
+        out,
+        "--tag",
+        "quick",
+        "--tuning-variant",
+        "nolk:lookahead=false",
+        "--variants",
+        "default,default_tl,nolk_tl",
+    ]
+    proc = run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
+    res = json.loads((out / "quick.json").read_text())
+    assert res["tuning_variants"] == {"nolk": {"lookahead": False}}
+    regimes = {g["regime"] for g in res["groups"]}
+    assert regimes == {"hit", "ram", "cold"}
+    # hit and ram at one budget each, cold at --quick's two; uniform and trace routing each
+    assert len(res["groups"]) == 2 + 2 + 4
+    names = {"stock", "stock_again", "stock_synclayer", "stock_synctoken"}
+    names |= {"default", "default_tl", "nolk_tl"}
+    for g in res["groups"]:
+        where = f"{g['regime']} {g['routing']} {g['budget']}"
+        assert set(g["configs"]) == names, where
+        assert g["stock_vs_stock"] > 0, where
+        for key, c in g["configs"].items():
+            assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
+            assert c["total_steps"] == res["rounds"] * (res["block"] + 1), where
+            assert c["ratio"] > 0, f"{where} {key}"
+            if key.startswith("stock"):
+                continue
+            assert 0 <= c["hit_rate"] <= 1, f"{where} {key}"
+            if g["regime"] == "cold":
+                assert c["ratio"] == c["ratio_to_limit_median"]
+            else:
+                assert c["ratio"] == c["ratio_to_stock"]
+            if g["regime"] == "hit":
+                assert c["hit_rate"] == 1.0, f"{where} {key}"
+            if key.endswith("_tl"):
+                split = c["timeline"]["split"]
+                assert split["layer calls per token"] == res["moe_layers"], where
+                assert set(split["ms per token"]) == set(SPLIT) | {"outside", "token"}, where
+                assert set(split["ms per layer"]) == set(SPLIT), where
+                assert all(v >= 0 for v in split["ms per token"].values()), (where, split)
+            else:
+                assert "timeline" not in c
+    md = (out / "quick.md").read_text()
+    for regime in ("hit", "ram", "cold"):
+        assert f"### {regime}" in md
+        assert f"### {regime}" in proc.stdout
+    assert "stock_synclayer" in md and "nolk_tl" in md
