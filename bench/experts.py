@@ -326,9 +326,15 @@ class ForcedRouting:
     def indices(self, layer_no, shape):
         import mlx.core as mx
 
+        from routing_replay import taken
+
         pick = self.peek(layer_no, shape)
         self.calls[layer_no] = self.calls.get(layer_no, 0) + 1
+        taken(self, layer_no, 1)
         return mx.array(pick)
+
+    def unwind(self, layer_no, calls):
+        self.calls[layer_no] -= calls
 
     def peek(self, layer_no, shape):
         """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
@@ -1356,6 +1362,9 @@ def machine(device):
 
 
 def main():
+    import routing_replay
+
+    routing_replay.unwind_on_rewind()  # verified steps that run a forward again
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="qwen3 only, fewer rounds (a few minutes)")
     ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")

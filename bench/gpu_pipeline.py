@@ -635,6 +635,9 @@ QUICK = dict(
 
 
 def main(argv=None):
+    import routing_replay
+
+    routing_replay.unwind_on_rewind()  # verified steps that run a forward again
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))

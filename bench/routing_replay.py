@@ -97,7 +97,11 @@ class TraceRouting:
         take = self.peek(layer_no, shape)
         table = self.table[layer_no]
         self.cursor[layer_no] = (self.cursor.get(layer_no, 0) + take.size // shape[-1]) % len(table)
+        taken(self, layer_no, take.size // shape[-1])
         return mx.array(take)
+
+    def unwind(self, layer_no: int, rows: int) -> None:
+        self.cursor[layer_no] = (self.cursor[layer_no] - rows) % len(self.table[layer_no])
 
     def peek(self, layer_no: int, shape) -> np.ndarray:
         """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
@@ -206,6 +210,39 @@ def _first(obj, names):
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+# A forward that the streaming model runs again (a verified step that found a miss: the KV caches
+# are rewound, ``mlx_compat.rewind``, and the call repeated) must see the same ids again, as a
+# router given the same input would. Routing sources count calls, so the repeat would take the next
+# ones: ``unwind_on_rewind`` makes every rewind also take back the forward's calls of the routing
+# last used (single-threaded benchmarks: the forward that was just rewound).
+_CALLS: List[tuple] = []  # (routing, layer_no, rows) of the calls since the last forward began
+
+
+def taken(routing, layer_no: int, rows: int) -> None:
+    """A routing source gave ``rows`` rows of ids to layer ``layer_no`` (for ``unwind_on_rewind``)."""
+    if layer_no == 0:
+        _CALLS.clear()
+    _CALLS.append((routing, layer_no, rows))
+
+
+def unwind_on_rewind() -> None:
+    """Patch ``mlx_compat.rewind`` (bench only) to take back the rewound forward's routing calls."""
+    from mlx_lm_streaming import mlx_compat
+
+    if getattr(mlx_compat.rewind, "unwinds", False):
+        return
+    rewind = mlx_compat.rewind
+
+    def rewind_and_unwind(cache, tokens):
+        rewind(cache, tokens)
+        while _CALLS:
+            routing, layer_no, rows = _CALLS.pop()
+            routing.unwind(layer_no, rows)
+
+    rewind_and_unwind.unwinds = True
+    mlx_compat.rewind = rewind_and_unwind
 
 
 def _routed_class():
