@@ -38,16 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experts import ARCHS  # noqa: E402 (stdlib only at import)
+
 GB = 1 << 30
-QWEN3_30B_SHAPE = {
-    "hidden": 2048,
-    "moe_intermediate": 768,
-    "experts": 128,
-    "top_k": 8,
-    "heads": 32,
-    "kv_heads": 4,
-    "head_dim": 128,
-}
+QWEN3_30B_SHAPE = ARCHS["qwen3"]["overrides"]
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle."
 )
