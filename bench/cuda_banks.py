@@ -1,6 +1,7 @@
 """Where streaming logits differ from stock's on a device: the banks' bytes against the store's.
 
     python bench/cuda_banks.py [--arch qwen3_moe --variant affine4 --dtype bfloat16]
+    python bench/cuda_banks.py --quick     # 1 step, 1 stock repeat, three configurations
 
 For each configuration (budget holding every expert or 3 per layer; direct reads on or off; with or
 without a device synchronisation before each direct read), runs the parity prompt and 2 decode steps,
@@ -29,7 +30,11 @@ def main():
     ap.add_argument("--stock-repeats", type=int, default=3, help="stock runs compared to the first")
     ap.add_argument("--overrides", default=None, help="JSON of build_checkpoint overrides")
     ap.add_argument("--configs", default="all-on,all-off,all-on-sync,small-on,small-off,all-on-nofill")
+    ap.add_argument("--quick", action="store_true", help="1 step, 1 stock repeat, 3 configurations")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.stock_repeats = 1, 1
+        args.configs = "all-on-sync,small-on-sync,small-off"
     import mlx.core as mx
     import numpy as np
 

@@ -63,42 +63,42 @@ def available() -> bool:
     return bool(_cudart())
 
 
-def _range(address: int, nbytes: int):
-    """``(runtime library, CUDA >= 13, pointer, size)`` for a call on a memory range, or None."""
-    rt = _cudart()
-    if not rt:
-        return None
-    lib, version = rt
-    return lib, version >= 13000, ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+def _on_range(call):
+    """A hint ``(address, nbytes, device=0) -> bool`` that runs ``call(lib, cuda13, pointer, size,
+    device)`` with the CUDA runtime MLX loaded, and returns False where there is none."""
+
+    def hint(address: int, nbytes: int, device: int = 0) -> bool:
+        rt = _cudart()
+        if not rt:
+            return False
+        lib, version = rt
+        ptr, size = ctypes.c_void_p(address), ctypes.c_size_t(nbytes)
+        return call(lib, version >= 13000, ptr, size, device)
+
+    hint.__name__, hint.__doc__ = call.__name__, call.__doc__
+    return hint
 
 
-def prefetch(address: int, nbytes: int, device: int = 0) -> bool:
+@_on_range
+def prefetch(lib, v13, ptr, size, device) -> bool:
     """Start moving ``nbytes`` of managed memory at ``address`` to GPU ``device``."""
-    call = _range(address, nbytes)
-    if call is None:
-        return False
-    lib, v13, ptr, size = call
     if v13:
-        err = lib.cudaMemPrefetchAsync(
-            ptr, size, _Location(_LOCATION_DEVICE, device), ctypes.c_uint(0), _STREAM_PER_THREAD
-        )
+        location = _Location(_LOCATION_DEVICE, device)
+        err = lib.cudaMemPrefetchAsync(ptr, size, location, ctypes.c_uint(0), _STREAM_PER_THREAD)
     else:
         err = lib.cudaMemPrefetchAsync(ptr, size, ctypes.c_int(device), _STREAM_PER_THREAD)
     return err == 0
 
 
-def prefer_host(address: int, nbytes: int, device: int = 0) -> bool:
+@_on_range
+def prefer_host(lib, v13, ptr, size, device) -> bool:
     """Keep ``nbytes`` at ``address`` in host memory, mapped for GPU ``device`` to read in place."""
-    call = _range(address, nbytes)
-    if call is None:
-        return False
-    lib, v13, ptr, size = call
     if v13:
-        a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, _Location(_LOCATION_HOST, 0))
-        b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, _Location(_LOCATION_DEVICE, device))
+        host, gpu = _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, device)
     else:
-        a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, ctypes.c_int(_CPU_DEVICE_ID))
-        b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, ctypes.c_int(device))
+        host, gpu = ctypes.c_int(_CPU_DEVICE_ID), ctypes.c_int(device)
+    a = lib.cudaMemAdvise(ptr, size, _ADVISE_PREFERRED_LOCATION, host)
+    b = lib.cudaMemAdvise(ptr, size, _ADVISE_ACCESSED_BY, gpu)
     return a == 0 and b == 0
 
 

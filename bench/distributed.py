@@ -1,6 +1,7 @@
 """Streaming decode on 1 rank vs 2 pipeline ranks (mlx.launch, ring backend, this machine).
 
     python bench/distributed.py [--model PATH] [--expert-cache-gb GB] [--max-tokens N] [--warm]
+    python bench/distributed.py --quick     # seconds: a tiny checkpoint, 2 tokens, no stock runs
 
 Every run is ``mlx_lm_streaming.pipeline_generate`` with ``--streaming-experts --stats-json``; the 2-rank
 runs go through ``mlx.launch -n 2 --backend ring`` on 127.0.0.1. Three configurations:
@@ -37,23 +38,20 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experts import ARCHS  # noqa: E402 (stdlib only at import)
+
 GB = 1 << 30
-QWEN3_30B_SHAPE = {
-    "hidden": 2048,
-    "moe_intermediate": 768,
-    "experts": 128,
-    "top_k": 8,
-    "heads": 32,
-    "kv_heads": 4,
-    "head_dim": 128,
-}
+QWEN3_30B_SHAPE = ARCHS["qwen3"]["overrides"]
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle."
 )
 
 
-def default_checkpoint() -> Path:
-    path = Path(tempfile.gettempdir()) / "mlx_lm_streaming_bench_qwen3_30b_4l"
+def default_checkpoint(quick: bool = False) -> Path:
+    """Built once under /tmp: the Qwen3-30B-A3B shape, or with ``quick`` a tiny one (same layout)."""
+    name = "tiny_4l" if quick else "qwen3_30b_4l"
+    path = Path(tempfile.gettempdir()) / f"mlx_lm_streaming_bench_{name}"
     if not (path / "config.json").is_file():
         from mlx_lm_streaming.synthetic import build_checkpoint
 
@@ -64,7 +62,7 @@ def default_checkpoint() -> Path:
             "affine4",
             num_layers=4,
             shards=4,
-            overrides=QWEN3_30B_SHAPE,
+            overrides=None if quick else QWEN3_30B_SHAPE,
         )
     return path
 
@@ -214,9 +212,19 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="Also write the rows here")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="A tiny checkpoint (unless --model), 2 tokens, 2 slots a layer, no stock runs: the "
+        "script's every step in seconds",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.max_tokens, args.no_stock = 2, True
+        if args.model is None:
+            args.expert_cache_gb = 0.00004  # 1-3 of the tiny checkpoint's 8 experts a layer
 
-    model = args.model or default_checkpoint()
+    model = args.model or default_checkpoint(args.quick)
     b = args.expert_cache_gb
     rows, texts = [], set()
     with tempfile.TemporaryDirectory() as tmp:

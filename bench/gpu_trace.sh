@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cold decode against the disk's limit on the H200 (bench/gpu_pipeline.py), then the CUDA parity check
-# with direct reads on and off, in one device call (docs/benchmarks/gpu-trace.md).
+# with direct reads on and off, in one device call (docs/benchmarks/README.md, "H200").
 #
 # Before it, from the project root here: ../shared/tools/mlx-cuda-wheels.sh, then one device call
 #   carry [".dev/a"]: mkdir -p /root/stash && cp .dev/a/* /root/stash/

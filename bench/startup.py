@@ -7,6 +7,7 @@ also prints the hook's own import time from ``python -X importtime`` and checks 
 imports nothing of mlx or mlx_lm.
 
     python bench/startup.py [--python PATH] [--runs N] [--check]
+    python bench/startup.py --quick     # 2 runs per setting: what it finds, not a timing
 
 ``--check`` exits 1 when the extra start-up time is 5 ms or more (by either measure), or when mlx
 is imported at start-up. The interpreter must have mlx-lm-streaming installed (not editable).
@@ -104,10 +105,13 @@ def main(argv=None) -> int:
         "--python", default=sys.executable, help="interpreter to measure"
     )
     parser.add_argument("--runs", type=int, default=40, help="runs per setting")
+    parser.add_argument("--quick", action="store_true", help="2 runs per setting")
     parser.add_argument(
         "--check", action="store_true", help=f"exit 1 at >= {LIMIT_MS} ms"
     )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.runs = 2
 
     pth = hook_file(args.python)
     on, off = wall_ms(args.python, args.runs)

@@ -2,12 +2,14 @@
 
     python bench/timeline_png.py TRACE.json [--step N] [--out FILE.png]
     python bench/timeline_png.py --capture [--arch qwen3] [--out docs/benchmarks/timeline-cpu.png]
+    python bench/timeline_png.py --capture --quick --out /tmp/timeline.png   # seconds: tiny experts
 
 The first form renders a trace file (finished, or cut short: an unterminated file is read too). The
 step drawn is ``--step`` or, by default, the decode step that read the most bytes. The second form
 makes a trace first, of a cold decode: ``bench/experts.py``'s checkpoint of that shape, a budget of
 25% of the experts, uniform routing, the page cache dropped before every token; it keeps the trace
-next to the PNG (``.json``). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
+next to the PNG (``.json``); with ``--quick`` the checkpoint is a tiny synthetic one of 2 layers (the
+same steps in seconds, for CI). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
 """
 
 import argparse
@@ -160,14 +162,22 @@ def _label(e):
     return ""
 
 
-def capture(arch, out_json, ckpt_dir, tokens=6):
+def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
     """A cold decode's trace (see the module docstring); returns a title for the plot."""
     import experts
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     mx.set_default_device(mx.cpu)
-    path = experts.checkpoint(Path(ckpt_dir), arch, "float32")
+    spec = experts.ARCHS[arch]
+    if quick:
+        from mlx_lm_streaming.synthetic import build_checkpoint
+
+        path = Path(ckpt_dir) / f"timeline-quick-{spec['arch']}"
+        if not (path / "config.json").is_file():
+            build_checkpoint(path, spec["arch"], "affine4", overrides={"experts": 16})
+    else:
+        path = experts.checkpoint(Path(ckpt_dir), arch, "float32")
     files = experts.shards(path)
     probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
     total = probe.expert_streaming.cache.total_expert_bytes
@@ -184,8 +194,8 @@ def capture(arch, out_json, ckpt_dir, tokens=6):
         experts.drop_page_cache(files)
     mx.synchronize()
     model.expert_streaming.close()
-    spec = experts.ARCHS[arch]
-    return f"{spec['label']} experts, {spec['layers']} layers, CPU, 25% budget, cold, uniform routing: "
+    what = "tiny synthetic experts, 2" if quick else f"{spec['label']} experts, {spec['layers']}"
+    return f"{what} layers, CPU, 25% budget, cold, uniform routing: "
 
 
 def main():
@@ -195,13 +205,14 @@ def main():
     ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
     ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
     ap.add_argument("--arch", default="qwen3", help="with --capture: bench/experts.py's shape")
+    ap.add_argument("--quick", action="store_true", help="with --capture: a tiny checkpoint")
     ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
     args = ap.parse_args()
     title = ""
     if args.capture:
         out = Path(args.out or ROOT / "docs" / "benchmarks" / "timeline-cpu.png")
         args.trace = out.with_suffix(".json")
-        title = capture(args.arch, args.trace, args.ckpt_dir)
+        title = capture(args.arch, args.trace, args.ckpt_dir, quick=args.quick)
     elif not args.trace:
         ap.error("give a trace file, or --capture")
     out = Path(args.out) if args.out else Path(args.trace).with_suffix(".png")

@@ -5,6 +5,8 @@ import importlib
 import inspect
 import os
 import re
+import shlex
+import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -139,3 +141,51 @@ def test_docs_links_exist():
                 ROOT / target if target.startswith("docs/") else ROOT / "docs" / target
             )
             assert path.is_file(), f"broken link to {target}"
+
+
+def test_the_tiny_checkpoint_section_runs(tmp_path):
+    # docs/plugins.md: build a synthetic checkpoint, then stream it with a store; every architecture
+    # and variant the module builds is named there
+    from support import held_out_env
+
+    from mlx_lm_streaming import synthetic
+
+    section = PLUGINS_MD.split("## Trying a plugin on a tiny checkpoint")[1].split("\n## ")[0]
+    for name in list(synthetic.ARCHITECTURES) + list(synthetic.VARIANTS):
+        assert re.search(rf"\b{name}\b", section), f"docs/plugins.md does not name {name}"
+    build, generate = re.search(r"```sh\n(.*?)```", section, re.S).group(1).strip().splitlines()
+    assert build.startswith("python -m mlx_lm_streaming.synthetic ck ")
+    assert generate.startswith("mlx_lm.generate --model ck ") and "my_store" in generate
+    generate = generate.replace("mlx_lm.generate", "python -m mlx_lm generate")
+    generate = generate.replace("my_store", "safetensors")  # a store every install has
+    with held_out_env():
+        for line in (build, generate):
+            argv = [sys.executable] + shlex.split(line)[1:]
+            done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "ck" / "config.json").is_file()
+    stats = re.search(r"^\[streaming\] hit rate .*experts read (\d+)", done.stderr, re.M)
+    assert stats and int(stats.group(1)) > 0, done.stderr[-2000:]
+
+
+# the files that point readers into docs/benchmarks/ by name (docs/design.md, docs/usage.md and the
+# package's comments join this list once they name docs/benchmarks/README.md instead of its old pages)
+LINKING = ["README.md", "docs/plugins.md", "docs/routing.md", "docs/distributed.md", "bench"]
+
+
+def test_benchmark_pages_hold_only_indexed_runs_and_their_links_resolve():
+    bench_readme = ROOT / "docs" / "benchmarks" / "README.md"
+    text = bench_readme.read_text()
+    for f in bench_readme.parent.iterdir():
+        assert f.name == "README.md" or f"`{f.name}`" in text or f"({f.name})" in text, (
+            f"docs/benchmarks/{f.name} is no run the README names: remove it or index it"
+        )
+    for page in (bench_readme, ROOT / "bench" / "README.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page}: broken link to {target}"
+    for name in LINKING:
+        path = ROOT / name
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        for f in files:
+            for target in re.findall(r"docs/benchmarks/([\w.-]+\.\w+)", f.read_text()):
+                assert (ROOT / "docs" / "benchmarks" / target).is_file(), f"{f}: {target}"

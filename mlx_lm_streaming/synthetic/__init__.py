@@ -1,5 +1,8 @@
 """Tiny synthetic MoE checkpoints built with stock mlx-lm model classes.
 
+A user command as well as the test suite's and benchmarks' checkpoints: a model of any supported
+architecture to try a store or kernel plugin on (docs/plugins.md).
+
 No hub is needed: weights are random (seeded), the tokenizer is a small
 byte-level BPE trained on a built-in corpus, and everything is written the way
 ``mlx_lm.convert`` writes it (``quantize_model``, ``save_config``, sharded

@@ -1,0 +1,123 @@
+"""Every script in bench/ runs at a tiny size and finds what it should, so none rots between the runs
+whose figures docs/benchmarks/ records (startup.py and cuda_banks.py run in test_integration_hook.py
+and test_parity.py). Timings are the scripts' business, never asserted here."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from support import held_out_env
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+INDEX = (BENCH / "README.md").read_text()
+
+
+def bench(*args, env=None, timeout=300):
+    """``python ARGS`` in the repository, with ``env`` added to a clean environment; fails the test
+    with the script's output when it exits with an error."""
+    with held_out_env():
+        done = subprocess.run(
+            [sys.executable, *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout
+
+
+def test_the_index_names_every_script_and_only_those():
+    scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
+    indexed = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", INDEX.split("## Removed")[0], re.M))
+    assert indexed == scripts
+    removed = set(re.findall(r"^\| `([\w.]+\.py)` \|", INDEX.split("## Removed")[1], re.M))
+    assert removed and not removed & scripts
+
+
+# experts.py has no tiny shape of its own: run its main with the Qwen3 shape shrunk (the seeds and the
+# CUDA hint ablation go through seeds.py and cuda_uvm.py; on the CPU every hint is a no-op)
+EXPERTS_TINY = """
+import sys
+sys.path.insert(0, "bench")
+import experts
+experts.ARCHS["qwen3"]["overrides"].update(
+    hidden=64, moe_intermediate=64, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=16
+)
+sys.argv = ["experts.py"] + sys.argv[1:]
+experts.main()
+"""
+
+
+def test_experts(tmp_path):
+    bench(
+        "-c", EXPERTS_TINY, "--quick", "--archs", "qwen3", "--layers", "2", "--rounds", "1",
+        "--block", "1", "--prefill-tokens", "8", "--no-rss", "--ablations",
+        "stock_again,cold_uvm_prefetch", "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path,
+        "--tag", "quick",
+    )  # fmt: skip
+    report = json.loads((tmp_path / "quick.json").read_text())
+    (arch,) = report["archs"]
+    assert set(arch["same_tokens"]) == {
+        "stock", "warm", "cold", "stock_again", "cold_uvm_prefetch", "seed_loop", "seed_stack"
+    }  # fmt: skip
+    assert all(arch["same_tokens"].values()), arch["same_tokens"]
+    assert arch["decode"]["cold"]["reads"]["reads"] > 0
+    assert (tmp_path / "quick.md").is_file()
+    report_md = (tmp_path / "quick.md").read_text()
+    # --render makes the same tables again from the JSON
+    (tmp_path / "quick.md").unlink()
+    bench(BENCH / "experts.py", "--render", tmp_path / "quick.json")
+    assert (tmp_path / "quick.md").read_text() == report_md
+
+
+def test_gpu_pipeline(tmp_path):
+    bench(
+        BENCH / "gpu_pipeline.py", "--shape", "tiny", "--layers", "2", "--budgets", "0.25",
+        "--variants", "default", "--rounds", "1", "--block", "1", "--probe-mb", "8",
+        "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path, "--tag", "quick",
+    )  # fmt: skip
+    report = json.loads((tmp_path / "quick.json").read_text())
+    groups = {(g["routing"].split(":")[0], g["budget"]) for g in report["groups"]}
+    assert groups == {("uniform", 0.25), ("trace", 0.25)}
+    for group in report["groups"]:
+        for name, config in group["configs"].items():
+            assert all(config["same_as_stock"]), (group["routing"], name)
+        assert group["configs"]["default"]["hit_rate"] < 1
+
+
+def test_timeline_png_and_summary(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = bench(
+        BENCH / "timeline_png.py", "--capture", "--quick", "--ckpt-dir", tmp_path, "--out", png
+    )
+    assert png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in out
+    summary = json.loads(bench(BENCH / "timeline_summary.py", png.with_suffix(".json")))
+    assert summary["reads per step"] > 0 and summary["MB read per step"] > 0
+
+
+def test_cuda_parity(tmp_path):
+    bench(BENCH / "cuda_parity.py", "--cases", "1", "--out", tmp_path / "parity.json")
+    (case,) = json.loads((tmp_path / "parity.json").read_text())["cases"]
+    assert case["exact"] and case["error"] is None, case
+
+
+def test_distributed(tmp_path):
+    # --quick builds its tiny checkpoint under the temporary directory: this test's own
+    env = {"TMPDIR": str(tmp_path)}
+    out = bench(BENCH / "distributed.py", "--quick", "--json", tmp_path / "rows.json", env=env)
+    assert "same text in every run and rank: True" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert sorted({(r["ranks"], r["rank"]) for r in rows}) == [(1, 0), (2, 0), (2, 1)]
+    assert all(r["experts_read"] > 0 for r in rows)
+
+
+def test_device_scripts_parse():
+    # gpu.sh, gpu_trace.sh and gpu_env.sh need the H200; here only that bash can read them
+    for script in ("gpu.sh", "gpu_trace.sh", "gpu_env.sh"):
+        subprocess.run(["bash", "-n", BENCH / script], check=True)
