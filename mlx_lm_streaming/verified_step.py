@@ -39,26 +39,34 @@ VERIFY_MAX_TOKENS = 4
 # verified steps while recent tokens missed in at most this share of the MoE layers: each layer
 # that misses costs a host sync and the forward's rest again, so with misses in most layers the
 # per-layer schedule (one sync per layer, nothing computed twice) is cheaper
-MAX_MISSED_SHARE = 0.25
+MAX_MISSED_SHARE = 0.5
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
 
 
-class VerifiedStep:
-    """One model call run as a verified step: its MoE layers' calls and decoder layers' outputs."""
+class _Again(Exception):
+    """A miss the step cannot take back layer by layer: the call runs again whole, per layer."""
 
-    def __init__(self, kv, tokens: int, layers: int):
+
+class VerifiedStep:
+    """One model call run as a verified step: its MoE calls, its decoder layers' calls and outputs."""
+
+    def __init__(self, runner, kv, tokens: int, every: int):
+        self.runner = runner
         self.kv = kv
         self.tokens = tokens
-        self.layers = layers  # decoder layers that ``layer_call`` saw in the model, or 0
-        # the decoder layer running now (``layer_call``), and each one's output in this step
+        self.layers = runner.layers  # decoder layers wrapped in the model, or 0
+        # MoE calls between two checks (at least 1); the last decoder layer always checks
+        self.every = every
+        # the decoder layer running now, and each one's call and output in this step
         self.layer: Optional[int] = None
+        self.ran = -1
+        self.inputs: Dict[int, tuple] = {}
         self.outputs: Dict[int, object] = {}
-        # decoder layers below this give back their recorded output (a forward run again)
-        self.replay_below = 0
-        # whether every decoder layer got its own cache entry, in order: replay is exact then
-        self.replayable = kv is None or len(kv) == layers
-        # MoE calls of the forward being run: (decoder layer, bank, ids, missing count), lazy
+        # whether layers can be run again from one that missed: each decoder layer got its own
+        # cache entry, and took the output of the layer before as its input
+        self.replayable = kv is None or len(kv) == self.layers
+        # MoE calls not yet checked: (decoder layer, bank, ids, missing count), lazy
         self.calls: List[tuple] = []
         # id(bank) -> (bank, ids) of the call kept for each MoE layer; banks whose experts a load
         # in this step made resident (counted there)
@@ -70,23 +78,61 @@ class VerifiedStep:
         self.kept[id(bank)] = (bank, indices)
 
     def layer_call(self, i: int, call, args, kwargs):
-        """Decoder layer ``i`` of the model (``mlx_compat.wrap_call``)."""
-        if i < self.replay_below:
-            return self.outputs[i]
+        """Decoder layer ``i`` of the model (``mlx_compat.wrap_call``): run, recorded, and checked
+        every ``every`` MoE calls and at the last layer."""
         cache = args[2] if len(args) > 2 else kwargs.get("cache")
         if self.kv is not None and (i >= len(self.kv) or cache is not self.kv[i]):
             self.replayable = False
-        self.layer = i
-        out = call(*args, **kwargs)
-        self.outputs[i] = out
-        return out
+        if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
+            self.replayable = False
+        self.layer, self.ran = i, max(self.ran, i)
+        self.inputs[i] = (call, args, kwargs)
+        self.outputs[i] = call(*args, **kwargs)
+        if self.calls and (len(self.calls) >= self.every or i == self.layers - 1):
+            self.settle(i)
+        return self.outputs[i]
+
+    def settle(self, upto: int) -> None:
+        """Check the MoE calls so far (one host sync); while one has a missing expert, read its
+        experts, take back the cache entries its decoder layer and those after it wrote, and run
+        them again, up to decoder layer ``upto``."""
+        while True:
+            first = self.first_miss()
+            if first is None:
+                self.calls = []
+                return
+            layer, bank, indices, _ = self.calls[first]
+            experts = np.unique(np.array(indices, copy=False).astype(np.int64))
+            if not self.replayable or layer is None or len(experts) > bank.slots:
+                raise _Again
+            mx.eval(self.outputs[upto])  # no pending work reads a slot the load may write
+            tl = bank.cache.timeline
+            start = tl.now() if tl else 0
+            bank.load(experts)  # reads what is missing; counts the call's hits and misses
+            self.loaded.add(id(bank))
+            if tl:
+                tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+            mlx_compat.rewind(self.kv[layer : upto + 1] if self.kv is not None else None, self.tokens)
+            self.calls = []
+            self.runner.replays += 1
+            for i in range(layer, upto + 1):
+                call, args, kwargs = self.inputs[i]
+                if i > 0:  # the layer before's output, as it is now (it may have run again)
+                    args = (self.outputs[i - 1], *args[1:])
+                self.inputs[i] = (call, args, kwargs)
+                self.layer = i
+                self.outputs[i] = call(*args, **kwargs)
 
     def first_miss(self) -> Optional[int]:
-        """The index in ``calls`` of the first MoE call with a missing expert, or None: the one
-        host sync of a forward."""
+        """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
+        sync."""
         if not self.calls:
             return None
+        tl = self.calls[0][1].cache.timeline
+        start = tl.now() if tl else 0
         counts = np.array(mx.stack([m for *_, m in self.calls]), copy=False)
+        if tl:
+            tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None
 
@@ -120,8 +166,8 @@ class StepRunner:
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         # running mean of the share of MoE layers that missed, per decode-sized call
         self.missed_share = 0.0
-        # calls run as verified steps; forwards run again after a miss (replays); calls that ran
-        # again whole and per layer
+        # calls run as verified steps; layers run again after a miss (replays); calls run again
+        # whole, per layer
         self.verified = 0
         self.replays = 0
         self.recomputed = 0
@@ -175,54 +221,40 @@ class StepRunner:
             and mlx_compat.rewindable(kv, tokens)
         )
 
+    def every(self) -> int:
+        """MoE calls between two checks of a verified step: all of them while tokens miss nowhere;
+        with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
+        miss runs the layers since the one that missed again)."""
+        moe = max(1, len(self.state.cache.banks))
+        return max(1, round(moe / (1 + self.missed_share * moe)))
+
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
         cache.note_caller()
-        tl = cache.timeline
-        step = self._local.step = VerifiedStep(kv, tokens, self.layers)
-        missed = 0
+        step = self._local.step = VerifiedStep(self, kv, tokens, self.every())
+        replays, missed = self.replays, None
         try:
             out = call(*args, **kwargs)
-            if not step.calls:  # no layer could be verified: it ran per layer
-                return out
-            self.verified += 1
-            while True:
-                start = tl.now() if tl else 0
+            if step.kept:
+                self.verified += 1
                 mx.async_eval(out)
-                first = step.first_miss()
-                if tl:
-                    tl.span("verify", start, "sync", calls=len(step.calls))
-                if first is None:
-                    break
-                missed += 1
-                layer, bank, indices, _ = step.calls[first]
-                experts = np.unique(np.array(indices, copy=False).astype(np.int64))
-                if not step.replayable or layer is None or len(experts) > bank.slots:
-                    self._local.step = None
-                    return self._again(call, args, kwargs, kv, tokens)
-                mx.eval(out)  # no pending work reads a slot the load may write
-                start = tl.now() if tl else 0
-                bank.load(experts)  # reads what is missing; counts the call's hits and misses
-                step.loaded.add(id(bank))
-                if tl:
-                    tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
-                mlx_compat.rewind(kv[layer:] if kv is not None else None, tokens)
-                step.replay_below = layer
-                step.calls = []
-                self.replays += 1
-                out = call(*args, **kwargs)
-            step.commit(cache)
-            return out
+                step.settle(step.ran)  # MoE calls outside the wrapped layers, if any
+                if step.calls:
+                    raise _Again
+                step.commit(cache)
+        except _Again:
+            self._local.step = None
+            self.recomputed += 1
+            missed = 1.0  # the per-layer schedule suits this model or cache better
+            ran = step.ran + 1 if step.ran >= 0 else None
+            mlx_compat.rewind(kv[:ran] if kv is not None and ran else kv, tokens)
+            out = call(*args, **kwargs)
         finally:
             self._local.step = None
-            self._missed(missed / max(1, len(cache.banks)))
-
-    def _again(self, call, args, kwargs, kv, tokens):
-        """A miss where the step cannot be replayed from the layer that missed: every cache entry
-        rewound, the call run again per layer."""
-        self.recomputed += 1
-        mlx_compat.rewind(kv, tokens)
-        return call(*args, **kwargs)
+        if missed is None:
+            missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
+        self._missed(missed)
+        return out
 
 
 def _tokens(inputs) -> Optional[int]:
