@@ -235,6 +235,7 @@ def test_guesses_read_straight_into_slots_are_exact(q3, depth, parallel, monkeyp
     # probation) rather than staged; that layer's next call waits for them first
     path, tokens, want = q3
     tuning = CacheTuning(
+        verified_steps=False,  # the lookahead is the per-layer schedule's
         lookahead_early=True,
         lookahead_depth=depth,
         lookahead_into_slots=True,
@@ -280,6 +281,7 @@ def test_a_failed_read_ahead_leaves_its_slot_free(q3, monkeypatch):
     # a guess whose read fails is unmapped when its layer's call settles: read on demand instead
     path, tokens, want = q3
     tuning = CacheTuning(
+        verified_steps=False,  # the lookahead is the per-layer schedule's
         lookahead_early=True, lookahead_into_slots=True, lookahead_min_precision=0.0
     )
     model = with_slots(path, 8, tuning=tuning)
@@ -346,6 +348,7 @@ def test_a_guess_read_ahead_counts_once(q3, into, monkeypatch):
     # call asks for is counted once (a staged one was once counted a miss and then a hit)
     path, tokens, want = q3
     tuning = CacheTuning(
+        verified_steps=False,  # the lookahead is the per-layer schedule's
         lookahead_early=True,
         lookahead_into_slots=into,
         lookahead_min_precision=0.0,
