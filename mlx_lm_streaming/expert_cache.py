@@ -411,6 +411,8 @@ class ExpertCache:
     def summary(self) -> Dict[str, float]:
         """Counters for ``--streaming-stats`` (every key is described in docs/usage.md). GB are
         decimal (10**9 bytes), as in mlx-lm's "Peak memory"."""
+        if self.steps is not None:
+            self.steps.flush()
         s, st = self.stats, self.store.stats
         asked = s.hits + s.misses
         span = s.span_seconds

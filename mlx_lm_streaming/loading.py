@@ -122,6 +122,8 @@ class StreamingState:
         if self.timeline is not None:
             atexit.register(self.timeline.close)
         self.resident_bytes = 0
+        # verified_step.StepRunner (set once the model is built)
+        self.steps = None
         # memory the resident weights leave free, where the default budget was derived from it
         self.free_bytes: Optional[int] = None
         # (rank, size, first layer, end layer) once mlx-lm's ``pipeline(group)`` split the model
@@ -138,6 +140,8 @@ class StreamingState:
         """Stop background reads, then close the store. ``wait=False`` (the finalizer of a model
         that was garbage collected): join no thread (see ``ExpertCache.close``)."""
         self.closed = True
+        if self.steps is not None:
+            self.steps.flush()  # the last verified step's counts and routing record
         self.cache.close(wait=wait)  # background reads first
         if self.recorder is not None:
             self.recorder.close()

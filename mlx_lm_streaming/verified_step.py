@@ -39,9 +39,11 @@ VERIFY_MAX_TOKENS = 4
 # verified steps while recent tokens missed in at most this share of the MoE layers: each layer
 # that misses costs a host sync and the forward's rest again, so with misses in most layers the
 # per-layer schedule (one sync per layer, nothing computed twice) is cheaper
-MAX_MISSED_SHARE = 0.5
+MAX_MISSED_SHARE = 0.35
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
+# decoder layers between two hand-overs of a verified step's graph to MLX (``mx.async_eval``)
+SUBMIT_EVERY = 4
 
 
 class _Again(Exception):
@@ -90,6 +92,10 @@ class VerifiedStep:
         self.outputs[i] = call(*args, **kwargs)
         if self.calls and (len(self.calls) >= self.every or i == self.layers - 1):
             self.settle(i)
+        elif i % SUBMIT_EVERY == SUBMIT_EVERY - 1:
+            # the layers so far handed to MLX while the next ones are built (stock hands over a
+            # whole step at once, and builds the next while it runs)
+            mx.async_eval(self.outputs[i])
         return self.outputs[i]
 
     def settle(self, upto: int) -> None:
@@ -105,6 +111,7 @@ class VerifiedStep:
             experts = np.unique(np.array(indices, copy=False).astype(np.int64))
             if not self.replayable or layer is None or len(experts) > bank.slots:
                 raise _Again
+            self.runner.flush()
             mx.eval(self.outputs[upto])  # no pending work reads a slot the load may write
             tl = bank.cache.timeline
             start = tl.now() if tl else 0
@@ -128,9 +135,12 @@ class VerifiedStep:
         sync."""
         if not self.calls:
             return None
+        counts = mx.stack([m for *_, m in self.calls])
+        mx.async_eval(counts)
+        self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
         start = tl.now() if tl else 0
-        counts = np.array(mx.stack([m for *_, m in self.calls]), copy=False)
+        counts = np.array(counts, copy=False)
         if tl:
             tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
@@ -171,6 +181,15 @@ class StepRunner:
         self.verified = 0
         self.replays = 0
         self.recomputed = 0
+        # the last verified step found complete, whose host work (``commit``) is still to do
+        self.pending: Optional[VerifiedStep] = None
+
+    def flush(self) -> None:
+        """Do the host work of the last complete verified step (before any load can evict, and
+        before the counters are read)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.commit(self.state.cache)
 
     def current(self) -> Optional[VerifiedStep]:
         """The verified step this thread is running, or None."""
@@ -198,8 +217,10 @@ class StepRunner:
         inputs, kv = mlx_compat.call_inputs(args, kwargs)
         tokens = _tokens(inputs)
         if tokens is None or tokens > VERIFY_MAX_TOKENS:
+            self.flush()
             return call(*args, **kwargs)
         if not self._may_verify(tokens, kv):
+            self.flush()
             banks = self.state.cache.banks
             before = [b.misses for b in banks]
             out = call(*args, **kwargs)
@@ -241,7 +262,8 @@ class StepRunner:
                 step.settle(step.ran)  # MoE calls outside the wrapped layers, if any
                 if step.calls:
                     raise _Again
-                step.commit(cache)
+                self.flush()
+                self.pending = step  # its host work: while the next step computes
         except _Again:
             self._local.step = None
             self.recomputed += 1
