@@ -109,7 +109,12 @@ class VerifiedStep:
                 return
             layer, bank, indices, _ = self.calls[first]
             experts = np.unique(np.array(indices, copy=False).astype(np.int64))
-            if not self.replayable or layer is None or len(experts) > bank.slots:
+            if (
+                not self.replayable
+                or layer is None
+                or len(experts) > bank.slots
+                or id(bank) in self.loaded  # it missed again after its load: ids that changed
+            ):
                 raise _Again
             self.runner.flush()
             mx.eval(self.outputs[upto])  # no pending work reads a slot the load may write

@@ -17,12 +17,17 @@ TRACE = Path(__file__).resolve().parent / "data" / "routing" / "qwen3-30b-a3b.js
 
 @pytest.fixture(scope="module")
 def rr():
+    from mlx_lm_streaming import mlx_compat
+
     sys.path.insert(0, str(BENCH))
+    rewind = mlx_compat.rewind
     try:
         import routing_replay
 
+        routing_replay.unwind_on_rewind()  # verified steps run layers again: same ids again
         yield routing_replay
     finally:
+        mlx_compat.rewind = rewind
         sys.path.remove(str(BENCH))
 
 
