@@ -42,8 +42,6 @@ VERIFY_MAX_TOKENS = 4
 MAX_MISSED_SHARE = 0.35
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
-# decoder layers between two hand-overs of a verified step's graph to MLX (``mx.async_eval``)
-SUBMIT_EVERY = 4
 
 
 class _Again(Exception):
@@ -60,6 +58,8 @@ class VerifiedStep:
         self.layers = runner.layers  # decoder layers wrapped in the model, or 0
         # MoE calls between two checks (at least 1); the last decoder layer always checks
         self.every = every
+        # decoder layers below this give back their recorded output (a forward run again)
+        self.replay_below = 0
         # the decoder layer running now, and each one's call and output in this step
         self.layer: Optional[int] = None
         self.ran = -1
@@ -87,15 +87,13 @@ class VerifiedStep:
             self.replayable = False
         if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
             self.replayable = False
+        if i < self.replay_below:  # the forward run again after a miss in a later layer
+            return self.outputs[i]
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         self.outputs[i] = call(*args, **kwargs)
-        if self.calls and (len(self.calls) >= self.every or i == self.layers - 1):
+        if len(self.calls) >= self.every and i < self.layers - 1:
             self.settle(i)
-        elif i % SUBMIT_EVERY == SUBMIT_EVERY - 1:
-            # the layers so far handed to MLX while the next ones are built (stock hands over a
-            # whole step at once, and builds the next while it runs)
-            mx.async_eval(self.outputs[i])
         return self.outputs[i]
 
     def settle(self, upto: int) -> None:
@@ -103,10 +101,28 @@ class VerifiedStep:
         experts, take back the cache entries its decoder layer and those after it wrote, and run
         them again, up to decoder layer ``upto``."""
         while True:
+            layer = self.read_missing()
+            if layer is None:
+                return
+            mlx_compat.rewind(self.kv[layer : upto + 1] if self.kv is not None else None, self.tokens)
+            self.runner.replays += 1
+            for i in range(layer, upto + 1):
+                call, args, kwargs = self.inputs[i]
+                if i > 0:  # the layer before's output, as it is now (it may have run again)
+                    args = (self.outputs[i - 1], *args[1:])
+                self.inputs[i] = (call, args, kwargs)
+                self.layer = i
+                self.outputs[i] = call(*args, **kwargs)
+
+    def read_missing(self) -> Optional[int]:
+        """Check the MoE calls not yet checked (one host sync). None if nothing is missing; else
+        read the first missing call's experts and return its decoder layer, from which the
+        forward must run again (raises ``_Again`` where it cannot)."""
+        if True:
             first = self.first_miss()
             if first is None:
                 self.calls = []
-                return
+                return None
             layer, bank, indices, _ = self.calls[first]
             experts = np.unique(np.array(indices, copy=False).astype(np.int64))
             if (
@@ -117,23 +133,16 @@ class VerifiedStep:
             ):
                 raise _Again
             self.runner.flush()
-            mx.eval(self.outputs[upto])  # no pending work reads a slot the load may write
+            mx.eval([m for *_, m in self.calls], self.outputs[self.ran])  # nothing pending reads
+            # a slot the load may write
             tl = bank.cache.timeline
             start = tl.now() if tl else 0
             bank.load(experts)  # reads what is missing; counts the call's hits and misses
             self.loaded.add(id(bank))
             if tl:
                 tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
-            mlx_compat.rewind(self.kv[layer : upto + 1] if self.kv is not None else None, self.tokens)
             self.calls = []
-            self.runner.replays += 1
-            for i in range(layer, upto + 1):
-                call, args, kwargs = self.inputs[i]
-                if i > 0:  # the layer before's output, as it is now (it may have run again)
-                    args = (self.outputs[i - 1], *args[1:])
-                self.inputs[i] = (call, args, kwargs)
-                self.layer = i
-                self.outputs[i] = call(*args, **kwargs)
+            return layer
 
     def first_miss(self) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -264,9 +273,16 @@ class StepRunner:
             if step.kept:
                 self.verified += 1
                 mx.async_eval(out)
-                step.settle(step.ran)  # MoE calls outside the wrapped layers, if any
-                if step.calls:
-                    raise _Again
+                while True:  # the check after the forward: a miss runs it again from its layer
+                    layer = step.read_missing()
+                    if layer is None:
+                        break
+                    ran = step.ran + 1
+                    mlx_compat.rewind(kv[layer:ran] if kv is not None else None, tokens)
+                    step.replay_below = layer
+                    self.replays += 1
+                    out = call(*args, **kwargs)
+                    mx.async_eval(out)
                 self.flush()
                 self.pending = step  # its host work: while the next step computes
         except _Again:
