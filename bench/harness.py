@@ -28,70 +28,32 @@ MB = 1 << 20
 COLD_SHARE = 0.25
 PREFILL_TOKENS = 512
 
+
+def _shape(label, arch, layers, **overrides):
+    return dict(label=label, arch=arch, layers=layers, overrides=overrides)
+
+
+# name -> the real model's expert shape, at ``layers`` MoE layers (of 48, 32 and 27 in the real ones)
+ATTN = dict(heads=32, head_dim=128)
 ARCHS = {
-    "qwen3": dict(
-        label="Qwen3-30B-A3B",
-        arch="qwen3_moe",
-        layers=4,
-        real_layers=48,
-        overrides={
-            "hidden": 2048,
-            "moe_intermediate": 768,
-            "experts": 128,
-            "top_k": 8,
-            "heads": 32,
-            "kv_heads": 4,
-            "head_dim": 128,
-        },
+    "qwen3": _shape(
+        "Qwen3-30B-A3B", "qwen3_moe", 4, hidden=2048, moe_intermediate=768, experts=128, top_k=8,
+        kv_heads=4, **ATTN,
     ),
-    "mixtral": dict(
-        label="Mixtral-8x7B",
-        arch="mixtral",
-        layers=2,
-        real_layers=32,
-        overrides={
-            "hidden": 4096,
-            "moe_intermediate": 14336,
-            "experts": 8,
-            "top_k": 2,
-            "heads": 32,
-            "kv_heads": 8,
-            "head_dim": 128,
-        },
+    "mixtral": _shape(
+        "Mixtral-8x7B", "mixtral", 2, hidden=4096, moe_intermediate=14336, experts=8, top_k=2,
+        kv_heads=8, **ATTN,
     ),
-    "dsv2": dict(
-        label="DeepSeek-V2-Lite",
-        arch="deepseek_v2",
-        layers=4,
-        real_layers=27,
-        overrides={
-            "hidden": 2048,
-            "moe_intermediate": 1408,
-            "experts": 64,
-            "top_k": 6,
-            "n_shared_experts": 2,
-            "heads": 16,
-            "kv_heads": 16,
-            "kv_lora_rank": 512,
-            "q_lora_rank": None,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-            "topk_method": "greedy",
-            "n_group": 1,
-            "topk_group": 1,
-            "first_k_dense_replace": 0,
-        },
+    "dsv2": _shape(
+        "DeepSeek-V2-Lite", "deepseek_v2", 4, hidden=2048, moe_intermediate=1408, experts=64,
+        top_k=6, n_shared_experts=2, heads=16, kv_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+        n_group=1, topk_group=1, first_k_dense_replace=0,
     ),
     # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too)
-    "tiny": dict(
-        label="tiny (Qwen3 layout)",
-        arch="qwen3_moe",
-        layers=2,
-        real_layers=2,
-        overrides={"hidden": 128, "moe_intermediate": 64, "experts": 128, "top_k": 6},
-    ),
-}
+    "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
+                   experts=128, top_k=6),
+}  # fmt: skip
 
 
 def log(*a):
