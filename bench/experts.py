@@ -118,8 +118,7 @@ def run_arch(name, path, args, device):
     configs = {"stock": Config("stock", stock)}
     warm, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
     configs["warm"] = Config("warm", warm)
-    sopts = {"store_options": {"threads": args.store_threads}} if args.store_threads else {}
-    cold, _ = load_streaming(path, expert_cache_gb=cold_gb, **sopts)
+    cold, _ = load_streaming(path, expert_cache_gb=cold_gb)
     configs["cold"] = Config("cold", cold, cold=True, files=files)
     ablations = args.ablations
     if "stock_again" in ablations:
@@ -128,7 +127,7 @@ def run_arch(name, path, args, device):
         configs["stock_again"] = Config("stock_again", m)
     if "cold_staged" in ablations:
         # demand reads through staging buffers and an MLX copy into the banks (before direct reads)
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=False, **sopts)
+        m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=False)
         configs["cold_staged"] = Config("cold_staged", m, cold=True, files=files)
 
     res["routing"] = args.routing
@@ -348,12 +347,6 @@ def main():
         "(default mixtral: 128 of its experts would be 13 GB per layer); reported as folded",
     )
     ap.add_argument(
-        "--store-threads",
-        type=int,
-        default=None,
-        help="reader threads of the store (default: the store's own)",
-    )
-    ap.add_argument(
         "--direct-reads",
         choices=["auto", "on", "off"],
         default="auto",
@@ -382,7 +375,6 @@ def main():
             args.rss_prefill,
             args.rss_decode,
             args.routing,
-            args.store_threads,
         )
 
     archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)

@@ -242,14 +242,6 @@ def load_variant(path, name: str, timeline=None, **opts):
     return model
 
 
-def make_routing(spec: str, layers: int, num_experts: int):
-    from routing_replay import TraceRouting
-
-    if spec == "uniform":
-        return harness.ForcedRouting(num_experts)
-    return TraceRouting.from_file(spec.split(":", 1)[1], layers)
-
-
 # The routing's ids made to depend on the router's own (``ids + 0 * router ids``): the values are
 # the routing's, but they exist only once the layer's router has run, as with a trained model, so a
 # host readback of them waits for the graph up to that router. Without it (``--no-graph-ids``, the
@@ -432,7 +424,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         all_files += [f for f in vfiles if f not in all_files]
         configs[v] = Config(v, model, cold=mode["cold"], files=vfiles)
     for cfg in configs.values():
-        cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
+        cfg.routing = harness.make_routing(routing_spec, res["experts"], res["moe_layers"])
         if cfg.name in stocks:
             _set_routing(cfg.model, cfg.routing)
         else:
@@ -732,7 +724,7 @@ def main(argv=None):
     for name in names:
         stocks[name], config = harness.load_stock(path)
         # routed now (pointed at each group's routing later), so the floors wrap the routed modules
-        wrap(stocks[name], make_routing(routings[0], res["moe_layers"], res["experts"]))
+        wrap(stocks[name], harness.make_routing(routings[0], res["experts"], res["moe_layers"]))
     if args.floors:
         sync_per_layer(stocks["stock_synclayer"])
         sync_per_token(stocks["stock_synctoken"])
@@ -746,7 +738,7 @@ def main(argv=None):
     prompts = {}
     for regime, spec, budget in plan(args, routings):
         if spec not in prompts:
-            routing = make_routing(spec, res["moe_layers"], res["experts"])
+            routing = harness.make_routing(spec, res["experts"], res["moe_layers"])
             prompt_len = args.prompt or (
                 routing.decode_rows() if hasattr(routing, "decode_rows") else 28
             )

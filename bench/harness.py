@@ -560,7 +560,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rss_child(path, which, prefill_tokens, decode_tokens, routing, store_threads=None):
+def rss_child(path, which, prefill_tokens, decode_tokens, routing):
     import mlx.core as mx
     import mlx_lm.generate  # noqa: F401  (imports are the interpreter's, not the model's memory)
     import mlx_lm.utils  # noqa: F401
@@ -580,8 +580,7 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing, store_threads
         gc.collect()
         gb = total / GB * (1.001 if which == "warm" else COLD_SHARE)
         drop_page_cache(shards(path))
-        sopts = {"store_options": {"threads": store_threads}} if store_threads else {}
-        model, config = load_streaming(path, expert_cache_gb=gb, **sopts)
+        model, config = load_streaming(path, expert_cache_gb=gb)
         cache = model.expert_streaming.cache
         cache.ensure_planned()
         budget = cache.resident_bytes
@@ -638,8 +637,6 @@ def measure_rss(path, args):
         ]
         if args.device_kind == "gpu":
             cmd += ["--device-kind", "gpu"]
-        if args.store_threads:
-            cmd += ["--store-threads", str(args.store_threads)]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
         if p.returncode or not line:
