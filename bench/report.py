@@ -154,6 +154,10 @@ def markdown(report):
             lines.append(
                 f"| {label} | {fmt(r.get(key), pct=key.startswith('rss'))}{extra} | {goal} |"
             )
+        for seed in ("seed_loop", "seed_stack"):  # runs from before bench/seeds.py was removed
+            if f"cold_vs_{seed}" in r:
+                lines.append(f"| cold decode vs {seed} (same budget, same disk) | "
+                             f"{fmt(r[f'cold_vs_{seed}'])} | > 1 |")
         lines += [
             "",
             "| configuration | tok/s | vs stock (paired) | hit rate | MB read / token | "
