@@ -4,12 +4,12 @@
                             [--routing uniform,trace:FILE] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
 
 For each shape (``harness.ARCHS``: the experts of Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V2-Lite at
-fewer layers; ``--quick``: a tiny one) a synthetic checkpoint is built once under ``--ckpt-dir``. Every
-configuration is loaded, then timed in interleaved rounds, so noise from a shared machine hits them
-alike; ratios are medians of per-round ratios. Configurations: ``stock`` (every weight resident),
-``warm`` (budget = every expert, after the background fill), ``cold`` (25% of the expert bytes, the
-checkpoint dropped from the page cache before every token), and the ablations ``stock_again`` (the
-run's noise floor) and ``cold_staged`` (direct reads off).
+fewer layers; ``--quick``: a tiny one) a synthetic checkpoint is built once under ``--ckpt-dir``.
+Every configuration is loaded, then timed in interleaved rounds, so noise from a shared machine hits
+them alike; ratios are medians of per-round ratios. Configurations: ``stock`` (every weight
+resident), ``warm`` (budget = every expert, after the background fill), ``cold`` (25% of the expert
+bytes, the checkpoint dropped from the page cache before every token), and the ablations
+``stock_again`` (the run's noise floor) and ``cold_staged`` (direct reads off).
 
 Measured: decode tok/s and bit-exactness with stock at every step; prefill (cold: empty banks, cold
 page cache); bytes read, hit rate, I/O wait per token; lookahead precision / recall; the disk's

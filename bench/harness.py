@@ -1,8 +1,8 @@
-"""The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk probe,
-routing and decode timing, loading stock and streaming models, paired results and peak RSS.
+"""The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
+probe, routing and decode timing, loading stock and streaming models, paired results, peak RSS.
 
-Imported by ``experts.py``, ``gpu_pipeline.py``, ``timeline_png.py`` and ``distributed.py`` (bench/README.md);
-it imports only the standard library at import time.
+Imported by ``experts.py``, ``gpu_pipeline.py``, ``timeline_png.py`` and ``distributed.py``
+(bench/README.md); it imports only the standard library at import time.
 """
 
 import gc
@@ -33,7 +33,7 @@ def _shape(label, arch, layers, **overrides):
     return dict(label=label, arch=arch, layers=layers, overrides=overrides)
 
 
-# name -> the real model's expert shape, at ``layers`` MoE layers (of 48, 32 and 27 in the real ones)
+# name -> the real model's expert shape at ``layers`` MoE layers (the real ones have 48, 32, 27)
 ATTN = dict(heads=32, head_dim=128)
 ARCHS = {
     "qwen3": _shape(
@@ -149,7 +149,7 @@ def disk_bandwidth(files, read_bytes: int, total_bytes: int, threads: int, direc
 
 
 def probe_disk(files, read_bytes: int, total_bytes: int, threads=(1, 4, 8)):
-    """``disk_bandwidth`` at each thread count, buffered and O_DIRECT: {"t4_direct": GB/s or None}."""
+    """``disk_bandwidth`` per thread count, buffered and O_DIRECT: {"t4_direct": GB/s or None}."""
     bw = {}
     for n in threads:
         for direct in (False, True):
