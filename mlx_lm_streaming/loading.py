@@ -294,7 +294,8 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         del model.sanitize
     model.expert_streaming = state
     state.steps = state.cache.steps = StepRunner(state)
-    mlx_compat.wrap_model_call(model, state.steps)
+    mlx_compat.wrap_call(model, state.steps)
+    state.steps.wrap_layers(model)
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported
     _stream_per_pipeline_stage(model, state)

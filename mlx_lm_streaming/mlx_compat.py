@@ -199,12 +199,13 @@ def say_refusal(message: str) -> None:
 # -- the model's forward and its KV caches (verified_step.py) ----------------------------------------
 
 
-def wrap_model_call(model, around) -> None:
-    """Route calls of ``model`` (an mlx-lm ``Model``: ``model(inputs, cache=...)``) through
-    ``around(call, args, kwargs)``, where ``call(*args, **kwargs)`` is the stock forward. The model
-    gets a subclass of its own class of the same name and module with that one method: its
-    parameters, attributes and every other method are untouched."""
-    cls = type(model)
+def wrap_call(module, around) -> None:
+    """Route calls of ``module`` (the ``Model``: ``model(inputs, cache=...)``, or one of its decoder
+    layers: ``layer(x, mask, cache)``) through ``around(call, args, kwargs)``, where
+    ``call(*args, **kwargs)`` is the stock call. The module gets a subclass of its own class, of the
+    same name and module, with that one method: its parameters, attributes and every other method
+    are untouched."""
+    cls = type(module)
 
     def __call__(self, *args, **kwargs):
         return around(lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
@@ -214,7 +215,7 @@ def wrap_model_call(model, around) -> None:
         (cls,),
         {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
     )
-    model.__class__ = sub
+    module.__class__ = sub
 
 
 def call_inputs(args, kwargs):
