@@ -330,7 +330,15 @@ class CallLog:
             self.calls.setdefault(layer_no, []).append(ids.copy())
             return take(layer_no, shape)
 
-        routing.indices = indices
+        give_back = routing.unwind
+
+        def unwind(layer_no, rows):
+            # a rewound forward's call (routing_replay.unwind_on_rewind): its ids were not computed
+            if self.calls.get(layer_no):
+                self.calls[layer_no].pop()
+            give_back(layer_no, rows)
+
+        routing.indices, routing.unwind = indices, unwind
 
     def clear(self):
         self.calls = {}

@@ -166,8 +166,10 @@ def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
     """A cold decode's trace (see the module docstring); returns a title for the plot."""
     import harness
     import mlx.core as mx
+    import routing_replay
     from mlx_lm.generate import generate_step
 
+    routing_replay.unwind_on_rewind()  # verified steps that run a forward again see the same ids
     mx.set_default_device(mx.cpu)
     arch = "tiny" if quick else arch
     spec = harness.ARCHS[arch]
