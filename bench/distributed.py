@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experts import ARCHS  # noqa: E402 (stdlib only at import)
+from harness import ARCHS, drop_page_cache, shards  # noqa: E402 (stdlib only at import)
 
 GB = 1 << 30
 QWEN3_30B_SHAPE = ARCHS["qwen3"]["overrides"]
@@ -65,15 +65,6 @@ def default_checkpoint(quick: bool = False) -> Path:
             overrides=None if quick else QWEN3_30B_SHAPE,
         )
     return path
-
-
-def drop_page_cache(model: Path) -> None:
-    for f in model.glob("model*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def free_port_pair() -> int:
@@ -131,7 +122,7 @@ def run(python: str, model: Path, ranks: int, budget_gb, args, workdir: Path) ->
         ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING_")}
     if not args.warm:
-        drop_page_cache(model)
+        drop_page_cache(shards(model))
     start = time.perf_counter()
     # stdin stays an open pipe: at EOF, mlx.launch's input loop spins a core
     proc = subprocess.Popen(

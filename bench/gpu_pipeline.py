@@ -73,28 +73,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import experts  # noqa: E402
-from experts import GB, MB, Config, decode_block, disk_bandwidth, log  # noqa: E402
+import harness  # noqa: E402
+from harness import GB, MB, Config, decode_block, log  # noqa: E402
 
-SHAPES = {
-    "qwen3": dict(
-        arch="qwen3_moe",
-        overrides={
-            "hidden": 2048,
-            "moe_intermediate": 768,
-            "experts": 128,
-            "top_k": 6,
-            "heads": 32,
-            "kv_heads": 4,
-            "head_dim": 128,
-        },
-    ),
-    # for trying the script out on a CPU: same expert count and top-k, tiny experts
-    "tiny": dict(
-        arch="qwen3_moe",
-        overrides={"hidden": 128, "moe_intermediate": 64, "experts": 128, "top_k": 6},
-    ),
-}
+# harness.ARCHS's shapes at top-k 6, the routing traces' ("tiny": for trying the script out on a CPU)
+SHAPES = ("qwen3", "tiny")
 
 # A variant is a name made of "_"-joined words: "default" (the package's defaults), "staged" /
 # "direct" (direct reads off / on, 4 store threads unless a "tN" word says otherwise), "tN" (N store
@@ -245,7 +228,7 @@ def set_oracle(model, routing, precision: float) -> None:
 
 def load_variant(path, name: str, timeline=None, **opts):
     """A streaming model configured as the variant ``name`` (``timeline``: its file, for "tl")."""
-    from experts import load_streaming
+    from harness import load_streaming
 
     from mlx_lm_streaming.expert_cache import CacheTuning
 
@@ -257,32 +240,6 @@ def load_variant(path, name: str, timeline=None, **opts):
         opts["tuning"] = CacheTuning(**tuning)
     model, _ = load_streaming(path, **opts)
     return model
-
-
-def build(ckpt_dir: Path, shape: str, layers: int, dtype: str) -> Path:
-    from mlx_lm_streaming.synthetic import build_checkpoint
-
-    spec = SHAPES[shape]
-    path = ckpt_dir / f"{shape}-k6-{layers}l-{dtype}"
-    if (path / ".complete").is_file():
-        return path
-    start = time.time()
-    build_checkpoint(
-        path, spec["arch"], "affine4", num_layers=layers, overrides=spec["overrides"], dtype=dtype
-    )
-    (path / ".complete").write_text("ok")
-    log(f"built {path} in {time.time() - start:.0f} s")
-    return path
-
-
-def make_routing(spec: str, layers: int, num_experts: int):
-    from routing_replay import TraceRouting
-
-    if spec == "uniform":
-        src = experts.ForcedRouting(num_experts)
-        src.reset = lambda: setattr(src, "calls", {})
-        return src
-    return TraceRouting.from_file(spec.split(":", 1)[1], layers)
 
 
 # The routing's ids made to depend on the router's own (``ids + 0 * router ids``): the values are
@@ -446,7 +403,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
     """One regime x routing x budget: the variants and the stocks, interleaved rounds."""
     import random
 
-    from experts import delta, reset_banks
+    from harness import delta, reset_banks
 
     mode = REGIMES[regime]
     total = res["total_expert_bytes"]
@@ -463,11 +420,11 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
             timelines[v].unlink()
         model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
         packed = variant_options(v)[0].get("store") == "packed"
-        vfiles = experts.pack_files(path) if packed else files
+        vfiles = harness.pack_files(path) if packed else files
         all_files += [f for f in vfiles if f not in all_files]
         configs[v] = Config(v, model, cold=mode["cold"], files=vfiles)
     for cfg in configs.values():
-        cfg.routing = make_routing(routing_spec, res["moe_layers"], res["experts"])
+        cfg.routing = harness.make_routing(routing_spec, res["experts"], res["moe_layers"])
         if cfg.name in stocks:
             _set_routing(cfg.model, cfg.routing)
         else:
@@ -536,7 +493,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
                 slots=[b.slots for b in cfg.cache.banks],
                 direct=all(b.direct for b in cfg.cache.banks),
                 policy=getattr(cfg.cache, "policy", None),
-                prefetch=experts.precision_recall(c.get("prefetch")),
+                prefetch=harness.precision_recall(c.get("prefetch")),
             )
             if regime == "hit" and entry["hit_rate"] != 1.0:
                 msg = (
@@ -642,7 +599,7 @@ def main(argv=None):
     ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--tag", default="gpu-trace")
-    ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
+    ap.add_argument("--shape", default="qwen3", choices=SHAPES)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument(
@@ -737,15 +694,15 @@ def main(argv=None):
         "tuning_variants": TUNING_VARIANTS,
         "graph_ids": GRAPH_IDS,
     }
-    path = build(Path(args.ckpt_dir), args.shape, args.layers, dtype)
-    files = experts.shards(path)
+    path = harness.checkpoint(Path(args.ckpt_dir), args.shape, dtype, layers=args.layers, top_k=6)
+    files = harness.shards(path)
     if any(variant_options(v)[0].get("store") == "packed" for v in variants):
         from mlx_lm_streaming.pack import pack_checkpoint
 
         start = time.time()
         pack_checkpoint(path, progress=False)
         log(f"packed in {time.time() - start:.0f} s")
-    probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
+    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
     cache = probe.expert_streaming.cache
     res.update(
         total_expert_bytes=cache.total_expert_bytes,
@@ -756,17 +713,8 @@ def main(argv=None):
     del probe, cache
     gc.collect()
 
-    bw = {}
-    for threads in [int(t) for t in args.probe_threads.split(",")]:
-        for direct in (False, True):
-            key = f"t{threads}{'_direct' if direct else ''}"
-            try:
-                bw[key] = disk_bandwidth(
-                    files, res["expert_bytes"], args.probe_mb * MB, threads, direct
-                )
-            except OSError as e:
-                bw[key] = None
-                log(f"probe {key}: {e}")
+    threads = [int(t) for t in args.probe_threads.split(",")]
+    bw = harness.probe_disk(files, res["expert_bytes"], args.probe_mb * MB, threads)
     res["disk_gbps"] = bw
     res["disk_best_gbps"] = max(v for v in bw.values() if v)
     log(f"disk GB/s: {bw}")
@@ -774,9 +722,9 @@ def main(argv=None):
     stocks = {}
     names = ("stock", "stock_again") + (FLOORS if args.floors else ())
     for name in names:
-        stocks[name], config = experts.load_stock(path)
+        stocks[name], config = harness.load_stock(path)
         # routed now (pointed at each group's routing later), so the floors wrap the routed modules
-        wrap(stocks[name], make_routing(routings[0], res["moe_layers"], res["experts"]))
+        wrap(stocks[name], harness.make_routing(routings[0], res["experts"], res["moe_layers"]))
     if args.floors:
         sync_per_layer(stocks["stock_synclayer"])
         sync_per_token(stocks["stock_synctoken"])
@@ -790,7 +738,7 @@ def main(argv=None):
     prompts = {}
     for regime, spec, budget in plan(args, routings):
         if spec not in prompts:
-            routing = make_routing(spec, res["moe_layers"], res["experts"])
+            routing = harness.make_routing(spec, res["experts"], res["moe_layers"])
             prompt_len = args.prompt or (
                 routing.decode_rows() if hasattr(routing, "decode_rows") else 28
             )

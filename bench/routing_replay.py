@@ -1,11 +1,10 @@
 """Trace routing for the benchmarks: each MoE layer's router choice replaced by a real trace's experts.
 
 A random-weight checkpoint routes almost every token to the same few experts, and uniform random
-experts (``experts.ForcedRouting``) have no temporal locality at all. A routing trace
+experts (``harness.ForcedRouting``) have no temporal locality at all. A routing trace
 (``mlx_lm_streaming.routing_trace``, ``tests/data/routing/*.jsonl``) holds what a real model picked,
 token by token, layer by layer. ``TraceRouting.wrap(model)`` puts a small module in front of every
-MoE block's expert module (stock ``SwitchGLU``, our ``StreamingSwitchGLU``, the seeds'
-``_SeedSwitch``) that passes the trace's experts instead of the router's ``indices``; the router
+MoE block's expert module (stock ``SwitchGLU``, our ``StreamingSwitchGLU``) that passes the trace's experts instead of the router's ``indices``; the router
 still runs and its gate weights are used as stock uses them. The choice depends only on (layer,
 rows consumed so far), so stock and streaming compute the same thing and their logits stay
 comparable bit for bit.
@@ -161,14 +160,7 @@ def expert_kinds():
 
     from mlx_lm_streaming.switch import StreamingSwitchGLU
 
-    kinds = [SwitchGLU, StreamingSwitchGLU]
-    try:
-        import seeds
-
-        kinds.append(seeds._SeedSwitch)
-    except ImportError:
-        pass
-    return tuple(kinds)
+    return (SwitchGLU, StreamingSwitchGLU)
 
 
 def expert_modules(model):

@@ -6,9 +6,9 @@
 
 The first form renders a trace file (finished, or cut short: an unterminated file is read too). The
 step drawn is ``--step`` or, by default, the decode step that read the most bytes. The second form
-makes a trace first, of a cold decode: ``bench/experts.py``'s checkpoint of that shape, a budget of
+makes a trace first, of a cold decode: ``harness.checkpoint`` of that shape, a budget of
 25% of the experts, uniform routing, the page cache dropped before every token; it keeps the trace
-next to the PNG (``.json``); with ``--quick`` the checkpoint is a tiny synthetic one of 2 layers (the
+next to the PNG (``.json``); with ``--quick`` the checkpoint is the tiny shape's, 2 layers (the
 same steps in seconds, for CI). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
 """
 
@@ -164,38 +164,33 @@ def _label(e):
 
 def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
     """A cold decode's trace (see the module docstring); returns a title for the plot."""
-    import experts
+    import harness
     import mlx.core as mx
+    import routing_replay
     from mlx_lm.generate import generate_step
 
+    routing_replay.unwind_on_rewind()  # verified steps that run a forward again see the same ids
     mx.set_default_device(mx.cpu)
-    spec = experts.ARCHS[arch]
-    if quick:
-        from mlx_lm_streaming.synthetic import build_checkpoint
-
-        path = Path(ckpt_dir) / f"timeline-quick-{spec['arch']}"
-        if not (path / "config.json").is_file():
-            build_checkpoint(path, spec["arch"], "affine4", overrides={"experts": 16})
-    else:
-        path = experts.checkpoint(Path(ckpt_dir), arch, "float32")
-    files = experts.shards(path)
-    probe, _ = experts.load_streaming(path, expert_cache_gb=1e6)
+    arch = "tiny" if quick else arch
+    spec = harness.ARCHS[arch]
+    path = harness.checkpoint(Path(ckpt_dir), arch, "float32")
+    files = harness.shards(path)
+    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
     total = probe.expert_streaming.cache.total_expert_bytes
     num = probe.expert_streaming.cache.banks[0].num_experts
     probe.expert_streaming.close()
     del probe
-    budget = experts.COLD_SHARE * total / experts.GB
-    model, _ = experts.load_streaming(path, expert_cache_gb=budget, trace=str(out_json))
-    experts.ForcedRouting(num).wrap(model)
+    budget = harness.COLD_SHARE * total / harness.GB
+    model, _ = harness.load_streaming(path, expert_cache_gb=budget, trace=str(out_json))
+    harness.ForcedRouting(num).wrap(model)
     prompt = mx.array(list(range(1, 17)))
     sampler = lambda logprobs: mx.array([7], dtype=mx.uint32)  # noqa: E731 (any token will do)
-    experts.drop_page_cache(files)
+    harness.drop_page_cache(files)
     for _ in generate_step(prompt, model, max_tokens=tokens, sampler=sampler):
-        experts.drop_page_cache(files)
+        harness.drop_page_cache(files)
     mx.synchronize()
     model.expert_streaming.close()
-    what = "tiny synthetic experts, 2" if quick else f"{spec['label']} experts, {spec['layers']}"
-    return f"{what} layers, CPU, 25% budget, cold, uniform routing: "
+    return f"{spec['label']} experts, {spec['layers']} layers, CPU, 25% budget, cold, uniform routing: "
 
 
 def main():
@@ -204,7 +199,7 @@ def main():
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
     ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
-    ap.add_argument("--arch", default="qwen3", help="with --capture: bench/experts.py's shape")
+    ap.add_argument("--arch", default="qwen3", help="with --capture: a harness.ARCHS shape")
     ap.add_argument("--quick", action="store_true", help="with --capture: a tiny checkpoint")
     ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
     args = ap.parse_args()

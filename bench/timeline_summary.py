@@ -45,7 +45,7 @@ def load_events(path):
 
 
 def span_union(spans):
-    """Total length of the union of ``(start, end)`` spans (also ``experts.ReadSpans``)."""
+    """Total length of the union of ``(start, end)`` spans (also ``harness.ReadSpans``)."""
     total, end = 0.0, None
     for a, b in sorted(spans):
         if end is None or a > end:

@@ -24,7 +24,9 @@ def rr():
     try:
         import routing_replay
 
-        routing_replay.unwind_on_rewind()  # verified steps run layers again: same ids again
+        # as every bench CLI does: a forward run again (a verified step that missed) sees the same
+        # ids; without it each rerun takes the trace's next rows and misses again
+        routing_replay.unwind_on_rewind()
         yield routing_replay
     finally:
         mlx_compat.rewind = rewind

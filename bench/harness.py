@@ -1,0 +1,659 @@
+"""The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
+probe, routing and decode timing, loading stock and streaming models, paired results, peak RSS.
+
+Imported by ``experts.py``, ``gpu_pipeline.py``, ``timeline_png.py`` and ``distributed.py``
+(bench/README.md); it imports only the standard library at import time.
+"""
+
+import gc
+import hashlib
+import json
+import mmap
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+GB = 1 << 30
+MB = 1 << 20
+COLD_SHARE = 0.25
+PREFILL_TOKENS = 512
+
+
+def _shape(label, arch, layers, **overrides):
+    return dict(label=label, arch=arch, layers=layers, overrides=overrides)
+
+
+# name -> the real model's expert shape at ``layers`` MoE layers (the real ones have 48, 32, 27)
+ATTN = dict(heads=32, head_dim=128)
+ARCHS = {
+    "qwen3": _shape(
+        "Qwen3-30B-A3B", "qwen3_moe", 4, hidden=2048, moe_intermediate=768, experts=128, top_k=8,
+        kv_heads=4, **ATTN,
+    ),
+    "mixtral": _shape(
+        "Mixtral-8x7B", "mixtral", 2, hidden=4096, moe_intermediate=14336, experts=8, top_k=2,
+        kv_heads=8, **ATTN,
+    ),
+    "dsv2": _shape(
+        "DeepSeek-V2-Lite", "deepseek_v2", 4, hidden=2048, moe_intermediate=1408, experts=64,
+        top_k=6, n_shared_experts=2, heads=16, kv_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+        n_group=1, topk_group=1, first_k_dense_replace=0,
+    ),
+    # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too)
+    "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
+                   experts=128, top_k=6),
+}  # fmt: skip
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# -- checkpoints and the page cache ---------------------------------------------------------------
+
+
+def checkpoint(
+    ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None, experts=None
+) -> Path:
+    """The checkpoint of shape ``name`` (``layers``, ``top_k``, ``experts`` per layer: other than
+    the shape's, for trace routing), built once."""
+    spec = ARCHS[name]
+    layers = layers or spec["layers"]
+    overrides = dict(spec["overrides"])
+    k = "" if top_k in (None, overrides["top_k"]) else f"-k{top_k}"
+    e = "" if experts in (None, overrides["experts"]) else f"-e{experts}"
+    overrides["top_k"] = top_k or overrides["top_k"]
+    overrides["experts"] = experts or overrides["experts"]
+    path = ckpt_dir / f"{name}-{layers}l{k}{e}-{dtype}"
+    if (path / ".complete").is_file():
+        return path
+    from mlx_lm_streaming.synthetic import build_checkpoint
+
+    log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
+    start = time.time()
+    build_checkpoint(
+        path,
+        spec["arch"],
+        "affine4",
+        num_layers=layers,
+        overrides=overrides,
+        dtype=dtype,
+    )
+    (path / ".complete").write_text("ok")
+    log(f"built in {time.time() - start:.0f} s")
+    return path
+
+
+def shards(path: Path):
+    return sorted(Path(path).glob("model*.safetensors"))
+
+
+def drop_page_cache(files) -> float:
+    """Drop ``files`` from the OS page cache; returns the seconds it took."""
+    start = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+# -- disk bandwidth -------------------------------------------------------------------------------
+
+
+def disk_bandwidth(files, read_bytes: int, total_bytes: int, threads: int, direct: bool):
+    """GB/s of random ``read_bytes`` reads (4 KiB-aligned offsets), page cache dropped first."""
+    read_bytes = -(-read_bytes // 4096) * 4096
+    n = max(4, total_bytes // read_bytes)
+    sizes = [os.path.getsize(f) for f in files]
+    rng = random.Random(0)
+    jobs = []
+    for _ in range(n):
+        i = rng.randrange(len(files))
+        off = rng.randrange(0, max(1, sizes[i] - read_bytes)) // 4096 * 4096
+        jobs.append((i, off))
+    drop_page_cache(files)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = [os.open(f, flags) for f in files]
+    bufs = [mmap.mmap(-1, read_bytes) for _ in range(threads)]
+
+    def read(t, job):
+        i, off = job
+        return os.preadv(fds[i], [bufs[t]], off)
+
+    start = time.perf_counter()
+    try:
+        if threads == 1:
+            got = sum(read(0, j) for j in jobs)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                got = sum(pool.map(lambda a: read(a[0] % threads, a[1]), enumerate(jobs)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    seconds = time.perf_counter() - start
+    return got / seconds / GB
+
+
+def probe_disk(files, read_bytes: int, total_bytes: int, threads=(1, 4, 8)):
+    """``disk_bandwidth`` per thread count, buffered and O_DIRECT: {"t4_direct": GB/s or None}."""
+    bw = {}
+    for n in threads:
+        for direct in (False, True):
+            key = f"t{n}{'_direct' if direct else ''}"
+            try:
+                bw[key] = disk_bandwidth(files, read_bytes, total_bytes, n, direct)
+            except OSError as e:
+                bw[key] = None
+                log(f"disk probe {key}: {e}")
+    return bw
+
+
+# -- configurations -------------------------------------------------------------------------------
+
+
+class Config:
+    """One model under test, with its own KV cache and counters."""
+
+    def __init__(self, name, model, cold=False, files=()):
+        self.name = name
+        self.model = model
+        self.cold = cold
+        self.files = files
+        self.kv = None
+        self.routing = None
+        self.stream = None
+        self.pos = 0
+        self.decode_s = []  # per token
+        self.tokens = []
+        self.drop_s = 0.0
+        self.stats0 = None
+        self.calls = None  # CallLog of the routing's ids (cold, routing replaced)
+        self.decode_from = 0
+        self.spans = None  # ReadSpans of the store (cold)
+
+    @property
+    def cache(self):
+        state = getattr(self.model, "expert_streaming", None)
+        return None if state is None else state.cache
+
+    def counters(self):
+        cache = self.cache
+        if cache is None:
+            return {}
+        s = cache.summary()
+        return {
+            "hits": s["hits"],
+            "misses": s["misses"],
+            "bytes_read": cache.store.stats.bytes_read,
+            "store_read_seconds": cache.store.stats.seconds,
+            "io_wait_seconds": s["io_wait_seconds"],
+            "install_seconds": s["install_seconds"],
+            "prefetch": _prefetch_counts(cache),
+        }
+
+
+def _prefetch_counts(cache):
+    p = cache._prefetcher
+    if p is None:
+        return {}
+    st = p.stats
+    return {
+        "lookahead_staged": st.staged["lookahead"],
+        "lookahead_used": st.used["lookahead"],
+        "wave_staged": st.staged["wave"],
+        "wave_used": st.used["wave"],
+        "predicted": st.predicted,
+        "predicted_hit": st.predicted_hit,
+        "demand": st.demand,
+        "dropped": st.dropped,
+        "staged_wait_s": st.waited_s,
+    }
+
+
+def precision_recall(p):
+    if not p:
+        return {}
+    pred, hit, demand = p.get("predicted", 0), p.get("predicted_hit", 0), p.get("demand", 0)
+    return {
+        "lookahead_precision": hit / pred if pred else None,
+        "lookahead_recall": hit / demand if demand else None,
+        **p,
+    }
+
+
+class ForcedRouting:
+    """Replaces a layer's router choice by uniformly random experts, the same in every configuration.
+
+    A random-weight model routes almost every token to the same few experts (measured: Mixtral-shaped,
+    2 experts for every token; Qwen3-shaped, ~35 distinct experts of 128 over 64 tokens past layer 0),
+    which would leave nothing to stream. Uniform routing is the hard case instead: a 25% budget hits
+    25% of the time, and no router predicts the next layer. The choice depends only on (layer, call
+    number), so every configuration computes the same thing and logits stay comparable."""
+
+    def __init__(self, num_experts: int, seed: int = 0):
+        self.num_experts = num_experts
+        self.seed = seed
+        self.calls = {}
+
+    def wrap(self, model):
+        from routing_replay import expert_modules, routed
+
+        found = expert_modules(model)
+        for layer_no, (parent, name, module) in enumerate(found):
+            parent[name] = routed(module, self, layer_no)
+        return len(found)
+
+    def reset(self):
+        self.calls = {}
+
+    def indices(self, layer_no, shape):
+        import mlx.core as mx
+
+        from routing_replay import taken
+
+        pick = self.peek(layer_no, shape)
+        self.calls[layer_no] = self.calls.get(layer_no, 0) + 1
+        taken(self, layer_no, 1)
+        return mx.array(pick)
+
+    def unwind(self, layer_no, calls):
+        self.calls[layer_no] -= calls
+
+    def peek(self, layer_no, shape):
+        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, layer_no, self.calls.get(layer_no, 0)])
+        rows = int(np.prod(shape[:-1]))
+        pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
+        return pick.astype(np.uint32).reshape(shape)
+
+
+def make_routing(routing: str, num_experts: int, layers: int, fold=None):
+    """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
+    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones; ``fold`` =
+    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None."""
+    if routing == "uniform":
+        return ForcedRouting(num_experts)
+    if routing.startswith("trace:"):
+        from routing_replay import TraceRouting, fold_trace, read_trace
+
+        trace = read_trace(routing[len("trace:") :])
+        if fold is not None:
+            trace = fold_trace(trace, *fold)
+        return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
+    return None
+
+
+def routing_label(routing: str, fold=None, layers=None) -> str:
+    """How a run's routing is named in its report."""
+    if not routing.startswith("trace:"):
+        return routing
+    label = f"trace {Path(routing[len('trace:') :]).name}"
+    if layers:
+        label += f", its first {layers} MoE layers"
+    if fold:
+        label += (
+            f", folded onto {fold[0]} experts, top {fold[1]} (id % {fold[0]}, the first "
+            f"{fold[1]} distinct ids in rank order): a real trace's reuse, not this model's routing"
+        )
+    return label
+
+
+class CallLog:
+    """The expert ids a configuration's routing passed each MoE layer, call by call (taken with the
+    routing's ``peek`` just before its ``indices``: the very ids the layer computed), so that the
+    same rows can be replayed offline through LRU and Belady (``replay_figures``)."""
+
+    def __init__(self, routing):
+        self.calls = {}
+        take = routing.indices
+
+        def indices(layer_no, shape):
+            import numpy as np
+
+            ids = np.asarray(routing.peek(layer_no, shape)).reshape(-1, shape[-1])
+            self.calls.setdefault(layer_no, []).append(ids.copy())
+            return take(layer_no, shape)
+
+        give_back = routing.unwind
+
+        def unwind(layer_no, rows):
+            # a rewound forward's call (routing_replay.unwind_on_rewind): its ids were not computed
+            if self.calls.get(layer_no):
+                self.calls[layer_no].pop()
+            give_back(layer_no, rows)
+
+        routing.indices, routing.unwind = indices, unwind
+
+    def clear(self):
+        self.calls = {}
+
+    def rows(self) -> int:
+        return min((sum(len(c) for c in calls) for calls in self.calls.values()), default=0)
+
+
+def replay_figures(log: CallLog, decode_from: int, slots, num_experts: int, policy: str):
+    """Decode hit rates of the cold configuration's own rows (``log``: from its cold start, the
+    rows before ``decode_from`` warm the tables and are not counted) replayed through the package's
+    slot tables with its own policy, LRU and Belady's offline optimum, at its slots per layer."""
+    from routing_replay import trace_of_calls
+
+    from mlx_lm_streaming import replay as rp
+
+    trace = trace_of_calls(log.calls, num_experts, decode_from)
+    rows = len(trace.rows)
+    return {
+        "rows_warm": decode_from,
+        "rows_decode": rows - decode_from,
+        "slots": list(slots),
+        "num_experts": num_experts,
+        "top_k": trace.top_k,
+        "policy": policy,
+        "policy_hit_rate": rp.replay(trace, slots, policy).hit_rate("decode"),
+        "lru_hit_rate": rp.replay(trace, slots, "lru").hit_rate("decode"),
+        "belady_hit_rate": rp.belady(trace, slots).hit_rate("decode"),
+        "random_hit_rate": sum(slots) / len(slots) / num_experts,
+    }
+
+
+class ReadSpans:
+    """When each of a store's reads ran (its ``stats.add`` reports a read's bytes and seconds as it
+    ends): the union of their spans is the wall time at least one read was in flight."""
+
+    def __init__(self, store):
+        self.spans = []
+        add = store.stats.add
+
+        def record(reads, nbytes, seconds):
+            end = time.perf_counter()
+            self.spans.append((end - seconds, end, nbytes))
+            add(reads, nbytes, seconds)
+
+        store.stats.add = record
+
+    def clear(self):
+        self.spans = []
+
+    def figures(self):
+        """bytes, summed read seconds, and seconds with a read in flight."""
+        from timeline_summary import span_union
+
+        spans = list(self.spans)
+        return {
+            "bytes": sum(n for _, _, n in spans),
+            "read_seconds": sum(b - a for a, b, _ in spans),
+            "in_flight_seconds": span_union((a, b) for a, b, _ in spans),
+            "reads": len(spans),
+        }
+
+
+def delta(a, b):
+    out = {}
+    for k, v in b.items():
+        if isinstance(v, (int, float)) and k in a:
+            out[k] = v - a[k]
+        elif isinstance(v, dict) and k in a:
+            out[k] = delta(a[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def reset_banks(model):
+    """Empty every slot bank (as after load) and zero the counters, keeping the model."""
+    from mlx_lm_streaming.expert_cache import CacheStats
+
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    for bank in cache.banks:
+        bank.allocate(bank.slots)
+    cache.stats = CacheStats()
+
+
+def prefill(cfg, tokens):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kv = make_prompt_cache(cfg.model)
+    start = time.perf_counter()
+    logits = cfg.model(tokens[None], cache=kv)
+    mx.eval(logits)
+    return time.perf_counter() - start, kv, logits
+
+
+class ForcedSampler:
+    """Feeds a fixed random token stream (the same for every configuration) instead of sampling.
+
+    Greedy decoding of a random-weight model soon repeats one token, hence one routing, and every
+    expert would be a hit; a random stream routes like varied text (worse than real text, which
+    reuses experts more). Each step's log-probabilities are recorded (hashed bit for bit) to check
+    that every configuration computes exactly what stock mlx-lm computes."""
+
+    def __init__(self, stream, start):
+        self.stream = stream
+        self.i = start
+        self.argmax = []
+
+    def __call__(self, logprobs):
+        import mlx.core as mx
+
+        self.argmax.append(logprobs)  # kept lazily; hashed bit for bit after the block
+        tok = self.stream[self.i % len(self.stream)]
+        self.i += 1
+        return mx.array([tok], dtype=mx.uint32)
+
+
+def decode_block(cfg, n):
+    """Decode steps with mlx-lm's generate_step (async pipelining and all), continuing ``cfg``'s KV
+    cache, fed the forced token stream. generate_step(max_tokens=n) runs n + 1 single-token steps
+    (it computes one step ahead of what it yields); all are timed, through a final synchronize, so
+    nothing of this configuration runs into the next one's timing. Returns seconds per step."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    sampler = ForcedSampler(cfg.stream, cfg.pos)
+    prompt = mx.array([cfg.stream[cfg.pos - 1]])
+    if cfg.cold:
+        cfg.drop_s += drop_page_cache(cfg.files)
+    excluded = 0.0
+    start = time.perf_counter()
+    for _ in generate_step(prompt, cfg.model, max_tokens=n, prompt_cache=cfg.kv, sampler=sampler):
+        if cfg.cold:
+            # generate_step builds step i+1 (host syncs and reads included) before it yields step
+            # i, so a drop here precedes every read of step i+2: every step reads from the disk.
+            # The drop itself is left out of the timing.
+            d = drop_page_cache(cfg.files)
+            cfg.drop_s += d
+            excluded += d
+    mx.synchronize()
+    seconds = time.perf_counter() - start - excluded
+    steps = sampler.i - cfg.pos
+    cfg.pos = sampler.i
+    cfg.tokens.extend(
+        hashlib.sha1(np.array(lp.view(mx.uint8)).tobytes()).hexdigest()[:16]
+        for lp in sampler.argmax
+    )
+    return [seconds / steps] * steps
+
+
+def load_stock(path):
+    import mlx_lm.utils
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    model, config = mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": False})
+    assert not hasattr(model, "expert_streaming")
+    return model, config
+
+
+DIRECT_READS = "auto"  # experts.py --direct-reads: the option for every streaming configuration
+
+
+def load_streaming(path, **options):
+    import mlx_lm.utils
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    if DIRECT_READS != "auto":
+        options.setdefault("direct_reads", DIRECT_READS == "on")
+    return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
+
+
+def paired(rounds, num, den):
+    """Median over rounds of (time of ``den``) / (time of ``num``): speed of num relative to den."""
+    vals = [r[den] / r[num] for r in rounds if num in r and den in r]
+    return statistics.median(vals) if vals else None
+
+
+def ratios(res, rounds):
+    dec = res["decode"]
+    disk = res["disk_best_gbps"] * GB
+    out = {}
+    out["warm_vs_stock"] = paired(rounds, "warm", "stock")
+    # cold: limit per token = max(stock compute time, bytes the misses need / disk bandwidth)
+    limits = []
+    for r in rounds:
+        if "cold" in r:
+            io = dec["cold"]["miss_bytes_per_token"] / disk
+            limits.append(max(r["stock"], io) / r["cold"])
+    out["cold_vs_limit"] = statistics.median(limits) if limits else None
+    out["cold_limit_io_s_per_token"] = dec["cold"]["miss_bytes_per_token"] / disk
+    # the same limit from the run's totals: limit tok/s = 1 / max(stock s per token, miss bytes per
+    # token / disk); cold tok/s over it (the median of per-round ratios above weighs rounds alike)
+    limit_s = max(dec["stock"]["s_per_token_mean"], out["cold_limit_io_s_per_token"])
+    out["cold_limit_tok_s"] = 1 / limit_s
+    out["cold_vs_limit_totals"] = dec["cold"]["tok_s"] / out["cold_limit_tok_s"]
+    for key in dec:
+        if key != "stock":
+            out[f"{key}_vs_stock"] = paired(rounds, key, "stock")
+    pre = res["prefill_s"]
+    if "cold" in pre:
+        read_once = res["total_expert_bytes"] / disk
+        out["prefill_limit_s"] = max(pre["stock"], read_once)
+        out["prefill_cold_vs_limit"] = out["prefill_limit_s"] / pre["cold"]
+    if "warm" in pre:
+        out["prefill_warm_vs_stock"] = pre["stock"] / pre["warm"]
+    return out
+
+
+# -- peak RSS, one process per configuration ------------------------------------------------------
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes (VmHWM: ru_maxrss would include the parent's, kept over exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_child(path, which, prefill_tokens, decode_tokens, routing):
+    import mlx.core as mx
+    import mlx_lm.generate  # noqa: F401  (imports are the interpreter's, not the model's memory)
+    import mlx_lm.utils  # noqa: F401
+
+    from mlx_lm_streaming.integration import install
+
+    install()
+    base = peak_rss()
+    if which == "stock":
+        model, config = load_stock(path)
+        budget = 0
+        resident = None
+    else:
+        probe, config = load_streaming(path, expert_cache_gb=1e6)
+        total = probe.expert_streaming.cache.total_expert_bytes
+        del probe
+        gc.collect()
+        gb = total / GB * (1.001 if which == "warm" else COLD_SHARE)
+        drop_page_cache(shards(path))
+        model, config = load_streaming(path, expert_cache_gb=gb)
+        cache = model.expert_streaming.cache
+        cache.ensure_planned()
+        budget = cache.resident_bytes
+        resident = model.expert_streaming.resident_bytes
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    rng = random.Random(1)
+    tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
+    from mlx_lm.generate import generate_step
+
+    from routing_replay import _expert_counts, read_trace
+
+    experts, top_k = _expert_counts(model)
+    fold = None
+    if routing.startswith("trace:") and read_trace(routing[len("trace:") :]).num_experts != experts:
+        fold = (experts, top_k)  # as the run's --trace-fold
+    forced = make_routing(routing, experts, len(model.layers), fold=fold)
+    if forced is not None:
+        forced.wrap(model)
+
+    for _ in generate_step(tokens, model, max_tokens=decode_tokens):
+        pass
+    peak = peak_rss()
+    out = {
+        "which": which,
+        "peak_rss": peak,
+        "rss_after_imports": base,
+        "budget": budget,
+        "resident_bytes": resident,
+        "mlx_peak": mx.get_peak_memory(),
+    }
+    if which != "stock":
+        out["staging_limit"] = model.expert_streaming.cache.prefetcher.max_bytes
+    print("RSS_JSON " + json.dumps(out), flush=True)
+
+
+def measure_rss(path, args):
+    out = {}
+    for which in ("stock", "warm", "cold"):
+        cmd = [
+            sys.executable,
+            str(ROOT / "bench" / "experts.py"),
+            "--rss-child",
+            which,
+            "--rss-path",
+            str(path),
+            "--rss-prefill",
+            str(min(args.prefill_tokens, 64) if args.device_kind == "cpu" else args.prefill_tokens),
+            "--rss-decode",
+            str(8),
+            "--routing",
+            args.routing,
+            "--direct-reads",
+            args.direct_reads,
+        ]
+        if args.device_kind == "gpu":
+            cmd += ["--device-kind", "gpu"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
+        if p.returncode or not line:
+            log(f"rss child {which} failed: {p.stderr[-2000:]}")
+            continue
+        out[which] = json.loads(line[-1][9:])
+        log(f"rss {which}: {out[which]['peak_rss'] / GB:.2f} GB")
+    return out
+
+
+def pack_files(path):
+    return sorted(Path(path).glob("*.pack"))
