@@ -116,6 +116,8 @@ class StreamingSwitchGLU(nn.Module):
         kernel = self._selector.select(bank, indices.size)
         if kernel.needs_host_slots:
             return None
+        tl = bank.cache.timeline
+        start = tl.now() if tl else 0
         indices = mx.stop_gradient(indices)
         with bank.lock:
             if bank.identity and bank.staged:
@@ -127,6 +129,8 @@ class StreamingSwitchGLU(nn.Module):
             y = kernel(x, slots[indices], None, bank)
         step.add(bank, indices, missing[indices].sum())
         bank.last_stream = mx.default_stream(mx.default_device())
+        if tl:  # its ids are not on the host: its experts and misses are the step's to count
+            tl.layer(start, bank.path, indices.size // indices.shape[-1], verified=True)
         return y
 
     def _in_one_call(self, x, indices, idx, experts, ahead):
