@@ -18,10 +18,11 @@ def index_checkpoint(model_path: Path):
     import mlx_lm.utils
 
     from .integration import install
+    from .options import StreamingOptions
 
     install()
     model, _ = mlx_lm.utils.load_model(
-        Path(model_path), lazy=True, model_config={"streaming_experts": {"expert_cache_gb": 1e9}}
+        Path(model_path), lazy=True, model_config={"streaming_experts": StreamingOptions()}
     )
     state = model.expert_streaming
     index = state.index

@@ -141,9 +141,16 @@ class PackFile:
                 shard = Path(model_path) / name
                 if not shard.is_file():
                     raise CheckpointError(f"{self.path}: made from {name}, missing now; {HINT}")
-                if shard_fingerprint(shard) != want:
+                have = shard_fingerprint(shard)
+                if have["header_sha256"] != want.get("header_sha256"):
                     raise CheckpointError(
-                        f"{self.path}: {shard} changed since the pack was made; {HINT}"
+                        f"{self.path}: made from another checkpoint: its {name} has other "
+                        f"tensors than {shard} (the safetensors headers differ); {HINT}"
+                    )
+                if have != want:
+                    raise CheckpointError(
+                        f"{self.path}: {shard} changed since the pack was made (size or "
+                        f"modification time); {HINT}"
                     )
         except BaseException:
             os.close(fd)
@@ -197,7 +204,7 @@ class _Progress:
         else:
             pct = 100 * self.done / max(1, self.total)
             print(
-                f"\rpacking experts: {pct:5.1f}% of {self.total / 2**30:.2f} GB",
+                f"\rpacking experts: {pct:5.1f}% of {self.total / 1e9:.2f} GB",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -222,15 +229,22 @@ def write_pack(
 
     ``out`` is the pack file or an existing directory to write ``experts.pack`` into (default: the
     model directory). An existing pack that matches the checkpoint is kept unless ``force``."""
+    from .outputs import PACK, check_output
+
     model_path = Path(model_path)
     if not model_path.is_dir():
         raise CheckpointError(
             f"{model_path}: no such model directory (pack needs a local checkpoint)"
         )
+    if out is not None and not str(out).strip():
+        raise ConfigurationError("--out: an empty path; leave it out for MODEL/experts.pack")
     out = pack_path(model_path, out)
     if not out.parent.is_dir():
         raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
-    if out.exists() and not force:
+    # a file that is not a pack (a text, a shard, a device) is never overwritten; a pack is
+    # replaced as a whole, below
+    check_output(out, PACK, model_path)
+    if out.exists() and out.stat().st_size and not force:
 
         try:
             PackFile(out, model_path).close()
@@ -300,7 +314,7 @@ def write_pack(
         with open(tmp, "wb") as f:
             # after the open, so that a directory we cannot write to is named as such
             check_free_space(out, data_start + data_bytes)
-            bar = _Progress(data_bytes, progress)
+            bar = _Progress(sum(entry["nbytes"] for entry in entries), progress)
             f.truncate(data_start + data_bytes)
             for entry in entries:
                 buf = bytearray(align_up(entry["nbytes"]))
