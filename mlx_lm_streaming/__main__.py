@@ -144,10 +144,9 @@ def run_plan(args) -> int:
             ) from e
     trace = None
     if args.routing_trace is not None:
-        from .routing_trace import check_decode_tokens, read_trace
+        from .routing_trace import read_trace
 
         trace = read_trace(args.routing_trace)  # a bad file fails before the model loads
-        check_decode_tokens(trace)
     from .options import StreamingOptions
 
     # the plan's own flags only (a StreamingOptions is taken as given, without the environment)
@@ -185,6 +184,12 @@ def _print_plan(args, state, trace) -> None:
 
     cache = state.cache
     banks = cache.banks
+    if trace is not None:  # a trace that cannot give figures fails before anything is printed
+        from .routing_trace import check_decode_tokens
+
+        counts = {b.num_experts for b in banks}
+        trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
+        check_decode_tokens(trace)
     per_slot = sum(b.layer.expert_nbytes for b in banks)
     print(f"model: {state.model_path}")
     print(

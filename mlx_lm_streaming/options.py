@@ -52,8 +52,9 @@ def gb_at_least(nbytes: int) -> str:
 
 
 def budget_bytes(gb: float) -> int:
-    """A budget in GB as bytes, as loading takes it."""
-    return int(gb * GB)
+    """A budget in GB as bytes, as loading takes it: to the nearest byte (a budget computed as
+    ``bytes / GB`` gives those bytes back, though ``/ 10**9`` is not exact in binary)."""
+    return int(round(gb * GB))
 
 
 def missing_local_path(name: str) -> bool:

@@ -72,12 +72,18 @@ def is_output_of_kind(path: Path, kind: str) -> bool:
 
 
 def _model_files(model_path) -> set:
-    """The real paths of everything in the model directory (shards may be symlinks into a Hugging
-    Face cache's blobs)."""
+    """The real paths of the model directory's files (shards may be symlinks into a Hugging Face
+    cache's blobs), but the expert pack that ``pack`` writes there by default."""
     try:
-        return {os.path.realpath(p) for p in Path(model_path).iterdir()}
+        return {
+            os.path.realpath(p) for p in Path(model_path).iterdir() if p.name != "experts.pack"
+        }
     except OSError:
         return set()
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
 def check_output(path, kind: str, model_path=None) -> Path:
@@ -113,8 +119,8 @@ def check_output(path, kind: str, model_path=None) -> Path:
     if same_kind:
         return path
     if model_path is not None and os.path.realpath(path) in _model_files(model_path):
-        raise ConfigurationError(f"{path}: one of the model's files, not a {kind}; {keep}")
-    raise ConfigurationError(f"{path}: exists and is not a {kind} (by its first bytes); {keep}")
+        raise ConfigurationError(f"{path}: one of the model's files, not {_a(kind)}; {keep}")
+    raise ConfigurationError(f"{path}: exists and is not {_a(kind)} (by its first bytes); {keep}")
 
 
 _said = set()

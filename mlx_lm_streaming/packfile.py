@@ -88,10 +88,12 @@ def check_free_space(out: Path, need: int) -> None:
     not count as free."""
     free = shutil.disk_usage(out.parent).free
     if need > free:
+        from .options import decimal_gb
+
         raise ExpertIOError(
-            f"{out.parent}: not enough free space for {out.name}: it needs {need} bytes "
-            f"({need / 1e9:.3f} GB), {free} bytes ({free / 1e9:.3f} GB) are free; free some or "
-            "write the pack to another disk with --out DIR"
+            f"{out.parent}: not enough free space for {out.name}: it needs {decimal_gb(need)}, "
+            f"{decimal_gb(free)} are free; free some or write the pack to another disk with "
+            "--out DIR"
         )
 
 
