@@ -294,6 +294,8 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         arguments["get_model_classes"] = classes
         model, config = stock_load_model(*bound.args, **bound.kwargs)
     except BaseException:
+        if state.timeline is not None:
+            state.timeline.discard()  # the run never started: an old file stays as it was
         state.close()
         raise
     # back to the class methods

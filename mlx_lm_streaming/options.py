@@ -237,16 +237,15 @@ class StreamingOptions:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
         self.store_options = parse_store_options(self.store_options)
-        if self.record_routing is not None:
-            if not isinstance(self.record_routing, (str, os.PathLike)) or not str(
-                self.record_routing
-            ):
-                raise ConfigurationError("record_routing must be a file path")
-            self.record_routing = str(self.record_routing)
-        if self.trace is not None:
-            if not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
-                raise ConfigurationError("trace must be a file path")
-            self.trace = str(self.trace)
+        for name in ("record_routing", "trace"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (str, os.PathLike)):
+                raise ConfigurationError(f"{name} must be a file path, got {value!r}")
+            if not str(value).strip():
+                raise ConfigurationError(f"{name}: an empty path; give a file path")
+            setattr(self, name, str(value))
         if self.pack is not None:
             self._use_pack()
         if self.cache_policy not in POLICIES:
@@ -267,8 +266,10 @@ class StreamingOptions:
         self.direct_reads = value
 
     def _use_pack(self) -> None:
-        if not isinstance(self.pack, (str, os.PathLike)) or not str(self.pack):
-            raise ConfigurationError("pack must be a file or directory path")
+        if not isinstance(self.pack, (str, os.PathLike)):
+            raise ConfigurationError(f"pack must be a file or directory path, got {self.pack!r}")
+        if not str(self.pack).strip():
+            raise ConfigurationError("pack: an empty path; give the pack file or its directory")
         self.pack = str(self.pack)
         if self.store == "safetensors":  # the default: a pack implies the packed store
             self.store = "packed"

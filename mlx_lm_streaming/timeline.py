@@ -223,6 +223,14 @@ class Timeline:
         with self._lock:
             self._write()
 
+    def discard(self) -> None:
+        """Close without writing, for a load that failed: a file not opened yet stays as it was."""
+        with self._lock:
+            if self._file is None:
+                self._closed = True
+                self._pending = []
+                Timeline._open.discard(os.path.realpath(self.path))
+
     def close(self) -> None:
         """Write what is left and the closing ``]`` (idempotent)."""
         with self._lock:
