@@ -149,6 +149,12 @@ class PackFile:
                         f"{self.path}: made from another checkpoint: its {name} has other "
                         f"tensors than {shard} (the safetensors headers differ); {HINT}"
                     )
+                made_for = meta.get("model")
+                if have != want and made_for and made_for != str(Path(model_path).resolve()):
+                    raise CheckpointError(
+                        f"{self.path}: made from the checkpoint at {made_for}, not "
+                        f"{model_path} (its {name} differs: size or modification time); {HINT}"
+                    )
                 if have != want:
                     raise CheckpointError(
                         f"{self.path}: {shard} changed since the pack was made (size or "
@@ -286,6 +292,8 @@ def write_pack(
             "align": ALIGN,
             "data_start": data_start,
             "data_bytes": data_bytes,
+            # where the checkpoint was, to tell another model's pack from a changed checkpoint
+            "model": str(model_path.resolve()),
             "sources": sources,
             "entries": entries,
         }
