@@ -189,7 +189,7 @@ def test_1e30_is_refused_on_this_machine_and_nan_is_not_a_number(capsys):
 # -- verify --steps ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps", ["-3", "0", "x"])
+@pytest.mark.parametrize("steps", ["-3", "0"])
 def test_verify_steps_must_be_positive(ckpt, capsys, steps):
     status, out, err = run_cli(["verify", ckpt, "--steps", steps], capsys)
     assert status == 2 and len(err) == 1 and "argument --steps" in err[0], (out, err)
@@ -236,26 +236,27 @@ def test_an_option_variable_without_streaming_is_an_error_like_the_flag(ckpt, en
 # -- MLX_LM_STREAMING_HOOK values -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, said", [("banana", True), ("on", False), ("0", False), ("", False)])
-def test_hook_values_are_validated_at_start(tmp_path, value, said):
+def test_hook_values_are_validated_at_start(tmp_path):
     from support import clean_env
 
-    out = subprocess.run(
-        [sys.executable, "-c", "pass"],
-        cwd=tmp_path,
-        env=clean_env(MLX_LM_STREAMING_HOOK=value),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0
-    if said:
-        assert out.stderr.splitlines() == [
-            "mlx-lm-streaming: MLX_LM_STREAMING_HOOK='banana' is neither on (1, true, yes, on) "
-            "nor off (0, false, no, off); the startup hook stays on"
-        ]
-    else:
-        assert out.stderr == ""
+    def start(value):
+        out = subprocess.run(
+            [sys.executable, "-c", "pass"],
+            cwd=tmp_path,
+            env=clean_env(MLX_LM_STREAMING_HOOK=value),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0
+        return out.stderr.splitlines()
+
+    assert start("banana") == [
+        "mlx-lm-streaming: MLX_LM_STREAMING_HOOK='banana' is neither on (1, true, yes, on) "
+        "nor off (0, false, no, off); the startup hook stays on"
+    ]
+    for fine in ("on", "0", "FALSE", ""):
+        assert start(fine) == [], fine
 
 
 # -- pack progress ----------------------------------------------------------------------------------
