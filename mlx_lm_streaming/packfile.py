@@ -191,6 +191,9 @@ class PackFile:
 
 
 class _Progress:
+    """The progress of ``pack``: bytes of expert data copied out of ``total`` (alignment padding
+    not counted, so it ends at 100%), shown in decimal GB."""
+
     def __init__(self, total: int, enabled: bool):
         self.total, self.done, self.enabled = total, 0, enabled
         self.bar = None
@@ -198,7 +201,13 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="packing experts")
+                self.bar = tqdm(
+                    total=round(total / 1e9, 6),
+                    unit="GB",
+                    desc="packing experts",
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.3g}/{total:.3g} GB "
+                    "[{elapsed}<{remaining}]",
+                )
             except ImportError:
                 self.bar = None
         self.start = time.time()
@@ -208,7 +217,7 @@ class _Progress:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(round(self.done / 1e9, 6) - self.bar.n)
         else:
             pct = 100 * self.done / max(1, self.total)
             print(

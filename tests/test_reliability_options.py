@@ -265,8 +265,13 @@ def test_hook_values_are_validated_at_start(tmp_path):
 def test_pack_progress_reaches_100_percent(ckpt, tmp_path, monkeypatch, capsys):
     from mlx_lm_streaming.pack import pack_checkpoint
 
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bar without tqdm: its own percentages
     capsys.readouterr()
+    pack_checkpoint(ckpt, tmp_path / "p.pack", progress=True, force=True)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    if "tqdm" in sys.modules:  # the bar in decimal GB, ending at 100%
+        last = [line for line in err.splitlines() if line.startswith("packing experts")][-1]
+        assert "100%|" in last and last.count(" GB") == 1, last
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bar without tqdm: its own percentages
     pack_checkpoint(ckpt, tmp_path / "p.pack", progress=True, force=True)
     shown = re.findall(r"packing experts: +([\d.]+)% of ([\d.]+) GB", capsys.readouterr().err)
     assert shown and shown[-1][0] == "100.0", shown
