@@ -154,7 +154,10 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     for option in FLAG_OPTION.values():
         if option.metavar is None:
             group.add_argument(
-                option.flag, action="store_true", default=None, help=f"{option.help} ({option.env}=1)."
+                option.flag,
+                action="store_true",
+                default=None,
+                help=f"{option.help} ({option.env}=1).",
             )
         elif option.metavar == "?":
             group.add_argument(

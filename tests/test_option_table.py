@@ -72,7 +72,7 @@ def test_options_flags_keys_and_keywords_are_the_tables():
         assert option.env.startswith(option_table.PREFIX)
 
 
-# -- walking the table through the four entry points ------------------------------------------------
+# -- walking the table through the four entry points -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,8 @@ def test_every_option_works_from_all_four_entry_points(q3_path, pack_of_q3, tmp_
     got = {}
     with held_out_env():
         # 1. model_config key (text, as the environment would give it, and the value itself)
-        model, _ = mlx_lm.utils.load_model(q3_path, model_config={"streaming_experts": {name: want}})
+        config = {"streaming_experts": {name: want}}
+        model, _ = mlx_lm.utils.load_model(q3_path, model_config=config)
         got["model_config"] = model.expert_streaming
         # 2. mlx_lm_streaming.load keyword
         model, _ = mlx_lm_streaming.load(str(q3_path), **{name: want})
@@ -186,7 +187,8 @@ def test_the_environment_applies_to_mlx_lm_streaming_load_and_a_keyword_wins(q3_
 
 
 def test_unknown_names_are_one_line_errors(q3_path, environ):
-    with pytest.raises(ConfigurationError, match=r"unknown streaming_experts option\(s\) \['cache_gb'\]"):
+    unknown = r"unknown streaming_experts option\(s\) \['cache_gb'\]"
+    with pytest.raises(ConfigurationError, match=unknown):
         requested({"streaming_experts": {"cache_gb": 1}})
     with pytest.raises(ConfigurationError, match="unknown keyword 'cache_gb'"):
         mlx_lm_streaming.load(str(q3_path), cache_gb=1)

@@ -40,7 +40,8 @@ def run_cli(argv, capsys):
 
 
 def flags(argv, environ=None, capsys=None):
-    """What an mlx-lm command does with ``argv``'s streaming flags: (exit status or None, stderr)."""
+    """What an mlx-lm command does with ``argv``'s streaming flags: (exit status or None,
+    stderr lines)."""
     parser = argparse.ArgumentParser(prog="cmd")
     parser.add_argument("--model")
     integration.add_streaming_arguments(parser)
@@ -69,7 +70,7 @@ def trace_for(path: Path, phases, layers=2, experts=8):
     return path
 
 
-# -- plan --plot ------------------------------------------------------------------------------------
+# -- plan --plot -----------------------------------------------------------------------------------
 
 
 def fake_matplotlib(monkeypatch):
@@ -110,10 +111,13 @@ def test_plot_without_extension_prints_the_path_it_writes(ckpt, tmp_path, monkey
     status, out, err = plan_with_plot(ckpt, tmp_path, tmp_path / "q", capsys)
     assert status == 0, err
     assert f"plot: {tmp_path / 'q.png'}" in out.splitlines()
-    assert (tmp_path / "q.png").read_bytes().startswith(b"\x89PNG") and not (tmp_path / "q").exists()
+    assert (tmp_path / "q.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("name, named", [("q.txt", ".txt is not a plot format"), ("adir", "is a directory")])
+@pytest.mark.parametrize(
+    "name, named", [("q.txt", ".txt is not a plot format"), ("adir", "is a directory")]
+)
 def test_plot_path_that_cannot_be_a_plot_is_one_line_before_loading(
     ckpt, tmp_path, monkeypatch, capsys, name, named
 ):
@@ -125,7 +129,7 @@ def test_plot_path_that_cannot_be_a_plot_is_one_line_before_loading(
     assert sorted(os.listdir(tmp_path)) == ["adir", "r.jsonl"]
 
 
-# -- plan on a trace without decode tokens ----------------------------------------------------------
+# -- plan on a trace without decode tokens ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("phases", [["prefill"] * 5, []], ids=["prefill only", "header only"])
@@ -137,7 +141,7 @@ def test_plan_says_a_trace_has_no_decode_tokens(ckpt, tmp_path, capsys, phases):
     assert "no reads" not in out
 
 
-# -- a pack made from another model -----------------------------------------------------------------
+# -- a pack made from another model ----------------------------------------------------------------
 
 
 def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
@@ -162,7 +166,7 @@ def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
         load_streaming(own, store="packed")
 
 
-# -- budget bounds ----------------------------------------------------------------------------------
+# -- budget bounds ---------------------------------------------------------------------------------
 
 
 def test_a_budget_above_memory_plus_swap_is_refused_with_the_figures(monkeypatch, capsys):
@@ -171,7 +175,9 @@ def test_a_budget_above_memory_plus_swap_is_refused_with_the_figures(monkeypatch
     monkeypatch.setattr(options, "memory_and_swap", lambda: (8 * 10**9, 2 * 10**9))
     with pytest.raises(ConfigurationError, match=r"'11'.*11 GB.*memory plus swap \(8.000 GB \+ 2.000 GB\)"):
         StreamingOptions(expert_cache_gb="11")
-    assert StreamingOptions(expert_cache_gb=9.5).expert_cache_gb == 9.5
+    assert StreamingOptions(expert_cache_gb="9.5").expert_cache_gb == 9.5
+    # a number from code is not bounded: programs pass a huge one to mean "every expert"
+    assert StreamingOptions(expert_cache_gb=1e6).expert_cache_gb == 1e6
     status, err = flags(["--streaming-experts", "--expert-cache-gb", "11"], capsys=capsys)
     assert status == 2 and err[0].startswith("cmd: error: argument --expert-cache-gb: '11'")
     assert "8.000 GB + 2.000 GB" in err[0]
@@ -184,9 +190,11 @@ def test_1e30_is_refused_on_this_machine_and_nan_is_not_a_number(capsys):
     assert status == 2 and "'nan' is not a number" in err[0], err
     with pytest.raises(ConfigurationError, match="not a number"):
         StreamingOptions(expert_cache_gb=float("nan"))
+    with pytest.raises(ConfigurationError, match="memory plus swap"):
+        StreamingOptions(expert_cache_gb="1e30")
 
 
-# -- verify --steps ---------------------------------------------------------------------------------
+# -- verify --steps --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("steps", ["-3", "0"])
@@ -196,7 +204,7 @@ def test_verify_steps_must_be_positive(ckpt, capsys, steps):
     assert "exact" not in out
 
 
-# -- empty paths ------------------------------------------------------------------------------------
+# -- empty paths -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("flag", ["--record-routing", "--streaming-trace", "--expert-pack"])
@@ -212,7 +220,7 @@ def test_pack_out_empty_is_refused(ckpt, tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == []
 
 
-# -- option variables without streaming -------------------------------------------------------------
+# -- option variables without streaming ------------------------------------------------------------
 
 
 def test_an_option_variable_without_streaming_is_an_error_like_the_flag(ckpt, environ, capsys):
@@ -233,7 +241,7 @@ def test_an_option_variable_without_streaming_is_an_error_like_the_flag(ckpt, en
     assert StreamingOptions.from_env(environ).stats is True
 
 
-# -- MLX_LM_STREAMING_HOOK values -------------------------------------------------------------------
+# -- MLX_LM_STREAMING_HOOK values ------------------------------------------------------------------
 
 
 def test_hook_values_are_validated_at_start(tmp_path):
@@ -259,7 +267,7 @@ def test_hook_values_are_validated_at_start(tmp_path):
         assert start(fine) == [], fine
 
 
-# -- pack progress ----------------------------------------------------------------------------------
+# -- pack progress ---------------------------------------------------------------------------------
 
 
 def test_pack_progress_reaches_100_percent(ckpt, tmp_path, monkeypatch, capsys):
@@ -277,7 +285,7 @@ def test_pack_progress_reaches_100_percent(ckpt, tmp_path, monkeypatch, capsys):
     assert shown and shown[-1][0] == "100.0", shown
 
 
-# -- --version --------------------------------------------------------------------------------------
+# -- --version -------------------------------------------------------------------------------------
 
 
 def test_version(capsys):
@@ -287,7 +295,7 @@ def test_version(capsys):
     assert (status, out, err) == (0, f"mlx-lm-streaming {__version__}\n", [])
 
 
-# -- one unit ---------------------------------------------------------------------------------------
+# -- one unit --------------------------------------------------------------------------------------
 
 
 def test_the_budget_counts_decimal_gb_everywhere(ckpt, capsys):
