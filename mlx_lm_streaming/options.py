@@ -144,9 +144,11 @@ def check_budget_gb(value, machine: bool = True) -> float:
 
 
 def parse_switch(value, what: str) -> bool:
-    """A yes/no option: a bool, or one of the words of ``option_table``."""
+    """A yes/no option: a bool, 0 or 1, or one of the words of ``option_table``."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     word = value.strip().lower() if isinstance(value, str) else None
     if word in TRUE:
         return True
