@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODEL=docs/demo-model
 PROMPT="The"
-BUDGET=0.002 # GB of experts kept in memory: about half of the 8 experts of each layer (3.8 MB in all)
+BUDGET=0.002 # decimal GB (10^9 bytes) of experts kept in memory: about half of the 8 experts of each layer (0.0039 GB in all)
 
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -42,7 +42,7 @@ def add_info_arguments(parser):
 
 def run_info(args) -> int:
     from . import __version__, plugins
-    from ._bootstrap import HOOK_ENV
+    from .option_table import HOOK_ENV, OFF_WORDS
 
     print(f"mlx-lm-streaming {__version__}")
     files = _hook_files()
@@ -50,7 +50,7 @@ def run_info(args) -> int:
         f"startup hook files: {', '.join(files) or 'none (not installed from a wheel?)'}"
     )
     active = any(getattr(f, "mlx_lm_streaming", None) is True for f in sys.meta_path)
-    off = os.environ.get(HOOK_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    off = os.environ.get(HOOK_ENV, "1").strip().lower() in OFF_WORDS
     state = "active" if active else f"off ({HOOK_ENV}=0)" if off else "not active"
     print(f"post-import hook in this interpreter: {state}")
     try:
@@ -107,8 +107,9 @@ def add_plan_arguments(parser):
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="with --routing-trace: draw hit rate and disk-bound tok/s against budget "
-        "(needs matplotlib: pip install 'mlx-lm-streaming[plot]')",
+        help="with --routing-trace: draw hit rate and disk-bound tok/s against budget into FILE "
+        "(.png, .svg or .pdf; no extension: .png); needs matplotlib: pip install "
+        "'mlx-lm-streaming[plot]'",
     )
 
 
@@ -146,9 +147,14 @@ def run_plan(args) -> int:
         from .routing_trace import read_trace
 
         trace = read_trace(args.routing_trace)  # a bad file fails before the model loads
-    options = {"expert_cache_gb": args.expert_cache_gb}
+    from .options import StreamingOptions
+
+    # the plan's own flags only (a StreamingOptions is taken as given, without the environment)
+    options = StreamingOptions(expert_cache_gb=args.expert_cache_gb)
     if args.cache_policy is not None:
-        options["cache_policy"] = args.cache_policy
+        options = StreamingOptions(
+            expert_cache_gb=args.expert_cache_gb, cache_policy=args.cache_policy
+        )
     model, _ = mlx_lm.utils.load_model(
         path, lazy=True, model_config={"streaming_experts": options}
     )
@@ -166,8 +172,9 @@ def _check_plan_flags(args) -> None:
         if value is not None and args.routing_trace is None:
             raise ConfigurationError(f"{flag} needs --routing-trace FILE (a recorded routing)")
     if args.plot is not None:
-        from .budget_table import check_plotting
+        from .budget_table import check_plotting, plot_path
 
+        args.plot = plot_path(args.plot)
         check_plotting()
 
 
@@ -177,6 +184,12 @@ def _print_plan(args, state, trace) -> None:
 
     cache = state.cache
     banks = cache.banks
+    if trace is not None:  # a trace that cannot give figures fails before anything is printed
+        from .routing_trace import check_decode_tokens
+
+        counts = {b.num_experts for b in banks}
+        trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
+        check_decode_tokens(trace)
     per_slot = sum(b.layer.expert_nbytes for b in banks)
     print(f"model: {state.model_path}")
     print(
@@ -189,7 +202,7 @@ def _print_plan(args, state, trace) -> None:
     print(f"resident weights: {decimal_gb(state.resident_bytes)}")
     print(
         f"minimum budget, one expert per MoE layer: {decimal_gb(per_slot)} "
-        f"(--expert-cache-gb {gb_at_least(per_slot)}; the flag counts GiB, 2**30 bytes)"
+        f"(--expert-cache-gb {gb_at_least(per_slot)})"
     )
     default, free = default_budget(state)
     print(
@@ -222,8 +235,8 @@ def _print_plan(args, state, trace) -> None:
     rows = budget_rows(state, trace, default, gbps, given=args.expert_cache_gb is not None)
     print(format_table(rows))
     if args.plot is not None:
-        plot(rows, args.plot, f"{state.model_path.name}, trace {trace.path.name}")
-        print(f"plot: {args.plot}")
+        written = plot(rows, args.plot, f"{state.model_path.name}, trace {trace.path.name}")
+        print(f"plot: {written}")
 
 
 def _replay_line(trace, cache, plan) -> str:
@@ -311,6 +324,9 @@ def main(argv=None) -> int:
         description="Tools for mlx-lm-streaming. To run a model, use mlx-lm's own commands "
         "with --streaming-experts (see docs/usage.md).",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"mlx-lm-streaming {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     runners = {}
     for name, summary, add_arguments, run in SUBCOMMANDS:

@@ -7,45 +7,47 @@ other finders find the real module, runs it through its own loader, and once it 
 to ``mlx_lm_streaming.integration.patch_module``, which asks ``mlx_compat`` about the mlx-lm
 version and the shape of what it patches before it patches anything.
 
-This module is stdlib only and imports nothing beyond ``sys`` and ``os`` at start-up. Whatever goes
-wrong in the patching, the module stays the stock one and one line is written to stderr.
-``MLX_LM_STREAMING_HOOK=0`` turns the hook off.
+This module is stdlib only and imports nothing beyond ``sys``, ``os`` and our ``option_table`` (the
+flags and variables it knows) at start-up. Whatever goes wrong in the patching, the module stays the
+stock one and one line is written to stderr. ``MLX_LM_STREAMING_HOOK=0`` turns the hook off.
 """
 
 import os
 import sys
 
-HOOK_ENV = "MLX_LM_STREAMING_HOOK"
-# mlx-lm modules whose import triggers a patch (see integration.patch_module)
-PATCHED = frozenset(
-    {
-        "mlx_lm.utils",
-        "mlx_lm.generate",
-        "mlx_lm.server",
-        "mlx_lm.chat",
-        "mlx_lm.cache_prompt",
-        "mlx_lm.evaluate",
-        "mlx_lm.perplexity",
-    }
-)
+from .option_table import ENABLED, FLAGS, HOOK_ENV, OFF_WORDS, ON_WORDS
 
-# the command-line modules whose main() takes our flags (integration.CLI_MODULES)
-CLI_MODULES = PATCHED - {"mlx_lm.utils"}
-STREAMING_FLAGS = (
-    "--streaming-experts",
-    "--expert-cache-gb",
-    "--expert-store",
-    "--expert-kernel",
-    "--streaming-stats",
+# the command-line modules whose main() takes our flags (integration.wrap_cli_main)
+CLI_MODULES = (
+    "mlx_lm.generate",
+    "mlx_lm.chat",
+    "mlx_lm.server",
+    "mlx_lm.cache_prompt",
+    "mlx_lm.evaluate",
+    "mlx_lm.perplexity",
 )
-EXPERTS_ENV = "MLX_LM_STREAMING_EXPERTS"
+# mlx-lm modules whose import triggers a patch (see integration.patch_module)
+PATCHED = frozenset(("mlx_lm.utils",) + CLI_MODULES)
+STREAMING_FLAGS = FLAGS
+EXPERTS_ENV = ENABLED.env
 
 _warned = False
 _said = False
 
 
 def _is_off(value: str) -> bool:
-    return value.strip().lower() in ("0", "false", "no", "off")
+    return value.strip().lower() in OFF_WORDS
+
+
+def hook_problem(environ=os.environ):
+    """Why the value of ``MLX_LM_STREAMING_HOOK`` is not one it takes (the hook then stays on)."""
+    value = environ.get(HOOK_ENV)
+    if value is None or value.strip().lower() in ("",) + ON_WORDS + OFF_WORDS:
+        return None
+    return (
+        f"{HOOK_ENV}={value!r} is neither on ({', '.join(ON_WORDS)}) nor off "
+        f"({', '.join(OFF_WORDS)}); the startup hook stays on"
+    )
 
 
 def _run_module(orig_argv) -> str:
@@ -66,6 +68,9 @@ def startup_problem(environ=os.environ, argv=None, orig_argv=None):
     argv = getattr(sys, "argv", []) if argv is None else argv
     orig_argv = getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv
     flags = [a.split("=")[0] for a in argv[1:] if a.split("=")[0] in STREAMING_FLAGS]
+    bad_hook = hook_problem(environ)
+    if bad_hook:
+        return bad_hook
     if _is_off(environ.get(HOOK_ENV, "1")):
         asked = environ.get(EXPERTS_ENV, "")
         if asked and not _is_off(asked):

@@ -14,6 +14,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .errors import ConfigurationError
@@ -195,8 +196,35 @@ def check_plotting() -> None:
         raise ConfigurationError(PLOT_HINT) from None
 
 
-def plot(rows: List[BudgetRow], path: str, title: str) -> None:
-    """Decode hit rate and disk-bound tok/s against budget (GB), one PNG."""
+def plot_path(path) -> Path:
+    """Where ``--plot PATH`` writes: checked before anything loads (``outputs.check_output``).
+    Without an extension, ``PATH.png``; an extension other than .png, .svg, .pdf is refused."""
+    from .outputs import PLOT, PLOT_MAGIC, check_output
+
+    if path is None or not str(path).strip():
+        raise ConfigurationError("--plot: an empty path; give a file name such as budget.png")
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigurationError(f"--plot {path}: is a directory, not a file for the plot")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    if path.suffix.lower() not in PLOT_MAGIC:
+        raise ConfigurationError(
+            f"--plot {path}: {path.suffix} is not a plot format it writes; use "
+            f"{', '.join(PLOT_MAGIC)} (no extension: .png)"
+        )
+    try:
+        return check_output(path, PLOT)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"--plot {e}") from None
+
+
+def plot(rows: List[BudgetRow], path, title: str) -> Path:
+    """Decode hit rate and disk-bound tok/s against budget (GB), one image at ``plot_path(path)``,
+    written beside it and renamed over it; returns that path."""
+    from .outputs import PLOT, replace_whole
+
+    path = plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,9 +245,10 @@ def plot(rows: List[BudgetRow], path: str, title: str) -> None:
     right.set_ylabel("decode tok/s the disk allows", color="tab:red")
     left.set_title(title)
     fig.tight_layout()
+    fmt = path.suffix.lower()[1:]
     try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise ConfigurationError(f"--plot {path}: cannot write it ({e.strerror or e})") from None
+        return replace_whole(path, PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format=fmt))
+    except ConfigurationError as e:
+        raise ConfigurationError(f"--plot {e}") from None
     finally:
         plt.close(fig)

@@ -53,15 +53,11 @@ def exit_with(prog: str, error: StreamingError) -> None:
 
 
 def open_output(path, what: str):
-    """``open(path, "w")`` for a file we write as a run goes (a routing trace, a timeline);
-    ``ConfigurationError`` naming the file and ``what`` it is if that fails."""
+    """``open(path, "w")`` for a file written by a caller of our API (``TraceWriter``);
+    ``ConfigurationError`` naming the file and ``what`` it is if that fails. The files of a
+    streaming run are checked and opened by ``outputs.py``'s rules instead."""
     try:
         return open(path, "w", encoding="utf-8")
     except OSError as e:
         raise ConfigurationError(f"{path}: cannot write the {what} ({e.strerror or e})") from None
 
-
-def check_writable(path, what: str) -> None:
-    """Create (or empty) ``path`` now, so that a file we write as a run goes fails at load or at the
-    flag, naming it, not at the first token."""
-    open_output(path, what).close()

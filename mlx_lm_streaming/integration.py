@@ -34,28 +34,22 @@ from .mlx_compat import (
     say_refusal,
     streaming_in_environment,
 )
+from .option_table import OPTIONS
 from .options import (
     CONFIG_KEY,
     ENV,
-    FALSE,
     StreamingOptions,
     check_budget_gb,
     missing_local_path,
     requested,
+    streaming_asked_by_environment,
 )
 
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
+# argparse dest -> the option of that flag (option_table: one row per option)
+FLAG_OPTION = {o.flag[2:].replace("-", "_"): o for o in OPTIONS if o.flag}
 # argparse dest -> environment variable it sets
-FLAG_ENV = {
-    "streaming_experts": ENV["enabled"],
-    "expert_cache_gb": ENV["expert_cache_gb"],
-    "expert_store": ENV["store"],
-    "expert_kernel": ENV["kernel"],
-    "streaming_stats": ENV["stats"],
-    "record_routing": ENV["record_routing"],
-    "streaming_trace": ENV["trace"],
-    "expert_pack": ENV["pack"],
-}
+FLAG_ENV = {dest: o.env for dest, o in FLAG_OPTION.items()}
 
 
 def patch_module(module) -> None:
@@ -150,62 +144,34 @@ def fail(parser, message: str, status: int = 2) -> None:
 
 
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``--streaming-experts`` group to an mlx-lm command's parser."""
+    """Add the ``--streaming-experts`` group to an mlx-lm command's parser: one flag per row of
+    ``option_table.OPTIONS`` that has one."""
     group = parser.add_argument_group(
         FLAG_GROUP,
         "Stream the routed experts of a Mixture-of-Experts model from disk instead of "
         "loading them into memory. Each flag sets the environment variable named in its help.",
     )
-    group.add_argument(
-        "--streaming-experts",
-        action="store_true",
-        default=None,
-        help=f"Stream routed experts from disk ({ENV['enabled']}=1).",
-    )
-    group.add_argument(
-        "--expert-cache-gb",
-        metavar="GB",
-        help="Expert cache budget in GB. Default: half of the memory the resident weights "
-        f"leave free, at least one expert per MoE layer ({ENV['expert_cache_gb']}).",
-    )
-    group.add_argument(
-        "--expert-store",
-        metavar="NAME",
-        help=f"Store backend that reads expert bytes. Default: safetensors ({ENV['store']}).",
-    )
-    group.add_argument(
-        "--expert-kernel",
-        metavar="NAME",
-        help="Kernel that computes the selected experts. Default: auto, the fastest one that "
-        f"is bit-identical to stock mlx-lm here ({ENV['kernel']}).",
-    )
-    group.add_argument(
-        "--streaming-stats",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="layers",
-        help="Print one line at exit: hit rate, experts and GB read, where the time went; "
-        f"with `layers`, also a table per MoE layer ({ENV['stats']}=1 or layers).",
-    )
-    group.add_argument(
-        "--record-routing",
-        metavar="FILE",
-        help="Write the experts each MoE layer picks for each token to FILE as the run goes, "
-        f"a routing trace for `mlx_lm_streaming plan --routing-trace` ({ENV['record_routing']}).",
-    )
-    group.add_argument(
-        "--streaming-trace",
-        metavar="FILE",
-        help="Write a timeline of expert reads, installs, host syncs and compute to FILE as "
-        f"Chrome trace-event JSON, for Perfetto or chrome://tracing ({ENV['trace']}).",
-    )
-    group.add_argument(
-        "--expert-pack",
-        metavar="PATH",
-        help="Read the experts from this pack (made by `mlx_lm_streaming pack MODEL --out "
-        f"PATH`), e.g. on another disk; implies --expert-store packed ({ENV['pack']}).",
-    )
+    for option in FLAG_OPTION.values():
+        if option.metavar is None:
+            group.add_argument(
+                option.flag,
+                action="store_true",
+                default=None,
+                help=f"{option.help} ({option.env}=1).",
+            )
+        elif option.metavar == "?":
+            group.add_argument(
+                option.flag,
+                nargs="?",
+                const=True,
+                default=None,
+                metavar="layers",
+                help=f"{option.help} ({option.env}=1 or layers).",
+            )
+        else:
+            group.add_argument(
+                option.flag, metavar=option.metavar, help=f"{option.help} ({option.env})."
+            )
 
 
 def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
@@ -213,6 +179,8 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
 
     When streaming is asked for (flag or environment), the options are checked here, before
     anything loads: an error is one line naming the flag or variable at fault."""
+    from .errors import StreamingError
+
     given = {}
     for dest in FLAG_ENV:
         value = getattr(namespace, dest, None)
@@ -220,10 +188,14 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             delattr(namespace, dest)
         if value is not None:
             given[dest] = value
-    by_env = environ.get(ENV["enabled"], "").strip().lower() not in FALSE
-    if not given and not by_env:
+    enabled = bool(given.get("streaming_experts"))
+    if not enabled:
+        try:
+            enabled = streaming_asked_by_environment(environ)
+        except StreamingError as e:
+            fail(parser, str(e))
+    if not given and not enabled:
         return
-    enabled = bool(given.get("streaming_experts")) or by_env
     if not enabled:
         flags = ", ".join("--" + d.replace("_", "-") for d in given)
         verb = "needs" if len(given) == 1 else "need"
@@ -236,17 +208,17 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             "--streaming-experts over several ranks needs --pipeline: tensor parallelism is not "
             "supported with streaming experts yet (docs/distributed.md)",
         )
-    _check_flags(parser, given)
+    model = getattr(namespace, "model", None)
+    _check_flags(parser, given, model, environ)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
     # what is left to check came from the environment: the error names the variable
-    from .errors import StreamingError
-
     try:
-        StreamingOptions.from_env(environ)
+        options = StreamingOptions.from_env(environ)
+        _check_outputs(options, model)
+        _check_store_options(options)
     except StreamingError as e:
         fail(parser, str(e))
-    model = getattr(namespace, "model", None)
     if missing_local_path(model):
         fail(parser, f"argument --model: {model}: no such model directory", 1)
     report.cli_streaming = True
@@ -254,11 +226,35 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
         _exit_cleanly_on_sigterm()
 
 
-def _check_flags(parser, given: dict) -> None:
+def _local_model(model):
+    """The model directory, where ``--model`` names one here (else None: a hub id, or none)."""
+    return model if isinstance(model, str) and os.path.isdir(model) else None
+
+
+def _check_outputs(options, model) -> None:
+    """The files the run writes: checked, never opened (``outputs.check_output``)."""
+    from .outputs import ROUTING_TRACE, TIMELINE, check_output
+
+    for path, kind in ((options.record_routing, ROUTING_TRACE), (options.trace, TIMELINE)):
+        if path:
+            check_output(path, kind, _local_model(model))
+
+
+def _check_store_options(options) -> None:
+    from . import plugins
+
+    plugins.check_store_options(options.store, options.store_options)
+
+
+def _check_flags(parser, given: dict, model=None, environ=os.environ) -> None:
     """Each flag's value on its own, so that the error names the flag (the budget as a float)."""
     from . import plugins
-    from .errors import ConfigurationError, StreamingError, check_writable
+    from .errors import ConfigurationError, StreamingError
+    from .outputs import ROUTING_TRACE, TIMELINE, check_output
 
+    for dest, value in given.items():
+        if isinstance(value, str) and not value.strip():
+            fail(parser, f"argument {FLAG_OPTION[dest].flag}: an empty value; leave the flag out")
     if "expert_cache_gb" in given:
         try:
             given["expert_cache_gb"] = check_budget_gb(given["expert_cache_gb"])
@@ -282,10 +278,26 @@ def _check_flags(parser, given: dict) -> None:
     if given.get("streaming_stats") not in (None, True, "layers"):
         value = given["streaming_stats"]
         fail(parser, f"argument --streaming-stats: {value!r}: the only value it takes is layers")
-    for dest, what in (("record_routing", "routing trace"), ("streaming_trace", "timeline")):
+    for dest, option in FLAG_OPTION.items():
+        if dest in given and dest not in ("streaming_experts", "expert_cache_gb"):
+            try:  # the rest of the values, each on its own
+                StreamingOptions(**{option.name: given[dest]})
+            except StreamingError as e:
+                fail(parser, f"argument {option.flag}: {e}")
+    if "expert_store_options" in given:
+        store = given.get("expert_store") or environ.get(ENV["store"]) or (
+            "packed" if given.get("expert_pack") or environ.get(ENV["pack"]) else "safetensors"
+        )
+        try:
+            plugins.check_store_options(
+                store, StreamingOptions(store_options=given["expert_store_options"]).store_options
+            )
+        except StreamingError as e:
+            fail(parser, f"argument --expert-store-options: {e}")
+    for dest, kind in (("record_routing", ROUTING_TRACE), ("streaming_trace", TIMELINE)):
         if given.get(dest):
             try:
-                check_writable(given[dest], what)
+                check_output(given[dest], kind, _local_model(model))
             except StreamingError as e:
                 fail(parser, f"argument --{dest.replace('_', '-')}: {e}")
     if given.get("expert_pack"):

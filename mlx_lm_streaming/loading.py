@@ -19,11 +19,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import mlx_compat, plugins, report
-from .expert_cache import GB, CacheTuning, ExpertCache, close_all
+from .expert_cache import CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
-from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions
+from .option_table import GB
+from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions, budget_bytes
+from .outputs import ROUTING_TRACE, TIMELINE, check_output
 from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
@@ -84,6 +86,10 @@ class StreamingState:
     ):
         self.model_path = Path(model_path)
         self.options = options
+        # the files this run writes, before anything is made (nothing is opened yet)
+        for path, kind in ((options.record_routing, ROUTING_TRACE), (options.trace, TIMELINE)):
+            if path:
+                check_output(path, kind, self.model_path)
         # a lazy, non-strict load (mlx-lm's sharded_load) may lack the shards of other pipeline
         # ranks' layers: checked once ``pipeline`` says which layers this rank keeps
         self.files = CheckpointFiles(self.model_path, allow_missing=allow_missing_shards)
@@ -91,7 +97,7 @@ class StreamingState:
         self.store = plugins.make_store(options.store, self.files, **options.store_options)
         budget = None
         if options.expert_cache_gb is not None:
-            budget = int(options.expert_cache_gb * GB)
+            budget = budget_bytes(options.expert_cache_gb)
         self.selector = KernelSelector(options.kernel)
         recording = bool(options.record_routing) and not RoutingRecorder.claimed(
             options.record_routing
@@ -110,14 +116,17 @@ class StreamingState:
             self.recorder = RoutingRecorder(
                 options.record_routing,
                 lambda: cache.banks,
+                model_path=self.model_path,
                 model=self.model_path.name,
                 source="mlx_lm_streaming --record-routing",
                 note="expert ids in the order mlx-lm's router returned them (for most models "
                 "argpartition order, not sorted by score); calls of more than one token are prefill",
             )
             self.cache.recorder = self.recorder
-        # last: nothing after it can fail and leave the file open
-        self.timeline = open_timeline(options.trace, f"mlx-lm-streaming {self.model_path.name}")
+        # checked now, opened at its first write (after the load passed)
+        self.timeline = open_timeline(
+            options.trace, f"mlx-lm-streaming {self.model_path.name}", self.model_path
+        )
         self.cache.timeline = self.timeline
         if self.timeline is not None:
             atexit.register(self.timeline.close)
@@ -290,6 +299,8 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         arguments["get_model_classes"] = classes
         model, config = stock_load_model(*bound.args, **bound.kwargs)
     except BaseException:
+        if state.timeline is not None:
+            state.timeline.discard()  # the run never started: an old file stays as it was
         state.close()
         raise
     # back to the class methods

@@ -20,19 +20,14 @@ import re
 import sys
 from typing import Optional, Tuple
 
+# the command-line modules whose main() takes our flags (listed once, with the startup hook)
+from ._bootstrap import CLI_MODULES
+
 # mlx-lm releases we test (tests/run.sh runs the newest, .ci/run the oldest too): >= LOW, < HIGH
 SUPPORTED = ((0, 30, 0), (0, 33, 0))
 SUPPORTED_TEXT = ">=0.30.0, <0.33"
 # parameters of mlx_lm.utils.load_model we read or pass on (any others pass through untouched)
 LOAD_MODEL_PARAMETERS = ("model_path", "lazy", "strict", "model_config", "get_model_classes")
-CLI_MODULES = (
-    "mlx_lm.generate",
-    "mlx_lm.chat",
-    "mlx_lm.server",
-    "mlx_lm.cache_prompt",
-    "mlx_lm.evaluate",
-    "mlx_lm.perplexity",
-)
 
 
 def mlx_lm_version() -> Optional[str]:

@@ -1,70 +1,60 @@
-"""Streaming options and the three ways to ask for them.
+"""Streaming options: what they may be, and where they come from.
 
-1. ``model_config={"streaming_experts": {...}}`` (or ``True``) in code;
-2. environment variables, for scripts that cannot take a flag: ``MLX_LM_STREAMING_EXPERTS=1`` plus
-   ``MLX_LM_STREAMING_CACHE_GB``, ``MLX_LM_STREAMING_STORE``, ``MLX_LM_STREAMING_KERNEL``,
-   ``MLX_LM_STREAMING_STATS``, ``MLX_LM_STREAMING_DIRECT_READS``, ``MLX_LM_STREAMING_CACHE_POLICY``,
-   ``MLX_LM_STREAMING_RECORD_ROUTING``, ``MLX_LM_STREAMING_TRACE``, ``MLX_LM_STREAMING_PACK``;
-3. CLI flags on the mlx-lm commands (``--streaming-experts`` ...), which set the environment variables
-   for the process (see ``integration``).
+Every option is a row of ``option_table.OPTIONS``: a ``model_config["streaming_experts"]`` key (and
+``mlx_lm_streaming.load`` keyword), an environment variable and, for all but ``verbose``, a flag of the
+mlx-lm commands, which sets the variable for the process (see ``integration``). ``StreamingOptions``
+checks the values, whichever way they came.
 
-An explicit ``model_config`` entry wins over the environment; ``{"streaming_experts": False}`` turns
-streaming off even when the environment asks for it.
+The environment applies wherever streaming is asked for: ``MLX_LM_STREAMING_EXPERTS=1`` turns it on for
+every load; for a load that asks for streaming itself (``model_config``, ``mlx_lm_streaming.load``) the
+other variables give the values that the load does not give. ``{"streaming_experts": False}`` turns
+streaming off for a load even when the environment asks for it.
 """
 
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .errors import ConfigurationError
+from .option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREFIX
 from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
-ENV = {
-    "enabled": "MLX_LM_STREAMING_EXPERTS",
-    "expert_cache_gb": "MLX_LM_STREAMING_CACHE_GB",
-    "store": "MLX_LM_STREAMING_STORE",
-    "kernel": "MLX_LM_STREAMING_KERNEL",
-    "stats": "MLX_LM_STREAMING_STATS",
-    "direct_reads": "MLX_LM_STREAMING_DIRECT_READS",
-    "cache_policy": "MLX_LM_STREAMING_CACHE_POLICY",
-    "record_routing": "MLX_LM_STREAMING_RECORD_ROUTING",
-    "trace": "MLX_LM_STREAMING_TRACE",
-    "pack": "MLX_LM_STREAMING_PACK",
-}
 # Of the memory the resident weights leave free, this share goes to the expert cache by default; the
 # rest stays for the OS page cache, the KV cache and activations.
 DEFAULT_CACHE_SHARE = 0.5
-TRUE = ("1", "true", "yes", "on")
-FALSE = ("", "0", "false", "no", "off")
-GiB = 1 << 30
-
-
-def format_size(nbytes: float) -> str:
-    """Bytes in the largest unit that keeps them readable: ``512 B``, ``95.4 KB``, ``2.5 GB``."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
+TRUE = ON_WORDS
+FALSE = ("",) + OFF_WORDS
 
 
 def decimal_gb(nbytes: float) -> str:
     """Bytes as decimal GB (10**9 bytes, as mlx-lm's "Peak memory"): ``4.295 GB``, ``0.00265 GB``."""
-    gb = nbytes / 1e9
+    gb = nbytes / GB
     return f"{gb:.3f} GB" if gb >= 1 else f"{gb:.3g} GB"
+
+
+# every size we print is in decimal GB: one unit on every line
+format_size = decimal_gb
 
 
 def gb_at_least(nbytes: int) -> str:
     """``nbytes`` as a number of GB to pass to ``--expert-cache-gb``, rounded up (3 digits)."""
-    gb = nbytes / GiB
+    gb = nbytes / GB
     step = 10.0 ** (math.floor(math.log10(gb)) - 2)
     value = math.ceil(gb / step) * step
     text = f"{value:.3g}"
-    while int(float(text) * GiB) < nbytes:  # loading takes int(gb * 2**30) bytes
+    while budget_bytes(float(text)) < nbytes:
         value += step
         text = f"{value:.3g}"
     return text
+
+
+def budget_bytes(gb: float) -> int:
+    """A budget in GB as bytes, as loading takes it: to the nearest byte (a budget computed as
+    ``bytes / GB`` gives those bytes back, though ``/ 10**9`` is not exact in binary)."""
+    return int(round(gb * GB))
 
 
 def missing_local_path(name: str) -> bool:
@@ -78,20 +68,93 @@ def missing_local_path(name: str) -> bool:
     )
 
 
-def check_budget_gb(value) -> float:
-    """A budget in GiB as a float: a positive, finite number (raises ``ConfigurationError``)."""
+def _macos_swap_bytes() -> int:
+    import ctypes
+    import ctypes.util
+
+    class XswUsage(ctypes.Structure):
+        _fields_ = [
+            ("total", ctypes.c_uint64),
+            ("avail", ctypes.c_uint64),
+            ("used", ctypes.c_uint64),
+            ("pagesize", ctypes.c_uint32),
+            ("encrypted", ctypes.c_bool),
+        ]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    usage = XswUsage()
+    size = ctypes.c_size_t(ctypes.sizeof(usage))
+    if libc.sysctlbyname(b"vm.swapusage", ctypes.byref(usage), ctypes.byref(size), None, 0):
+        return 0
+    return int(usage.total)
+
+
+def swap_bytes() -> int:
+    """The swap space configured on this machine (0 where the OS does not say)."""
+    try:
+        if sys.platform == "darwin":
+            return _macos_swap_bytes()
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:
+        pass
+    return 0
+
+
+def memory_and_swap() -> Optional[tuple]:
+    """``(ram, swap)`` in bytes, or None where the OS does not say how much memory there is."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return (ram, swap_bytes()) if ram > 0 else None
+
+
+def check_budget_gb(value, machine: bool = True) -> float:
+    """A budget in decimal GB as a float: a positive, finite number and, with ``machine``, no larger
+    than this machine's memory plus swap (raises ``ConfigurationError``).
+
+    ``StreamingOptions`` bounds a budget given as text (a flag, a variable, a typed value), where an
+    extra digit or ``1e30`` is a slip; a number from code may be any finite size, as programs (the
+    benchmarks among them) pass a huge one to mean "every expert"."""
     try:
         gb = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"{value!r} is not a number of GB") from None
+    if gb != gb:
+        raise ConfigurationError(f"{value!r} is not a number (a number of GB is needed)")
     if not gb > 0:
         raise ConfigurationError(f"{value!r}: the budget must be positive")
-    if not math.isfinite(gb * GiB):
+    if not math.isfinite(gb * GB):
         raise ConfigurationError(
             f"{value!r}: the budget must be a finite number of GB (leave it out for the default; "
             "a budget above the experts' total keeps every expert)"
         )
+    memory = memory_and_swap() if machine else None
+    if memory is not None and gb * GB > sum(memory):
+        ram, swap = memory
+        raise ConfigurationError(
+            f"{value!r}: a budget of {gb:g} GB is more than this machine's memory "
+            f"plus swap ({decimal_gb(ram)} + {decimal_gb(swap)}); leave it out for the default "
+            "(a budget above the experts' total keeps every expert)"
+        )
     return gb
+
+
+def parse_switch(value, what: str) -> bool:
+    """A yes/no option: a bool, 0 or 1, or one of the words of ``option_table``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in TRUE:
+        return True
+    if word in OFF_WORDS:
+        return False
+    raise ConfigurationError(f"{what} must be true or false (1 or 0), got {value!r}")
 
 
 def parse_stats(value):
@@ -108,11 +171,45 @@ def parse_stats(value):
     raise ConfigurationError(f"stats must be true, false or 'layers', got {value!r}")
 
 
+def _option_value(text: str):
+    """``"8"`` -> 8, ``"0.5"`` -> 0.5, ``"true"`` -> True, anything else stays text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    word = text.lower()
+    if word in ("true", "false"):
+        return word == "true"
+    return text
+
+
+def parse_store_options(value) -> Dict[str, Any]:
+    """``store_options``: a dict, or its text form ``key=value,key=value``."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ConfigurationError(f"store_options keys must be names, got {value!r}")
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigurationError(f"store_options must be a dict or key=value,..., got {value!r}")
+    options = {}
+    for item in filter(None, (p.strip() for p in value.split(","))):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigurationError(
+                f"store_options {value!r}: {item!r} is not key=value (e.g. threads=8)"
+            )
+        options[key.strip()] = _option_value(text.strip())
+    return options
+
+
 @dataclass
 class StreamingOptions:
-    """What to stream through: cache budget, store backend, kernel choice."""
+    """What to stream through: cache budget, store backend, kernel choice. The fields are the rows
+    of ``option_table.OPTIONS`` (but ``enabled``), and ``tuning``."""
 
-    expert_cache_gb: Optional[float] = None  # None: derived from memory (docs/usage.md)
+    # decimal GB (10**9 bytes); None: derived from memory (docs/usage.md)
+    expert_cache_gb: Optional[float] = None
     store: str = "safetensors"
     kernel: str = "auto"
     # at exit, print one summary line (True), and a table per MoE layer ("layers")
@@ -139,22 +236,24 @@ class StreamingOptions:
     def __post_init__(self):
         if self.expert_cache_gb is not None:
             try:
-                self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
+                self.expert_cache_gb = check_budget_gb(
+                    self.expert_cache_gb, machine=isinstance(self.expert_cache_gb, str)
+                )
             except ConfigurationError as e:
                 raise ConfigurationError(f"expert_cache_gb {e}") from None
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")
-        if self.record_routing is not None:
-            if not isinstance(self.record_routing, (str, os.PathLike)) or not str(
-                self.record_routing
-            ):
-                raise ConfigurationError("record_routing must be a file path")
-            self.record_routing = str(self.record_routing)
-        if self.trace is not None:
-            if not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
-                raise ConfigurationError("trace must be a file path")
-            self.trace = str(self.trace)
+        self.store_options = parse_store_options(self.store_options)
+        for name in ("record_routing", "trace"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (str, os.PathLike)):
+                raise ConfigurationError(f"{name} must be a file path, got {value!r}")
+            if not str(value).strip():
+                raise ConfigurationError(f"{name}: an empty path; give a file path")
+            setattr(self, name, str(value))
         if self.pack is not None:
             self._use_pack()
         if self.cache_policy not in POLICIES:
@@ -163,8 +262,7 @@ class StreamingOptions:
                 f"{', '.join(sorted(POLICIES))}"
             )
         self.stats = parse_stats(self.stats)
-        if not isinstance(self.verbose, bool):
-            raise ConfigurationError(f"verbose must be true or false, got {self.verbose!r}")
+        self.verbose = parse_switch(self.verbose, "verbose")
         value = self.direct_reads
         if isinstance(value, str):
             word = value.strip().lower()
@@ -176,8 +274,10 @@ class StreamingOptions:
         self.direct_reads = value
 
     def _use_pack(self) -> None:
-        if not isinstance(self.pack, (str, os.PathLike)) or not str(self.pack):
-            raise ConfigurationError("pack must be a file or directory path")
+        if not isinstance(self.pack, (str, os.PathLike)):
+            raise ConfigurationError(f"pack must be a file or directory path, got {self.pack!r}")
+        if not str(self.pack).strip():
+            raise ConfigurationError("pack: an empty path; give the pack file or its directory")
         self.pack = str(self.pack)
         if self.store == "safetensors":  # the default: a pack implies the packed store
             self.store = "packed"
@@ -199,67 +299,109 @@ class StreamingOptions:
         return self.direct_reads
 
     @classmethod
-    def from_value(cls, value) -> Optional["StreamingOptions"]:
-        """From a ``model_config["streaming_experts"]`` value: bool, dict or options."""
+    def from_value(cls, value, environ=os.environ) -> Optional["StreamingOptions"]:
+        """From a ``model_config["streaming_experts"]`` value: bool, dict or options. For True and a
+        dict, the environment gives the options the value does not give."""
         if value is None or value is False:
             return None
-        if value is True:
-            return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, dict):
-            known = {f.name for f in fields(cls)}
-            unknown = set(value) - known - {"enabled"}
-            if unknown:
-                raise ConfigurationError(
-                    f"unknown streaming_experts option(s) {sorted(unknown)}; known: "
-                    f"{sorted(known)}"
-                )
-            if value.get("enabled", True) in (False, 0):
-                return None
-            return cls(**{k: v for k, v in value.items() if k in known})
-        raise ConfigurationError(
-            f"model_config['streaming_experts'] must be a bool or a dict, got {value!r}"
-        )
+        if value is True:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigurationError(
+                f"model_config['streaming_experts'] must be a bool or a dict, got {value!r}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known - {"enabled"}
+        if unknown:
+            raise ConfigurationError(
+                f"unknown streaming_experts option(s) {sorted(unknown)}; known: "
+                f"{sorted(known - {'tuning'})}"
+            )
+        if "enabled" in value and not parse_switch(value["enabled"], "enabled"):
+            return None
+        given = {k: v for k, v in value.items() if k != "enabled" and v is not None}
+        return cls._merged(environment_options(environ), given, environ)
+
+    @classmethod
+    def _merged(cls, from_env: dict, given: dict, environ) -> "StreamingOptions":
+        kwargs = {**from_env, **given}
+        if "pack" in from_env and "store" in given and "pack" not in given:
+            # the variable's pack needs the packed store; a store given here wins over it
+            kwargs.pop("pack")
+        try:
+            return cls(**kwargs)
+        except ConfigurationError as e:
+            if not set(from_env) - set(given):
+                raise
+            named = ", ".join(
+                f"{ENV[k]}={environ[ENV[k]]!r}" for k in sorted(set(from_env) - set(given))
+            )
+            raise ConfigurationError(f"{e} (with {named} from the environment)") from None
 
     @classmethod
     def from_env(cls, environ=os.environ) -> Optional["StreamingOptions"]:
-        flag = environ.get(ENV["enabled"], "").strip().lower()
-        if flag in FALSE:
+        """What the environment asks for: None unless ``MLX_LM_STREAMING_EXPERTS`` is on; then
+        the options its variables give."""
+        if not streaming_asked_by_environment(environ):
             return None
-        if flag not in TRUE:
+        options = environment_options(environ)
+        if "pack" in options and options.get("store", "packed") != "packed":
             raise ConfigurationError(
-                f"{ENV['enabled']}={environ[ENV['enabled']]!r}: use 1 or 0"
+                f"{ENV['pack']} needs {ENV['store']}=packed (or unset), not {options['store']!r}"
             )
-        kwargs = {}
-        for name in ("expert_cache_gb", "store", "kernel", "direct_reads", "cache_policy",
-                     "record_routing", "trace", "pack"):
-            if environ.get(ENV[name]):
-                kwargs[name] = environ[ENV[name]]
-                try:  # one at a time, so that the error names the variable at fault
-                    cls(**{name: kwargs[name]})
-                except ConfigurationError as e:
-                    raise ConfigurationError(
-                        f"{ENV[name]}={environ[ENV[name]]!r}: {e}"
-                    ) from None
-        if kwargs.get("pack") and kwargs.get("store", "packed") != "packed":
-            raise ConfigurationError(
-                f"{ENV['pack']} needs {ENV['store']}=packed (or unset), not {kwargs['store']!r}"
-            )
-        try:
-            kwargs["stats"] = parse_stats(environ.get(ENV["stats"], ""))
-        except ConfigurationError:
-            raise ConfigurationError(
-                f"{ENV['stats']}={environ[ENV['stats']]!r}: use 1, 0 or layers"
-            ) from None
-        return cls(**kwargs)
+        return cls._merged(options, {}, environ)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-def requested(model_config: Optional[dict]) -> Optional[StreamingOptions]:
+def streaming_asked_by_environment(environ=os.environ) -> bool:
+    """Whether ``MLX_LM_STREAMING_EXPERTS`` turns streaming on. A bad value, or an option variable
+    set while it is unset (like an option flag without ``--streaming-experts``), is an error."""
+    variable = ENV["enabled"]
+    value = environ.get(variable, "")
+    if not value.strip():
+        given = [o.env for o in OPTIONS if o.name != "enabled" and environ.get(o.env, "")]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ConfigurationError(
+                f"{', '.join(given)} {verb} {variable}=1 (or --streaming-experts); set it to "
+                "stream, or unset them"
+            )
+        return False
+    try:
+        return parse_switch(value, variable)
+    except ConfigurationError:
+        raise ConfigurationError(f"{variable}={value!r}: use 1 or 0") from None
+
+
+def environment_options(environ=os.environ) -> Dict[str, str]:
+    """The options the environment gives (empty variables count as unset), each checked on its
+    own so that an error names the variable; an unknown ``MLX_LM_STREAMING_*`` is an error."""
+    known = set(ENV.values()) | set(OTHER_ENV)
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+    if unknown:
+        listed = ", ".join(sorted(o.env for o in OPTIONS))
+        raise ConfigurationError(
+            f"unknown variable {unknown[0]} (misspelt?); the options are {listed}"
+        )
+    options = {}
+    for option in OPTIONS:
+        value = environ.get(option.env, "")
+        if option.name == "enabled" or not value:
+            continue
+        try:  # one at a time, so that the error names the variable at fault
+            StreamingOptions(**{option.name: value})
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{option.env}={value!r}: {e}") from None
+        options[option.name] = value
+    return options
+
+
+def requested(model_config: Optional[dict], environ=os.environ) -> Optional[StreamingOptions]:
     """The options asked for by ``model_config`` or, failing that, the environment."""
     if model_config and CONFIG_KEY in model_config:
-        return StreamingOptions.from_value(model_config[CONFIG_KEY])
-    return StreamingOptions.from_env()
+        return StreamingOptions.from_value(model_config[CONFIG_KEY], environ)
+    return StreamingOptions.from_env(environ)

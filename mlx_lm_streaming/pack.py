@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .options import decimal_gb
 from .packfile import PACK_NAME, pack_path, write_pack
 
 
@@ -18,10 +19,11 @@ def index_checkpoint(model_path: Path):
     import mlx_lm.utils
 
     from .integration import install
+    from .options import StreamingOptions
 
     install()
     model, _ = mlx_lm.utils.load_model(
-        Path(model_path), lazy=True, model_config={"streaming_experts": {"expert_cache_gb": 1e9}}
+        Path(model_path), lazy=True, model_config={"streaming_experts": StreamingOptions()}
     )
     state = model.expert_streaming
     index = state.index
@@ -60,7 +62,7 @@ def run(args) -> int:
         done = "kept: it matches the checkpoint (--force writes it again)"
     else:
         done = f"written in {time.time() - start:.1f} s"
-    print(f"{out}: {_decimal(size)} (a second copy of the experts), {done}")
+    print(f"{out}: {decimal_gb(size)} (a second copy of the experts), {done}")
     print(f"use it with: {use_command(args.model, out)}")
     return 0
 
@@ -72,10 +74,6 @@ def use_command(model, pack) -> str:
     if os.path.abspath(pack) != os.path.abspath(pack_path(model)):
         words += ["--expert-pack", os.path.abspath(pack)]
     return shlex.join(words)
-
-
-def _decimal(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _mtime(path):

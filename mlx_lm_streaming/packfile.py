@@ -88,10 +88,12 @@ def check_free_space(out: Path, need: int) -> None:
     not count as free."""
     free = shutil.disk_usage(out.parent).free
     if need > free:
+        from .options import decimal_gb
+
         raise ExpertIOError(
-            f"{out.parent}: not enough free space for {out.name}: it needs {need} bytes "
-            f"({need / 1e9:.3f} GB), {free} bytes ({free / 1e9:.3f} GB) are free; free some or "
-            "write the pack to another disk with --out DIR"
+            f"{out.parent}: not enough free space for {out.name}: it needs {decimal_gb(need)}, "
+            f"{decimal_gb(free)} are free; free some or write the pack to another disk with "
+            "--out DIR"
         )
 
 
@@ -141,9 +143,22 @@ class PackFile:
                 shard = Path(model_path) / name
                 if not shard.is_file():
                     raise CheckpointError(f"{self.path}: made from {name}, missing now; {HINT}")
-                if shard_fingerprint(shard) != want:
+                have = shard_fingerprint(shard)
+                if have["header_sha256"] != want.get("header_sha256"):
                     raise CheckpointError(
-                        f"{self.path}: {shard} changed since the pack was made; {HINT}"
+                        f"{self.path}: made from another checkpoint: its {name} has other "
+                        f"tensors than {shard} (the safetensors headers differ); {HINT}"
+                    )
+                made_for = meta.get("model")
+                if have != want and made_for and made_for != str(Path(model_path).resolve()):
+                    raise CheckpointError(
+                        f"{self.path}: made from the checkpoint at {made_for}, not "
+                        f"{model_path} (its {name} differs: size or modification time); {HINT}"
+                    )
+                if have != want:
+                    raise CheckpointError(
+                        f"{self.path}: {shard} changed since the pack was made (size or "
+                        f"modification time); {HINT}"
                     )
         except BaseException:
             os.close(fd)
@@ -176,6 +191,9 @@ class PackFile:
 
 
 class _Progress:
+    """The progress of ``pack``: bytes of expert data copied out of ``total`` (alignment padding
+    not counted, so it ends at 100%), shown in decimal GB."""
+
     def __init__(self, total: int, enabled: bool):
         self.total, self.done, self.enabled = total, 0, enabled
         self.bar = None
@@ -183,7 +201,13 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="packing experts")
+                self.bar = tqdm(
+                    total=round(total / 1e9, 6),
+                    unit="GB",
+                    desc="packing experts",
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.3g}/{total:.3g} GB "
+                    "[{elapsed}<{remaining}]",
+                )
             except ImportError:
                 self.bar = None
         self.start = time.time()
@@ -193,11 +217,11 @@ class _Progress:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(round(self.done / 1e9, 6) - self.bar.n)
         else:
             pct = 100 * self.done / max(1, self.total)
             print(
-                f"\rpacking experts: {pct:5.1f}% of {self.total / 2**30:.2f} GB",
+                f"\rpacking experts: {pct:5.1f}% of {self.total / 1e9:.2f} GB",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -222,15 +246,22 @@ def write_pack(
 
     ``out`` is the pack file or an existing directory to write ``experts.pack`` into (default: the
     model directory). An existing pack that matches the checkpoint is kept unless ``force``."""
+    from .outputs import PACK, check_output
+
     model_path = Path(model_path)
     if not model_path.is_dir():
         raise CheckpointError(
             f"{model_path}: no such model directory (pack needs a local checkpoint)"
         )
+    if out is not None and not str(out).strip():
+        raise ConfigurationError("--out: an empty path; leave it out for MODEL/experts.pack")
     out = pack_path(model_path, out)
     if not out.parent.is_dir():
         raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
-    if out.exists() and not force:
+    # a file that is not a pack (a text, a shard, a device) is never overwritten; a pack is
+    # replaced as a whole, below
+    check_output(out, PACK, model_path)
+    if out.exists() and out.stat().st_size and not force:
 
         try:
             PackFile(out, model_path).close()
@@ -270,6 +301,8 @@ def write_pack(
             "align": ALIGN,
             "data_start": data_start,
             "data_bytes": data_bytes,
+            # where the checkpoint was, to tell another model's pack from a changed checkpoint
+            "model": str(model_path.resolve()),
             "sources": sources,
             "entries": entries,
         }
@@ -300,7 +333,7 @@ def write_pack(
         with open(tmp, "wb") as f:
             # after the open, so that a directory we cannot write to is named as such
             check_free_space(out, data_start + data_bytes)
-            bar = _Progress(data_bytes, progress)
+            bar = _Progress(sum(entry["nbytes"] for entry in entries), progress)
             f.truncate(data_start + data_bytes)
             for entry in entries:
                 buf = bytearray(align_up(entry["nbytes"]))

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-GB = 1 << 30
+from .option_table import GB
+
 DECODE_STEPS = 8
 
 
@@ -119,17 +120,43 @@ def compare(
 # -- the subcommand ------------------------------------------------------------------------------
 
 
+def _budget_gb(value: str) -> float:
+    import argparse
+
+    from .errors import ConfigurationError
+    from .options import check_budget_gb
+
+    try:
+        return check_budget_gb(value)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(value: str) -> int:
+    import argparse
+
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of steps, 1 or more")
+    return steps
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="model directory")
     parser.add_argument(
         "--expert-cache-gb",
-        type=float,
+        type=_budget_gb,
         action="append",
         metavar="GB",
         help="budget to check (repeatable); default: every expert, and 3 experts per layer "
         "(evictions within a call)",
     )
-    parser.add_argument("--steps", type=int, default=DECODE_STEPS, help="greedy decode steps")
+    parser.add_argument(
+        "--steps", type=_positive_int, default=DECODE_STEPS, help="greedy decode steps (1 or more)"
+    )
     parser.add_argument(
         "--prompt-by-token", action="store_true", help="feed the prompt one token at a time"
     )

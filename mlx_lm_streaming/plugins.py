@@ -17,6 +17,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import ConfigurationError
+from .option_table import BLOCK_PLUGINS_ENV
 
 GROUP = "mlx_lm_streaming"
 BUILTIN_PLUGINS = {
@@ -24,7 +25,7 @@ BUILTIN_PLUGINS = {
     "stores": "mlx_lm_streaming.stores.builtin",
     "kernels": "mlx_lm_streaming.kernels.builtin",
 }
-BLOCK_ENV = "MLX_LM_STREAMING_BLOCK_PLUGINS"
+BLOCK_ENV = BLOCK_PLUGINS_ENV
 
 pm = pluggy.PluginManager(GROUP)
 pm.add_hookspecs(hookspecs)
@@ -117,7 +118,7 @@ def unknown_name(what: str, name: str, registered, where: str) -> str:
     return f"unknown {what} {name!r} ({where}); registered: {listed}"
 
 
-def make_store(name: str, files, **options):
+def _store_factory(name: str):
     available = stores()
     if name not in available:
         raise ConfigurationError(
@@ -128,4 +129,37 @@ def make_store(name: str, files, **options):
                 "--expert-store / MLX_LM_STREAMING_STORE / store=",
             )
         )
-    return available[name](files, **options)
+    return available[name]
+
+
+def store_option_names(factory) -> set:
+    """The options a store takes: its ``known_options`` where it declares them, else the keyword
+    parameters of the factory after ``files`` (a ``**options`` catch-all names none)."""
+    declared = getattr(factory, "known_options", None)
+    if declared is not None:
+        return set(declared)
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters[1:] if p.kind in kinds}
+
+
+def check_store_options(name: str, options: dict) -> None:
+    """``ConfigurationError`` naming the first option the store ``name`` does not take."""
+    known = store_option_names(_store_factory(name))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        listed = ", ".join(sorted(known)) or "none"
+        raise ConfigurationError(
+            f"store_options: the {name} store has no option {unknown[0]!r} (misspelt?); its "
+            f"options: {listed}"
+        )
+
+
+def make_store(name: str, files, **options):
+    check_store_options(name, options)
+    return _store_factory(name)(files, **options)

@@ -70,7 +70,7 @@ def choice_line(state) -> str:
         return f"[streaming] {state.model_path.name}: no MoE layer streams on this rank"
     per_slot = sum(b.layer.expert_nbytes for b in banks)
     if state.options.expert_cache_gb is not None:
-        how = f"given {state.options.expert_cache_gb:g} GiB"
+        how = f"given {state.options.expert_cache_gb:g} GB"
     elif state.free_bytes is None:
         how = "default"
     else:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .errors import CheckpointError, check_writable, open_output
+from .errors import CheckpointError, open_output
+from .outputs import ROUTING_TRACE, check_output, close_quietly, say_failed
 
 FORMAT = "moe-routing-trace"
 VERSION = 1
@@ -142,15 +143,28 @@ def read_trace(path) -> RoutingTrace:
     return trace
 
 
+def check_decode_tokens(trace: RoutingTrace) -> None:
+    """``TraceError`` if ``trace`` holds no decode token (what the budget figures are per)."""
+    if not any(row.phase == "decode" for row in trace.rows):
+        raise TraceError(
+            f"{trace.path}: the routing trace has no decode tokens ({len(trace.rows)} prefill "
+            "tokens), and hit rates and GB read are per decode token: record one with "
+            "--max-tokens 2 or more and without --draft-model (whose verify steps are prefill)"
+        )
+
+
 class TraceWriter:
     """Appends a trace as a run goes: the header when opened, then one flushed line per token."""
 
-    def __init__(self, path, num_layers: int, num_experts: int, top_k: Optional[int], **header):
+    def __init__(
+        self, path, num_layers: int, num_experts: int, top_k: Optional[int], file=None, **header
+    ):
         """``top_k`` None: the header is written with the first token, whose longest list of
-        expert ids gives it."""
+        expert ids gives it. ``file``: ``path`` already open for writing (else it is opened here,
+        and a failure is a ``ConfigurationError``)."""
         self.path = Path(path)
         self.num_layers = num_layers
-        self._file = open_output(self.path, "routing trace")
+        self._file = file if file is not None else open_output(self.path, "routing trace")
         self._header = {
             "format": FORMAT,
             "version": VERSION,
@@ -205,7 +219,7 @@ class RoutingRecorder:
 
     _open: set = set()  # resolved paths of the recorders not closed yet
 
-    def __init__(self, path, banks: Callable[[], Sequence], **header):
+    def __init__(self, path, banks: Callable[[], Sequence], model_path=None, **header):
         self.path = Path(path)
         self.banks = banks
         self.header = header
@@ -216,26 +230,48 @@ class RoutingRecorder:
         self.seq = 0
         self.width = 1  # sequences in the current batch
         self.phase = None
-        check_writable(self.path, "routing trace")  # fail at load, not at the first token
+        # a bad path fails at load; the file is opened at the first token, once the load passed
+        check_output(self.path, ROUTING_TRACE, model_path)
+        self.failed = False  # writing failed: the trace was given up (outputs.say_failed)
         RoutingRecorder._open.add(self.path.resolve())
 
     def record(self, bank, idx) -> None:
-        """``idx``: the expert ids of one call of ``bank``'s layer, ``(..., tokens, k)``."""
+        """``idx``: the expert ids of one call of ``bank``'s layer, ``(..., tokens, k)``. Never
+        raises for the file: a write that fails gives the trace up, in one line on stderr."""
         with self.lock:
-            if self.writer is None:
-                banks = list(self.banks())
-                self.layer_of = {id(b): i for i, b in enumerate(banks)}
-                experts = max(b.num_experts for b in banks)
-                self.writer = TraceWriter(self.path, len(banks), experts, None, **self.header)
-            layer = self.layer_of[id(bank)]
-            if layer in self.pending:
-                self._flush()
-            # (batch, tokens, k)
-            self.pending[layer] = (
-                idx.reshape(-1, *idx.shape[-2:]) if idx.ndim > 1 else idx.reshape(1, 1, -1)
+            if self.failed:
+                return
+            try:
+                self._record(bank, idx)
+            except OSError as e:
+                self._give_up(e)
+
+    def _give_up(self, error: OSError) -> None:
+        # under the lock
+        self.failed = True
+        self.pending = {}
+        say_failed(self.path, ROUTING_TRACE, error)
+        if self.writer is not None:
+            close_quietly(self.writer._file)
+
+    def _record(self, bank, idx) -> None:
+        if self.writer is None:
+            banks = list(self.banks())
+            self.layer_of = {id(b): i for i, b in enumerate(banks)}
+            experts = max(b.num_experts for b in banks)
+            file = open(self.path, "w", encoding="utf-8")  # an OSError gives the trace up
+            self.writer = TraceWriter(
+                self.path, len(banks), experts, None, file=file, **self.header
             )
-            if len(self.pending) == self.writer.num_layers:
-                self._flush()
+        layer = self.layer_of[id(bank)]
+        if layer in self.pending:
+            self._flush()
+        # (batch, tokens, k)
+        self.pending[layer] = (
+            idx.reshape(-1, *idx.shape[-2:]) if idx.ndim > 1 else idx.reshape(1, 1, -1)
+        )
+        if len(self.pending) == self.writer.num_layers:
+            self._flush()
 
     def _flush(self) -> None:
         if not self.pending:
@@ -263,6 +299,9 @@ class RoutingRecorder:
     def close(self) -> None:
         with self.lock:
             RoutingRecorder._open.discard(self.path.resolve())
-            if self.writer is not None:
-                self._flush()
-                self.writer.close()
+            if self.writer is not None and not self.failed:
+                try:
+                    self._flush()
+                    self.writer.close()
+                except OSError as e:
+                    self._give_up(e)

@@ -10,7 +10,9 @@ one forward pass.
 The file uses the format's JSON Array form: ``[`` then one complete event (``"ph": "X"``, ``ts`` and
 ``dur`` in microseconds) per line. Events are written in batches, at least once a second, so an
 interrupted run leaves a file the viewers open (the format makes the closing ``]`` optional); ``close``
-writes the ``]``, so a finished file is plain JSON.
+writes the ``]``, so a finished file is plain JSON. The file is opened at the first write, after the
+load passed; a write that fails (a full disk) gives the timeline up with one line on stderr, and the
+run goes on (``outputs.py``).
 
 Off by default: the hooks in ``switch``, ``bank_io`` and ``prefetch`` check ``cache.timeline`` for
 ``None`` and do nothing else. Recording never changes what is read or computed.
@@ -22,7 +24,7 @@ import threading
 import time
 from typing import Optional
 
-from .errors import open_output
+from .outputs import TIMELINE, check_output, close_quietly, say_failed
 
 # events kept in memory before they are written, and the longest they wait
 FLUSH_EVENTS = 512
@@ -34,9 +36,15 @@ class Timeline:
 
     _open: set = set()  # real paths of the timelines not closed yet (one writer per file)
 
-    def __init__(self, path, process_name: str = "mlx-lm-streaming"):
+    def __init__(self, path, process_name: str = "mlx-lm-streaming", model_path=None):
+        """Checks ``path`` (``outputs.check_output``) but opens it only at the first write, once the
+        load passed; a write that fails gives the timeline up in one line on stderr, and the run
+        goes on."""
         self.path = str(path)
-        self._file = open_output(self.path, "timeline")
+        check_output(self.path, TIMELINE, model_path)
+        self._file = None  # opened by the first ``_write``
+        self._failed = False
+        self._closed = False
         Timeline._open.add(os.path.realpath(self.path))
         self.pid = os.getpid()
         self._origin = time.perf_counter()
@@ -48,7 +56,7 @@ class Timeline:
         self._step = 0  # forward passes seen; see ``layer``
         self._step_layers = set()
         self._step_span = None  # (start, end, tokens) of the current step
-        self._file.write("[\n")
+        self._pending.append("[")
         self._event(
             {
                 "name": "process_name",
@@ -58,7 +66,6 @@ class Timeline:
                 "args": {"name": process_name},
             }
         )
-        self.flush()
 
     @classmethod
     def claimed(cls, path) -> bool:
@@ -143,6 +150,8 @@ class Timeline:
         self._step_span = None
 
     def _add(self, name, cat, start, end, tid, args) -> None:
+        if self._failed:
+            return
         event = self._complete(name, cat, start, end, tid, args)
         with self._lock:
             if tid not in self._threads:
@@ -180,36 +189,67 @@ class Timeline:
         # under the lock (or from __init__)
         self._pending.append(json.dumps(event, separators=(",", ":")))
 
-    def _write(self) -> None:
-        # under the lock
-        if self._file.closed or not self._pending:
+    def _write(self, end: str = "") -> None:
+        # under the lock; the first call opens the file ("[" is the first pending line). Never
+        # raises for the file: a failure gives the timeline up (``_give_up``)
+        if self._closed or self._failed or not (self._pending or end):
             return
-        lead = "" if self._first else ",\n"
-        self._file.write(lead + ",\n".join(self._pending))
-        self._file.flush()
+        try:
+            if self._file is None:
+                self._file = open(self.path, "w", encoding="utf-8")
+            text = ",\n".join(self._pending)
+            if self._first:
+                text = text.replace("[,\n", "[\n", 1)
+            elif text:
+                text = ",\n" + text
+            self._file.write(text + end)
+            self._file.flush()
+        except OSError as e:
+            self._give_up(e)
+            return
         self._first = False
         self._pending = []
         self._last_flush = time.perf_counter()
+
+    def _give_up(self, error: OSError) -> None:
+        # under the lock
+        self._failed = True
+        self._pending = []
+        say_failed(self.path, TIMELINE, error)
+        if self._file is not None:
+            close_quietly(self._file)
 
     def flush(self) -> None:
         with self._lock:
             self._write()
 
+    def discard(self) -> None:
+        """Close without writing, for a load that failed: a file not opened yet stays as it was."""
+        with self._lock:
+            if self._file is None:
+                self._closed = True
+                self._pending = []
+                Timeline._open.discard(os.path.realpath(self.path))
+
     def close(self) -> None:
         """Write what is left and the closing ``]`` (idempotent)."""
         with self._lock:
-            if self._file.closed:
+            if self._closed:
                 return
             self._end_step()
-            self._write()
-            self._file.write("\n]\n")
-            self._file.close()
+            self._write(end="\n]\n")
+            self._closed = True
             Timeline._open.discard(os.path.realpath(self.path))
+            if self._file is not None and not self._failed:
+                try:
+                    self._file.close()
+                except OSError as e:
+                    self._give_up(e)
 
 
-def open_timeline(path: Optional[str], process_name: str) -> Optional[Timeline]:
+def open_timeline(path: Optional[str], process_name: str, model_path=None) -> Optional[Timeline]:
     """The timeline for a model that asks for ``path``; None when off or the file is another
-    open timeline's."""
+    open timeline's. Nothing is opened yet (see ``Timeline``)."""
     if not path or Timeline.claimed(path):
         return None
-    return Timeline(path, process_name)
+    return Timeline(path, process_name, model_path)

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm_streaming.integration import install
 from mlx_lm_streaming.options import ENV
 
-GB = 1 << 30
+from mlx_lm_streaming.option_table import GB  # noqa: E402
 
 
 @contextmanager
@@ -143,7 +143,7 @@ def expert_bytes_of_one_layer(ckpt: Path) -> int:
 
 
 def budget_below_one_layer(ckpt: Path) -> str:
-    return f"{0.75 * expert_bytes_of_one_layer(ckpt) / 2**30:.9f}"
+    return f"{0.75 * expert_bytes_of_one_layer(ckpt) / 1e9:.9f}"
 
 
 def generate_cmd(ckpt, *extra, prompt=PROMPT):

@@ -48,13 +48,13 @@ def ckpt(checkpoint):
 def test_generate_says_the_budget_it_chose_and_reports_per_layer(ckpt, tmp_path):
     probe, _ = load_streaming(ckpt)
     one = per_slot(probe)
-    budget = 3 * one / GB + 1e-12  # 3 slots per layer (the flag counts GiB)
+    budget = 3 * one / GB + 1e-12  # 3 slots per layer (the flag counts decimal GB)
     cmd = generate_cmd(ckpt, "--streaming-experts", "--expert-cache-gb", repr(budget))
     out = run(cmd + ["--streaming-stats", "layers"], tmp_path)
     (choice,) = CHOICE.findall(out.stderr)
     name, gb, how, slots, experts, layers, _ = choice
     assert (name, slots, experts, layers) == (ckpt.name, "3", "8", "2")
-    assert how == f"given {budget:g} GiB"
+    assert how == f"given {budget:g} GB"
     assert float(gb) == pytest.approx(budget * GB / 1e9, rel=1e-2)  # decimal GB
     # the choice comes before the text, the stats after it
     assert out.stderr.index("expert cache") < out.stderr.index("hit rate")

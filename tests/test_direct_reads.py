@@ -19,7 +19,8 @@ from support import decode, load_stock, load_streaming, per_slot, same, with_slo
 from mlx_lm_streaming import bank_io
 from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.expert_cache import GB, CacheTuning
+from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.option_table import GB
 
 NO_LOOKAHEAD = CacheTuning(lookahead=False)
 

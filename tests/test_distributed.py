@@ -37,7 +37,7 @@ SHARDS = 4
 PROMPT = "Tell me a story about a dragon"
 MAX_TOKENS = 16
 TIMEOUT = 60  # seconds for one launch; a run takes about 6 s here
-GB = 1 << 30
+GB = 10**9  # the budget options count decimal GB
 ARCHS = ["qwen3_moe", "deepseek_v3"]
 STATS_LINE = re.compile(
     r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), .*, "

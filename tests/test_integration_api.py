@@ -25,7 +25,7 @@ def models(checkpoint):
         stock, tokenizer = mlx_lm.load(str(path))
         streaming, _ = mlx_lm.load(
             str(path),
-            model_config={"streaming_experts": {"expert_cache_gb": 46080 / 2**30}},
+            model_config={"streaming_experts": {"expert_cache_gb": 46080 / 1e9}},
         )
     finally:
         os.environ.update(saved)

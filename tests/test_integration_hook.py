@@ -71,7 +71,12 @@ def test_startup_imports_nothing_but_the_hook(tmp_path):
     off = set(
         py(code, tmp_path, env=clean_env(MLX_LM_STREAMING_HOOK="0")).stdout.split()
     )
-    assert on - off == {"mlx_lm_streaming", "mlx_lm_streaming._bootstrap"}
+    # the hook and the option table it takes its flags and variables from (stdlib only)
+    assert on - off == {
+        "mlx_lm_streaming",
+        "mlx_lm_streaming._bootstrap",
+        "mlx_lm_streaming.option_table",
+    }
     assert not [m for m in on if m.split(".")[0] in ("mlx", "mlx_lm")]
 
 
@@ -165,11 +170,13 @@ BROKEN = {
     "integration fails to import": {
         "__init__.py": None,
         "_bootstrap.py": None,
+        "option_table.py": None,
         "integration.py": "raise ImportError('broken on purpose')\n",
     },
     "patch raises": {
         "__init__.py": None,
         "_bootstrap.py": None,
+        "option_table.py": None,
         "integration.py": "def patch_module(module):\n    raise ValueError('broken on purpose')\n",
     },
 }

@@ -186,7 +186,7 @@ def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
 
     monkeypatch.setattr(loading.os, "sysconf", sysconf)
     monkeypatch.setattr(loading, "_memory_warned", False)
-    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES == 16 * (1 << 30)
+    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES == 16 * 10**9
     assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines

@@ -12,8 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.expert_cache import GB, CacheTuning
-from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
+from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, ExpertIOError
 from mlx_lm_streaming.pack import index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX
 from mlx_lm_streaming.stores import packed as packed_mod
@@ -198,13 +199,20 @@ def corrupt_copy(path, tmp_path, damage):
 
 
 def test_bad_existing_pack_is_named_then_rewritten(packed, tmp_path, capsys):
-    """``pack`` without ``--force`` over a damaged pack wrote a new one without a word."""
+    """``pack`` without ``--force`` over a damaged pack wrote a new one without a word. A file
+    without the pack's magic is not a pack at all: refused, untouched (issue 21)."""
     path, want = packed
     dst = corrupt_copy(path, tmp_path, lambda d: d.__setitem__(slice(0, 8), b"NOTAPACK"))
+    before = (dst / PACK_NAME).read_bytes()
+    with pytest.raises(ConfigurationError, match="is not an expert pack .by its first bytes"):
+        pack_checkpoint(dst, progress=False)
+    assert (dst / PACK_NAME).read_bytes() == before
+    (tmp_path / "2").mkdir()
+    dst = corrupt_copy(path, tmp_path / "2", lambda d: d.__setitem__(60, d[60] ^ 1))
     capsys.readouterr()
     pack_checkpoint(dst, progress=False)
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"{dst / PACK_NAME}: not an expert pack (bad magic); writing a new pack"]
+    assert lines == [f"{dst / PACK_NAME}: header checksum mismatch (damaged); writing a new pack"]
     model, _ = load_streaming(dst, store="packed")
     assert same(want, run(model))
     model.expert_streaming.close()
@@ -252,9 +260,10 @@ def test_changed_source_shard_is_rejected(packed, tmp_path):
     shard = sorted(dst.glob("model*.safetensors"))[0]
     st = shard.stat()
     try:
-        # rewritten in place: same size and header, new mtime
+        # rewritten in place: same size and header, new mtime; the pack (a link to the one made
+        # in ``path``) names where it was made (issue 21: it said "changed" for another model)
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        with pytest.raises(CheckpointError, match="changed since the pack"):
+        with pytest.raises(CheckpointError, match=f"made from the checkpoint at {path.resolve()}"):
             load_streaming(dst, store="packed")
     finally:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -18,7 +18,8 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ConfigurationError, ExpertIOError
-from mlx_lm_streaming.expert_cache import GB, ExpertCache
+from mlx_lm_streaming.expert_cache import ExpertCache
+from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.index import LayerExperts, PartSpec
 from mlx_lm_streaming.safetensors_header import TensorRef
 from mlx_lm_streaming.policy import DEFAULT_POLICY, POLICIES

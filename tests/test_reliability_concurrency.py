@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import ExpertIOError
 
 THREADS = 8

@@ -8,6 +8,7 @@ These run the installed commands (``pip install .``, not editable), like tests/t
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,9 @@ def test_budget_below_one_expert_per_layer_shows_the_minimum(route, ckpt, tmp_pa
     line = one_error_line(
         out, "below the minimum of one expert per MoE layer", "--expert-cache-gb"
     )
-    assert "0.000 GB" not in line and " KB for 2 layers" in line, line
+    # one unit, decimal GB, on the line (it mixed KB and GiB-counted "GB" before issue 21)
+    assert "0.000 GB" not in line and " GB for 2 layers" in line, line
+    assert not re.search(r"\d (B|KB|MB|KiB|MiB|GiB)\b", line), line
     # the minimum it names is enough: plan accepts it
     minimum = _budget_message_minimum(line)
     ok = streaming("plan", ckpt, "--expert-cache-gb", repr(minimum), cwd=tmp_path)

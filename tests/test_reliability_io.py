@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.expert_cache import GB
+from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointChangedError, ExpertIOError, StreamingError
 from mlx_lm_streaming.stores import safetensors as safetensors_store
 

@@ -72,8 +72,8 @@ def test_stock_and_streaming_compute_the_same_under_a_trace(rr, k6):
     want = decode(stock, tokens)
     # the trace's choices, not the router's, were computed
     assert not same(own, want)
-    probe, _ = load_streaming(k6, expert_cache_gb=1e6)
-    budget = 8 * per_slot(probe) / (1 << 30)  # 8 of 128 experts per layer: misses and evictions
+    probe, _ = load_streaming(k6)
+    budget = 8 * per_slot(probe) / 1e9  # 8 of 128 experts per layer: misses and evictions
     probe.expert_streaming.close()
     model, _ = load_streaming(k6, expert_cache_gb=budget)
     rr.TraceRouting.from_file(TRACE, layers=2).wrap(model)

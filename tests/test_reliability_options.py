@@ -1,0 +1,328 @@
+"""The smaller items of issue 21 (item 5) and its one unit (item 3), each with a test that failed
+before: plot naming, a trace without decode tokens, a foreign pack, budget bounds, ``verify --steps``,
+empty paths, option variables without streaming, ``MLX_LM_STREAMING_HOOK`` values, the pack progress,
+``--version``; and decimal GB on every line. In this process where the behaviour is not the
+command line's own.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import mlx_lm.utils
+import pytest
+from support import load_streaming
+
+from mlx_lm_streaming import integration, report
+from mlx_lm_streaming.__main__ import main as cli
+from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
+from mlx_lm_streaming.options import StreamingOptions
+from mlx_lm_streaming.routing_trace import TraceWriter
+from mlx_lm_streaming.synthetic import build_checkpoint
+
+OTHER_UNITS = re.compile(r"\d ?(B|KB|MB|KiB|MiB|GiB)\b|2\*\*30|GiB")
+
+
+def run_cli(argv, capsys):
+    """``mlx_lm_streaming ARGV`` in this process: (exit status, stdout, stderr lines)."""
+    try:
+        status = cli([str(a) for a in argv])
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err.splitlines()
+
+
+def flags(argv, environ=None, capsys=None):
+    """What an mlx-lm command does with ``argv``'s streaming flags: (exit status or None,
+    stderr lines)."""
+    parser = argparse.ArgumentParser(prog="cmd")
+    parser.add_argument("--model")
+    integration.add_streaming_arguments(parser)
+    namespace = parser.parse_args(argv)
+    said, sigterm = report.cli_streaming, signal.getsignal(signal.SIGTERM)
+    try:
+        integration.export_streaming_arguments(parser, namespace, environ or {})
+        status = None
+    except SystemExit as e:
+        status = e.code
+    finally:
+        report.cli_streaming = said
+        signal.signal(signal.SIGTERM, sigterm)
+    return status, capsys.readouterr().err.splitlines() if capsys else []
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return checkpoint("qwen3_moe")
+
+
+def trace_for(path: Path, phases, layers=2, experts=8):
+    with TraceWriter(path, layers, experts, 2, model="synthetic") as writer:
+        for i, phase in enumerate(phases):
+            writer.token(0, phase, [[i % experts, (i + 1) % experts]] * layers)
+    return path
+
+
+# -- plan --plot -----------------------------------------------------------------------------------
+
+
+def fake_matplotlib(monkeypatch):
+    """A stand-in matplotlib whose savefig writes a PNG signature to the path it is given."""
+    saved = []
+
+    class Axes:
+        def __getattr__(self, name):
+            return lambda *a, **k: self if name == "twinx" else None
+
+    class Figure:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, **kwargs):
+            Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + b"fake")
+            saved.append(str(path))
+
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    pyplot.subplots = lambda **k: (Figure(), Axes())
+    pyplot.close = lambda fig: None
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.use = lambda name: None
+    matplotlib.pyplot = pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    return saved
+
+
+def plan_with_plot(ckpt, tmp_path, plot, capsys):
+    trace = trace_for(tmp_path / "r.jsonl", ["prefill"] * 3 + ["decode"] * 6)
+    argv = ["plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1", "--plot", plot]
+    return run_cli(argv, capsys)
+
+
+def test_plot_without_extension_prints_the_path_it_writes(ckpt, tmp_path, monkeypatch, capsys):
+    fake_matplotlib(monkeypatch)
+    status, out, err = plan_with_plot(ckpt, tmp_path, tmp_path / "q", capsys)
+    assert status == 0, err
+    assert f"plot: {tmp_path / 'q.png'}" in out.splitlines()
+    assert (tmp_path / "q.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize(
+    "name, named", [("q.txt", ".txt is not a plot format"), ("adir", "is a directory")]
+)
+def test_plot_path_that_cannot_be_a_plot_is_one_line_before_loading(
+    ckpt, tmp_path, monkeypatch, capsys, name, named
+):
+    fake_matplotlib(monkeypatch)
+    (tmp_path / "adir").mkdir()
+    status, out, err = plan_with_plot(ckpt, tmp_path, tmp_path / name, capsys)
+    assert status == 2 and len(err) == 1 and named in err[0], err
+    assert "model:" not in out  # refused before the model was loaded
+    assert sorted(os.listdir(tmp_path)) == ["adir", "r.jsonl"]
+
+
+# -- plan on a trace without decode tokens ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("phases", [["prefill"] * 5, []], ids=["prefill only", "header only"])
+def test_plan_says_a_trace_has_no_decode_tokens(ckpt, tmp_path, capsys, phases):
+    trace = trace_for(tmp_path / "r.jsonl", phases)
+    status, out, err = run_cli(["plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1"], capsys)
+    assert status == 1 and len(err) == 1, (out, err)
+    assert str(trace) in err[0] and "has no decode tokens" in err[0]
+    assert "no reads" not in out
+
+
+# -- a pack made from another model ----------------------------------------------------------------
+
+
+def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
+    from mlx_lm_streaming.pack import pack_checkpoint
+
+    other = build_checkpoint(tmp_path / "other", "qwen3_moe", num_layers=3)
+    pack = pack_checkpoint(other, tmp_path / "other.pack", progress=False)
+    with pytest.raises(CheckpointError, match="made from another checkpoint") as info:
+        load_streaming(ckpt, pack=str(pack))
+    assert "changed since" not in str(info.value)
+    # same shapes, other weights: told apart by where the pack was made
+    twin = build_checkpoint(tmp_path / "twin", "qwen3_moe", seed=1)
+    pack = pack_checkpoint(twin, tmp_path / "twin.pack", progress=False)
+    with pytest.raises(CheckpointError, match=f"made from the checkpoint at {twin.resolve()}"):
+        load_streaming(ckpt, pack=str(pack))
+    # the model's own shard rewritten in place is still "changed"
+    own = Path(shutil.copytree(ckpt, tmp_path / "own"))
+    pack = pack_checkpoint(own, progress=False)
+    shard = sorted(own.glob("model-*.safetensors"))[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    with pytest.raises(CheckpointError, match="changed since the pack was made"):
+        load_streaming(own, store="packed")
+
+
+# -- budget bounds ---------------------------------------------------------------------------------
+
+
+def test_a_budget_above_memory_plus_swap_is_refused_with_the_figures(monkeypatch, capsys):
+    from mlx_lm_streaming import options
+
+    monkeypatch.setattr(options, "memory_and_swap", lambda: (8 * 10**9, 2 * 10**9))
+    with pytest.raises(ConfigurationError, match=r"'11'.*11 GB.*memory plus swap \(8.000 GB \+ 2.000 GB\)"):
+        StreamingOptions(expert_cache_gb="11")
+    assert StreamingOptions(expert_cache_gb="9.5").expert_cache_gb == 9.5
+    # a number from code is not bounded: programs pass a huge one to mean "every expert"
+    assert StreamingOptions(expert_cache_gb=1e6).expert_cache_gb == 1e6
+    status, err = flags(["--streaming-experts", "--expert-cache-gb", "11"], capsys=capsys)
+    assert status == 2 and err[0].startswith("cmd: error: argument --expert-cache-gb: '11'")
+    assert "8.000 GB + 2.000 GB" in err[0]
+
+
+def test_1e30_is_refused_on_this_machine_and_nan_is_not_a_number(capsys):
+    status, err = flags(["--streaming-experts", "--expert-cache-gb", "1e30"], capsys=capsys)
+    assert status == 2 and "more than this machine's memory plus swap" in err[0], err
+    status, err = flags(["--streaming-experts", "--expert-cache-gb", "nan"], capsys=capsys)
+    assert status == 2 and "'nan' is not a number" in err[0], err
+    with pytest.raises(ConfigurationError, match="not a number"):
+        StreamingOptions(expert_cache_gb=float("nan"))
+    with pytest.raises(ConfigurationError, match="memory plus swap"):
+        StreamingOptions(expert_cache_gb="1e30")
+
+
+# -- verify --steps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", ["-3", "0"])
+def test_verify_steps_must_be_positive(ckpt, capsys, steps):
+    status, out, err = run_cli(["verify", ckpt, "--steps", steps], capsys)
+    assert status == 2 and len(err) == 1 and "argument --steps" in err[0], (out, err)
+    assert "exact" not in out
+
+
+# -- empty paths -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--record-routing", "--streaming-trace", "--expert-pack"])
+def test_an_empty_path_flag_is_refused(capsys, flag):
+    status, err = flags(["--streaming-experts", flag, ""], capsys=capsys)
+    assert status == 2 and len(err) == 1 and f"argument {flag}: an empty value" in err[0], err
+
+
+def test_pack_out_empty_is_refused(ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(["pack", ckpt, "--out", "", "--quiet"], capsys)
+    assert status == 2 and len(err) == 1 and "--out: an empty path" in err[0], err
+    assert os.listdir(tmp_path) == []
+
+
+# -- option variables without streaming ------------------------------------------------------------
+
+
+def test_an_option_variable_without_streaming_is_an_error_like_the_flag(ckpt, environ, capsys):
+    environ["MLX_LM_STREAMING_STATS"] = "1"
+    status, err = flags(["--model", "m"], environ=dict(environ), capsys=capsys)
+    assert status == 2 and len(err) == 1, err
+    assert "MLX_LM_STREAMING_STATS needs MLX_LM_STREAMING_EXPERTS=1" in err[0]
+    from mlx_lm_streaming.integration import install
+
+    install()
+    with pytest.raises(ConfigurationError, match="MLX_LM_STREAMING_STATS needs"):
+        mlx_lm.utils.load_model(ckpt)
+    # the flag says the same of itself
+    status, err = flags(["--streaming-stats"], capsys=capsys)
+    assert status == 2 and "--streaming-stats needs --streaming-experts" in err[0]
+    # streaming asked for: the variable is an option as it should be
+    environ["MLX_LM_STREAMING_EXPERTS"] = "1"
+    assert StreamingOptions.from_env(environ).stats is True
+
+
+# -- MLX_LM_STREAMING_HOOK values ------------------------------------------------------------------
+
+
+def test_hook_values_are_validated_at_start(tmp_path):
+    from support import clean_env
+
+    def start(value):
+        out = subprocess.run(
+            [sys.executable, "-c", "pass"],
+            cwd=tmp_path,
+            env=clean_env(MLX_LM_STREAMING_HOOK=value),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0
+        return out.stderr.splitlines()
+
+    assert start("banana") == [
+        "mlx-lm-streaming: MLX_LM_STREAMING_HOOK='banana' is neither on (1, true, yes, on) "
+        "nor off (0, false, no, off); the startup hook stays on"
+    ]
+    for fine in ("on", "0", "FALSE", ""):
+        assert start(fine) == [], fine
+
+
+# -- pack progress ---------------------------------------------------------------------------------
+
+
+def test_pack_progress_reaches_100_percent(ckpt, tmp_path, monkeypatch, capsys):
+    from mlx_lm_streaming.pack import pack_checkpoint
+
+    capsys.readouterr()
+    pack_checkpoint(ckpt, tmp_path / "p.pack", progress=True, force=True)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    if "tqdm" in sys.modules:  # the bar in decimal GB, ending at 100%
+        last = [line for line in err.splitlines() if line.startswith("packing experts")][-1]
+        assert "100%|" in last and last.count(" GB") == 1, last
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the bar without tqdm: its own percentages
+    pack_checkpoint(ckpt, tmp_path / "p.pack", progress=True, force=True)
+    shown = re.findall(r"packing experts: +([\d.]+)% of ([\d.]+) GB", capsys.readouterr().err)
+    assert shown and shown[-1][0] == "100.0", shown
+
+
+# -- --version -------------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    from mlx_lm_streaming import __version__
+
+    status, out, err = run_cli(["--version"], capsys)
+    assert (status, out, err) == (0, f"mlx-lm-streaming {__version__}\n", [])
+
+
+# -- one unit --------------------------------------------------------------------------------------
+
+
+def test_the_budget_counts_decimal_gb_everywhere(ckpt, capsys):
+    model, _ = load_streaming(ckpt, expert_cache_gb=0.001)
+    state = model.expert_streaming
+    assert state.cache.budget_bytes == 10**6
+    line = report.choice_line(state)
+    assert "(given 0.001 GB)" in line and "expert cache 0.001 GB" in line, line
+    assert not OTHER_UNITS.search(line), line
+    state.close()
+    # the too-small error: one unit, and the minimum it names is enough
+    with pytest.raises(ConfigurationError) as info:
+        load_streaming(ckpt, expert_cache_gb=1e-7)
+    message = str(info.value)
+    assert not OTHER_UNITS.search(message), message
+    least = float(message.rsplit("at least ", 1)[1].split()[0])
+    model, _ = load_streaming(ckpt, expert_cache_gb=least)
+    assert model.expert_streaming.cache.slots_for_budget() == 1
+    model.expert_streaming.close()
+
+
+def test_plan_and_help_say_decimal_gb_only(ckpt, capsys):
+    status, out, err = run_cli(["plan", ckpt, "--expert-cache-gb", "0.0001"], capsys)
+    assert status == 0, err
+    assert not OTHER_UNITS.search(out), out
+    parser = argparse.ArgumentParser()
+    integration.add_streaming_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert "Expert cache budget in decimal GB (10**9 bytes)" in help_text
+    assert not OTHER_UNITS.search(help_text)
