@@ -39,7 +39,8 @@ def main():
     import numpy as np
 
     from mlx_lm_streaming import bank_io
-    from mlx_lm_streaming.expert_cache import GB, CacheTuning
+    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.option_table import GB as BUDGET_GB
     from mlx_lm_streaming.synthetic import build_checkpoint
     from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
@@ -82,7 +83,7 @@ def main():
             bank_io.read_direct = synced if "sync" in extra else read_direct
             probe, _ = load_streaming(path, expert_cache_gb=1e6)
             gb = (
-                (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB
+                (probe.expert_streaming.cache.total_expert_bytes + 0.5) / BUDGET_GB
                 if budget == "all"
                 else budget_of_slots(probe, 3)
             )

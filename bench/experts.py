@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 from harness import (  # noqa: E402
-    ARCHS, COLD_SHARE, GB, MB, PREFILL_TOKENS, ROOT, CallLog, Config, ReadSpans, checkpoint,
+    ARCHS, BUDGET_GB, COLD_SHARE, GB, MB, PREFILL_TOKENS, ROOT, CallLog, Config, ReadSpans, checkpoint,
     decode_block, delta, drop_page_cache, load_stock, load_streaming, log, make_routing,
     measure_rss, precision_recall, prefill, probe_disk, ratios, replay_figures, reset_banks,
     routing_label, rss_child, shards,
@@ -98,7 +98,7 @@ def run_arch(name, path, args, device):
         checkpoint_bytes=sum(os.path.getsize(f) for f in files),
     )
     del probe, probe_cache, banks
-    cold_gb = COLD_SHARE * total_expert / GB
+    cold_gb = COLD_SHARE * total_expert / BUDGET_GB
     cold_slots = int(COLD_SHARE * total_expert) // per_slot
     res["cold_budget_bytes"] = cold_slots * per_slot
     res["cold_slots"] = cold_slots
@@ -116,7 +116,7 @@ def run_arch(name, path, args, device):
     log(f"[{name}] disk GB/s: {bw}")
 
     configs = {"stock": Config("stock", stock)}
-    warm, _ = load_streaming(path, expert_cache_gb=total_expert / GB * 1.001)
+    warm, _ = load_streaming(path, expert_cache_gb=total_expert / BUDGET_GB * 1.001)
     configs["warm"] = Config("warm", warm)
     cold, _ = load_streaming(path, expert_cache_gb=cold_gb)
     configs["cold"] = Config("cold", cold, cold=True, files=files)

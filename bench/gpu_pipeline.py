@@ -418,7 +418,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
         if timelines[v].exists():
             timelines[v].unlink()
-        model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / GB)
+        model = load_variant(path, v, timelines[v], expert_cache_gb=budget * total / harness.BUDGET_GB)
         packed = variant_options(v)[0].get("store") == "packed"
         vfiles = harness.pack_files(path) if packed else files
         all_files += [f for f in vfiles if f not in all_files]

@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 GB = 1 << 30
+# the unit of ``expert_cache_gb`` (decimal GB, as the flag): budgets are bytes / BUDGET_GB
+from mlx_lm_streaming.option_table import GB as BUDGET_GB  # noqa: E402
 MB = 1 << 20
 COLD_SHARE = 0.25
 PREFILL_TOKENS = 512
@@ -586,7 +588,7 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing):
         total = probe.expert_streaming.cache.total_expert_bytes
         del probe
         gc.collect()
-        gb = total / GB * (1.001 if which == "warm" else COLD_SHARE)
+        gb = total / BUDGET_GB * (1.001 if which == "warm" else COLD_SHARE)
         drop_page_cache(shards(path))
         model, config = load_streaming(path, expert_cache_gb=gb)
         cache = model.expert_streaming.cache
