@@ -22,7 +22,7 @@ Where layers cannot be replayed (``model.layers`` not one decoder layer per cach
 rewinds every cache entry and runs the whole call per layer instead. ``StepRunner`` chooses per
 model call: verified steps for calls of up to ``VERIFY_MAX_TOKENS`` tokens, over caches that can be
 rewound, on one calling thread, outside pipeline stages, while recent tokens missed in few layers
-(``MAX_MISSED_SHARE``); the per-layer schedule otherwise (prefill, cold caches).
+(``MAX_MISSED_SHARE``: fewer on the CPU); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import threading
@@ -37,9 +37,13 @@ from . import mlx_compat
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
 VERIFY_MAX_TOKENS = 4
 # verified steps while recent tokens missed in at most this share of the MoE layers: each layer
-# that misses costs a host sync and the forward's rest again, so with misses in most layers the
-# per-layer schedule (one sync per layer, nothing computed twice) is cheaper
-MAX_MISSED_SHARE = 0.35
+# that misses costs a host sync and the layers after it computed again, so with misses in most
+# layers the per-layer schedule (one sync per layer, nothing computed twice) is cheaper. On a GPU a
+# host sync costs as much as a layer's compute; on the CPU compute is dear and a sync cheap, so
+# there verified steps are tried only after a run of tokens that missed nowhere (measured:
+# docs/benchmarks/README.md, "Decode regimes")
+MAX_MISSED_SHARE = {"cpu": 0.01}
+MAX_MISSED_SHARE_GPU = 0.35
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
 
@@ -248,8 +252,9 @@ class StepRunner:
 
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
+        limit = MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
         return (
-            self.missed_share <= MAX_MISSED_SHARE
+            self.missed_share <= limit
             and cache.tuning.verified_steps
             and self.state.pipeline is None
             and not cache.shared
@@ -284,7 +289,10 @@ class StepRunner:
                     out = call(*args, **kwargs)
                     mx.async_eval(out)
                 self.flush()
-                self.pending = step  # its host work: while the next step computes
+                if cache.recorder is not None:
+                    step.commit(cache)  # the routing record holds every token once its call ends
+                else:
+                    self.pending = step  # its host work: while the next step computes
         except _Again:
             self._local.step = None
             self.recomputed += 1
