@@ -68,15 +68,7 @@ class StreamingSwitchGLU(nn.Module):
             tl.span("host sync", start, "sync", layer=bank.path)
         if cache.recorder is not None:
             cache.recorder.record(bank, idx)
-        guess = self._coactivation_guess(idx)
-        if guess is not None:
-            _stage_ahead(*guess)  # read beside this layer's own misses
-        if ahead is not None and cache.tuning.lookahead_early and idx.size < SORT_THRESHOLD:
-            _stage_all(ahead)  # the same, for the router's guesses
-            ahead = None
         experts = np.unique(idx)
-        with bank.lock:
-            bank.settle_ahead(experts)  # guesses read into this bank's slots have landed
         try:
             with bank.lock:
                 if bank.direct:
@@ -111,7 +103,7 @@ class StreamingSwitchGLU(nn.Module):
         which checks every layer's at once after the forward. None where the kernel needs the ids on
         the host or reads into this bank are still in flight."""
         bank = self._bank
-        if bank.slots == 0 or bank.ahead_reads:
+        if bank.slots == 0:
             return None
         kernel = self._selector.select(bank, indices.size)
         if kernel.needs_host_slots:
@@ -176,8 +168,7 @@ class StreamingSwitchGLU(nn.Module):
         more) where partial calls are padded (each then costs as much as the whole call) compute a
         wave's read experts in one call once they landed; where they are exact (MLX's CPU backend),
         as they land, which keeps fewer and smaller temporaries (a call per wave there measured +5
-        points of peak RSS, 0.17 against 0.12 over the budget). ``CacheTuning.landings="once"``:
-        every call's rows in one call per wave. Each row is computed once, by the same kernel.
+        points of peak RSS, 0.17 against 0.12 over the budget). Each row is computed once, by the same kernel.
         Measured: cold decode 1.08-1.23x staged reads on the H200, 1.18-1.45x on the CPU (noise 1.06).
         Measured (a call per wave): H200 Qwen3-shape cold prefill 0.76 of its limit, 0.31 per landing."""
         bank = self._bank
@@ -193,8 +184,7 @@ class StreamingSwitchGLU(nn.Module):
 
         landed = []
         part_ready = None
-        once = self._in_one_landing_call(flat.size)
-        if once or (flat.size >= SORT_THRESHOLD and self._padded(flat.size)):
+        if flat.size >= SORT_THRESHOLD and self._padded(flat.size):
             ready = landed.extend
         elif flat.size < SORT_THRESHOLD and self._phased(flat.size):
             ready, part_ready = self._by_projection(x, idx, compute, rows_done, outs)
@@ -239,17 +229,10 @@ class StreamingSwitchGLU(nn.Module):
                 bank._drop_staged()
             hit = wave[bank.slot_of[wave] >= 0]
             started = None
-            if len(hit) and not once:
-                if bank.cache.tuning.reads_first:
-                    started = lambda hit=hit: compute(hit)  # noqa: E731 (while they are read)
-                else:
-                    compute(hit)
+            if len(hit):
+                started = lambda hit=hit: compute(hit)  # noqa: E731 (while they are read)
             bank.load(wave, ready=ready, keep=keep, part_ready=part_ready, started=started)
-            if once:
-                landed.clear()
-                compute(wave)  # hits and reads in one call: a whole call's rows, never padded
-            else:
-                rest()
+            rest()
             ends.append(len(outs))
         if ahead is not None:
             _stage_all(ahead)
@@ -266,16 +249,6 @@ class StreamingSwitchGLU(nn.Module):
         """Whether partial calls of a call of ``rows`` rows are padded to all its rows (GPUs)."""
         kernel = self._selector.select(self._bank, rows)
         return not kernel.subset_exact(self._selector.backend)
-
-    def _in_one_landing_call(self, rows: int) -> bool:
-        """Whether this call's rows are computed in one kernel call once every read expert has
-        landed, instead of the hits first and then each expert as it lands: ``CacheTuning.landings``
-        ``"once"``, or ``"auto"`` where partial calls are padded to the whole call's rows (each
-        partial call then costs a whole call, and the GPU's compute is short next to a read)."""
-        mode = self._bank.cache.tuning.landings
-        if mode != "auto":
-            return mode == "once"
-        return self._padded(rows)
 
     def _phased(self, rows: int) -> bool:
         """Whether this decode-sized call's direct reads go a projection at a time
@@ -343,45 +316,18 @@ class StreamingSwitchGLU(nn.Module):
             # and a hit there), and one call to the policy
             bank.load(np.array(staged, dtype=np.int64), keep=keep, guessed=True)
 
-    def _coactivation_guess(self, idx):
-        """With ``CacheTuning.coactivation``: this call's experts taught to the predictor, and for a
-        decode-sized call (next bank, the experts it is guessed to use that it does not hold)."""
-        bank = self._bank
-        cache = bank.cache
-        pred = cache.coactivation
-        if pred is None:
-            return None
-        layer = cache.layer_number(bank)
-        pred.observe(layer, idx)
-        nxt = cache.next_bank(bank)
-        if nxt is None or nxt.identity or nxt.slots == 0 or idx.size >= SORT_THRESHOLD:
-            return None  # (prefill-sized calls read in waves of their own)
-        tuning = cache.tuning
-        limit = min(tuning.coactivation_limit, nxt.slots)
-        held = nxt.slot_of >= 0
-        guess = pred.predict(layer, idx, limit, tuning.coactivation_min_score, exclude=held)
-        return (nxt, guess) if len(guess) else None
-
     def _lookahead(self, x, indices):
-        """((bank, its predicted expert ids, lazy), ...) for the next ``CacheTuning.lookahead_depth``
-        MoE layers, each from its router applied to this layer's input, or None."""
-        bank = self._bank
-        cache = bank.cache
-        if not cache.tuning.lookahead or cache.tuning.coactivation:
+        """((next MoE layer's bank, its predicted expert ids, lazy),), from its router applied to
+        this layer's input, or None."""
+        cache = self._bank.cache
+        if not cache.tuning.lookahead:
             return None
-        out = []
-        nxt = bank
-        for _ in range(cache.tuning.lookahead_depth):
-            nxt = cache.next_bank(nxt)
-            if nxt is None:
-                break
-            # identity banks are filled in the background instead
-            if nxt.identity or nxt.router is None or nxt.slots == 0:
-                continue
-            guess = predict(nxt.router, x, indices.shape[-1])
-            if guess is not None:
-                out.append((nxt, guess))
-        return tuple(out) or None
+        nxt = cache.next_bank(self._bank)
+        # identity banks are filled in the background instead
+        if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
+            return None
+        guess = predict(nxt.router, x, indices.shape[-1])
+        return None if guess is None else ((nxt, guess),)
 
     def _waves(self, x, idx, experts, ahead):
         """Without direct reads, a call that needs more experts than the bank has slots (prefill
@@ -459,14 +405,7 @@ def _stage_ahead(bank, guess) -> None:
     with bank.lock:
         ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
         bank.predicted = set(ids)
-        tuning = bank.cache.tuning
-        if tuning.coactivation:
-            gate = tuning.coactivation_min_precision
-        else:
-            gate = tuning.lookahead_min_precision
-        good = bank.ahead_precision >= gate
+        good = bank.ahead_precision >= bank.cache.tuning.lookahead_min_precision
     if not ids or not good:
-        return
-    if tuning.lookahead_into_slots and len(ids) <= bank.slots // 2 and bank.read_ahead(ids):
         return
     bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)

@@ -16,7 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 from support import held_out_env, load_streaming
 
-from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES, CacheTuning
+from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
 from mlx_lm_streaming.switch import StreamingSwitchGLU
@@ -121,7 +122,7 @@ def count_paths(monkeypatch):
 
     def per_wave(glu, size):
         # the branch ``_as_they_land`` takes: a wave's read experts in one call, or each as it lands
-        return glu._in_one_landing_call(size) or (size >= SORT_THRESHOLD and glu._padded(size))
+        return size >= SORT_THRESHOLD and glu._padded(size)
 
     counted("_stock_graph", lambda s, a, y: None if y is None else "stock graph")
     counted("_in_one_call", lambda s, a, y: "staged, one call")
@@ -138,8 +139,11 @@ def test_parity_table_reaches_every_path(checkpoint, monkeypatch):
     ran = count_paths(monkeypatch)
     check_parity(checkpoint("qwen3_moe"))
     check_parity(checkpoint("qwen3_moe"), direct_reads=False)
-    # a call per wave is what padded backends (GPUs) do; on the CPU only with landings="once"
-    check_parity(checkpoint("qwen3_moe"), tuning=CacheTuning(landings="once"))
+    # a call per wave is what backends whose partial calls are padded (GPUs) do: the CPU's gather
+    # kernel taken for one
+    with monkeypatch.context() as padded:
+        padded.setattr(GatherKernel, "subset_exact_on", ())
+        check_parity(checkpoint("qwen3_moe"))
     assert set(ran) == {
         "stock graph",
         "staged, one call",
