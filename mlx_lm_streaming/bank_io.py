@@ -152,7 +152,7 @@ def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
 
     ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
     ``PHASE_ORDER``, and this is called (on this thread) as each projection but the last lands,
-    so that the caller can start computing it (``StreamingSwitchGLU._as_they_land``).
+    so that the caller can start computing it (``schedules.ByProjection``).
     ``started()``, if given: called (on this thread) once every read has been handed to the demand
     threads, before the first wait (at once if there is nothing to read)."""
     if not pairs:

@@ -1,5 +1,5 @@
 """Direct reads: missed experts are read straight into their slots' memory and each expert's rows are
-computed as soon as its bytes land (``LayerBank.direct``, ``StreamingSwitchGLU._as_they_land``).
+computed as soon as its bytes land (``LayerBank.direct``, ``schedules.AsTheyLand``).
 
 Writing bank memory behind MLX's back must never change what is computed: logits equal stock mlx-lm's
 bit for bit for every budget (waves of one slot up to decode-sized calls), a second calling thread
@@ -232,10 +232,10 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
 def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
     """Big experts are read a projection at a time and each projection's rows computed as it lands
     (phase_min_bytes lowered so that the test's small experts qualify): same bits as stock."""
-    from mlx_lm_streaming import switch
+    from mlx_lm_streaming import schedules
 
     landed = []
-    real = switch.StreamingSwitchGLU._by_projection
+    real = schedules.ByProjection.landing
 
     def by_projection(self, *args):
         ready, part_ready = real(self, *args)
@@ -246,7 +246,7 @@ def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
 
         return ready, counted
 
-    monkeypatch.setattr(switch.StreamingSwitchGLU, "_by_projection", by_projection)
+    monkeypatch.setattr(schedules.ByProjection, "landing", by_projection)
     path, tokens, want = q3
     model = with_slots(path, slots, tuning=CacheTuning(lookahead=False, phase_min_bytes=0))
     cache = model.expert_streaming.cache

@@ -9,6 +9,7 @@ import pytest
 from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
+from mlx_lm_streaming import schedules
 from mlx_lm_streaming import switch as switch_mod
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
@@ -58,13 +59,13 @@ def test_one_call_per_landing_is_exact(q3, monkeypatch):
     monkeypatch.setattr(bank_io, "read_direct", read_direct)
     calls = []  # (rows of the call, rows computed at once)
 
-    real_rows = switch_mod.StreamingSwitchGLU._rows
+    real_rows = schedules.kernel_rows
 
-    def rows(self, x, idx, which):
+    def rows(layer, x, idx, which):
         calls.append((idx.size, len(which)))
-        return real_rows(self, x, idx, which)
+        return real_rows(layer, x, idx, which)
 
-    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    monkeypatch.setattr(schedules, "kernel_rows", rows)
     assert same(want, decode(model, tokens))
     assert reported
     # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each)
@@ -82,13 +83,13 @@ def test_cpu_prefill_computes_read_experts_as_they_land(q3, monkeypatch):
     want = stock(tokens)
     model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
     experts_per_call = []  # (rows of the layer call, experts one kernel call computed)
-    real_rows = switch_mod.StreamingSwitchGLU._rows
+    real_rows = schedules.kernel_rows
 
-    def rows(self, x, idx, which):
+    def rows(layer, x, idx, which):
         experts_per_call.append((idx.size, len(np.unique(idx.reshape(-1)[which]))))
-        return real_rows(self, x, idx, which)
+        return real_rows(layer, x, idx, which)
 
-    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    monkeypatch.setattr(schedules, "kernel_rows", rows)
     assert same([want], [model(tokens)])
     prefill = [n for size, n in experts_per_call if size >= SORT_THRESHOLD]
     assert prefill
@@ -107,7 +108,7 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
     model = with_slots(path, 4, tuning=tuning)
     cache = model.expert_streaming.cache
     events = []  # ("stage", layer guessed for) and ("load", layer loading), in order
-    real_stage = switch_mod._stage_ahead
+    real_stage = schedules.stage_ahead
 
     def stage(bank, guess):
         events.append(("stage", cache.layer_number(bank)))
@@ -126,7 +127,7 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
         copied.extend(len(rows) for _, rows, _ in groups)
         return real_copy(bank, groups)
 
-    monkeypatch.setattr(switch_mod, "_stage_ahead", stage)
+    monkeypatch.setattr(schedules, "stage_ahead", stage)
     monkeypatch.setattr(type(cache.banks[0]), "load", load)
     monkeypatch.setattr(bank_io, "_copy_in", copy_in)
     assert same(want, decode(model, tokens))
@@ -181,16 +182,16 @@ def test_the_hits_rows_follow_the_reads_issue(q3, monkeypatch):
     events = []  # on the thread that calls the model: "call", "rows" (a kernel call), "read"
     main = threading.current_thread()
     real_call = switch_mod.StreamingSwitchGLU.__call__
-    real_rows = switch_mod.StreamingSwitchGLU._rows
+    real_rows = schedules.kernel_rows
     real_submit = ThreadPoolExecutor.submit
 
     def call(self, x, indices):
         events.append("call")
         return real_call(self, x, indices)
 
-    def rows(self, x, idx, which):
+    def rows(layer, x, idx, which):
         events.append("rows")
-        return real_rows(self, x, idx, which)
+        return real_rows(layer, x, idx, which)
 
     def submit(self, fn, *args, **kwargs):
         if threading.current_thread() is main:
@@ -198,7 +199,7 @@ def test_the_hits_rows_follow_the_reads_issue(q3, monkeypatch):
         return real_submit(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "__call__", call)
-    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "_rows", rows)
+    monkeypatch.setattr(schedules, "kernel_rows", rows)
     monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
     assert same(want, decode(model, tokens))
     calls = " ".join(events).split("call")
