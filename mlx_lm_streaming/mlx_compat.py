@@ -6,7 +6,7 @@ by the startup hook, ``_bootstrap``, right after an mlx-lm module is imported) a
 
 1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
 2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
-   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``switch.py`` runs a projection
+   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``schedules.py`` runs a projection
    at a time through ``switch_glu_*`` below).
 
 If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked for by flag or by
@@ -207,7 +207,7 @@ def switch_glu_problem(switch_glu=None) -> Optional[str]:
 
 
 # SwitchGLU.__call__ below SORT_THRESHOLD indices, one step at a time (streaming computes a read
-# expert's gate and up projections while its down projection is still read: switch.py)
+# expert's gate and up projections while its down projection is still read: schedules.ByProjection)
 
 
 def is_stock_switch_glu(module) -> bool:
