@@ -28,10 +28,12 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import lookahead
 from .bank_io import install_finished, read_into_slots
 from .index import LayerExperts
 from .policy import SlotTable
-from .prefetch import StagedBatch, host_address, host_bytes
+from .host_views import host_address, host_bytes
+from .prefetch import StagedBatch
 from .safetensors_header import mx_dtype
 
 
@@ -202,7 +204,7 @@ class LayerBank:
                 missed = experts[~resident]
                 if len(used):
                     missed = np.union1d(missed, used).astype(np.int64)
-                self._score_guess(missed)
+                lookahead.score(self, missed)
             # slots for the missing experts: free ones first, then the policy's victims, never
             # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
             # if the read fails, no slot may still name an evicted expert (evicting that slot
@@ -246,17 +248,6 @@ class LayerBank:
             "hit_rate": self.hits / asked if asked else float("nan"),
             "gb_read": self.misses * self.layer.expert_nbytes / 1e9,
         }
-
-    def _score_guess(self, missing: np.ndarray) -> None:
-        guess, self.predicted = self.predicted, None
-        hit = len(guess.intersection(missing.tolist()))
-        stats = self.cache.prefetch_stats
-        with stats.lock:
-            stats.predicted += len(guess)
-            stats.predicted_hit += hit
-            stats.demand += len(missing)
-        if guess:
-            self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
 
     @property
     def direct(self) -> bool:

@@ -24,7 +24,7 @@ from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions
-from .prefetch import find_router
+from .lookahead import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 from .verified_step import StepRunner

@@ -19,7 +19,8 @@ import numpy as np
 from . import mlx_compat
 from .bank_io import install_finished
 from .mlx_compat import SORT_THRESHOLD
-from .prefetch import LOOKAHEAD, WAVE, predict
+from . import lookahead
+from .prefetch import WAVE
 
 
 def choose(layer, x: mx.array, indices: mx.array) -> "Schedule":
@@ -151,7 +152,7 @@ class HostSync:
         self.start = tl.now() if tl else 0
         self.misses = cache.stats.misses
         self.indices = indices = mx.stop_gradient(indices)
-        self.ahead = ahead = lookahead(bank, x, indices)
+        self.ahead = ahead = lookahead.guess(bank, x, indices)
         if ahead is not None:
             mx.eval(indices, *[g for _, g in ahead])  # one sync for the ids and the guesses
         self.idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
@@ -205,7 +206,7 @@ class OneCall(PerLayer):
         bank, idx = self.bank, self.idx
         bank.load(self.experts)
         if self.ahead is not None:
-            stage_all(self.ahead)
+            lookahead.stage_all(self.ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         kernel = self.layer.selector.select(bank, idx.size)
@@ -240,7 +241,7 @@ class Waves(PerLayer):
                 if w + 1 < len(waves):
                     bank.stage(waves[w + 1], "wave", WAVE, fit=True)
                 elif self.ahead is not None:
-                    stage_all(self.ahead)
+                    lookahead.stage_all(self.ahead)
                 yw = self.rows(rows)
                 # finish this wave before the next one reuses the slots
                 wait(bank, yw)
@@ -317,7 +318,7 @@ class Direct(PerLayer):
             rest()
             ends.append(len(outs))
         if self.ahead is not None:
-            stage_all(self.ahead)
+            lookahead.stage_all(self.ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         if len(outs) == 1 and len(rows_done[0]) == flat.size:
@@ -437,44 +438,6 @@ def take_staged(bank, experts, keep) -> None:
         # counted once, as misses, by the call's own load of ``experts`` (not as a miss here
         # and a hit there), and one call to the policy
         bank.load(np.array(staged, dtype=np.int64), keep=keep, guessed=True)
-
-
-def lookahead(bank, x, indices):
-    """((next MoE layer's bank, its predicted expert ids, lazy),), from its router applied to
-    this layer's input, or None."""
-    cache = bank.cache
-    if not cache.tuning.lookahead:
-        return None
-    nxt = cache.next_bank(bank)
-    # identity banks are filled in the background instead
-    if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
-        return None
-    guess = predict(nxt.router, x, indices.shape[-1])
-    return None if guess is None else ((nxt, guess),)
-
-
-def stage_all(ahead) -> None:
-    """``stage_ahead`` for each (bank, guess) of a lookahead."""
-    for bank, guess in ahead:
-        stage_ahead(bank, guess)
-
-
-def stage_ahead(bank, guess) -> None:
-    """Read the experts the next layer is predicted to miss (most wanted first), if its recent
-    guesses were good enough; score the guess either way."""
-    ids, counts = np.unique(np.array(guess, copy=False), return_counts=True)
-    if len(ids) > bank.slots:
-        # more than fit at once (prefill): the lowest ids, which the first wave takes
-        ids = ids[: bank.slots]
-    else:
-        ids = ids[np.argsort(-counts, kind="stable")]
-    with bank.lock:
-        ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
-        bank.predicted = set(ids)
-        good = bank.ahead_precision >= bank.cache.tuning.lookahead_min_precision
-    if not ids or not good:
-        return
-    bank.stage(np.array(ids), "lookahead", LOOKAHEAD, fit=True)
 
 
 def member(ids: np.ndarray, of: np.ndarray, num_experts: int) -> np.ndarray:

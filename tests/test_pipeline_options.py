@@ -9,7 +9,7 @@ import pytest
 from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
-from mlx_lm_streaming import schedules
+from mlx_lm_streaming import lookahead, schedules
 from mlx_lm_streaming import switch as switch_mod
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
@@ -108,7 +108,7 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
     model = with_slots(path, 4, tuning=tuning)
     cache = model.expert_streaming.cache
     events = []  # ("stage", layer guessed for) and ("load", layer loading), in order
-    real_stage = schedules.stage_ahead
+    real_stage = lookahead.stage
 
     def stage(bank, guess):
         events.append(("stage", cache.layer_number(bank)))
@@ -127,7 +127,7 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
         copied.extend(len(rows) for _, rows, _ in groups)
         return real_copy(bank, groups)
 
-    monkeypatch.setattr(schedules, "stage_ahead", stage)
+    monkeypatch.setattr(lookahead, "stage", stage)
     monkeypatch.setattr(type(cache.banks[0]), "load", load)
     monkeypatch.setattr(bank_io, "_copy_in", copy_in)
     assert same(want, decode(model, tokens))

@@ -15,7 +15,7 @@ from support import GB, decode, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.prefetch import find_router
+from mlx_lm_streaming.lookahead import find_router
 
 
 @pytest.mark.parametrize("direct", [True, False])
