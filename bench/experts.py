@@ -276,10 +276,10 @@ def run_arch(name, path, args, device):
     # exactness across configurations: identical greedy tokens
     ref = configs["stock"].tokens
     res["same_tokens"] = {k: cfg.tokens == ref[: len(cfg.tokens)] for k, cfg in configs.items()}
-    from mlx_lm_streaming import prefetch
+    from mlx_lm_streaming import host_views
 
     # whether staging buffers are MLX memory written through host views (else numpy + a copy)
-    res["staging_host_views"] = prefetch._HOST_VIEWS
+    res["staging_host_views"] = host_views._HOST_VIEWS
     # whether the cold configuration read straight into its banks (host views of MLX memory)
     res["direct_reads"] = all(b.direct for b in cold.expert_streaming.cache.banks)
     res["ratios"] = ratios(res, rounds)

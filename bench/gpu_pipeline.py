@@ -81,27 +81,13 @@ SHAPES = ("qwen3", "tiny")
 
 # A variant is a name made of "_"-joined words: "default" (the package's defaults), "staged" /
 # "direct" (direct reads off / on, 4 store threads unless a "tN" word says otherwise), "tN" (N store
-# threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "once" / "each" (with
-# direct reads, one compute call per layer once every read landed / a call per landing:
-# ``CacheTuning.landings``), "nolookahead" (no next-layer lookahead), "coact" (lookahead guesses
-# from the co-activation of experts in consecutive layers, ``CacheTuning.coactivation``), "gateN"
-# (lookahead guesses read once their running precision is N% or more), "pack" / "packdirect" (the
-# ``packed`` store, buffered / O_DIRECT), "serial" (a demand thread reads its expert's ranges
-# itself, ``CacheTuning.ranges_in_parallel``), "tl" (records a timeline,
-# ``--streaming-trace``, summarized by bench/timeline_summary.py), "early" (the lookahead's guesses
-# staged right after the host sync, ``CacheTuning.lookahead_early``), "oracleN" (bench only: each
-# layer's router in the lookahead replaced by ``routing_replay.OracleRouter``, which knows the
-# routing's next choice, right with probability N%), "depthN" (the lookahead guesses the next N
-# layers, ``CacheTuning.lookahead_depth``), "into" (guesses read straight into the guessed layer's
-# slots, ``CacheTuning.lookahead_into_slots``), "single" / "together" (one compute call per landed
-# expert / one for all that landed together: ``CacheTuning.batch_landings``), "hitsfirst" (the
-# hits' rows submitted before the reads are issued, as before 2026-12-01:
-# ``CacheTuning.reads_first=False``).
-# E.g. "direct_t8_c256_once", "oracle100_early_depth2_into".
-VARIANT_WORDS = (
-    "default, staged, direct, tN, cN, once, each, nolookahead, coact, gateN, pack, packdirect, "
-    "serial, tl, early, oracleN, depthN, into, single, together, hitsfirst"
-)
+# threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "nolookahead" (no
+# next-layer lookahead), "gateN" (lookahead guesses read once their running precision is N% or
+# more), "pack" / "packdirect" (the ``packed`` store, buffered / O_DIRECT), "tl" (records a
+# timeline, ``--streaming-trace``, summarized by bench/timeline_summary.py). Words of settings that
+# left ``CacheTuning`` are listed in bench/README.md with the commit they last existed in.
+# E.g. "direct_t8_c256", "staged_gate25_tl".
+VARIANT_WORDS = "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, tl"
 
 
 # Variants defined on the command line (``--tuning-variant NAME:field=value,...``): a word NAME
@@ -164,10 +150,6 @@ def variant_options(name: str):
         elif word in ("staged", "direct"):
             opts["direct_reads"] = word == "direct"
             store.setdefault("threads", 4)
-        elif word == "serial":
-            tuning["ranges_in_parallel"] = False
-        elif word in ("once", "each"):
-            tuning["landings"] = word
         elif word == "nolookahead":
             tuning["lookahead"] = False
         elif word in ("pack", "packdirect"):
@@ -178,25 +160,10 @@ def variant_options(name: str):
             store.setdefault("threads", 8)
             if word == "packdirect":
                 store["direct"] = True
-        elif word == "coact":
-            tuning["coactivation"] = True
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
-        elif word == "early":
-            tuning["lookahead_early"] = True
-        elif word in ("single", "together"):
-            tuning["batch_landings"] = word == "together"
-        elif word == "hitsfirst":
-            tuning["reads_first"] = False
-        elif word == "into":
-            tuning["lookahead_into_slots"] = True
-        elif word.startswith("depth") and word[5:].isdigit():
-            tuning["lookahead_depth"] = int(word[5:])
-        elif word.startswith("oracle") and word[6:].isdigit() and int(word[6:]) <= 100:
-            pass  # ``oracle_precision``: set on the model once it is routed
         elif word.startswith("gate") and word[4:].isdigit():
             tuning["lookahead_min_precision"] = int(word[4:]) / 100
-            tuning["coactivation_min_precision"] = int(word[4:]) / 100
         elif word[:1] in "tc" and word[1:].isdigit():
             if word[0] == "t":
                 store["threads"] = int(word[1:])
@@ -207,23 +174,6 @@ def variant_options(name: str):
     if store:
         opts["store_options"] = store
     return opts, tuning
-
-
-def oracle_precision(name: str):
-    """The "oracleN" word's precision (N / 100), or None."""
-    for word in name.split("_"):
-        if word.startswith("oracle") and word[6:].isdigit():
-            return int(word[6:]) / 100
-    return None
-
-
-def set_oracle(model, routing, precision: float) -> None:
-    """Every streaming layer's lookahead router replaced by an ``OracleRouter`` over ``routing``."""
-    from routing_replay import OracleRouter, _expert_counts
-
-    num_experts, top_k = _expert_counts(model)
-    for layer_no, bank in enumerate(model.expert_streaming.cache.banks):
-        bank.router = OracleRouter(routing, layer_no, num_experts, top_k, precision)
 
 
 def load_variant(path, name: str, timeline=None, **opts):
@@ -429,8 +379,6 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
             _set_routing(cfg.model, cfg.routing)
         else:
             wrap(cfg.model, cfg.routing)
-            if oracle_precision(cfg.name) is not None:
-                set_oracle(cfg.model, cfg.routing, oracle_precision(cfg.name))
     warm_s = warm_page_cache(all_files) if not mode["cold"] else 0.0
     for cfg in configs.values():
         cfg.routing.reset()

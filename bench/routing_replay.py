@@ -122,39 +122,6 @@ class TraceRouting:
         return len(self.trace.rows)
 
 
-class OracleRouter:
-    """Bench only: a stand-in for a streaming layer's router in the cache's lookahead
-    (``LayerBank.router``, applied by the layer before) that "predicts" exactly what the routing
-    source will pick for this layer next (``routing.peek``), each id replaced by a random other one
-    with probability ``1 - precision``. It emulates a trained router's lookahead, which random
-    weights and replayed routing cannot exercise, to measure what the I/O pipeline does with a
-    predictor of a known precision. Only guesses change (reads): the computed rows, and so the
-    logits, stay stock's."""
-
-    def __init__(self, routing, layer_no: int, num_experts: int, top_k: int, precision=1.0):
-        self.routing = routing
-        self.layer_no = layer_no
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.precision = precision
-        self.rng = np.random.default_rng([7, layer_no])
-
-    def __call__(self, x):
-        import mlx.core as mx
-
-        k = self.top_k
-        ids = np.array(self.routing.peek(self.layer_no, (*x.shape[:-1], k))).reshape(-1, k)
-        ids = ids.astype(np.int64)
-        if self.precision < 1:
-            for row in ids:
-                for j in np.nonzero(self.rng.random(k) >= self.precision)[0]:
-                    others = np.setdiff1d(np.arange(self.num_experts), row)
-                    row[j] = self.rng.choice(others)
-        logits = np.zeros((len(ids), self.num_experts), dtype=np.float32)
-        logits[np.arange(len(ids))[:, None], ids] = 1.0
-        return mx.array(logits.reshape(*x.shape[:-1], self.num_experts))
-
-
 def expert_kinds():
     from mlx_lm.models.switch_layers import SwitchGLU
 

@@ -124,8 +124,7 @@ def _positive_gbps(value: str) -> float:
 
 
 def run_plan(args) -> int:
-    import mlx_lm.utils
-
+    from . import mlx_compat
     from .integration import install
 
     install()
@@ -136,12 +135,16 @@ def run_plan(args) -> int:
     if not path.is_dir():
         # a hub id: mlx-lm's own resolution (downloads or uses its cache)
         try:
-            path = mlx_lm.utils._download(args.model)
+            path = mlx_compat.download(args.model)
         except Exception as e:
             raise CheckpointError(
                 f"{args.model}: not a local directory, and the Hugging Face hub could not "
                 f"provide it ({type(e).__name__}: {e})"
             ) from e
+        if path is None:
+            raise CheckpointError(
+                f"{args.model}: not a local directory, and this mlx-lm cannot fetch it from the hub"
+            )
     trace = None
     if args.routing_trace is not None:
         from .routing_trace import read_trace

@@ -23,16 +23,17 @@ slice updates.
 """
 
 import threading
-import time
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .bank_io import install_finished, read_into_slots, slot_reader, slot_written
+from . import lookahead
+from .bank_io import install_finished, read_into_slots
 from .index import LayerExperts
 from .policy import SlotTable
-from .prefetch import StagedBatch, host_address, host_bytes
+from .host_views import host_address, host_bytes
+from .prefetch import StagedBatch
 from .safetensors_header import mx_dtype
 
 
@@ -69,9 +70,8 @@ class LayerBank:
         # would cost staging memory and disk time before the layer has shown it can guess
         self.ahead_precision = 0.0
         self._fill_requested = False
-        # expert -> (slot, Future) of guesses read straight into their slots (``read_ahead``):
-        # mapped already, their bytes are usable once ``settle_ahead`` has waited for them
-        self.ahead_reads: Dict[int, tuple] = {}
+        # guesses staged and loaded for the call that is starting (``load(..., guessed=True)``),
+        # counted as that call's misses by its own load
         self._ahead_used: List[int] = []
         # this layer's share of the cache's counters (``--streaming-stats layers``)
         self.hits = 0
@@ -116,7 +116,6 @@ class LayerBank:
         """
         with self.lock:
             self._drop_staged(everything=True)
-            self.settle_ahead(())  # no read may still write into the memory given up here
         self.predicted = None
         self.ahead_precision = 0.0
         self.slots = slots
@@ -153,8 +152,6 @@ class LayerBank:
             self.views = self._addresses = None
             return
         self.views, self._addresses = views, addresses
-        if self.cache.tuning.on_bank_views is not None:
-            self.cache.tuning.on_bank_views(self, arrays, addresses)
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]
@@ -197,8 +194,7 @@ class LayerBank:
                 self._load_guessed(experts, keep)
                 return
             resident = self.slot_of[experts] >= 0
-            # guesses read ahead (into their slots, or staged and loaded with ``guessed``) that
-            # this call uses: read for it, so counted as its misses (and as misses guessed)
+            # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read for it, so counted as its misses (and as misses guessed)
             used = ()
             if self._ahead_used:
                 used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
@@ -208,7 +204,7 @@ class LayerBank:
                 missed = experts[~resident]
                 if len(used):
                     missed = np.union1d(missed, used).astype(np.int64)
-                self._score_guess(missed)
+                lookahead.score(self, missed)
             # slots for the missing experts: free ones first, then the policy's victims, never
             # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
             # if the read fails, no slot may still name an evicted expert (evicting that slot
@@ -234,8 +230,7 @@ class LayerBank:
         """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting
         (staged), made resident before its own ``load``: slots as for a read ahead (not a use of the
         policy, so the call is one call to it; nothing but ``keep`` pinned), not counted here; the
-        call's own load counts them as its misses, and as misses guessed, as it does for guesses
-        read straight into slots."""
+        call's own load counts them as its misses, and as misses guessed."""
         missing, victims, evicted = self.table.prefetch(experts, keep)
         if len(missing):
             read_into_slots(self, missing, victims)
@@ -253,17 +248,6 @@ class LayerBank:
             "hit_rate": self.hits / asked if asked else float("nan"),
             "gb_read": self.misses * self.layer.expert_nbytes / 1e9,
         }
-
-    def _score_guess(self, missing: np.ndarray) -> None:
-        guess, self.predicted = self.predicted, None
-        hit = len(guess.intersection(missing.tolist()))
-        stats = self.cache.prefetch_stats
-        with stats.lock:
-            stats.predicted += len(guess)
-            stats.predicted_hit += hit
-            stats.demand += len(missing)
-        if guess:
-            self.ahead_precision += 0.2 * (hit / len(guess) - self.ahead_precision)
 
     @property
     def direct(self) -> bool:
@@ -311,78 +295,6 @@ class LayerBank:
         if not prefetcher.start(batch, priority):
             return 0
         return len(want) - len(batch.skip)
-
-    def read_ahead(self, experts: np.ndarray) -> int:
-        """Read guessed ``experts`` (best first) straight into slots of this bank, on the cache's
-        demand threads, without waiting (``CacheTuning.lookahead_into_slots``): each is mapped to
-        its slot (a free one or the policy's victim; it enters on probation, so a wrong guess is
-        evicted first) and recorded in ``ahead_reads`` until ``settle_ahead``.
-
-        Safe only while no pending work reads this bank, and until its next call starts: called
-        by the layer before, after its host sync, which waited for every call that used this
-        bank (module docstring); this bank's next call settles the reads before anything else.
-        Returns the experts whose read was started; 0 where the bank has no direct reads."""
-        with self.lock:
-            if not self.direct or self.identity or self.slots == 0:
-                return 0
-            stream = mx.default_stream(mx.default_device())
-            if self.last_stream is not None and self.last_stream != stream:
-                return 0  # work of another stream may still read it
-            experts = np.asarray(experts, dtype=np.int64)
-            want = [e for e in experts.tolist() if e not in self.staged]
-            pending = list(self.ahead_reads)
-            missing, slots, evicted = self.table.prefetch(np.array(want, dtype=np.int64), pending)
-            if not len(missing):
-                return 0
-            self.table.place(missing, slots)
-            self.cache.stats.add(0, 0, evicted)
-            read_slot, every = slot_reader(self), range(len(self.layer.parts))
-            tl, nbytes, path = self.cache.timeline, self.layer.expert_nbytes, self.path
-
-            def read(e, slot):  # as demand reads do (``bank_io.read_direct``)
-                start = time.perf_counter()
-                read_slot(e, slot, every)
-                slot_written(self, slot)
-                if tl:
-                    tl.read(start, path, e, nbytes, "lookahead", slot=slot)
-
-            pool = self.cache.demand_pool
-            for e, slot in zip(missing.tolist(), slots.tolist()):
-                self.ahead_reads[e] = (slot, pool.submit(read, e, slot))
-            self.cache.prefetch_stats.add("staged", "lookahead", len(missing))
-            return len(missing)
-
-    def settle_ahead(self, experts) -> None:
-        """Wait for every read ahead into this bank's slots (``read_ahead``); one that failed or
-        never ran leaves its slot free (the expert is read on demand if asked for). ``experts``:
-        the experts of the call that is starting (counted as used guesses)."""
-        if not self.ahead_reads:
-            return
-        reads, self.ahead_reads = self.ahead_reads, {}
-        tl = self.cache.timeline
-        start = tl.now() if tl else 0
-        waited = time.perf_counter()
-        stats = self.cache.prefetch_stats
-        failed = set()
-        for e, (slot, future) in reads.items():
-            try:
-                future.result()
-            except BaseException as exc:  # cancelled, or a failed read: unmapped
-                failed.add(e)
-                self.table.unplace(e, slot)
-                if isinstance(exc, Exception) and not future.cancelled():
-                    stats.fail(1, exc)
-        with stats.lock:
-            stats.waited_s += time.perf_counter() - waited
-        if tl:
-            tl.span("wait ahead", start, "wait", layer=self.path, experts=len(reads))
-        used = [
-            e
-            for e in np.asarray(experts, dtype=np.int64).tolist()
-            if e in reads and e not in failed
-        ]
-        self._ahead_used = used
-        stats.add("used", "lookahead", len(used))
 
     def drop_staged(self) -> None:
         """End of a call: staged experts it did not use are dropped (identity banks keep them)."""

@@ -132,11 +132,9 @@ def read_into_slots(
 
 def slot_reader(bank):
     """``read(expert, slot, members)``: the bank parts ``members`` of ``expert`` read into ``slot``'s
-    memory through the bank's host views (as they are now), on the store's reader pool or one
-    range after another on the calling thread (``CacheTuning.ranges_in_parallel``). For direct
-    reads: demand ones (``read_direct``) and guesses read ahead (``LayerBank.read_ahead``)."""
-    store = bank.cache.store
-    read_ranges = store.read_many if bank.cache.tuning.ranges_in_parallel else store.read_serial
+    memory through the bank's host views (as they are now), on the store's reader pool. For
+    direct reads (``read_direct``)."""
+    read_ranges = bank.cache.store.read_many
     views, refs = bank.views, bank.layer.refs
 
     def read(expert, slot, members):
@@ -146,23 +144,15 @@ def slot_reader(bank):
     return read
 
 
-def slot_written(bank, slot) -> None:
-    """``CacheTuning.on_slot_written`` for each part of ``slot`` once an expert's bytes are in it."""
-    written = bank.cache.tuning.on_slot_written
-    if written is not None:
-        for v in bank.views:
-            written(v[slot])
-
-
 def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
     """Read each ``(expert, slot)`` into the slot's memory, in parallel; report each expert to
-    ``resident`` as it lands (with any others that landed meanwhile). Every read has ended when
+    ``resident`` as it lands. Every read has ended when
     this returns, also on error (the first error is raised then; experts that landed stay
     resident). Returns the seconds waited.
 
     ``part_landed(expert, slot, proj)``, if given: each expert is read one projection at a time, in
     ``PHASE_ORDER``, and this is called (on this thread) as each projection but the last lands,
-    so that the caller can start computing it (``StreamingSwitchGLU._as_they_land``).
+    so that the caller can start computing it (``schedules.ByProjection``).
     ``started()``, if given: called (on this thread) once every read has been handed to the demand
     threads, before the first wait (at once if there is nothing to read)."""
     if not pairs:
@@ -191,7 +181,6 @@ def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
                 read_slot(e, slot, members)
                 if g < len(groups) - 1:
                     events.put((pair, proj, None))
-            slot_written(bank, slot)
         except BaseException as exc:
             events.put((pair, None, exc))
             return
@@ -223,7 +212,6 @@ def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
             started()
         except BaseException as e:  # still wait for every read before raising
             error = e
-    together = bank.cache.tuning.batch_landings
     landed = []  # landed and not yet reported
 
     def report():
@@ -243,13 +231,6 @@ def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
             tl.span(
                 "wait read", t, "wait", layer=bank.path, expert=batch[0][0][0], part=batch[0][1]
             )
-        # every other expert that has landed meanwhile is reported with it, in one call: one
-        # compute call for all of them instead of one each (``CacheTuning.batch_landings``)
-        while together:
-            try:
-                batch.append(events.get_nowait())
-            except queue.Empty:
-                break
         for pair, proj, exc in batch:
             if proj is not None:
                 if error is None:
@@ -311,8 +292,6 @@ def _copy_in(bank, groups) -> None:
         for view, staged in zip(bank.views, batch.buffers):
             for r, s, n in runs:
                 view[s : s + n] = staged[r : r + n]
-        for s in slots:
-            slot_written(bank, s)
     if bank.cache.timeline:
         experts = sum(len(rows) for _, rows, _ in groups)
         bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)

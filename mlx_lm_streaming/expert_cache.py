@@ -15,12 +15,11 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from .bank import LayerBank
-from .cooccurrence import CoactivationPredictor
 from .counters import Counters
 from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
@@ -76,15 +75,13 @@ class CacheStats(Counters):
         self.add_counts(io_wait_seconds=io_wait, install_seconds=install)
 
 
-LANDINGS = ("each", "once", "auto")
-
-
 @dataclass(frozen=True)
 class CacheTuning:
     """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
-    drops work; none changes what is computed. Users choose ``direct_reads`` (``StreamingOptions``);
-    loading derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the
-    internal ``tuning`` entry of the streaming options, not a user option)."""
+    drops work; none changes what is computed, and each is kept for a measured reason
+    (docs/benchmarks/README.md). Users choose ``direct_reads`` (``StreamingOptions``); loading
+    derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the internal
+    ``tuning`` entry of the streaming options, not a user option)."""
 
     # demand reads straight into the banks (bank_io.py); off: through staging buffers
     direct_reads: bool = True
@@ -92,21 +89,6 @@ class CacheTuning:
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
-    # decode-sized calls stage the lookahead's guesses right after the layer's host sync, so that
-    # they are read beside the layer's own misses; off: once the layer's own reads have landed
-    # (before its compute ends). This, ``lookahead_depth`` and ``lookahead_into_slots`` are off by
-    # default: on the H200 with a stand-in predictor they gain 1.21-1.53x when its guesses are all
-    # right and lose on trace routing when they are right 46-60% of the time; right 70-85% (what
-    # a trained router gives), one layer ahead, 0.93-1.10 on trace routing: inside the noise
-    # (docs/benchmarks/gpu-oracle.md, runs 6 and 7)
-    lookahead_early: bool = False
-    # how many MoE layers ahead the lookahead guesses (each from its own router applied to this
-    # layer's input: the further, the less precise on trained models); 1: the next layer only
-    lookahead_depth: int = 1
-    # with direct reads, decode-sized guesses are read straight into slots of the guessed layer's
-    # bank (``LayerBank.read_ahead``: victims chosen now, the guesses on probation) instead of
-    # staging buffers that its call then copies in; off: staged
-    lookahead_into_slots: bool = False
     # background fill of identity banks; complete identity banks skip the host sync
     fill: bool = True
     skip_sync: bool = True
@@ -114,55 +96,11 @@ class CacheTuning:
     # once per call (``verified_step.py``)
     verified_steps: bool = True
     # with direct reads, experts of at least this many bytes are read a projection at a time
-    # (``StreamingSwitchGLU._by_projection``); None: never
+    # (``schedules.ByProjection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
-    # with direct reads, decode-sized calls: "each" computes the hits, then each read expert as it
-    # lands; "once" all rows in one call after the reads; "auto": "once" where partial calls are
-    # padded (``StreamingSwitchGLU._in_one_landing_call``)
-    landings: str = "each"
-    # with direct reads and "each": the hits' rows are submitted once the call's reads have been
-    # handed to the demand threads, while they are read; off: before the reads are issued (the
-    # submission then delays every read of the call)
-    reads_first: bool = True
-    # with direct reads, a demand thread hands its expert's ranges to the store's reader pool
-    # (``read_many``), or reads them itself one after another (``read_serial``): fewer threads
-    # and hand-offs per expert, while the demand threads still read several experts at once
-    ranges_in_parallel: bool = True
-    # with direct reads, experts that landed while the calling thread was busy are reported (and
-    # computed, in decode-sized calls) together, in one call; off: one call per expert. Off by
-    # default: within noise on the H200 (0.98-1.01 of one call each; docs/benchmarks/gpu-oracle.md)
-    batch_landings: bool = False
-    # lookahead guesses from the co-activation of experts in consecutive layers, learnt online
-    # from the routing seen so far (cooccurrence.py), instead of the next layer's router; they are
-    # staged right after the layer's host sync, so they are read beside the layer's own misses:
-    # ``coactivation_limit`` guesses at most per call, each of score ``coactivation_min_score`` or
-    # more, read while the layer's running precision is ``coactivation_min_precision`` or more (the
-    # defaults: the best of the replays in docs/routing.md). Off: not faster on the H200 yet
-    # (docs/benchmarks/gpu-pipeline.md)
-    coactivation: bool = False
-    coactivation_limit: int = 2
-    coactivation_min_score: float = 0.275
-    coactivation_min_precision: float = 0.2
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2
-    # hooks for experiments on where bank memory lives (bench/cuda_uvm.py): ``on_slot_written(view)``,
-    # with direct reads, on a reader thread, for each part's host view of a slot once an expert's
-    # bytes are in it; ``on_bank_views(bank, arrays, addresses)`` when a bank's host views are
-    # (re)made. They may move bytes, never change them
-    on_slot_written: Optional[Callable[[np.ndarray], None]] = None
-    on_bank_views: Optional[Callable[[LayerBank, List, List[int]], None]] = None
-
-    def __post_init__(self):
-        if not isinstance(self.lookahead_depth, int) or self.lookahead_depth < 1:
-            raise ConfigurationError(
-                f"lookahead_depth must be a whole number of layers, 1 or more, not "
-                f"{self.lookahead_depth!r}"
-            )
-        if self.landings not in LANDINGS:
-            raise ConfigurationError(
-                f"landings must be one of {', '.join(LANDINGS)}, not {self.landings!r}"
-            )
 
 
 class ExpertCache:
@@ -196,8 +134,6 @@ class ExpertCache:
         self._order: Optional[List[LayerBank]] = None
         self._planned = False
         self._numbers: Dict[int, int] = {}
-        # cooccurrence.CoactivationPredictor with ``CacheTuning.coactivation`` (made by ``_plan``)
-        self.coactivation = None
         self._lock = threading.Lock()
         self._closed = False
         _LIVE.add(self)
@@ -391,10 +327,6 @@ class ExpertCache:
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
         self._numbers = {id(b): i for i, b in enumerate(banks)}
-        self.coactivation = None
-        if self.tuning.coactivation and len(banks) > 1:
-            most = max(b.num_experts for b in banks)
-            self.coactivation = CoactivationPredictor(len(banks), most, ahead=2)
 
     def layer_number(self, bank: LayerBank) -> int:
         """The bank's MoE layer number (0 first), in model order."""

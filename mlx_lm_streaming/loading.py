@@ -23,10 +23,10 @@ from .expert_cache import CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
+from .lookahead import find_router
 from .option_table import GB
 from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions, budget_bytes
 from .outputs import ROUTING_TRACE, TIMELINE, check_output
-from .prefetch import find_router
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 from .verified_step import StepRunner
@@ -232,7 +232,7 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     ``bound``: the caller's arguments bound to ``stock_load_model``'s signature; they are passed on
     as given (``trust_remote_code`` and whatever else this mlx-lm takes), with ``get_model_classes``
     replaced by one that intercepts the model's weights."""
-    from mlx_lm.utils import _get_classes, load_config
+    from mlx_lm.utils import load_config
 
     bound = bound.signature.bind(*bound.args, **bound.kwargs)  # the caller's stays as it was
     arguments = bound.arguments
@@ -248,7 +248,9 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
             f"{model_path}: custom model_file {config['model_file']!r} architectures cannot "
             "be streamed; load without --streaming-experts"
         )
-    get_model_classes = arguments.get("get_model_classes") or _get_classes
+    get_model_classes = arguments.get("get_model_classes") or mlx_compat.model_classes(
+        stock_load_model
+    )
     strict = arguments.get("strict", True)
     _join_background_threads_at_exit()
     state = StreamingState(model_path, options, allow_missing_shards=lazy and not strict)
@@ -366,13 +368,9 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
     dropped layers leave the cache, a default budget is derived again from this stage's resident
     weights, and the budget is checked against this stage's layers: each rank's budget is its own.
     """
-    inner = getattr(model, "model", None)
-    stock_pipeline = getattr(inner, "pipeline", None)
-    if stock_pipeline is None:
-        return
     model_ref = weakref.ref(model)  # no reference cycle: the model must stay collectable
 
-    def pipeline(group, *args, **kwargs):
+    def pipeline(stock_pipeline, group, *args, **kwargs):
         result = stock_pipeline(group, *args, **kwargs)
         model = model_ref()
         kept = {
@@ -383,7 +381,7 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
         for bank in state.cache.banks:
             if id(bank) not in kept:
                 state.cache.unregister(bank)
-        start, end = model.model.start_idx, model.model.end_idx
+        start, end = mlx_compat.pipeline_span(model)
         state.pipeline = (group.rank(), group.size(), start, end)
         stage = f"pipeline rank {group.rank()} of {group.size()} (layers {start}-{end - 1})"
         needed = state.files.missing_needed(start, end)
@@ -407,6 +405,6 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
             report.say(report.choice_line(state))
         return result
 
-    inner.pipeline = pipeline
+    mlx_compat.wrap_pipeline(model, pipeline)
 
 

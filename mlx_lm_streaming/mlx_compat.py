@@ -6,7 +6,7 @@ by the startup hook, ``_bootstrap``, right after an mlx-lm module is imported) a
 
 1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
 2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
-   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``switch.py`` runs a projection
+   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``schedules.py`` runs a projection
    at a time through ``switch_glu_*`` below).
 
 If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked for by flag or by
@@ -77,7 +77,8 @@ def version_problem(version: Optional[str] = None) -> Optional[str]:
 
 
 def load_model_problem(load_model) -> Optional[str]:
-    """None if ``load_model`` takes the parameters we read, by those names, else what is missing."""
+    """None if ``load_model`` takes the parameters we read, by those names, and has a default for
+    ``get_model_classes`` (``model_classes``), else what is missing."""
     try:
         params = inspect.signature(load_model).parameters
     except (TypeError, ValueError):
@@ -85,7 +86,79 @@ def load_model_problem(load_model) -> Optional[str]:
     missing = [p for p in LOAD_MODEL_PARAMETERS if p not in params]
     if missing:
         return f"mlx_lm.utils.load_model takes no {', '.join(missing)}"
+    if model_classes(load_model) is None:
+        return "mlx_lm.utils.load_model's get_model_classes has no default taking config="
     return None
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether ``fn`` can be called with the keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _takes_one(fn) -> bool:
+    """Whether ``fn`` can be called with one positional argument."""
+    try:
+        inspect.signature(fn).bind(None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def model_classes(load_model=None):
+    """The function mlx-lm's ``load_model`` finds a model's classes with, ``(config=...) ->
+    (Model, ModelArgs)``: the default of its ``get_model_classes`` parameter (``load_model``: the
+    stock one, default ``mlx_lm.utils.load_model``). None where there is none taking ``config``."""
+    if load_model is None:
+        from mlx_lm import utils
+
+        load_model = getattr(utils, "load_model", None)
+    try:
+        param = inspect.signature(load_model).parameters.get("get_model_classes")
+    except (TypeError, ValueError):
+        return None
+    get = None if param is None else param.default
+    if get is inspect.Parameter.empty or not callable(get) or not _takes(get, "config"):
+        return None
+    return get
+
+
+def download(repo: str):
+    """mlx-lm's own resolution of a Hugging Face hub id to a local directory (``utils._download``:
+    downloads, or uses its cache), or None where this mlx-lm has no such function taking a repo."""
+    from mlx_lm import utils
+
+    get = getattr(utils, "_download", None)
+    if not callable(get) or not _takes_one(get):
+        return None
+    return get(repo)
+
+
+def wrap_pipeline(model, around) -> bool:
+    """Route ``model.model.pipeline(group, ...)`` (mlx-lm's split of a model's layers among the
+    ranks of a pipeline group) through ``around(stock, group, *args, **kwargs)``, where ``stock``
+    is the model's own method. Nothing is changed (False) where the model has no ``pipeline`` that
+    takes a group."""
+    inner = getattr(model, "model", None)
+    stock = getattr(inner, "pipeline", None)
+    if not callable(stock) or not _takes_one(stock):
+        return False
+
+    def pipeline(group, *args, **kwargs):
+        return around(stock, group, *args, **kwargs)
+
+    inner.pipeline = pipeline
+    return True
+
+
+def pipeline_span(model) -> Tuple[int, int]:
+    """``(first layer, end layer)`` that this pipeline rank of ``model`` keeps, once split (the
+    inner model's ``start_idx`` and ``end_idx``)."""
+    return model.model.start_idx, model.model.end_idx
 
 
 # mlx-lm's SwitchGLU sorts its rows by expert from this many indices on (``do_sort = indices.size
@@ -129,7 +202,7 @@ def switch_glu_problem(switch_glu=None) -> Optional[str]:
 
 
 # SwitchGLU.__call__ below SORT_THRESHOLD indices, one step at a time (streaming computes a read
-# expert's gate and up projections while its down projection is still read: switch.py)
+# expert's gate and up projections while its down projection is still read: schedules.ByProjection)
 
 
 def is_stock_switch_glu(module) -> bool:

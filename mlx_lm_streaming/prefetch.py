@@ -1,4 +1,4 @@
-"""Background expert reads: next-layer lookahead, next-wave reads and filling a full bank.
+"""Background expert reads (the reader pool): next-layer lookahead, next-wave reads and filling a full bank.
 
 Reads run on background threads into staging buffers (numpy, outside MLX); only the thread that calls
 the layer writes the slot banks, when it next loads that layer (``LayerBank.load``). A staged expert is
@@ -7,9 +7,9 @@ move reading off the critical path.
 
 Three producers:
 
-- **lookahead**: at layer L's host sync, layer L+1's router is applied to layer L's input (computed in
-  the same evaluation as layer L's indices, so no extra sync) and its top-k experts that are not
-  resident are read while layer L computes;
+- **lookahead** (lookahead.py): at layer L's host sync, layer L+1's router is applied to layer L's
+  input (computed in the same evaluation as layer L's indices, so no extra sync) and its top-k experts
+  that are not resident are read while layer L computes;
 - **waves**: when a call needs more experts than the bank has slots, the next wave is read while the
   current one computes;
 - **fill**: a bank that holds every expert of its layer (``slots == num_experts``) is filled in the
@@ -19,7 +19,6 @@ Staged bytes are bounded (``ExpertPrefetcher.max_bytes``): a lookahead that does
 fill waits for room.
 """
 
-import ctypes
 import heapq
 import itertools
 import threading
@@ -28,8 +27,9 @@ from concurrent.futures import Future
 from typing import List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+
+from .host_views import staging_buffer
 
 # priorities: lower runs first
 WAVE, LOOKAHEAD, FILL = 0, 1, 2
@@ -96,73 +96,6 @@ class StagedBatch:
         except BaseException:
             return False
         return True
-
-
-_HOST_VIEWS = None  # whether MLX arrays give writable host views here (checked once)
-
-
-def staging_buffer(rows: int, nbytes: int):
-    """``(mlx array or None, writable numpy array)`` of ``rows x nbytes`` bytes."""
-    global _HOST_VIEWS
-    if _HOST_VIEWS is not False and rows * nbytes > 0:
-        arr = mx.zeros((rows, nbytes), dtype=mx.uint8)
-        mx.eval(arr)
-        try:
-            view = np.array(arr, copy=False)
-            ok = view.flags.writeable and view.ctypes.data != 0 and view.shape == (rows, nbytes)
-        except (TypeError, ValueError, RuntimeError):
-            ok = False
-        if ok and _HOST_VIEWS is None:
-            # a write through the view must be what MLX sees
-            view[0, :1] = 1
-            ok = arr[0, 0].item() == 1
-        _HOST_VIEWS = bool(ok)
-        if ok:
-            return arr, view
-    return None, np.empty((rows, nbytes), dtype=np.uint8)
-
-
-def host_bytes(arr: mx.array, address: Optional[int] = None) -> Optional[np.ndarray]:
-    """A writable ``(rows, bytes per row)`` uint8 numpy view of an evaluated, row-contiguous MLX
-    array's own memory, or None where MLX memory has no writable host view (checked by a write that
-    MLX must then see).
-
-    The view holds no reference to the MLX array (a held reference would stop MLX from updating the
-    array in place, see ``bank_io._install``), so it is valid only while the array keeps this
-    buffer: ``host_address`` tells whether it still does (``address``: its result, if known)."""
-    if _HOST_VIEWS is False or arr.size == 0:
-        return None
-    if address is None:
-        address = host_address(arr)
-    if address is None:
-        return None
-    rows = arr.shape[0]
-    raw = (ctypes.c_uint8 * arr.nbytes).from_address(address)
-    view = np.ctypeslib.as_array(raw).reshape(rows, arr.nbytes // rows)
-    # a write through the view must be what MLX reads (then put the byte back)
-    old = int(view[0, 0])
-    view[0, 0] = old ^ 0xFF
-    seen = int(arr.reshape(-1)[:1].view(mx.uint8)[0].item()) if arr.dtype.size >= 1 else -1
-    view[0, 0] = old
-    if seen != old ^ 0xFF:
-        return None
-    return view
-
-
-def host_address(arr: mx.array) -> Optional[int]:
-    """Address of an evaluated, row-contiguous MLX array's memory, or None."""
-    try:
-        flat = arr if arr.dtype in _NUMPY_DTYPES else arr.view(mx.uint8)
-        mx.eval(flat)
-        view = np.array(flat, copy=False)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    if not view.flags.c_contiguous or view.nbytes != arr.nbytes or view.ctypes.data == 0:
-        return None
-    return int(view.ctypes.data)
-
-
-_NUMPY_DTYPES = (mx.uint8, mx.uint16, mx.uint32, mx.int8, mx.int32, mx.float16, mx.float32)
 
 
 class PrefetchStats:
@@ -350,42 +283,3 @@ class ExpertPrefetcher:
         for t in workers if wait else ():
             if t is not threading.current_thread():
                 t.join()
-
-
-# -- lookahead -----------------------------------------------------------------------------------
-
-
-def find_router(parent, num_experts: int):
-    """The router of an MoE block: a child that maps the hidden state to one logit per expert.
-
-    Returns a function ``x -> logits`` or None. Used only to predict the next layer's experts, so a
-    wrong guess costs reads, never exactness.
-    """
-    if parent is None or not isinstance(parent, nn.Module):
-        return None
-    children = parent.children()
-    names = sorted(children, key=lambda n: (n not in ("gate", "router"), n))
-    for name in names:
-        child = children[name]
-        if not isinstance(child, nn.Module) or "weight" not in child:
-            continue
-        weight = child["weight"]
-        if not isinstance(weight, mx.array) or weight.ndim != 2 or weight.shape[0] != num_experts:
-            continue
-        if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
-            return child
-        # a gate module with its own routing code (DeepSeek's MoEGate): its logits
-        return lambda x, m=child: x @ m["weight"].T.astype(x.dtype)
-    return None
-
-
-def predict(router, x: mx.array, k: int) -> Optional[mx.array]:
-    """Lazily: the ``k`` experts with the largest router logits for each row of ``x``."""
-    if router is None:
-        return None
-    logits = router(x)
-    num = logits.shape[-1]
-    k = min(k, num)
-    if k == num:
-        return None  # every expert: nothing to predict
-    return mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])

@@ -64,9 +64,39 @@ def test_load_model_shape_is_checked():
     assert "model_config" in mlx_compat.load_model_problem(old)
     assert mlx_compat.load_model_problem(mlx_lm.utils.load_model) is None
 
+    def no_default(model_path, lazy=False, strict=True, model_config=None, get_model_classes=None):
+        pass
+
+    assert "get_model_classes" in mlx_compat.load_model_problem(no_default)
+
+
+def test_mlx_lm_internals_are_reached_through_checks(monkeypatch):
+    # what loading and the commands take from mlx-lm beyond its public API, each checked: None (or
+    # nothing changed) where the check fails
+    get = mlx_compat.model_classes()
+    assert callable(get)
+    model_class, args_class = get(config={"model_type": "qwen3_moe"})
+    assert model_class.__module__ == "mlx_lm.models.qwen3_moe"
+    assert mlx_compat.model_classes(lambda model_path: None) is None
+    monkeypatch.delattr(mlx_lm.utils, "_download")
+    assert mlx_compat.download("some/repo") is None
+
+    class Inner:
+        def pipeline(self, group, split=None):
+            return ("stock", group)
+
+    class Model:
+        model = Inner()
+
+    model = Model()
+    assert mlx_compat.wrap_pipeline(model, lambda stock, group: ("ours", stock(group)))
+    assert model.model.pipeline("g") == ("ours", ("stock", "g"))
+    bare = type("Bare", (), {"model": object()})()
+    assert not mlx_compat.wrap_pipeline(bare, lambda stock, group: None)
+
 
 def test_switch_glu_body_is_checked():
-    # switch.py runs SwitchGLU's call body a projection at a time (mlx_compat.switch_glu_*) and
+    # schedules.py runs SwitchGLU's call body a projection at a time (mlx_compat.switch_glu_*) and
     # tells decode from prefill by its sort threshold: a SwitchGLU that no longer does what we
     # repeat must be refused at patch time, not silently give other bits
     from mlx_lm.models.switch_layers import SwitchGLU

@@ -1,5 +1,5 @@
 """Direct reads: missed experts are read straight into their slots' memory and each expert's rows are
-computed as soon as its bytes land (``LayerBank.direct``, ``StreamingSwitchGLU._as_they_land``).
+computed as soon as its bytes land (``LayerBank.direct``, ``schedules.AsTheyLand``).
 
 Writing bank memory behind MLX's back must never change what is computed: logits equal stock mlx-lm's
 bit for bit for every budget (waves of one slot up to decode-sized calls), a second calling thread
@@ -229,45 +229,14 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
     model.expert_streaming.close()
 
 
-def test_bank_memory_hooks_see_bank_memory_and_change_no_result(q3):
-    """The hooks benchmarks set (``CacheTuning.on_bank_views`` / ``on_slot_written``; bench/cuda_uvm.py
-    gives CUDA unified-memory hints through them) are handed the banks' own memory: every bank's
-    arrays and addresses once its views are made, and each slot's view, inside a bank, as an expert
-    lands in it. Results stay exact."""
-    path, tokens, want = q3
-    made, written = [], []
-
-    def on_bank_views(bank, arrays, addresses):
-        assert addresses == [int(a) for a in bank._addresses]
-        made.append((bank, [(at, at + a.nbytes) for a, at in zip(arrays, addresses)]))
-
-    tuning = CacheTuning(
-        lookahead=False,  # every miss a direct read
-        on_bank_views=on_bank_views,
-        on_slot_written=lambda view: written.append((view.ctypes.data, view.nbytes)),
-    )
-    model = with_slots(path, 3, tuning=tuning)
-    cache = model.expert_streaming.cache
-    assert same(want, decode(model, tokens))
-    assert all(b.direct for b in cache.banks)
-    assert {id(b) for b, _ in made} == {id(b) for b in cache.banks}
-    spans = [span for _, spans in made for span in spans]
-    assert written
-    assert all(any(lo <= at and at + n <= hi for lo, hi in spans) for at, n in written)
-    # one view per part of every expert read
-    parts = len(cache.banks[0].layer.parts)
-    assert len(written) == parts * cache.stats.misses
-    model.expert_streaming.close()
-
-
 @pytest.mark.parametrize("slots", [2, 3, 16])
 def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
     """Big experts are read a projection at a time and each projection's rows computed as it lands
     (phase_min_bytes lowered so that the test's small experts qualify): same bits as stock."""
-    from mlx_lm_streaming import switch
+    from mlx_lm_streaming import schedules
 
     landed = []
-    real = switch.StreamingSwitchGLU._by_projection
+    real = schedules.ByProjection.landing
 
     def by_projection(self, *args):
         ready, part_ready = real(self, *args)
@@ -278,7 +247,7 @@ def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
 
         return ready, counted
 
-    monkeypatch.setattr(switch.StreamingSwitchGLU, "_by_projection", by_projection)
+    monkeypatch.setattr(schedules.ByProjection, "landing", by_projection)
     path, tokens, want = q3
     model = with_slots(path, slots, tuning=CacheTuning(lookahead=False, phase_min_bytes=0))
     cache = model.expert_streaming.cache

@@ -16,10 +16,10 @@ import pytest
 from mlx.utils import tree_flatten
 from support import held_out_env, load_streaming
 
-from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES, CacheTuning
-from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
+from mlx_lm_streaming import schedules
+from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
-from mlx_lm_streaming.switch import StreamingSwitchGLU
 from mlx_lm_streaming.synthetic import build_checkpoint
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
@@ -103,55 +103,24 @@ def test_parity_staged_reads(checkpoint, arch):
     check_parity(checkpoint(arch), direct_reads=False)
 
 
-def count_paths(monkeypatch):
-    """Count the execution paths of ``StreamingSwitchGLU.__call__`` that run (docs/design.md)."""
+def count_schedules(monkeypatch):
+    """Count the schedules ``schedules.choose`` picks, by class name (docs/design.md's table)."""
     ran = {}
+    real = schedules.choose
 
-    def counted(name, label):
-        real = getattr(StreamingSwitchGLU, name)
+    def choose(layer, x, indices):
+        schedule = real(layer, x, indices)
+        name = type(schedule).__name__
+        ran[name] = ran.get(name, 0) + 1
+        return schedule
 
-        def call(self, *args):
-            y = real(self, *args)
-            key = label(self, args, y)
-            if key is not None:
-                ran[key] = ran.get(key, 0) + 1
-            return y
-
-        monkeypatch.setattr(StreamingSwitchGLU, name, call)
-
-    def per_wave(glu, size):
-        # the branch ``_as_they_land`` takes: a wave's read experts in one call, or each as it lands
-        return glu._in_one_landing_call(size) or (size >= SORT_THRESHOLD and glu._padded(size))
-
-    counted("_stock_graph", lambda s, a, y: None if y is None else "stock graph")
-    counted("_in_one_call", lambda s, a, y: "staged, one call")
-    counted("_waves", lambda s, a, y: "staged, waves")
-    ways = ("direct, as they land", "direct, a wave per call")
-    counted("_as_they_land", lambda s, a, y: ways[per_wave(s, a[1].size)])
-    counted("_by_projection", lambda s, a, y: "direct, a projection at a time")
+    monkeypatch.setattr(schedules, "choose", choose)
     return ran
 
 
-def test_parity_table_reaches_every_path(checkpoint, monkeypatch):
-    # the table's budgets and prompts, with its options, reach each path but the per-projection one
-    # (experts of PHASE_MIN_BYTES and more: the next test)
-    ran = count_paths(monkeypatch)
-    check_parity(checkpoint("qwen3_moe"))
-    check_parity(checkpoint("qwen3_moe"), direct_reads=False)
-    # a call per wave is what padded backends (GPUs) do; on the CPU only with landings="once"
-    check_parity(checkpoint("qwen3_moe"), tuning=CacheTuning(landings="once"))
-    assert set(ran) == {
-        "stock graph",
-        "staged, one call",
-        "staged, waves",
-        "direct, as they land",
-        "direct, a wave per call",
-    }, ran
-
-
-def test_parity_big_experts_read_a_projection_at_a_time(tmp_path, monkeypatch):
-    # experts of PHASE_MIN_BYTES (16 MiB) and more are read a projection at a time (the default):
-    # one prompt row, 3 slots of 4 experts, a few decode steps (each forward pass costs ~0.4 s here)
+def big_experts(tmp_path):
+    """A checkpoint whose experts are of PHASE_MIN_BYTES (16 MiB) and more, and its budget of 3
+    slots of 4 experts: each forward pass costs ~0.4 s here."""
     path = build_checkpoint(
         tmp_path / "big",
         "mixtral",
@@ -159,15 +128,41 @@ def test_parity_big_experts_read_a_projection_at_a_time(tmp_path, monkeypatch):
         num_layers=2,
         overrides={"hidden": 2048, "moe_intermediate": 4608, "experts": 4},
     )
-    ran = count_paths(monkeypatch)
     probe, _ = load_streaming(path)
     assert all(b.layer.expert_nbytes >= PHASE_MIN_BYTES for b in probe.expert_streaming.cache.banks)
     budgets = {"small": budget_of_slots(probe, 3)}
     probe.expert_streaming.close()
+    return path, budgets
+
+
+def test_parity_table_reaches_every_schedule(checkpoint, tmp_path, monkeypatch):
+    # the table's budgets and prompts, with its options, reach every schedule class: a new one
+    # without a parity case here fails
+    ran = count_schedules(monkeypatch)
+    check_parity(checkpoint("qwen3_moe"))
+    check_parity(checkpoint("qwen3_moe"), direct_reads=False)
+    # a call per wave is what backends whose partial calls are padded (GPUs) do: the CPU's gather
+    # kernel taken for one
+    with monkeypatch.context() as padded:
+        padded.setattr(GatherKernel, "subset_exact_on", ())
+        check_parity(checkpoint("qwen3_moe"))
+    # experts of PHASE_MIN_BYTES and more are read a projection at a time (the default): one prompt
+    # row, a few decode steps
+    path, budgets = big_experts(tmp_path)
     with held_out_env():
         rows = compare(path, budgets, batches=(1,), steps=3)
     assert [r["difference"] for r in rows] == [None]
-    assert ran.get("direct, a projection at a time", 0) > 0, ran
+    assert set(ran) == schedules.names(), ran
+
+
+def test_parity_big_experts_read_a_projection_at_a_time(tmp_path, monkeypatch):
+    # experts of PHASE_MIN_BYTES (16 MiB) and more are read a projection at a time (the default)
+    ran = count_schedules(monkeypatch)
+    path, budgets = big_experts(tmp_path)
+    with held_out_env():
+        rows = compare(path, budgets, batches=(1,), steps=3)
+    assert [r["difference"] for r in rows] == [None]
+    assert ran.get("ByProjection", 0) > 0, ran
 
 
 def test_non_finite_logits_are_a_difference():

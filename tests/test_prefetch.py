@@ -15,7 +15,7 @@ from support import GB, decode, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.prefetch import find_router
+from mlx_lm_streaming.lookahead import find_router
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -73,21 +73,22 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
 def test_staged_reads_are_exact(q3, monkeypatch):
     """Without direct reads: a call loads its experts through staging buffers, then computes in one
     kernel call, or in waves when it needs more experts than the bank has slots."""
-    from mlx_lm_streaming.switch import StreamingSwitchGLU
+    from mlx_lm_streaming import schedules
 
     path, tokens, want = q3
     model = with_slots(path, 4, direct_reads=False)
     ran = []
-    for name in ("_in_one_call", "_waves", "_as_they_land"):
-        real = getattr(StreamingSwitchGLU, name)
+    real = schedules.choose
 
-        def counted(self, *args, real=real, name=name):
-            ran.append(name)
-            return real(self, *args)
+    def choose(layer, x, indices):
+        schedule = real(layer, x, indices)
+        if isinstance(schedule, schedules.PerLayer):
+            ran.append(type(schedule).__name__)
+        return schedule
 
-        monkeypatch.setattr(StreamingSwitchGLU, name, counted)
+    monkeypatch.setattr(schedules, "choose", choose)
     assert same(want, decode(model, tokens, steps=10))
-    assert {"_in_one_call", "_waves"} == set(ran)
+    assert {"OneCall", "Waves"} == set(ran)
 
 
 def test_lookahead_off_is_exact(q3):

@@ -94,12 +94,6 @@ class ExpertStore:
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
-    def read_serial(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
-        """Fill every buffer, on the calling thread where the store can (the cache's demand threads
-        already read several experts at once; ``CacheTuning.ranges_in_parallel``). The default is
-        ``read_many``."""
-        self.read_many(jobs)
-
     def close(self, wait: bool = True) -> None:
         """Release files and threads; the store may not be used afterwards. ``wait=False``: do not
         join threads (the call may come from a garbage-collection finalizer, where joining a thread

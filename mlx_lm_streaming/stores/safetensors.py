@@ -101,19 +101,13 @@ class SafetensorsStore(ExpertStore):
             retries = 0
 
     def read_many(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
-        self._read_jobs(jobs, parallel=True)
-
-    def read_serial(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
-        self._read_jobs(jobs, parallel=False)
-
-    def _read_jobs(self, jobs, parallel: bool) -> None:
         if not jobs:
             return
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        pieces = self._pieces(jobs, self.chunk_bytes if parallel else None)
-        if not parallel or self.threads == 1 or len(pieces) == 1:
+        pieces = self._pieces(jobs, self.chunk_bytes)
+        if self.threads == 1 or len(pieces) == 1:
             for piece in pieces:
                 self._read(*piece)
         else:

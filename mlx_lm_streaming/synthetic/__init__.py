@@ -113,6 +113,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm import utils as mlx_utils
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from .. import mlx_compat
 from .configs import (
     _DTYPES,
     _LAYER_RE,
@@ -220,7 +221,7 @@ def build_model(
     text["eos_token_id"] = _SPECIALS.index("<|im_end|>")
 
     mx.random.seed(seed)
-    model_cls, args_cls = mlx_utils._get_classes(config)
+    model_cls, args_cls = mlx_compat.model_classes()(config=config)
     model = model_cls(args_cls.from_dict(config))
     _randomize_routers(model, text["hidden_size"])
     _cast(model, _DTYPES[dtype])
