@@ -124,6 +124,8 @@ def _positive_gbps(value: str) -> float:
 
 
 def run_plan(args) -> int:
+    import mlx_lm.utils
+
     from . import mlx_compat
     from .integration import install
 
