@@ -281,11 +281,9 @@ def _copy_in(bank, groups) -> None:
     run of consecutive slots, with no MLX update (no evaluation, no views to remake). Safe where a
     direct read into the same slots is (module docstring of bank.py): the slots are the call's
     victims, which no pending work reads. Used for batches with host buffers, which banks make
-    on the CPU backend only (``LayerBank.stage``). Measured (bench/staging_cost.py): on the CPU,
-    4 experts made and written in 0.19 ms against 0.91 ms with MLX buffers and updates; on the
-    H200 the copy is faster alone (0.87 against 2.86 ms for 2 experts) but slower inside decode,
-    where the GPU last touched the slots' memory (install 14-130 ms per token against 8-47:
-    docs/benchmarks/gpu-oracle.md)."""
+    on the CPU backend only (``LayerBank.stage``): there it is faster than MLX buffers and updates;
+    on the H200 it was faster alone but slower inside decode, where the GPU last touched the slots'
+    memory (docs/benchmarks/README.md, superseded runs)."""
     start = time.perf_counter()
     for batch, rows, slots in groups:
         runs = _runs(rows, slots)

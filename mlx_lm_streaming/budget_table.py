@@ -4,8 +4,8 @@ One row per budget (the default, the given one, and 10% to 100% of the experts' 
 per layer that ``ExpertCache.plan_slots`` gives it, total memory (resident weights + the slots), the
 decode hit rate of the trace replayed through the cache's own policy (``replay.py``), the GB each
 decode token reads, and the decode speed the disk allows: ``disk GB/s / GB read per token``. That is
-an upper bound: compute, host syncs and I/O not overlapped with compute come on top (on the H200,
-cold runs reached ~0.55 of it: DESIGN.md). GB are decimal (10**9 bytes) throughout.
+an upper bound: compute, host syncs and I/O not overlapped with compute come on top (what cold runs
+reach of it: docs/benchmarks/README.md). GB are decimal (10**9 bytes) throughout.
 """
 
 import os

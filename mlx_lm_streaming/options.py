@@ -293,8 +293,8 @@ class StreamingOptions:
     def use_direct_reads(self, backend: str) -> bool:
         """Whether demand reads go straight into the banks on ``backend`` (cpu, cuda, metal)."""
         if self.direct_reads is None:
-            # on CUDA since the H200 measurements (docs/benchmarks/gpu-trace.md): 1.15-1.3x cold,
-            # stock's logits token by token; Metal stays off until checked on a Mac
+            # on CUDA too: faster cold on the H200, stock's logits token by token
+            # (docs/benchmarks/README.md); Metal stays off until checked on a Mac
             return backend in ("cpu", "cuda")
         return self.direct_reads
 

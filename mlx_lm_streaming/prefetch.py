@@ -41,8 +41,8 @@ class StagedBatch:
 
     The buffers are MLX arrays, allocated and evaluated by the thread that makes the batch; reads
     fill them through writable numpy views of their memory. Writing them into a bank is then one
-    slice copy per run of slots; going through ``mx.array(numpy)`` instead copies at under 1 GB/s
-    on the CPU backend (measured). Where MLX memory has no writable host view, numpy buffers are used.
+    slice copy per run of slots; going through ``mx.array(numpy)`` instead copies several times
+    slower on the CPU backend (docs/benchmarks/README.md, "What won"). Where MLX memory has no writable host view, numpy buffers are used.
     """
 
     def __init__(self, layer, experts: np.ndarray, kind: str, host: bool = False):

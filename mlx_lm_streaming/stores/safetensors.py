@@ -17,8 +17,8 @@ from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..safetensors_header import TensorRef
 from .base import ExpertStore, shard_error
 
-# reads in flight: the H200's disk gave 1.0 GB/s to one reader and 1.4-1.8 GB/s to 8-16
-# (docs/benchmarks/gpu-trace.md); cold decode there ran 1.06-1.10x faster with 8 than with 4
+# reads in flight: a fast disk gives one reader less than several, and cold decode on the H200 ran
+# faster with 8 than with 4, 16 no better (docs/benchmarks/README.md, "What won")
 DEFAULT_THREADS = 8
 MAX_RETRIES = 8
 # ranges longer than this are read as pieces of this size in parallel, so that even one expert (a
