@@ -362,6 +362,9 @@ class ExpertCache:
             "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),
             "cache_gb": self.resident_bytes / 1e9,
             "complete_layers": sum(b.complete for b in self.banks),
+            # model calls run as verified steps (verified_step.py), and layers run again in them
+            "verified_steps": self.steps.verified if self.steps is not None else 0,
+            "verified_replays": self.steps.replays if self.steps is not None else 0,
             "per_layer": [b.summary() for b in self.banks],
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }

@@ -102,6 +102,8 @@ def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
         if runner.verified > done[0] and runner.replays == done[1]:
             break
     stats = model.expert_streaming.stats()  # the step's host work is done by then
+    assert stats["verified_steps"] == runner.verified > 0
+    assert stats["verified_replays"] == runner.replays
     assert stats["hits"] > before[0] and bank.hits > before[1]
     assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
     changed = [k for k, v in bank.table.policy.__dict__.items() if not np.array_equal(v, before[2][k])]
