@@ -15,17 +15,8 @@ stock one and one line is written to stderr. ``MLX_LM_STREAMING_HOOK=0`` turns t
 import os
 import sys
 
-from .option_table import ENABLED, FLAGS, HOOK_ENV, OFF_WORDS, ON_WORDS
+from .option_table import CLI_MODULES, ENABLED, FLAGS, HOOK_ENV, OFF_WORDS, ON_WORDS
 
-# the command-line modules whose main() takes our flags (integration.wrap_cli_main)
-CLI_MODULES = (
-    "mlx_lm.generate",
-    "mlx_lm.chat",
-    "mlx_lm.server",
-    "mlx_lm.cache_prompt",
-    "mlx_lm.evaluate",
-    "mlx_lm.perplexity",
-)
 # mlx-lm modules whose import triggers a patch (see integration.patch_module)
 PATCHED = frozenset(("mlx_lm.utils",) + CLI_MODULES)
 STREAMING_FLAGS = FLAGS

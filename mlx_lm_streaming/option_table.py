@@ -139,3 +139,14 @@ ENABLED = BY_NAME["enabled"]
 # option name -> environment variable
 ENV = {o.name: o.env for o in OPTIONS}
 FLAGS = tuple(o.flag for o in OPTIONS if o.flag)
+
+
+# the command-line modules whose main() takes our flags (integration.wrap_cli_main)
+CLI_MODULES = (
+    "mlx_lm.generate",
+    "mlx_lm.chat",
+    "mlx_lm.server",
+    "mlx_lm.cache_prompt",
+    "mlx_lm.evaluate",
+    "mlx_lm.perplexity",
+)

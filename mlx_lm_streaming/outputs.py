@@ -28,6 +28,9 @@ PACK = "expert pack"
 PLOT = "plot"
 
 # plot formats --plot writes, by extension, and the bytes such a file starts with
+# the first bytes of the files we write (routing_trace.FORMAT, packfile.MAGIC are these)
+TRACE_FORMAT = "moe-routing-trace"
+PACK_MAGIC = b"MLXSPK01"
 PLOT_MAGIC = {".png": (b"\x89PNG\r\n\x1a\n",), ".svg": (b"<?xml", b"<svg"), ".pdf": (b"%PDF-",)}
 HEAD_BYTES = 1 << 16
 
@@ -38,14 +41,12 @@ def _head(path: Path) -> bytes:
 
 
 def _is_routing_trace(head: bytes) -> bool:
-    from .routing_trace import FORMAT
-
     line = head.split(b"\n", 1)[0]
     try:
         header = json.loads(line)
     except ValueError:
         return False
-    return isinstance(header, dict) and header.get("format") == FORMAT
+    return isinstance(header, dict) and header.get("format") == TRACE_FORMAT
 
 
 def _is_timeline(head: bytes) -> bool:
@@ -54,9 +55,7 @@ def _is_timeline(head: bytes) -> bool:
 
 
 def _is_pack(head: bytes) -> bool:
-    from .packfile import MAGIC
-
-    return head.startswith(MAGIC)
+    return head.startswith(PACK_MAGIC)
 
 
 def _is_plot(path: Path, head: bytes) -> bool:

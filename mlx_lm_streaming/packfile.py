@@ -42,9 +42,10 @@ from .errors import (
     ExpertIOError,
     StreamingError,
 )
+from .outputs import PACK_MAGIC
 from .safetensors_header import FileIdentity
 
-MAGIC = b"MLXSPK01"
+MAGIC = PACK_MAGIC
 VERSION = 1
 ALIGN = 4096
 PACK_NAME = "experts.pack"

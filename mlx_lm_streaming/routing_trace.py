@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import CheckpointError, open_output
-from .outputs import ROUTING_TRACE, check_output, close_quietly, say_failed
+from .outputs import ROUTING_TRACE, TRACE_FORMAT, check_output, close_quietly, say_failed
 
-FORMAT = "moe-routing-trace"
+FORMAT = TRACE_FORMAT
 VERSION = 1
 PHASES = ("prefill", "decode")
 
