@@ -16,13 +16,52 @@ import numpy as np
 import pytest
 from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming import bank_io
+from mlx_lm_streaming import bank_io, plugins
 from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 NO_LOOKAHEAD = CacheTuning(lookahead=False)
+
+
+class InjectingStore(SafetensorsStore):
+    """The safetensors store, registered through the store plugin hook, whose ``read_many`` can be
+    slowed (``delay`` seconds before each call) or made to fail (every ``fail_every``-th call)."""
+
+    name = "injecting"
+
+    def __init__(self, files, **options):
+        super().__init__(files, **options)
+        self.delay, self.fail_every, self.calls = 0.0, 0, 0
+
+    def read_many(self, jobs):
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise ExpertIOError("injected: read failed")
+        if self.delay:
+            time.sleep(self.delay)
+        return super().read_many(jobs)
+
+
+class InjectingStorePlugin:
+    @hookimpl
+    def register_stores(self, register):
+        register(InjectingStore.name, InjectingStore)
+
+
+@pytest.fixture
+def injecting_store():
+    """The name of ``InjectingStore``, registered for the test."""
+    plugin = InjectingStorePlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="injecting-store-test")
+    try:
+        yield InjectingStore.name
+    finally:
+        pm.unregister(plugin)
 
 
 def counting(monkeypatch):
@@ -66,19 +105,13 @@ def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
     model.expert_streaming.close()
 
 
-def test_experts_are_computed_as_they_land(q3, monkeypatch):
+def test_experts_are_computed_as_they_land(q3, monkeypatch, injecting_store):
     """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
     path, tokens, want = q3
-    model = with_slots(path, 8, tuning=NO_LOOKAHEAD)
+    model = with_slots(path, 8, tuning=NO_LOOKAHEAD, store=injecting_store)
     cache = model.expert_streaming.cache
     cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
-    store, real = cache.store, cache.store.read_many
-
-    def slow(jobs):
-        time.sleep(0.01)  # the layer is done with the expert before the next one lands
-        return real(jobs)
-
-    monkeypatch.setattr(store, "read_many", slow)
+    cache.store.delay = 0.01  # the layer is done with the expert before the next one lands
     per_load = []
     real_direct = bank_io.read_direct
 
@@ -132,28 +165,20 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
     model.expert_streaming.close()
 
 
-def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
+def test_a_failed_direct_read_maps_no_slot_to_it(q3, injecting_store):
     path, tokens, want = q3
-    model = with_slots(path, 4, tuning=NO_LOOKAHEAD)
+    model = with_slots(path, 4, tuning=NO_LOOKAHEAD, store=injecting_store)
     cache = model.expert_streaming.cache
     store = cache.store
-    real = store.read_many
-    calls = {"n": 0}
-
-    def flaky(jobs):
-        calls["n"] += 1
-        if calls["n"] % 3 == 0:
-            raise ExpertIOError("injected: read failed")
-        return real(jobs)
-
-    monkeypatch.setattr(store, "read_many", flaky)
+    assert isinstance(store, InjectingStore)
+    store.fail_every = 3
     with pytest.raises(ExpertIOError, match="injected"):
         decode(model, tokens)
     for bank in cache.banks:
         mapped = np.nonzero(bank.slot_of >= 0)[0]
         assert (bank.expert_of[bank.slot_of[mapped]] == mapped).all()
     # every mapped slot holds its expert's bytes: with reads working again, logits are stock's
-    monkeypatch.setattr(store, "read_many", real)
+    store.fail_every = 0
     assert same(want, decode(model, tokens))
     model.expert_streaming.close()
 
