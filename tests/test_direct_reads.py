@@ -21,6 +21,7 @@ from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
@@ -183,23 +184,49 @@ def test_a_failed_direct_read_maps_no_slot_to_it(q3, injecting_store):
     model.expert_streaming.close()
 
 
-def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
+class PaddedGather(GatherKernel):
+    """The gather kernel as a kernel whose per-row bits depend on the row count everywhere (as
+    gather_qmm's do on CUDA: no ``subset_exact_on``), counting the rows of each call."""
+
+    name = "padded_gather"
+    subset_exact_on = ()
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, x, slots, slots_np, bank):
+        self.counts.append(slots.size)
+        return super().__call__(x, slots, slots_np, bank)
+
+
+class PaddedGatherPlugin:
+    def __init__(self):
+        self.kernel = PaddedGather()
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
+
+
+@pytest.fixture
+def padded_gather():
+    """``PaddedGather``, registered through the kernel plugin hook for the test."""
+    plugin = PaddedGatherPlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="padded-gather-test")
+    try:
+        yield plugin.kernel
+    finally:
+        pm.unregister(plugin)
+
+
+def test_partial_calls_are_padded_where_row_counts_matter(q3, padded_gather):
     """A kernel whose per-row bits depend on the row count (gather_qmm on CUDA) always gets the whole
     call's row count: partial calls (hits, landings, waves) are padded, and the result is unchanged."""
-    from mlx_lm_streaming.kernels.gather import GatherKernel
-
     path, tokens, want = q3
-    monkeypatch.setattr(GatherKernel, "subset_exact_on", ())
-    counts = []
-    real = GatherKernel.__call__
-
-    def call(self, x, slots, slots_np, bank):
-        counts.append(slots.size)
-        return real(self, x, slots, slots_np, bank)
-
-    monkeypatch.setattr(GatherKernel, "__call__", call)
+    counts = padded_gather.counts
     for slots in (3, 8):
-        model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
+        model = with_slots(path, slots, tuning=NO_LOOKAHEAD, kernel=padded_gather.name)
         counts.clear()
         assert same(want, decode(model, tokens))
         k = model.args.num_experts_per_tok
