@@ -11,10 +11,11 @@ import pytest
 from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
-from mlx_lm_streaming import lookahead, schedules
-from mlx_lm_streaming import switch as switch_mod
+from mlx_lm_streaming import lookahead, plugins, schedules
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.hookspecs import hookimpl
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
@@ -76,26 +77,54 @@ def test_one_call_per_landing_is_exact(q3, monkeypatch):
     model.expert_streaming.close()
 
 
-def test_cpu_prefill_computes_read_experts_as_they_land(q3, monkeypatch):
+class ExpertsPerCall(GatherKernel):
+    """The gather kernel, registered through the kernel plugin hook, noting how many experts each
+    call computes."""
+
+    name = "experts_per_call"
+
+    def __init__(self):
+        self.experts = []
+
+    def __call__(self, x, slots, slots_np, bank):
+        self.experts.append(len(np.unique(slots_np)))  # one slot per expert in a bank
+        return super().__call__(x, slots, slots_np, bank)
+
+
+class ExpertsPerCallPlugin:
+    def __init__(self):
+        self.kernel = ExpertsPerCall()
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
+
+
+@pytest.fixture
+def experts_per_call():
+    plugin = ExpertsPerCallPlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="experts-per-call-test")
+    try:
+        yield plugin.kernel
+    finally:
+        pm.unregister(plugin)
+
+
+def test_cpu_prefill_computes_read_experts_as_they_land(q3, experts_per_call):
     # a call per wave on the CPU kept +5 points of peak RSS over the budget (docs/design.md): there,
     # prefill-sized calls compute each read expert as it lands
     path, _, _ = q3
     tokens = mx.array([[(7 * i + 1) % 512 for i in range(40)]])
     stock, _ = load_stock(path)
     want = stock(tokens)
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
-    experts_per_call = []  # (rows of the layer call, experts one kernel call computed)
-    real_rows = schedules.kernel_rows
-
-    def rows(layer, x, idx, which):
-        experts_per_call.append((idx.size, len(np.unique(idx.reshape(-1)[which]))))
-        return real_rows(layer, x, idx, which)
-
-    monkeypatch.setattr(schedules, "kernel_rows", rows)
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), kernel=experts_per_call.name)
+    k = model.args.num_experts_per_tok
+    assert tokens.size * k >= SORT_THRESHOLD  # every layer call is prefill-sized
     assert same([want], [model(tokens)])
-    prefill = [n for size, n in experts_per_call if size >= SORT_THRESHOLD]
-    assert prefill
-    assert all(n == 1 for n in prefill)  # the banks start empty: every call is one read expert
+    assert experts_per_call.experts
+    # the banks start empty: every kernel call is one read expert
+    assert all(n == 1 for n in experts_per_call.experts), experts_per_call.experts
     model.expert_streaming.close()
 
 
