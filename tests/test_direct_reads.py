@@ -7,6 +7,7 @@ turns direct reads off, views follow a bank that MLX moved, and a failed read le
 bytes that did not land.
 """
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,6 @@ import pytest
 from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming import bank_io, plugins
-from mlx_lm_streaming.bank import LayerBank
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
@@ -65,45 +65,28 @@ def injecting_store():
         pm.unregister(plugin)
 
 
-def counting(monkeypatch):
-    """Count direct reads and the ``ready`` reports of each load."""
-    seen = {"direct": 0, "reports": 0, "loads": 0}
-    real_direct, real_load = bank_io.read_direct, LayerBank.load
-
-    def read_direct(self, pairs, resident, *args):
-        seen["direct"] += len(pairs)
-
-        def report(landed):
-            seen["reports"] += 1
-            return resident(landed)
-
-        return real_direct(self, pairs, report, *args)
-
-    def load(self, experts, **kw):
-        seen["loads"] += 1
-        return real_load(self, experts, **kw)
-
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
-    monkeypatch.setattr(LayerBank, "load", load)
-    return seen
-
-
 # slots per layer: 1 (waves of one, no overlap), 2 and 3 (waves of one next to the one computing),
 # 5 (waves of two), 16 (every expert: identity banks, filled in the background)
 @pytest.mark.parametrize("slots", [1, 2, 3, 5, 16])
-def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
+def test_direct_reads_are_exact_at_every_budget(q3, slots, tmp_path):
     path, tokens, want = q3
-    model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, slots, tuning=NO_LOOKAHEAD, trace=str(out))
     cache = model.expert_streaming.cache
     cache.ensure_planned()
     assert all(b.slots == slots and b.direct for b in cache.banks)
-    seen = counting(monkeypatch)
     assert same(want, decode(model, tokens))
-    assert seen["direct"] > 0 and seen["reports"] > 0
     # nothing went through staging buffers
     assert cache.stats.install_seconds == 0 or slots == 16
     assert cache.resident_bytes <= slots * per_slot(model)
     model.expert_streaming.close()
+    # the timeline: demand reads ran on the demand readers, each into its slot, none on the
+    # thread that runs the model (where reads through staging buffers run)
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    model_thread = {e["tid"] for e in events if e["name"] == "layer"}
+    demand = [e for e in events if e["name"] == "read" and e["args"]["kind"] == "demand"]
+    assert demand
+    assert all(e["tid"] not in model_thread and "slot" in e["args"] for e in demand)
 
 
 def test_experts_are_computed_as_they_land(q3, monkeypatch, injecting_store):
