@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming import bank_io, plugins
+from mlx_lm_streaming import plugins
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
@@ -89,29 +89,32 @@ def test_direct_reads_are_exact_at_every_budget(q3, slots, tmp_path):
     assert all(e["tid"] not in model_thread and "slot" in e["args"] for e in demand)
 
 
-def test_experts_are_computed_as_they_land(q3, monkeypatch, injecting_store):
-    """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
+def test_experts_are_computed_as_they_land(q3, injecting_store, tmp_path):
+    """Each read expert's rows are computed when it lands, before the next lands: on the timeline,
+    every ``wait read`` of the calling thread is followed by the ``submit`` of what landed before
+    the next ``wait read`` (not one ``submit`` for the whole load)."""
     path, tokens, want = q3
-    model = with_slots(path, 8, tuning=NO_LOOKAHEAD, store=injecting_store)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 8, tuning=NO_LOOKAHEAD, store=injecting_store, trace=str(out))
     cache = model.expert_streaming.cache
     cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
     cache.store.delay = 0.01  # the layer is done with the expert before the next one lands
-    per_load = []
-    real_direct = bank_io.read_direct
-
-    def read_direct(self, pairs, resident, *args):
-        landed = []
-        waited = real_direct(self, pairs, lambda ids: (landed.append(ids), resident(ids)), *args)
-        per_load.append((len(pairs), landed))
-        return waited
-
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
     assert same(want, decode(model, tokens))
-    several = [(n, landed) for n, landed in per_load if n >= 2]
-    assert several
-    # one report per expert, as it landed (not one for the whole load)
-    assert all(len(landed) == n and all(len(g) == 1 for g in landed) for n, landed in several)
     model.expert_streaming.close()
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    several = 0  # layer calls that read two experts or more
+    for call in events:
+        if call["name"] != "layer" or call["args"].get("misses", 0) < 2:
+            continue
+        several += 1
+        start, end, layer = call["ts"], call["ts"] + call["dur"], call["args"]["layer"]
+        ours = [e for e in events if e["tid"] == call["tid"] and e["args"].get("layer") == layer]
+        inside = [e for e in ours if start <= e["ts"] <= end]
+        names = [e["name"] for e in sorted(inside, key=lambda e: e["ts"])]
+        order = [n for n in names if n in ("wait read", "submit")]
+        assert order.count("wait read") == call["args"]["misses"], names
+        assert all(nxt == "submit" for n, nxt in zip(order, order[1:]) if n == "wait read"), names
+    assert several
 
 
 def test_a_second_thread_turns_direct_reads_off(q3):
