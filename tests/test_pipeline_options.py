@@ -11,7 +11,7 @@ import pytest
 from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
-from mlx_lm_streaming import lookahead, plugins, schedules
+from mlx_lm_streaming import lookahead, plugins
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
@@ -48,33 +48,36 @@ def test_a_bad_piece_size_is_named(q3, bad):
         with_slots(path, 3, store_options={"chunk_bytes": bad})
 
 
-def test_one_call_per_landing_is_exact(q3, monkeypatch):
+def test_one_call_per_landing_is_exact(q3, tmp_path):
     path, tokens, want = q3
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
-    reported = []
-    real_direct = bank_io.read_direct
-
-    def read_direct(bank, pairs, resident, *args):
-        return real_direct(
-            bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args
-        )
-
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
-    calls = []  # (rows of the call, rows computed at once)
-
-    real_rows = schedules.kernel_rows
-
-    def rows(layer, x, idx, which):
-        calls.append((idx.size, len(which)))
-        return real_rows(layer, x, idx, which)
-
-    monkeypatch.setattr(schedules, "kernel_rows", rows)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), trace=str(out))
+    k = model.args.num_experts_per_tok
     assert same(want, decode(model, tokens))
-    assert reported
-    # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each)
-    decode_calls = [c for c in calls if c[0] <= 4]
-    assert any(n < size for size, n in decode_calls)
     model.expert_streaming.close()
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    # reads straight into slots, reported as they landed (demand reads on the demand readers)
+    model_thread = {e["tid"] for e in events if e["name"] == "layer"}
+    assert any(
+        e["name"] == "read" and e["args"]["kind"] == "demand" and e["tid"] not in model_thread
+        for e in events
+    )
+    # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each),
+    # whose rows are computed in parts (hits, landings: a submit each) before the whole is submitted
+    submits = []  # per such layer call with misses: the compute it submitted
+    for call in events:
+        args = call["args"]
+        if call["name"] != "layer" or args["tokens"] * k > 4 or not args.get("misses"):
+            continue
+        start, end = call["ts"], call["ts"] + call["dur"]
+        submits.append(
+            sum(
+                e["name"] == "submit" and e["args"]["layer"] == args["layer"]
+                for e in events
+                if e["tid"] == call["tid"] and start <= e["ts"] <= end
+            )
+        )
+    assert submits and any(n > 2 for n in submits), submits
 
 
 class ExpertsPerCall(GatherKernel):
