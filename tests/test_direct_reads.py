@@ -268,32 +268,35 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
 
 
 @pytest.mark.parametrize("slots", [2, 3, 16])
-def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
+def test_projections_computed_as_they_land_are_exact(q3, slots, tmp_path):
     """Big experts are read a projection at a time and each projection's rows computed as it lands
     (phase_min_bytes lowered so that the test's small experts qualify): same bits as stock."""
-    from mlx_lm_streaming import schedules
-
-    landed = []
-    real = schedules.ByProjection.landing
-
-    def by_projection(self, *args):
-        ready, part_ready = real(self, *args)
-
-        def counted(e, slot, proj):
-            landed.append(proj)
-            return part_ready(e, slot, proj)
-
-        return ready, counted
-
-    monkeypatch.setattr(schedules.ByProjection, "landing", by_projection)
     path, tokens, want = q3
-    model = with_slots(path, slots, tuning=CacheTuning(lookahead=False, phase_min_bytes=0))
+    out = tmp_path / "timeline.json"
+    tuning = CacheTuning(lookahead=False, phase_min_bytes=0)
+    model = with_slots(path, slots, tuning=tuning, trace=str(out))
     cache = model.expert_streaming.cache
     assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
-    # gate and up are reported as they land; down lands with the expert
+    model.expert_streaming.close()
+    # gate and up are reported as they land (a "wait read" for the projection, then its
+    # submit); down lands with the expert
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    on_model_thread = sorted(
+        (e for e in events if e["tid"] in {c["tid"] for c in events if c["name"] == "layer"}),
+        key=lambda e: e["ts"],
+    )
+    landed = [e["args"].get("part") for e in on_model_thread if e["name"] == "wait read"]
+    landed = [p for p in landed if p is not None]
     assert landed and set(landed) == {"gate_proj", "up_proj"}
     assert landed.count("gate_proj") == landed.count("up_proj")
+    names = [e["name"] for e in on_model_thread if e["name"] in ("wait read", "submit")]
+    parts = [i for i, e in enumerate(on_model_thread) if e["args"].get("part")]
+    assert all(
+        next(e["name"] for e in on_model_thread[i + 1 :] if e["name"] in ("wait read", "submit"))
+        == "submit"
+        for i in parts
+    ), names
 
 
 def test_a_cancelled_read_is_an_error_not_a_hang(q3):
