@@ -7,6 +7,7 @@ turns direct reads off, views follow a bank that MLX moved, and a failed read le
 bytes that did not land.
 """
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,85 +17,104 @@ import numpy as np
 import pytest
 from support import decode, load_stock, load_streaming, per_slot, same, with_slots
 
-from mlx_lm_streaming import bank_io
-from mlx_lm_streaming.bank import LayerBank
+from mlx_lm_streaming import plugins
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.hookspecs import hookimpl
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 NO_LOOKAHEAD = CacheTuning(lookahead=False)
 
 
-def counting(monkeypatch):
-    """Count direct reads and the ``ready`` reports of each load."""
-    seen = {"direct": 0, "reports": 0, "loads": 0}
-    real_direct, real_load = bank_io.read_direct, LayerBank.load
+class InjectingStore(SafetensorsStore):
+    """The safetensors store, registered through the store plugin hook, whose ``read_many`` can be
+    slowed (``delay`` seconds before each call) or made to fail (every ``fail_every``-th call)."""
 
-    def read_direct(self, pairs, resident, *args):
-        seen["direct"] += len(pairs)
+    name = "injecting"
 
-        def report(landed):
-            seen["reports"] += 1
-            return resident(landed)
+    def __init__(self, files, **options):
+        super().__init__(files, **options)
+        self.delay, self.fail_every, self.calls = 0.0, 0, 0
 
-        return real_direct(self, pairs, report, *args)
+    def read_many(self, jobs):
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise ExpertIOError("injected: read failed")
+        if self.delay:
+            time.sleep(self.delay)
+        return super().read_many(jobs)
 
-    def load(self, experts, **kw):
-        seen["loads"] += 1
-        return real_load(self, experts, **kw)
 
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
-    monkeypatch.setattr(LayerBank, "load", load)
-    return seen
+class InjectingStorePlugin:
+    @hookimpl
+    def register_stores(self, register):
+        register(InjectingStore.name, InjectingStore)
+
+
+@pytest.fixture
+def injecting_store():
+    """The name of ``InjectingStore``, registered for the test."""
+    plugin = InjectingStorePlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="injecting-store-test")
+    try:
+        yield InjectingStore.name
+    finally:
+        pm.unregister(plugin)
 
 
 # slots per layer: 1 (waves of one, no overlap), 2 and 3 (waves of one next to the one computing),
 # 5 (waves of two), 16 (every expert: identity banks, filled in the background)
 @pytest.mark.parametrize("slots", [1, 2, 3, 5, 16])
-def test_direct_reads_are_exact_at_every_budget(q3, slots, monkeypatch):
+def test_direct_reads_are_exact_at_every_budget(q3, slots, tmp_path):
     path, tokens, want = q3
-    model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, slots, tuning=NO_LOOKAHEAD, trace=str(out))
     cache = model.expert_streaming.cache
     cache.ensure_planned()
     assert all(b.slots == slots and b.direct for b in cache.banks)
-    seen = counting(monkeypatch)
     assert same(want, decode(model, tokens))
-    assert seen["direct"] > 0 and seen["reports"] > 0
     # nothing went through staging buffers
     assert cache.stats.install_seconds == 0 or slots == 16
     assert cache.resident_bytes <= slots * per_slot(model)
     model.expert_streaming.close()
+    # the timeline: demand reads ran on the demand readers, each into its slot, none on the
+    # thread that runs the model (where reads through staging buffers run)
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    model_thread = {e["tid"] for e in events if e["name"] == "layer"}
+    demand = [e for e in events if e["name"] == "read" and e["args"]["kind"] == "demand"]
+    assert demand
+    assert all(e["tid"] not in model_thread and "slot" in e["args"] for e in demand)
 
 
-def test_experts_are_computed_as_they_land(q3, monkeypatch):
-    """Decode-sized calls: each expert's rows are computed when it lands, before the next lands."""
+def test_experts_are_computed_as_they_land(q3, injecting_store, tmp_path):
+    """Each read expert's rows are computed when it lands, before the next lands: on the timeline,
+    every ``wait read`` of the calling thread is followed by the ``submit`` of what landed before
+    the next ``wait read`` (not one ``submit`` for the whole load)."""
     path, tokens, want = q3
-    model = with_slots(path, 8, tuning=NO_LOOKAHEAD)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 8, tuning=NO_LOOKAHEAD, store=injecting_store, trace=str(out))
     cache = model.expert_streaming.cache
     cache._demand_pool = ThreadPoolExecutor(1)  # one expert at a time
-    store, real = cache.store, cache.store.read_many
-
-    def slow(jobs):
-        time.sleep(0.01)  # the layer is done with the expert before the next one lands
-        return real(jobs)
-
-    monkeypatch.setattr(store, "read_many", slow)
-    per_load = []
-    real_direct = bank_io.read_direct
-
-    def read_direct(self, pairs, resident, *args):
-        landed = []
-        waited = real_direct(self, pairs, lambda ids: (landed.append(ids), resident(ids)), *args)
-        per_load.append((len(pairs), landed))
-        return waited
-
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
+    cache.store.delay = 0.01  # the layer is done with the expert before the next one lands
     assert same(want, decode(model, tokens))
-    several = [(n, landed) for n, landed in per_load if n >= 2]
-    assert several
-    # one report per expert, as it landed (not one for the whole load)
-    assert all(len(landed) == n and all(len(g) == 1 for g in landed) for n, landed in several)
     model.expert_streaming.close()
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    several = 0  # layer calls that read two experts or more
+    for call in events:
+        if call["name"] != "layer" or call["args"].get("misses", 0) < 2:
+            continue
+        several += 1
+        start, end, layer = call["ts"], call["ts"] + call["dur"], call["args"]["layer"]
+        ours = [e for e in events if e["tid"] == call["tid"] and e["args"].get("layer") == layer]
+        inside = [e for e in ours if start <= e["ts"] <= end]
+        names = [e["name"] for e in sorted(inside, key=lambda e: e["ts"])]
+        order = [n for n in names if n in ("wait read", "submit")]
+        assert order.count("wait read") == call["args"]["misses"], names
+        assert all(nxt == "submit" for n, nxt in zip(order, order[1:]) if n == "wait read"), names
+    assert several
 
 
 def test_a_second_thread_turns_direct_reads_off(q3):
@@ -132,49 +152,67 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
     model.expert_streaming.close()
 
 
-def test_a_failed_direct_read_maps_no_slot_to_it(q3, monkeypatch):
+def test_a_failed_direct_read_maps_no_slot_to_it(q3, injecting_store):
     path, tokens, want = q3
-    model = with_slots(path, 4, tuning=NO_LOOKAHEAD)
+    model = with_slots(path, 4, tuning=NO_LOOKAHEAD, store=injecting_store)
     cache = model.expert_streaming.cache
     store = cache.store
-    real = store.read_many
-    calls = {"n": 0}
-
-    def flaky(jobs):
-        calls["n"] += 1
-        if calls["n"] % 3 == 0:
-            raise ExpertIOError("injected: read failed")
-        return real(jobs)
-
-    monkeypatch.setattr(store, "read_many", flaky)
+    assert isinstance(store, InjectingStore)
+    store.fail_every = 3
     with pytest.raises(ExpertIOError, match="injected"):
         decode(model, tokens)
     for bank in cache.banks:
         mapped = np.nonzero(bank.slot_of >= 0)[0]
         assert (bank.expert_of[bank.slot_of[mapped]] == mapped).all()
     # every mapped slot holds its expert's bytes: with reads working again, logits are stock's
-    monkeypatch.setattr(store, "read_many", real)
+    store.fail_every = 0
     assert same(want, decode(model, tokens))
     model.expert_streaming.close()
 
 
-def test_partial_calls_are_padded_where_row_counts_matter(q3, monkeypatch):
+class PaddedGather(GatherKernel):
+    """The gather kernel as a kernel whose per-row bits depend on the row count everywhere (as
+    gather_qmm's do on CUDA: no ``subset_exact_on``), counting the rows of each call."""
+
+    name = "padded_gather"
+    subset_exact_on = ()
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, x, slots, slots_np, bank):
+        self.counts.append(slots.size)
+        return super().__call__(x, slots, slots_np, bank)
+
+
+class PaddedGatherPlugin:
+    def __init__(self):
+        self.kernel = PaddedGather()
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
+
+
+@pytest.fixture
+def padded_gather():
+    """``PaddedGather``, registered through the kernel plugin hook for the test."""
+    plugin = PaddedGatherPlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="padded-gather-test")
+    try:
+        yield plugin.kernel
+    finally:
+        pm.unregister(plugin)
+
+
+def test_partial_calls_are_padded_where_row_counts_matter(q3, padded_gather):
     """A kernel whose per-row bits depend on the row count (gather_qmm on CUDA) always gets the whole
     call's row count: partial calls (hits, landings, waves) are padded, and the result is unchanged."""
-    from mlx_lm_streaming.kernels.gather import GatherKernel
-
     path, tokens, want = q3
-    monkeypatch.setattr(GatherKernel, "subset_exact_on", ())
-    counts = []
-    real = GatherKernel.__call__
-
-    def call(self, x, slots, slots_np, bank):
-        counts.append(slots.size)
-        return real(self, x, slots, slots_np, bank)
-
-    monkeypatch.setattr(GatherKernel, "__call__", call)
+    counts = padded_gather.counts
     for slots in (3, 8):
-        model = with_slots(path, slots, tuning=NO_LOOKAHEAD)
+        model = with_slots(path, slots, tuning=NO_LOOKAHEAD, kernel=padded_gather.name)
         counts.clear()
         assert same(want, decode(model, tokens))
         k = model.args.num_experts_per_tok
@@ -230,32 +268,35 @@ def test_what_the_budget_leaves_gives_layers_one_more_slot(q3):
 
 
 @pytest.mark.parametrize("slots", [2, 3, 16])
-def test_projections_computed_as_they_land_are_exact(q3, slots, monkeypatch):
+def test_projections_computed_as_they_land_are_exact(q3, slots, tmp_path):
     """Big experts are read a projection at a time and each projection's rows computed as it lands
     (phase_min_bytes lowered so that the test's small experts qualify): same bits as stock."""
-    from mlx_lm_streaming import schedules
-
-    landed = []
-    real = schedules.ByProjection.landing
-
-    def by_projection(self, *args):
-        ready, part_ready = real(self, *args)
-
-        def counted(e, slot, proj):
-            landed.append(proj)
-            return part_ready(e, slot, proj)
-
-        return ready, counted
-
-    monkeypatch.setattr(schedules.ByProjection, "landing", by_projection)
     path, tokens, want = q3
-    model = with_slots(path, slots, tuning=CacheTuning(lookahead=False, phase_min_bytes=0))
+    out = tmp_path / "timeline.json"
+    tuning = CacheTuning(lookahead=False, phase_min_bytes=0)
+    model = with_slots(path, slots, tuning=tuning, trace=str(out))
     cache = model.expert_streaming.cache
     assert same(want, decode(model, tokens))
     assert all(b.direct for b in cache.banks)
-    # gate and up are reported as they land; down lands with the expert
+    model.expert_streaming.close()
+    # gate and up are reported as they land (a "wait read" for the projection, then its
+    # submit); down lands with the expert
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    on_model_thread = sorted(
+        (e for e in events if e["tid"] in {c["tid"] for c in events if c["name"] == "layer"}),
+        key=lambda e: e["ts"],
+    )
+    landed = [e["args"].get("part") for e in on_model_thread if e["name"] == "wait read"]
+    landed = [p for p in landed if p is not None]
     assert landed and set(landed) == {"gate_proj", "up_proj"}
     assert landed.count("gate_proj") == landed.count("up_proj")
+    names = [e["name"] for e in on_model_thread if e["name"] in ("wait read", "submit")]
+    parts = [i for i, e in enumerate(on_model_thread) if e["args"].get("part")]
+    assert all(
+        next(e["name"] for e in on_model_thread[i + 1 :] if e["name"] in ("wait read", "submit"))
+        == "submit"
+        for i in parts
+    ), names
 
 
 def test_a_cancelled_read_is_an_error_not_a_hang(q3):

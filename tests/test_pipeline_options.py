@@ -3,16 +3,19 @@ each read expert computed as it lands, the router's lookahead one layer ahead. E
 logits equal stock's bit for bit, and each does what it says.
 """
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from support import decode, load_stock, same, with_slots
 
 from mlx_lm_streaming import bank_io
-from mlx_lm_streaming import lookahead, schedules
-from mlx_lm_streaming import switch as switch_mod
+from mlx_lm_streaming import lookahead, plugins
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.hookspecs import hookimpl
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
@@ -45,55 +48,86 @@ def test_a_bad_piece_size_is_named(q3, bad):
         with_slots(path, 3, store_options={"chunk_bytes": bad})
 
 
-def test_one_call_per_landing_is_exact(q3, monkeypatch):
+def test_one_call_per_landing_is_exact(q3, tmp_path):
     path, tokens, want = q3
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
-    reported = []
-    real_direct = bank_io.read_direct
-
-    def read_direct(bank, pairs, resident, *args):
-        return real_direct(
-            bank, pairs, lambda ids: (reported.append(len(ids)), resident(ids)), *args
-        )
-
-    monkeypatch.setattr(bank_io, "read_direct", read_direct)
-    calls = []  # (rows of the call, rows computed at once)
-
-    real_rows = schedules.kernel_rows
-
-    def rows(layer, x, idx, which):
-        calls.append((idx.size, len(which)))
-        return real_rows(layer, x, idx, which)
-
-    monkeypatch.setattr(schedules, "kernel_rows", rows)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), trace=str(out))
+    k = model.args.num_experts_per_tok
     assert same(want, decode(model, tokens))
-    assert reported
-    # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each)
-    decode_calls = [c for c in calls if c[0] <= 4]
-    assert any(n < size for size, n in decode_calls)
     model.expert_streaming.close()
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    # reads straight into slots, reported as they landed (demand reads on the demand readers)
+    model_thread = {e["tid"] for e in events if e["name"] == "layer"}
+    assert any(
+        e["name"] == "read" and e["args"]["kind"] == "demand" and e["tid"] not in model_thread
+        for e in events
+    )
+    # calls of at most 4 rows use at most the 4 slots: one wave (more go in waves, a call each),
+    # whose rows are computed in parts (hits, landings: a submit each) before the whole is submitted
+    submits = []  # per such layer call with misses: the compute it submitted
+    for call in events:
+        args = call["args"]
+        if call["name"] != "layer" or args["tokens"] * k > 4 or not args.get("misses"):
+            continue
+        start, end = call["ts"], call["ts"] + call["dur"]
+        submits.append(
+            sum(
+                e["name"] == "submit" and e["args"]["layer"] == args["layer"]
+                for e in events
+                if e["tid"] == call["tid"] and start <= e["ts"] <= end
+            )
+        )
+    assert submits and any(n > 2 for n in submits), submits
 
 
-def test_cpu_prefill_computes_read_experts_as_they_land(q3, monkeypatch):
+class ExpertsPerCall(GatherKernel):
+    """The gather kernel, registered through the kernel plugin hook, noting how many experts each
+    call computes."""
+
+    name = "experts_per_call"
+
+    def __init__(self):
+        self.experts = []
+
+    def __call__(self, x, slots, slots_np, bank):
+        self.experts.append(len(np.unique(slots_np)))  # one slot per expert in a bank
+        return super().__call__(x, slots, slots_np, bank)
+
+
+class ExpertsPerCallPlugin:
+    def __init__(self):
+        self.kernel = ExpertsPerCall()
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
+
+
+@pytest.fixture
+def experts_per_call():
+    plugin = ExpertsPerCallPlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="experts-per-call-test")
+    try:
+        yield plugin.kernel
+    finally:
+        pm.unregister(plugin)
+
+
+def test_cpu_prefill_computes_read_experts_as_they_land(q3, experts_per_call):
     # a call per wave on the CPU kept +5 points of peak RSS over the budget (docs/design.md): there,
     # prefill-sized calls compute each read expert as it lands
     path, _, _ = q3
     tokens = mx.array([[(7 * i + 1) % 512 for i in range(40)]])
     stock, _ = load_stock(path)
     want = stock(tokens)
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
-    experts_per_call = []  # (rows of the layer call, experts one kernel call computed)
-    real_rows = schedules.kernel_rows
-
-    def rows(layer, x, idx, which):
-        experts_per_call.append((idx.size, len(np.unique(idx.reshape(-1)[which]))))
-        return real_rows(layer, x, idx, which)
-
-    monkeypatch.setattr(schedules, "kernel_rows", rows)
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), kernel=experts_per_call.name)
+    k = model.args.num_experts_per_tok
+    assert tokens.size * k >= SORT_THRESHOLD  # every layer call is prefill-sized
     assert same([want], [model(tokens)])
-    prefill = [n for size, n in experts_per_call if size >= SORT_THRESHOLD]
-    assert prefill
-    assert all(n == 1 for n in prefill)  # the banks start empty: every call is one read expert
+    assert experts_per_call.experts
+    # the banks start empty: every kernel call is one read expert
+    assert all(n == 1 for n in experts_per_call.experts), experts_per_call.experts
     model.expert_streaming.close()
 
 
@@ -146,66 +180,56 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
     model.expert_streaming.close()
 
 
-def test_a_guess_read_ahead_counts_once(q3, monkeypatch):
+def test_a_guess_read_ahead_counts_once(q3, tmp_path):
     # a guess the call uses is one miss of that call: every expert a call asks for is counted once
-    # (a staged one was once counted a miss and then a hit)
+    # (a staged one was once counted a miss and then a hit). The timeline's layer events give the
+    # distinct experts each call asked for
     path, tokens, want = q3
     tuning = CacheTuning(
         verified_steps=False,  # the lookahead is the per-layer schedule's
         lookahead_min_precision=0.0,
         staging_bytes=1 << 24,
     )
-    model = with_slots(path, 8, tuning=tuning)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 8, tuning=tuning, trace=str(out))
     cache = model.expert_streaming.cache
-    asked = []
-    real_call = switch_mod.StreamingSwitchGLU.__call__
-
-    def call(self, x, indices):
-        asked.append(len(np.unique(np.array(indices))))
-        return real_call(self, x, indices)
-
-    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "__call__", call)
     assert same(want, decode(model, tokens))
     assert cache.prefetch_stats.used["lookahead"] > 0
-    assert cache.stats.hits + cache.stats.misses == sum(asked)
+    counted = cache.stats.hits + cache.stats.misses
     model.expert_streaming.close()
+    calls = [e["args"] for e in json.loads(out.read_text()) if e.get("name") == "layer"]
+    assert calls and all("experts" in c for c in calls)
+    assert counted == sum(c["experts"] for c in calls)
 
 
-def test_the_hits_rows_follow_the_reads_issue(q3, monkeypatch):
+def test_the_hits_rows_follow_the_reads_issue(q3, tmp_path):
     # a decode call hands its reads to the demand threads before it computes the rows of its
-    # resident experts, so that their submission does not delay every read
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
+    # resident experts, so that their submission does not delay every read. On the timeline: in a
+    # call with hits and misses, the hits' compute is the first "submit" before the first "wait
+    # read"; reads issued before it can start while it is submitted (mx.async_eval lets go of the
+    # GIL), reads issued after it cannot. The demand threads are not always scheduled in that
+    # window, so some call, not every call, shows it
     path, tokens, want = q3
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
-    events = []  # on the thread that calls the model: "call", "rows" (a kernel call), "read"
-    main = threading.current_thread()
-    real_call = switch_mod.StreamingSwitchGLU.__call__
-    real_rows = schedules.kernel_rows
-    real_submit = ThreadPoolExecutor.submit
-
-    def call(self, x, indices):
-        events.append("call")
-        return real_call(self, x, indices)
-
-    def rows(layer, x, idx, which):
-        events.append("rows")
-        return real_rows(layer, x, idx, which)
-
-    def submit(self, fn, *args, **kwargs):
-        if threading.current_thread() is main:
-            events.append("read")  # a demand read handed to its thread
-        return real_submit(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(switch_mod.StreamingSwitchGLU, "__call__", call)
-    monkeypatch.setattr(schedules, "kernel_rows", rows)
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
+    out = tmp_path / "timeline.json"
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), trace=str(out))
     assert same(want, decode(model, tokens))
-    calls = " ".join(events).split("call")
-    # calls that computed rows before their first read was issued: those of the hits
-    mixed = [c.split() for c in calls if "read" in c.split() and "rows" in c.split()]
-    rows_first = [c for c in mixed if c.index("rows") < c.index("read")]
-    assert mixed
-    assert not rows_first
     model.expert_streaming.close()
+    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
+    # per call with hits and misses: whether a read started before the hits' submit ended
+    reads_during_hits = []
+    for call in events:
+        args = call["args"]
+        if call["name"] != "layer" or not 0 < args.get("misses", 0) < args.get("experts", 0):
+            continue
+        start, end = call["ts"], call["ts"] + call["dur"]
+        ours = [e for e in events if e["args"].get("layer") == args["layer"]]
+        inside = sorted((e for e in ours if start <= e["ts"] <= end), key=lambda e: e["ts"])
+        names = [e["name"] for e in inside]
+        first_wait = names.index("wait read")
+        assert "submit" in names[:first_wait], names  # the hits' rows, before any read is awaited
+        hits = inside[names.index("submit")]
+        reads = [e for e in inside if e["name"] == "read" and e["args"]["kind"] == "demand"]
+        assert reads
+        reads_during_hits.append(min(e["ts"] for e in reads) < hits["ts"] + hits["dur"])
+    assert reads_during_hits
+    assert any(reads_during_hits), reads_during_hits
