@@ -7,6 +7,9 @@ import mlx.core as mx
 import pytest
 from support import decode, generate_cmd, generated_text, hook_installed, load_stock, run
 
+from mlx_lm_streaming import plugins
+from mlx_lm_streaming.hookspecs import hookimpl
+from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.options import ENV
 from mlx_lm_streaming.synthetic import build_checkpoint
 
@@ -86,3 +89,39 @@ def q3(q3_path):
         [[(5 * i + 3) % 512 for i in range(12)], [(11 * i + 7) % 512 for i in range(12)]]
     )
     return q3_path, tokens, decode(stock, tokens)
+
+
+class PaddedGather(GatherKernel):
+    """The gather kernel as a kernel whose per-row bits depend on the row count everywhere (as
+    gather_qmm's do on CUDA: no ``subset_exact_on``), counting the rows of each call."""
+
+    name = "padded_gather"
+    subset_exact_on = ()
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, x, slots, slots_np, bank):
+        self.counts.append(slots.size)
+        return super().__call__(x, slots, slots_np, bank)
+
+
+class PaddedGatherPlugin:
+    def __init__(self):
+        self.kernel = PaddedGather()
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
+
+
+@pytest.fixture
+def padded_gather():
+    """``PaddedGather``, registered through the kernel plugin hook for the test."""
+    plugin = PaddedGatherPlugin()
+    pm = plugins.load_plugins()
+    pm.register(plugin, name="padded-gather-test")
+    try:
+        yield plugin.kernel
+    finally:
+        pm.unregister(plugin)

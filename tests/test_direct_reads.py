@@ -21,7 +21,6 @@ from mlx_lm_streaming import plugins
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
-from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
@@ -168,42 +167,6 @@ def test_a_failed_direct_read_maps_no_slot_to_it(q3, injecting_store):
     store.fail_every = 0
     assert same(want, decode(model, tokens))
     model.expert_streaming.close()
-
-
-class PaddedGather(GatherKernel):
-    """The gather kernel as a kernel whose per-row bits depend on the row count everywhere (as
-    gather_qmm's do on CUDA: no ``subset_exact_on``), counting the rows of each call."""
-
-    name = "padded_gather"
-    subset_exact_on = ()
-
-    def __init__(self):
-        self.counts = []
-
-    def __call__(self, x, slots, slots_np, bank):
-        self.counts.append(slots.size)
-        return super().__call__(x, slots, slots_np, bank)
-
-
-class PaddedGatherPlugin:
-    def __init__(self):
-        self.kernel = PaddedGather()
-
-    @hookimpl
-    def register_kernels(self, register):
-        register(self.kernel)
-
-
-@pytest.fixture
-def padded_gather():
-    """``PaddedGather``, registered through the kernel plugin hook for the test."""
-    plugin = PaddedGatherPlugin()
-    pm = plugins.load_plugins()
-    pm.register(plugin, name="padded-gather-test")
-    try:
-        yield plugin.kernel
-    finally:
-        pm.unregister(plugin)
 
 
 def test_partial_calls_are_padded_where_row_counts_matter(q3, padded_gather):

@@ -18,7 +18,6 @@ from support import held_out_env, load_streaming
 
 from mlx_lm_streaming import schedules
 from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
-from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
 from mlx_lm_streaming.synthetic import build_checkpoint
 
@@ -135,17 +134,15 @@ def big_experts(tmp_path):
     return path, budgets
 
 
-def test_parity_table_reaches_every_schedule(checkpoint, tmp_path, monkeypatch):
+def test_parity_table_reaches_every_schedule(checkpoint, tmp_path, monkeypatch, padded_gather):
     # the table's budgets and prompts, with its options, reach every schedule class: a new one
     # without a parity case here fails
     ran = count_schedules(monkeypatch)
     check_parity(checkpoint("qwen3_moe"))
     check_parity(checkpoint("qwen3_moe"), direct_reads=False)
-    # a call per wave is what backends whose partial calls are padded (GPUs) do: the CPU's gather
-    # kernel taken for one
-    with monkeypatch.context() as padded:
-        padded.setattr(GatherKernel, "subset_exact_on", ())
-        check_parity(checkpoint("qwen3_moe"))
+    # a call per wave is what backends whose partial calls are padded (GPUs) do: a gather kernel
+    # registered through the kernel plugin hook as one
+    check_parity(checkpoint("qwen3_moe"), kernel=padded_gather.name)
     # experts of PHASE_MIN_BYTES and more are read a projection at a time (the default): one prompt
     # row, a few decode steps
     path, budgets = big_experts(tmp_path)
