@@ -5,10 +5,17 @@ import sys
 
 import mlx.core as mx
 import pytest
-from support import decode, generate_cmd, generated_text, hook_installed, load_stock, run
+from support import (
+    KernelPlugin,
+    decode,
+    generate_cmd,
+    generated_text,
+    hook_installed,
+    load_stock,
+    registered,
+    run,
+)
 
-from mlx_lm_streaming import plugins
-from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.options import ENV
 from mlx_lm_streaming.synthetic import build_checkpoint
@@ -106,22 +113,8 @@ class PaddedGather(GatherKernel):
         return super().__call__(x, slots, slots_np, bank)
 
 
-class PaddedGatherPlugin:
-    def __init__(self):
-        self.kernel = PaddedGather()
-
-    @hookimpl
-    def register_kernels(self, register):
-        register(self.kernel)
-
-
 @pytest.fixture
 def padded_gather():
     """``PaddedGather``, registered through the kernel plugin hook for the test."""
-    plugin = PaddedGatherPlugin()
-    pm = plugins.load_plugins()
-    pm.register(plugin, name="padded-gather-test")
-    try:
+    with registered(KernelPlugin(PaddedGather()), "padded-gather-test") as plugin:
         yield plugin.kernel
-    finally:
-        pm.unregister(plugin)

@@ -19,10 +19,35 @@ import mlx.core as mx
 import mlx_lm.utils
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_lm_streaming import plugins
+from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.integration import install
 from mlx_lm_streaming.options import ENV
 
 from mlx_lm_streaming.option_table import GB  # noqa: E402
+
+
+@contextmanager
+def registered(plugin, name: str):
+    """``plugin`` registered with our plugin manager for the ``with`` block, as a third party's would
+    be through its entry point; unregistered after it."""
+    pm = plugins.load_plugins()
+    pm.register(plugin, name=name)
+    try:
+        yield plugin
+    finally:
+        pm.unregister(plugin)
+
+
+class KernelPlugin:
+    """A plugin that registers one kernel through the kernel hook."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @hookimpl
+    def register_kernels(self, register):
+        register(self.kernel)
 
 
 @contextmanager

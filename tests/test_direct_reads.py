@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import decode, load_stock, load_streaming, per_slot, same, with_slots
+from support import decode, load_stock, load_streaming, per_slot, registered, same, with_slots
 
-from mlx_lm_streaming import plugins
 from mlx_lm_streaming.errors import ExpertIOError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
@@ -55,13 +54,8 @@ class InjectingStorePlugin:
 @pytest.fixture
 def injecting_store():
     """The name of ``InjectingStore``, registered for the test."""
-    plugin = InjectingStorePlugin()
-    pm = plugins.load_plugins()
-    pm.register(plugin, name="injecting-store-test")
-    try:
+    with registered(InjectingStorePlugin(), "injecting-store-test"):
         yield InjectingStore.name
-    finally:
-        pm.unregister(plugin)
 
 
 # slots per layer: 1 (waves of one, no overlap), 2 and 3 (waves of one next to the one computing),

@@ -8,13 +8,12 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import decode, load_stock, same, with_slots
+from support import KernelPlugin, decode, load_stock, registered, same, with_slots
 
 from mlx_lm_streaming import bank_io
-from mlx_lm_streaming import lookahead, plugins
+from mlx_lm_streaming import lookahead
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
@@ -94,24 +93,10 @@ class ExpertsPerCall(GatherKernel):
         return super().__call__(x, slots, slots_np, bank)
 
 
-class ExpertsPerCallPlugin:
-    def __init__(self):
-        self.kernel = ExpertsPerCall()
-
-    @hookimpl
-    def register_kernels(self, register):
-        register(self.kernel)
-
-
 @pytest.fixture
 def experts_per_call():
-    plugin = ExpertsPerCallPlugin()
-    pm = plugins.load_plugins()
-    pm.register(plugin, name="experts-per-call-test")
-    try:
+    with registered(KernelPlugin(ExpertsPerCall()), "experts-per-call-test") as plugin:
         yield plugin.kernel
-    finally:
-        pm.unregister(plugin)
 
 
 def test_cpu_prefill_computes_read_experts_as_they_land(q3, experts_per_call):

@@ -7,7 +7,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from support import load_stock, load_streaming
+from support import load_stock, load_streaming, registered
 
 from mlx_lm_streaming import plugins
 from mlx_lm_streaming.hookspecs import hookimpl
@@ -63,13 +63,8 @@ class ThirdParty:
 
 @pytest.fixture
 def third_party():
-    plugin = ThirdParty()
-    pm = plugins.load_plugins()
-    pm.register(plugin, name="third-party-test")
-    try:
+    with registered(ThirdParty(), "third-party-test") as plugin:
         yield plugin
-    finally:
-        pm.unregister(plugin)
 
 
 def test_builtins_registered(checkpoint):
