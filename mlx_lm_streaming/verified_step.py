@@ -108,7 +108,7 @@ class VerifiedStep:
             layer = self.read_missing()
             if layer is None:
                 return
-            mlx_compat.rewind(self.kv[layer : upto + 1] if self.kv is not None else None, self.tokens)
+            self.rewind(layer, upto + 1)
             self.runner.replays += 1
             for i in range(layer, upto + 1):
                 call, args, kwargs = self.inputs[i]
@@ -122,31 +122,34 @@ class VerifiedStep:
         """Check the MoE calls not yet checked (one host sync). None if nothing is missing; else
         read the first missing call's experts and return its decoder layer, from which the
         forward must run again (raises ``_Again`` where it cannot)."""
-        if True:
-            first = self.first_miss()
-            if first is None:
-                self.calls = []
-                return None
-            layer, bank, indices, _ = self.calls[first]
-            experts = np.unique(np.array(indices, copy=False).astype(np.int64))
-            if (
-                not self.replayable
-                or layer is None
-                or len(experts) > bank.slots
-                or id(bank) in self.loaded  # it missed again after its load: ids that changed
-            ):
-                raise _Again
-            self.runner.flush()
-            mx.eval([m for *_, m in self.calls], self.outputs[self.ran])  # nothing pending reads
-            # a slot the load may write
-            tl = bank.cache.timeline
-            start = tl.now() if tl else 0
-            bank.load(experts)  # reads what is missing; counts the call's hits and misses
-            self.loaded.add(id(bank))
-            if tl:
-                tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+        first = self.first_miss()  # (it did the step before's host work)
+        if first is None:
             self.calls = []
-            return layer
+            return None
+        layer, bank, indices, _ = self.calls[first]
+        experts = np.unique(np.array(indices, copy=False).astype(np.int64))
+        if (
+            not self.replayable
+            or layer is None
+            or len(experts) > bank.slots
+            or id(bank) in self.loaded  # it missed again after its load: ids that changed
+        ):
+            raise _Again
+        # no pending work may read a slot the load writes
+        mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
+        tl = bank.cache.timeline
+        start = tl.now() if tl else 0
+        bank.load(experts)  # reads what is missing; counts the call's hits and misses
+        self.loaded.add(id(bank))
+        if tl:
+            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+        self.calls = []
+        return layer
+
+    def rewind(self, first: int, end: int) -> None:
+        """Take back this step's tokens from the cache entries of decoder layers ``first`` to
+        ``end - 1`` (no cache: nothing to take back)."""
+        mlx_compat.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
 
     def first_miss(self) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -282,8 +285,7 @@ class StepRunner:
                     layer = step.read_missing()
                     if layer is None:
                         break
-                    ran = step.ran + 1
-                    mlx_compat.rewind(kv[layer:ran] if kv is not None else None, tokens)
+                    step.rewind(layer, step.ran + 1)
                     step.replay_below = layer
                     self.replays += 1
                     out = call(*args, **kwargs)
@@ -297,8 +299,8 @@ class StepRunner:
             self._local.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
-            ran = step.ran + 1 if step.ran >= 0 else None
-            mlx_compat.rewind(kv[:ran] if kv is not None and ran else kv, tokens)
+            # every entry the step wrote; all of them if no wrapped layer ran
+            step.rewind(0, step.ran + 1 if step.ran >= 0 else len(kv or ()))
             out = call(*args, **kwargs)
         finally:
             self._local.step = None
