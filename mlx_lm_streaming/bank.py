@@ -223,8 +223,12 @@ class LayerBank:
             self.hits += hits
             self.misses += len(missing) + len(used)
             self.cache.stats.add(hits, len(missing) + len(used), evicted)
-            if self.identity and not self.complete:
-                self.complete = bool((self.slot_of >= 0).all())
+            self.note_complete()
+
+    def note_complete(self) -> None:
+        """An identity bank is ``complete`` once every expert is resident (checked after a change)."""
+        if self.identity and not self.complete:
+            self.complete = bool((self.slot_of >= 0).all())
 
     def _load_guessed(self, experts: np.ndarray, keep) -> None:
         """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting

@@ -132,7 +132,7 @@ class Verified(Schedule):
                 # the fill's reads that landed: into slots no resident expert has, which no pending
                 # work reads but for rows a miss makes wrong anyway (dropped at the check)
                 install_finished(bank)
-                bank.complete = bool((bank.slot_of >= 0).all())
+                bank.note_complete()
             slots, missing = bank.device_map()
             y = self.kernel(self.x, slots[indices], None, bank)
         self.step.add(bank, indices, missing[indices].sum())
