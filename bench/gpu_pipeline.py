@@ -84,15 +84,10 @@ SHAPES = ("qwen3", "tiny")
 # threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "nolookahead" (no
 # next-layer lookahead), "gateN" (lookahead guesses read once their running precision is N% or
 # more), "pack" / "packdirect" (the ``packed`` store, buffered / O_DIRECT), "tl" (records a
-# timeline, ``--streaming-trace``, summarized by bench/timeline_summary.py); the verified steps'
-# runner (``verified_step.StepRunner``, set on the loaded model): "vsN" (verified steps up to a
-# running share of N% of layers that missed), "lgN" (every layer checked, one behind, from N%),
-# "nosub" (decoder layers' outputs not handed to MLX as built). Words of settings that
+# timeline, ``--streaming-trace``, summarized by bench/timeline_summary.py). Words of settings that
 # left ``CacheTuning`` are listed in bench/README.md with the commit they last existed in.
 # E.g. "direct_t8_c256", "staged_gate25_tl".
-VARIANT_WORDS = (
-    "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, tl, vsN, lgN, nosub"
-)
+VARIANT_WORDS = "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, tl"
 
 
 # Variants defined on the command line (``--tuning-variant NAME:field=value,...``): a word NAME
@@ -147,7 +142,7 @@ def tuning_variant(spec: str):
 
 def variant_options(name: str):
     """``(load options, CacheTuning fields)`` of a variant name (see above)."""
-    opts, tuning, runner = {}, {}, {}
+    opts, tuning = {}, {}
     store = {}
     for word in name.split("_"):
         if word in TUNING_VARIANTS:
@@ -167,10 +162,6 @@ def variant_options(name: str):
                 store["direct"] = True
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
-        elif word == "nosub":
-            runner["submit_layers"] = False
-        elif word[:2] in ("vs", "lg") and word[2:].isdigit():
-            runner["max_share" if word[:2] == "vs" else "lag_share"] = int(word[2:]) / 100
         elif word.startswith("gate") and word[4:].isdigit():
             tuning["lookahead_min_precision"] = int(word[4:]) / 100
         elif word[:1] in "tc" and word[1:].isdigit():
@@ -182,8 +173,6 @@ def variant_options(name: str):
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {VARIANT_WORDS})")
     if store:
         opts["store_options"] = store
-    if runner:
-        opts["runner"] = runner
     return opts, tuning
 
 
@@ -199,10 +188,7 @@ def load_variant(path, name: str, timeline=None, **opts):
         opts["trace"] = str(timeline)
     if tuning:
         opts["tuning"] = CacheTuning(**tuning)
-    runner = opts.pop("runner", {})
     model, _ = load_streaming(path, **opts)
-    for key, value in runner.items():  # the verified steps' runner (``verified_step.StepRunner``)
-        setattr(model.expert_streaming.steps, key, value)
     return model
 
 

@@ -44,9 +44,6 @@ VERIFY_MAX_TOKENS = 4
 # docs/benchmarks/README.md, "Decode regimes")
 MAX_MISSED_SHARE = {"cpu": 0.01}
 MAX_MISSED_SHARE_GPU = 0.35
-# from this running share of layers that missed, a verified step checks every decoder layer's
-# calls while the next one computes
-LAG_SHARE = 0.2
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
 
@@ -99,25 +96,16 @@ class VerifiedStep:
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         self.outputs[i] = call(*args, **kwargs)
-        if self.runner.submit_layers:
-            # the GPU computes this layer while the host builds the next one
-            mx.async_eval(self.outputs[i], *[c[3] for c in self.calls if c[0] == i])
-        if i < self.layers - 1:
-            if self.every == 1:
-                if any(c[0] is not None and c[0] < i for c in self.calls):
-                    self.settle(i, lag=True)
-            elif len(self.calls) >= self.every:
-                self.settle(i)
+        if len(self.calls) >= self.every and i < self.layers - 1:
+            self.settle(i)
         return self.outputs[i]
 
-    def settle(self, upto: int, lag: bool = False) -> None:
-        """Check the MoE calls so far (one host sync; ``lag``: those of the decoder layers before
-        ``upto``, so that the GPU computes ``upto`` meanwhile); while one has a missing expert,
-        read its experts, take back the cache entries its decoder layer and those after it wrote,
-        and run them again, up to decoder layer ``upto``."""
+    def settle(self, upto: int) -> None:
+        """Check the MoE calls so far (one host sync); while one has a missing expert, read its
+        experts, take back the cache entries its decoder layer and those after it wrote, and run
+        them again, up to decoder layer ``upto``."""
         while True:
-            layer = self.read_missing(upto if lag else None)
-            lag = False  # after a miss: the layers run again are checked at once
+            layer = self.read_missing()
             if layer is None:
                 return
             self.rewind(layer, upto + 1)
@@ -130,20 +118,14 @@ class VerifiedStep:
                 self.layer = i
                 self.outputs[i] = call(*args, **kwargs)
 
-    def read_missing(self, below: Optional[int] = None) -> Optional[int]:
-        """Check the MoE calls not yet checked (one host sync; ``below``: only those of decoder
-        layers before it). None if nothing is missing; else read the first missing call's experts
-        and return its decoder layer, from which the forward must run again (raises ``_Again``
-        where it cannot)."""
-        later = []
-        if below is not None:
-            later = [c for c in self.calls if c[0] is not None and c[0] >= below]
-            self.calls = self.calls[: len(self.calls) - len(later)]
+    def read_missing(self) -> Optional[int]:
+        """Check the MoE calls not yet checked (one host sync). None if nothing is missing; else
+        read the first missing call's experts and return its decoder layer, from which the
+        forward must run again (raises ``_Again`` where it cannot)."""
         first = self.first_miss()  # (it did the step before's host work)
         if first is None:
-            self.calls = later
+            self.calls = []
             return None
-        self.calls += later
         layer, bank, indices, _ = self.calls[first]
         experts = np.unique(np.array(indices, copy=False).astype(np.int64))
         if (
@@ -222,13 +204,6 @@ class StepRunner:
         self.recomputed = 0
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
-        # (bench may change these on a loaded model) the running share of layers that missed up
-        # to which verified steps run (None: ``MAX_MISSED_SHARE`` for the backend); from which
-        # share every layer is checked, one behind; whether each decoder layer's output is handed
-        # to MLX as it is built
-        self.max_share: Optional[float] = None
-        self.lag_share = LAG_SHARE
-        self.submit_layers = True
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -280,9 +255,7 @@ class StepRunner:
 
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
-        limit = self.max_share
-        if limit is None:
-            limit = MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
+        limit = MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
         return (
             self.missed_share <= limit
             and cache.tuning.verified_steps
@@ -296,9 +269,7 @@ class StepRunner:
         with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
         miss runs the layers since the one that missed again)."""
         moe = max(1, len(self.state.cache.banks))
-        if self.missed_share >= self.lag_share:
-            return 1
-        return max(2, round(moe / (1 + self.missed_share * moe)))
+        return max(1, round(moe / (1 + self.missed_share * moe)))
 
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
