@@ -78,6 +78,9 @@ class VerifiedStep:
         # in this step made resident (counted there)
         self.kept: Dict[int, tuple] = {}
         self.loaded: set = set()
+        # the kept calls' ids, concatenated in the order of ``kept`` (set by the check after the
+        # forward)
+        self.ids: Optional[mx.array] = None
 
     def add(self, bank, indices: mx.array, missing: mx.array) -> None:
         self.calls.append((self.layer, bank, indices, missing))
@@ -118,11 +121,12 @@ class VerifiedStep:
                 self.layer = i
                 self.outputs[i] = call(*args, **kwargs)
 
-    def read_missing(self) -> Optional[int]:
-        """Check the MoE calls not yet checked (one host sync). None if nothing is missing; else
-        read the first missing call's experts and return its decoder layer, from which the
-        forward must run again (raises ``_Again`` where it cannot)."""
-        first = self.first_miss()  # (it did the step before's host work)
+    def read_missing(self, out=None) -> Optional[int]:
+        """Check the MoE calls not yet checked (one host sync; ``out``: the forward's output, for
+        the check after it). None if nothing is missing; else read the first missing call's
+        experts and return its decoder layer, from which the forward must run again (raises
+        ``_Again`` where it cannot)."""
+        first = self.first_miss(out)  # (it did the step before's host work)
         if first is None:
             self.calls = []
             return None
@@ -151,13 +155,21 @@ class VerifiedStep:
         ``end - 1`` (no cache: nothing to take back)."""
         mlx_compat.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
 
-    def first_miss(self) -> Optional[int]:
+    def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
-        sync."""
+        sync. With the forward's output ``out``: it, the counts and every kept call's ids
+        (``ids``, for ``commit``) handed to MLX in one evaluation."""
+        if out is not None:
+            self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
+            pending = (out, self.ids)
+        else:
+            pending = ()
         if not self.calls:
+            if pending:
+                mx.async_eval(*pending)
             return None
         counts = mx.stack([m for *_, m in self.calls])
-        mx.async_eval(counts)
+        mx.async_eval(*pending, counts)
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
         start = tl.now() if tl else 0
@@ -172,10 +184,14 @@ class VerifiedStep:
         counted as hits (unless a load in this step counted them), the routing recorded, identity
         banks' fill asked for."""
         hits = 0
+        # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
+        flat = np.array(self.ids, copy=False).astype(np.int64)
+        at = 0
         for key, (bank, indices) in self.kept.items():
-            idx = np.array(indices, copy=False).astype(np.int64)
+            idx = flat[at : at + indices.size].reshape(indices.shape)
+            at += indices.size
             if key not in self.loaded:
-                experts = np.unique(idx)
+                experts = _unique(idx)
                 with bank.lock:
                     bank.table.admit(experts)  # nothing missing: the policy's record of a use
                     bank.hits += len(experts)
@@ -280,16 +296,14 @@ class StepRunner:
             out = call(*args, **kwargs)
             if step.kept:
                 self.verified += 1
-                mx.async_eval(out)
                 while True:  # the check after the forward: a miss runs it again from its layer
-                    layer = step.read_missing()
+                    layer = step.read_missing(out)
                     if layer is None:
                         break
                     step.rewind(layer, step.ran + 1)
                     step.replay_below = layer
                     self.replays += 1
                     out = call(*args, **kwargs)
-                    mx.async_eval(out)
                 self.flush()
                 if cache.recorder is not None:
                     step.commit(cache)  # the routing record holds every token once its call ends
@@ -308,6 +322,16 @@ class StepRunner:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
         return out
+
+
+def _unique(idx: np.ndarray) -> np.ndarray:
+    """``np.unique(idx)`` for a call's expert ids: a sort where the call is one row of distinct
+    ids (a router's top-k for one token), which is the same array."""
+    if idx.size == idx.shape[-1]:
+        row = np.sort(idx.reshape(-1))
+        if not (row[1:] == row[:-1]).any():
+            return row
+    return np.unique(idx)
 
 
 def _tokens(inputs) -> Optional[int]:
