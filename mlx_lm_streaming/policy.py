@@ -135,7 +135,11 @@ class DecayNextPolicy(DecayPolicy):
         # what followed the last call is known now, before this call's victims are chosen
         if self.previous is not None and len(self.previous):
             self.after[self.previous] += 1.0
-            self.follows[self.previous[:, None], experts] += 1.0
+            # ``follows[previous[:, None], experts] += 1`` through the flat view: the same
+            # elements (each pair once: both are unique ids), 5x faster than numpy's 2-D fancy
+            # indexing, and this runs for every call of every layer
+            pairs = (self.previous[:, None] * self.num_experts + experts).reshape(-1)
+            self.follows.reshape(-1)[pairs] += 1.0
         self.current = experts
 
     def used(self, experts):
