@@ -72,7 +72,8 @@ class VerifiedStep:
         # whether layers can be run again from one that missed: each decoder layer got its own
         # cache entry, and took the output of the layer before as its input
         self.replayable = kv is None or len(kv) == self.layers
-        # MoE calls not yet checked: (decoder layer, bank, ids, missing count), lazy
+        # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
+        # experts as the call saw it), lazy
         self.calls: List[tuple] = []
         # id(bank) -> (bank, ids) of the call kept for each MoE layer; banks whose experts a load
         # in this step made resident (counted there)
@@ -168,7 +169,7 @@ class VerifiedStep:
             if pending:
                 mx.async_eval(*pending)
             return None
-        counts = mx.stack([m for *_, m in self.calls])
+        counts = miss_counts(self.calls)
         mx.async_eval(*pending, counts)
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
@@ -322,6 +323,18 @@ class StepRunner:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
         return out
+
+
+def miss_counts(calls) -> mx.array:
+    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's map marks
+    missing, ``missing[ids].sum()``, for all the calls in four ops where they have the same shapes
+    (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
+    step's host time there), else two per call."""
+    maps = [m for *_, m in calls]
+    ids = [i.reshape(-1) for _, _, i, _ in calls]
+    if len({m.size for m in maps}) == 1 and len({i.size for i in ids}) == 1:
+        return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
+    return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
 
 
 def _unique(idx: np.ndarray) -> np.ndarray:
