@@ -44,6 +44,12 @@ VERIFY_MAX_TOKENS = 4
 # docs/benchmarks/README.md, "Decode regimes")
 MAX_MISSED_SHARE = {"cpu": 0.01}
 MAX_MISSED_SHARE_GPU = 0.35
+# on a GPU, a token that missed in no layer lets the next one be a verified step, whatever the
+# running share says: after a burst of misses (a new topic, the cache filling) the running share
+# kept the per-layer schedule, at 0.3-0.6 of a verified step's speed, for the 4 tokens it took to
+# decay (measured: H200 hit regime, the first round after the warm pass at 0.45-0.7 of the later
+# ones). Not on the CPU, where a verified step that misses costs more than the sync it saves.
+CLEAN_TOKEN_RETRIES = {"cpu": False}
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
 
@@ -221,6 +227,9 @@ class StepRunner:
         self.recomputed = 0
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
+        # whether a token that missed nowhere brings the running share down to the limit
+        # (``CLEAN_TOKEN_RETRIES``; None: by the backend, on first use)
+        self.clean_retries: Optional[bool] = None
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -269,12 +278,21 @@ class StepRunner:
 
     def _missed(self, share: float) -> None:
         self.missed_share += MISSED_WEIGHT * (share - self.missed_share)
+        if share == 0:
+            if self.clean_retries is None:
+                backend = self.state.selector.backend
+                self.clean_retries = CLEAN_TOKEN_RETRIES.get(backend, True)
+            if self.clean_retries:
+                self.missed_share = min(self.missed_share, self.limit())
+
+    def limit(self) -> float:
+        """The running share of layers that missed up to which calls may be verified steps."""
+        return MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
 
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
-        limit = MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
         return (
-            self.missed_share <= limit
+            self.missed_share <= self.limit()
             and cache.tuning.verified_steps
             and self.state.pipeline is None
             and not cache.shared

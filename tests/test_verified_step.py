@@ -88,6 +88,27 @@ def test_misses_in_most_layers_choose_the_per_layer_schedule(q3_path, expected):
     assert runner.verified < STEPS // 2
 
 
+@pytest.mark.parametrize("retries", [True, False])
+def test_a_token_that_missed_nowhere_tries_a_verified_step_on_gpus(q3_path, retries):
+    # GPUs (``clean_retries``): after a per-layer token that missed in no layer, the next call is
+    # a verified step whatever the misses before; the CPU keeps the running share
+    model = with_slots(q3_path, 15)
+    runner = model.expert_streaming.steps
+    runner.clean_retries = retries
+    kv = make_prompt_cache(model)
+    mx.eval(model(PROMPT[None], cache=kv))
+    banks = model.expert_streaming.cache.banks
+    clean = 0
+    for token in range(40):
+        runner.missed_share = 1.0  # as after a burst of misses: the per-layer schedule
+        before = sum(b.misses for b in banks)
+        mx.eval(model(mx.array([[token]]), cache=kv))
+        if sum(b.misses for b in banks) == before:
+            clean += 1
+            assert (runner.missed_share <= runner.limit()) == retries
+    assert clean > 0
+
+
 def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
     model = with_slots(q3_path, 15)
     cache = model.expert_streaming.cache
