@@ -185,7 +185,7 @@ def _check_plan_flags(args) -> None:
 
 def _print_plan(args, state, trace) -> None:
     from .budget_table import slots_text
-    from .loading import default_budget
+    from .loading import budget_base, default_budget
 
     cache = state.cache
     banks = cache.banks
@@ -210,9 +210,10 @@ def _print_plan(args, state, trace) -> None:
         f"(--expert-cache-gb {gb_at_least(per_slot)})"
     )
     default, free = default_budget(state)
+    _, share, what = budget_base()
     print(
-        f"default budget: {decimal_gb(default)} (half of the {decimal_gb(free)} that the "
-        "resident weights leave free, between the minimum and every expert)"
+        f"default budget: {decimal_gb(default)} ({share:.0%} of the {decimal_gb(free)} of {what} "
+        "that the resident weights leave free, between the minimum and every expert)"
     )
     cache.slots_for_budget()  # a budget below the minimum stops here, naming it
     how = "given" if args.expert_cache_gb is not None else "default"

@@ -25,7 +25,13 @@ from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .lookahead import find_router
 from .option_table import GB
-from .options import CONFIG_KEY, DEFAULT_CACHE_SHARE, StreamingOptions, budget_bytes
+from .options import (
+    CONFIG_KEY,
+    CUDA_CACHE_SHARE,
+    DEFAULT_CACHE_SHARE,
+    StreamingOptions,
+    budget_bytes,
+)
 from .outputs import ROUTING_TRACE, TIMELINE, check_output
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
@@ -62,14 +68,37 @@ def physical_memory_bytes() -> int:
     return ASSUMED_MEMORY_BYTES
 
 
+def cuda_memory_bytes() -> Optional[int]:
+    """The GPU's memory where MLX runs on CUDA (``mx.device_info()["total_memory"]``), else None:
+    there the expert cache's arrays live in it, not in the machine's RAM."""
+    try:
+        cuda = getattr(mx, "cuda", None)
+        if mx.default_device().type != mx.gpu or cuda is None or not cuda.is_available():
+            return None
+        total = mx.device_info().get("total_memory")
+    except Exception:  # an MLX without these calls: the machine's RAM, as before
+        return None
+    return int(total) if isinstance(total, int) and total > 0 else None
+
+
+def budget_base():
+    """``(memory, share, what)``: the memory the default budget is a share of, the share, and what
+    that memory is called in the load line (``options.DEFAULT_CACHE_SHARE``)."""
+    gpu = cuda_memory_bytes()
+    if gpu is not None:
+        return gpu, CUDA_CACHE_SHARE, "GPU memory"
+    return physical_memory_bytes(), DEFAULT_CACHE_SHARE, "memory"
+
+
 def default_budget(state: "StreamingState"):
     """``(budget, free)``: the default budget for ``state``'s model on this machine,
-    ``clamp(0.5 * free, one expert per layer, every expert)``, and ``free``, the memory the resident
-    weights leave."""
+    ``clamp(share * free, one expert per layer, every expert)``, and ``free``, the memory the
+    resident weights leave (``budget_base``: the GPU's on CUDA, the machine's RAM elsewhere)."""
     cache = state.cache
-    free = physical_memory_bytes() - state.resident_bytes
+    memory, share, _ = budget_base()
+    free = memory - state.resident_bytes
     per_slot = sum(b.layer.expert_nbytes for b in cache.banks)
-    budget = min(cache.total_expert_bytes, max(per_slot, DEFAULT_CACHE_SHARE * free))
+    budget = min(cache.total_expert_bytes, max(per_slot, share * free))
     return int(budget), free
 
 

@@ -22,9 +22,17 @@ from .option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREF
 from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
-# Of the memory the resident weights leave free, this share goes to the expert cache by default; the
-# rest stays for the OS page cache, the KV cache and activations.
+# Of the memory the resident weights leave free, this share goes to the expert cache by default.
+# Where the expert cache is in the machine's RAM (CPU, Metal's unified memory) the rest holds the
+# OS and other programs, the KV cache, activations and the page cache; replaying real routing with
+# measured read costs, the page cache's share is worth less than the same bytes of expert cache at
+# every size (docs/benchmarks/README.md, "Page cache or expert cache"), but what the OS and other
+# programs need is not measured here, so half stays free. On CUDA the expert cache is in GPU memory
+# (measured: a 1 GB array adds nothing to the process's RSS on the H200) and the page cache in host
+# RAM: they do not compete, and the share is of the GPU's memory (``CUDA_CACHE_SHARE``), the rest
+# for the KV cache and activations.
 DEFAULT_CACHE_SHARE = 0.5
+CUDA_CACHE_SHARE = 0.8
 TRUE = ON_WORDS
 FALSE = ("",) + OFF_WORDS
 

@@ -4,7 +4,7 @@ per-layer table) at exit. Functions of a ``loading.StreamingState``."""
 import atexit
 import sys
 
-from .options import DEFAULT_CACHE_SHARE, StreamingOptions, decimal_gb
+from .options import StreamingOptions, decimal_gb
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
 # set (integration.py) once an mlx-lm command's line or environment asked for streaming: loads then
@@ -74,7 +74,10 @@ def choice_line(state) -> str:
     elif state.free_bytes is None:
         how = "default"
     else:
-        share = f"{DEFAULT_CACHE_SHARE:.0%} of the {decimal_gb(state.free_bytes)}"
+        from .loading import budget_base
+
+        _, part, what = budget_base()
+        share = f"{part:.0%} of the {decimal_gb(state.free_bytes)} of {what}"
         how = f"default: {share} that the resident weights leave free"
         if cache.budget_bytes >= cache.total_expert_bytes:
             how += ", capped at every expert"

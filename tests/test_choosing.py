@@ -76,7 +76,8 @@ def test_the_default_budget_names_the_free_memory_it_came_from(ckpt, tmp_path):
     out = run(generate_cmd(ckpt), tmp_path, env=env)
     (choice,) = CHOICE.findall(out.stderr)
     assert re.fullmatch(
-        r"default: 50% of the [\d.]+ GB that the resident weights leave free, capped at every "
+        r"default: 50% of the [\d.]+ GB of memory that the resident weights leave free, capped at "
+        r"every "
         r"expert",
         choice[2],
     ), choice

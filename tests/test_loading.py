@@ -194,3 +194,29 @@ def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
     assert "assumes 16 GB" in lines[0] and "--expert-cache-gb" in lines[0]
     if failure == "raises":
         assert "ValueError: unrecognized configuration name" in lines[0]
+
+
+def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeypatch):
+    """CUDA: a share of the GPU's memory (the expert cache lives there, the page cache does not);
+    elsewhere half of the machine's RAM. Both after the resident weights."""
+    from types import SimpleNamespace
+
+    from mlx_lm_streaming import loading, options
+
+    bank = SimpleNamespace(layer=SimpleNamespace(expert_nbytes=10**6))
+    cache = SimpleNamespace(banks=[bank, bank], total_expert_bytes=10**15)
+    state = SimpleNamespace(cache=cache, resident_bytes=10**9)
+    monkeypatch.setattr(loading, "physical_memory_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(loading, "cuda_memory_bytes", lambda: None)
+    assert loading.default_budget(state) == (int(0.5 * 63 * 10**9), 63 * 10**9)
+    assert loading.budget_base()[2] == "memory"
+    monkeypatch.setattr(loading, "cuda_memory_bytes", lambda: 24 * 10**9)
+    budget, free = loading.default_budget(state)
+    assert free == 23 * 10**9 and budget == int(options.CUDA_CACHE_SHARE * free)
+    assert loading.budget_base()[1:] == (options.CUDA_CACHE_SHARE, "GPU memory")
+
+
+def test_no_cuda_memory_off_cuda():
+    from mlx_lm_streaming import loading
+
+    assert loading.cuda_memory_bytes() is None  # this CPU box: the machine's RAM
