@@ -82,8 +82,8 @@ def cuda_memory_bytes() -> Optional[int]:
 
 
 def budget_base():
-    """``(memory, share, what)``: the memory the default budget is a share of, the share, and what
-    that memory is called in the load line (``options.DEFAULT_CACHE_SHARE``, ``CUDA_CACHE_SHARE``)."""
+    """``(memory, share, what)``: the memory the default budget is a share of, the share
+    (``options.DEFAULT_CACHE_SHARE``, ``CUDA_CACHE_SHARE``), and what the load line calls it."""
     gpu = cuda_memory_bytes()
     if gpu is not None:
         return gpu, CUDA_CACHE_SHARE, "GPU memory"
