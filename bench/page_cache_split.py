@@ -12,10 +12,7 @@ The model:
 - expert cache: the rule of ``mlx_lm_streaming.replay`` (and of the traces' reference figures): one
   ``policy.SlotTable`` per MoE layer, the same slots in every layer (floor(s * M * experts per
   layer)), the whole trace in order from a cold start, prefill rows warming the cache; figures are
-  per decode token. ``miss_stream`` drives the slot tables itself because ``replay.replay`` does not
-  say which experts missed; it gives ``replay.replay``'s counts (``tests/test_page_cache_split.py``
-  checks it on a real trace). The grid never gives a layer fewer slots than top-k, so a call never
-  goes in waves (``SlotTable.admit`` would refuse it);
+  per decode token, the misses taken from ``replay.replay`` itself (``miss_stream``);
 - page cache: one LRU over all layers of the experts read, whole experts (every expert has the same
   size), capacity P experts = floor(M * all experts) - the expert cache's slots. Each expert-cache
   miss is a page-cache hit if the expert is in it (it moves to the front), else a disk read (it is
@@ -52,8 +49,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from mlx_lm_streaming.policy import DEFAULT_POLICY, SlotTable
-from mlx_lm_streaming.replay import ReplayResult
+from mlx_lm_streaming.options import DEFAULT_CACHE_SHARE
+from mlx_lm_streaming.policy import DEFAULT_POLICY
+from mlx_lm_streaming.replay import ReplayResult, replay
 from mlx_lm_streaming.routing_trace import RoutingTrace, check_decode_tokens, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +63,7 @@ OUT = ROOT / "docs" / "benchmarks" / "page-cache-split.json"
 
 MEMORY_SHARES = (0.25, 0.5, 0.75, 1.0)  # M, of all expert bytes
 CACHE_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # s = E / M
-DEFAULT_SHARE = 0.5  # options.DEFAULT_CACHE_SHARE, the split under question
+DEFAULT_SHARE = DEFAULT_CACHE_SHARE  # the split under question
 # one expert of the Qwen3-30B-A3B shape, 4-bit, bf16 scales (docs/benchmarks/README.md)
 EXPERT_MB = 2.53
 # (disk, page-cache copy) in GB/s for expert-sized reads; MB / (GB/s) = ms per expert
@@ -112,28 +110,16 @@ def cost_ms(name: str) -> Tuple[float, float]:
 def miss_stream(
     trace: RoutingTrace, slots: int, policy: str = DEFAULT_POLICY
 ) -> Tuple[ReplayResult, List[int], List[bool]]:
-    """``(result, keys, decode)``: the expert cache's counts under ``replay.replay``'s rule, and its
-    misses in the order they are read: ``layer * num_experts + expert``, and whether a decode token
-    read it."""
-    tables = []
-    for _ in range(trace.num_layers):
-        table = SlotTable(trace.num_experts, policy)
-        table.reset(slots)
-        tables.append(table)
-    result = ReplayResult(decode_misses=[0] * trace.num_layers)
+    """``(result, keys, decode)``: ``replay.replay`` of the expert cache, and its misses in the
+    order they are read: ``layer * num_experts + expert``, and whether a decode token read it."""
     keys: List[int] = []
     decode: List[bool] = []
-    for row in trace.rows:
-        result.decode_tokens += row.phase == "decode"
-        for layer, ids in enumerate(row.experts):
-            if not ids:
-                continue
-            missing, into, _ = tables[layer].admit(np.array(ids, dtype=np.int64))
-            tables[layer].place(missing, into)
-            result.count(row.phase, layer, len(ids) - len(missing), len(ids))
-            keys.extend(layer * trace.num_experts + int(e) for e in missing)
-            decode.extend([row.phase == "decode"] * len(missing))
-    return result, keys, decode
+
+    def missed(layer: int, missing: np.ndarray, phase: str) -> None:
+        keys.extend(layer * trace.num_experts + int(e) for e in missing)
+        decode.extend([phase == "decode"] * len(missing))
+
+    return replay(trace, slots, policy, misses=missed), keys, decode
 
 
 def page_cache_reads(keys: Sequence[int], decode: Sequence[bool], capacity: int) -> Tuple[int, int]:

@@ -15,7 +15,7 @@ decode tokens; ``reads_per_decode_token`` adds them to the misses.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -83,9 +83,12 @@ def replay(
     slots: Union[int, Sequence[int]],
     policy: str = DEFAULT_POLICY,
     lookahead: Optional[Lookahead] = None,
+    misses: Optional[Callable[[int, np.ndarray, str], None]] = None,
 ) -> ReplayResult:
     """``slots``: per MoE layer (or one count for all). A token that uses more experts in a layer
-    than it has slots goes in waves of ``slots`` experts, lowest ids first, as the layer does it."""
+    than it has slots goes in waves of ``slots`` experts, lowest ids first, as the layer does it.
+    ``misses(layer, experts, phase)``: told each call's missing experts, in the order they are
+    read (``bench/page_cache_split.py`` runs them through a page cache)."""
     plan = _slots(trace, slots)
     tables = []
     for n in plan:
@@ -111,6 +114,8 @@ def replay(
                 missing, into, _ = table.admit(wave)
                 table.place(missing, into)
                 result.count(row.phase, layer, len(wave) - len(missing), len(wave))
+                if misses is not None:
+                    misses(layer, missing, row.phase)
             if ahead:
                 ahead.leave(layer, experts)
     return result

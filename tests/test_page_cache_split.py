@@ -87,8 +87,8 @@ def test_sweep_splits_the_memory(pcs):
 
 
 def test_the_expert_cache_is_replays(pcs):
-    """The script's own loop over the slot tables counts what ``replay.replay`` counts (default
-    policy, a real trace)."""
+    """The script's expert cache is ``replay.replay``'s, and the misses it hands on are the ones
+    that replay counts (default policy, a real trace)."""
     trace = read_trace(TRACE)
     for slots in (9, 32):
         ours, _, decode = pcs.miss_stream(trace, slots)
