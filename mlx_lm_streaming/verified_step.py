@@ -228,8 +228,7 @@ class StepRunner:
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
         # whether a token that missed nowhere brings the running share down to the limit
-        # (``CLEAN_TOKEN_RETRIES``; None: by the backend, on first use)
-        self.clean_retries: Optional[bool] = None
+        self.clean_retries = CLEAN_TOKEN_RETRIES.get(state.selector.backend, True)
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -278,12 +277,8 @@ class StepRunner:
 
     def _missed(self, share: float) -> None:
         self.missed_share += MISSED_WEIGHT * (share - self.missed_share)
-        if share == 0:
-            if self.clean_retries is None:
-                backend = self.state.selector.backend
-                self.clean_retries = CLEAN_TOKEN_RETRIES.get(backend, True)
-            if self.clean_retries:
-                self.missed_share = min(self.missed_share, self.limit())
+        if share == 0 and self.clean_retries:
+            self.missed_share = min(self.missed_share, self.limit())
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
