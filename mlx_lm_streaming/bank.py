@@ -194,7 +194,8 @@ class LayerBank:
                 self._load_guessed(experts, keep)
                 return
             resident = self.slot_of[experts] >= 0
-            # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read for it, so counted as its misses (and as misses guessed)
+            # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read
+            # for it, so counted as its misses (and as misses guessed)
             used = ()
             if self._ahead_used:
                 used = np.intersect1d(self._ahead_used, experts).astype(np.int64)

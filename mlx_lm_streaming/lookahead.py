@@ -24,7 +24,6 @@ from .prefetch import LOOKAHEAD
 PRECISION_WEIGHT = 0.2
 
 
-
 def find_router(parent, num_experts: int):
     """The router of an MoE block: a child that maps the hidden state to one logit per expert.
 

@@ -27,10 +27,10 @@ TIMELINE = "timeline"
 PACK = "expert pack"
 PLOT = "plot"
 
-# plot formats --plot writes, by extension, and the bytes such a file starts with
 # the first bytes of the files we write (routing_trace.FORMAT, packfile.MAGIC are these)
 TRACE_FORMAT = "moe-routing-trace"
 PACK_MAGIC = b"MLXSPK01"
+# plot formats --plot writes, by extension, and the bytes such a file starts with
 PLOT_MAGIC = {".png": (b"\x89PNG\r\n\x1a\n",), ".svg": (b"<?xml", b"<svg"), ".pdf": (b"%PDF-",)}
 HEAD_BYTES = 1 << 16
 

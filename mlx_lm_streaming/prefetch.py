@@ -1,4 +1,5 @@
-"""Background expert reads (the reader pool): next-layer lookahead, next-wave reads and filling a full bank.
+"""Background expert reads (the reader pool): next-layer lookahead, next-wave reads and filling a
+full bank.
 
 Reads run on background threads into staging buffers (numpy, outside MLX); only the thread that calls
 the layer writes the slot banks, when it next loads that layer (``LayerBank.load``). A staged expert is
@@ -42,7 +43,8 @@ class StagedBatch:
     The buffers are MLX arrays, allocated and evaluated by the thread that makes the batch; reads
     fill them through writable numpy views of their memory. Writing them into a bank is then one
     slice copy per run of slots; going through ``mx.array(numpy)`` instead copies several times
-    slower on the CPU backend (docs/benchmarks/README.md, "What won"). Where MLX memory has no writable host view, numpy buffers are used.
+    slower on the CPU backend (docs/benchmarks/README.md, "What won"). Where MLX memory has no
+    writable host view, numpy buffers are used.
     """
 
     def __init__(self, layer, experts: np.ndarray, kind: str, host: bool = False):

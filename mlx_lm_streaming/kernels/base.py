@@ -27,7 +27,8 @@ class ExpertKernel:
     # padded to the whole call's row count (repeating a row it has, results dropped), so the kernel
     # sees the shapes stock mlx-lm gives it. Measured on CUDA (H200, mlx 0.32.4, bf16): gather_qmm
     # over 8 rows, in groups of 4 or fewer, is not bit-identical to the 8 at once; 16 of 32, 64 of
-    # 512 are (``bench/cuda_rows.py``, removed: bench/README.md): the kernel's launch shape depends on the row count.
+    # 512 are (``bench/cuda_rows.py``, removed: bench/README.md): the kernel's launch shape depends
+    # on the row count.
     subset_exact_on = ()
     # whether it reads ``slots_np`` (host copy of the slot ids); if not, a complete bank whose slots
     # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync
