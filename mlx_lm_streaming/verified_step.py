@@ -198,7 +198,7 @@ class VerifiedStep:
             idx = flat[at : at + indices.size].reshape(indices.shape)
             at += indices.size
             if key not in self.loaded:
-                experts = _unique(idx)
+                experts = np.unique(idx)
                 with bank.lock:
                     bank.table.admit(experts)  # nothing missing: the policy's record of a use
                     bank.hits += len(experts)
@@ -348,16 +348,6 @@ def miss_counts(calls) -> mx.array:
     if len({m.size for m in maps}) == 1 and len({i.size for i in ids}) == 1:
         return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
     return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
-
-
-def _unique(idx: np.ndarray) -> np.ndarray:
-    """``np.unique(idx)`` for a call's expert ids: a sort where the call is one row of distinct
-    ids (a router's top-k for one token), which is the same array."""
-    if idx.size == idx.shape[-1]:
-        row = np.sort(idx.reshape(-1))
-        if not (row[1:] == row[:-1]).any():
-            return row
-    return np.unique(idx)
 
 
 def _tokens(inputs) -> Optional[int]:
