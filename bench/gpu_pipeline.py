@@ -282,12 +282,18 @@ def _sync_layer_class():
 
 def sync_per_layer(model) -> int:
     """Wrap every routed expert module of stock ``model`` in a ``SyncLayer`` (outside the routing
-    wrapper: the readback is of the router's real ids, computed from the layer's input)."""
+    wrapper: the readback is of the router's real ids, computed from the layer's input; a model
+    not routed, ``model:DIR``: its expert modules)."""
     import routing_replay
 
     cls = type(routing_replay.routed(None, None, 0))
     sync = _sync_layer_class()
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, cls)]
+    if not found:
+        modules = routing_replay.expert_modules(model)
+        for parent, name, module in modules:
+            parent[name] = sync(module)
+        return len(modules)
     for path, module in found:
         parent = model
         parts = path.split(".")
@@ -348,21 +354,25 @@ def set_routing_state(routing, state) -> None:
         setattr(routing, k, dict(v))
 
 
-def run_group(stocks, path, routing_spec, budget, variants, args, res, files, prompt, stream,
+def run_group(stocks, path, routing_spec, budget, variants, args, ck, files, prompt, stream,
               regime="cold"):
-    """One regime x routing x budget: the variants and the stocks, interleaved rounds."""
+    """One regime x routing x budget: the variants and the stocks, interleaved rounds (``ck``: the
+    checkpoint's figures, ``open_checkpoint``)."""
     import random
 
     from harness import delta, reset_banks
 
     mode = REGIMES[regime]
-    total = res["total_expert_bytes"]
+    total = ck["total_expert_bytes"]
     configs = {}
     for name, model in stocks.items():
         cfg = Config(name, model)
         configs[name] = cfg
     timelines = {}
-    group = f"{regime}-{routing_spec.split(':')[0]}-{int(round(budget * 100))}"
+    kind = routing_spec.split(":")[0]
+    if kind == "model":
+        kind += "-" + Path(routing_spec[len("model:") :]).name
+    group = f"{regime}-{kind}-{int(round(budget * 100))}"
     all_files = list(files)
     for v in variants:
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
@@ -374,27 +384,37 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         all_files += [f for f in vfiles if f not in all_files]
         configs[v] = Config(v, model, cold=mode["cold"], files=vfiles)
     for cfg in configs.values():
-        cfg.routing = harness.make_routing(routing_spec, res["experts"], res["moe_layers"])
+        cfg.routing = harness.make_routing(routing_spec, ck["experts"], ck["moe_layers"])
+        if cfg.routing is None:
+            continue  # model:DIR, its own router
         if cfg.name in stocks:
             _set_routing(cfg.model, cfg.routing)
         else:
             wrap(cfg.model, cfg.routing)
     warm_s = warm_page_cache(all_files) if not mode["cold"] else 0.0
-    for cfg in configs.values():
-        cfg.routing.reset()
-        if cfg.cache is not None:
-            reset_banks(cfg.model)
+    def start(cfg):
         prompt_by_token(cfg, prompt)
         cfg.stream, cfg.pos = stream, 1
         decode_block(cfg, 2)  # warm-up: allocations, kernels
+
+    for cfg in configs.values():
+        if cfg.routing is not None:
+            cfg.routing.reset()
+        if cfg.cache is not None:
+            reset_banks(cfg.model)
+        start(cfg)
         if mode["warm_pass"]:
             # the rounds' steps once, untimed: "replay" then rewinds the routing, so the rounds
-            # ask for exactly the experts this pass made resident
-            state = routing_state(cfg.routing)
+            # ask for exactly the experts this pass made resident (the model's own router: the
+            # same tokens again from the prompt on, a new KV cache)
+            state = routing_state(cfg.routing) if cfg.routing is not None else None
             for _ in range(args.rounds):
                 decode_block(cfg, args.block)
             if mode["warm_pass"] == "replay":
-                set_routing_state(cfg.routing, state)
+                if state is None:
+                    start(cfg)
+                else:
+                    set_routing_state(cfg.routing, state)
         cfg.tokens = []
         cfg.decode_s = []
         cfg.stats0 = counters(cfg)
@@ -433,6 +453,7 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
         if cfg.cache is not None:
             entry.update(
                 hit_rate=c["hits"] / asked if asked else None,
+                misses_per_token=c["misses"] / n,
                 bytes_per_token=c["bytes_read"] / n,
                 io_wait_s_per_token=c["io_wait_seconds"] / n,
                 install_s_per_token=c["install_seconds"] / n,
@@ -470,12 +491,10 @@ def run_group(stocks, path, routing_spec, budget, variants, args, res, files, pr
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
     # warm-up decode rows of the trace: 3 (generate_step computes one ahead), the warm pass's
     # (hit: replayed by the rounds; ram: before them), then the measured ones
-    warm = 3 + (configs["stock"].pos - 1 - 3) // 2 if mode["warm_pass"] == "fill" else 3
+    measured = len(configs["stock"].tokens)
     out["decode_rows"] = {
-        "warmup": warm,
-        "measured": configs["stock"].pos - 1 - warm
-        if mode["warm_pass"] != "replay"
-        else (configs["stock"].pos - 1 - 3) // 2,
+        "warmup": 3 + (measured if mode["warm_pass"] == "fill" else 0),
+        "measured": measured,
         "replayed": mode["warm_pass"] == "replay",
     }
     for cfg in configs.values():
@@ -522,6 +541,170 @@ def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
     return out
 
 
+# the text a model:DIR routing decodes (its tokens by that checkpoint's tokenizer): the prompt, then
+# the stream fed in place of sampling, the same for every configuration (cycled if the run is longer)
+TEXT = (
+    "Return a new list of the items of the sequence, sorted by the key function. The sort is "
+    "stable: items that compare equal keep their order. If the key is None, the items are "
+    "compared directly. This function is used by the module to read the configuration file, "
+    "which is a list of sections, each a list of name and value pairs. Raise ValueError if the "
+    "file cannot be parsed, and OSError if it cannot be opened. The default is to read the file "
+    "in text mode with the locale's encoding; pass encoding to read it otherwise. Each section "
+    "name is a string; each value is a string, an integer or a boolean, converted by the "
+    "functions given in the converters argument. A missing option falls back to the value in the "
+    "default section, and then to the fallback argument if it was given. Write the configuration "
+    "to the file object, which must be opened in text mode. The class keeps a dictionary of the "
+    "sections and returns a proxy for each, so that the options of a section can be read and set "
+    "like the items of a mapping. Return True if the given section exists and contains the given "
+    "option, False otherwise. If the section is None or empty, the default section is checked."
+)
+
+
+def text_tokens(path, prompt_len: int):
+    """``(prompt, stream)``: ``TEXT`` encoded by the checkpoint's tokenizer, split after
+    ``prompt_len`` tokens."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokens = load_tokenizer(Path(path)).encode(TEXT)
+    if len(tokens) <= prompt_len + 1:
+        raise SystemExit(f"{path}: the text is {len(tokens)} tokens, not more than --prompt")
+    return tokens[:prompt_len], tokens[prompt_len:]
+
+
+def routing_cell(spec: str) -> str:
+    """A routing as the tables name it ("trace", "uniform", "model NAME (its own router)")."""
+    return "trace" if spec.startswith("trace:") else harness.routing_label(spec)
+
+
+def open_checkpoint(path, args, variants, first_routing):
+    """``(figures, shard files, stock models)`` of one checkpoint: its expert bytes, layers and
+    experts, the disk probe at its expert size, the ram probe (``ram_probe``, with the ram regime),
+    and the stocks (routed through ``first_routing`` now, pointed at each group's later; a
+    ``model:DIR`` routing: not routed)."""
+    files = harness.shards(path)
+    if any(variant_options(v)[0].get("store") == "packed" for v in variants):
+        from mlx_lm_streaming.pack import pack_checkpoint
+
+        start = time.time()
+        pack_checkpoint(path, progress=False)
+        log(f"packed in {time.time() - start:.0f} s")
+    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
+    cache = probe.expert_streaming.cache
+    ck = dict(
+        path=str(path),
+        total_expert_bytes=cache.total_expert_bytes,
+        expert_bytes=cache.banks[0].layer.expert_nbytes,
+        moe_layers=len(cache.banks),
+        experts=cache.banks[0].num_experts,
+    )
+    del probe, cache
+    gc.collect()
+    threads = [int(t) for t in args.probe_threads.split(",")]
+    bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, threads)
+    ck["disk_gbps"] = bw
+    ck["disk_best_gbps"] = max(v for v in bw.values() if v)
+    log(f"{path}: disk GB/s: {bw}")
+    if "ram" in args.regimes and args.ram_probe_mb > 0:
+        ck["ram_probe"] = ram_probe(path, files, ck, args)
+        log(f"{path}: ram probe GB/s: {ck['ram_probe']['gbps']}")
+    stocks = {}
+    names = ("stock", "stock_again") + (FLOORS if args.floors else ())
+    for name in names:
+        stocks[name], config = harness.load_stock(path)
+        routing = harness.make_routing(first_routing, ck["experts"], ck["moe_layers"])
+        if routing is not None:
+            # routed now, so the floors wrap the routed modules
+            wrap(stocks[name], routing)
+    if args.floors:
+        sync_per_layer(stocks["stock_synclayer"])
+        sync_per_token(stocks["stock_synctoken"])
+    ck["vocab"] = config["vocab_size"]
+    return ck, files, stocks
+
+
+def ram_probe(path, files, ck, args):
+    """GB/s (decimal) of the ram regime's read path, the page cache warm, as the store reads: the
+    package's own store (``store.read_many`` of an expert's (ref, buffer) jobs), into one layer's
+    bank slots through their host views (``bank_io.slot_reader``) and into plain numpy host memory
+    (``np.empty``: fresh each rep, or reused); one expert alone on this thread, and K experts in
+    parallel, one per demand thread (``bank_io.read_direct``'s way). Before each rep, one forward
+    of the model and a device read of the slots about to be written: on a GPU (managed memory)
+    their pages were last touched by the device, as in a decode step. At most ``--ram-probe-mb``
+    per figure. Model: ``default`` without lookahead (no background reads beside the probe) at the
+    ram budget."""
+    import mlx.core as mx
+    import numpy as np
+
+    start_s = time.perf_counter()
+    model = load_variant(
+        path, "nolookahead", expert_cache_gb=args.ram_budget * ck["total_expert_bytes"]
+        / harness.BUDGET_GB,
+    )
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    bank = cache.banks[0]
+    parts = bank.layer.parts
+    nbytes = bank.layer.expert_nbytes
+    offsets = np.cumsum([0] + [p.nbytes for p in parts])
+    ks = [k for k in args.ram_probe_k if k <= bank.slots]
+    token = mx.array([[1]])
+    warm_page_cache(files)
+    mx.eval(model(token))  # the banks filled as far as one token fills them
+
+    def touch(slots):
+        mx.eval(model(token))
+        idx = mx.array(slots)
+        mx.eval([bank.array(p.proj, p.part)[idx] for p in parts])
+
+    def jobs(where, experts, slots, reused):
+        if where == "slots":
+            views = bank.views
+            return [
+                [(r, memoryview(views[i][s])) for i, r in enumerate(bank.layer.refs(e))]
+                for e, s in zip(experts, slots)
+            ]
+        bufs = reused if where == "host reused" else [np.empty(nbytes, np.uint8) for _ in experts]
+        return [
+            [(r, memoryview(b[offsets[i] : offsets[i + 1]])) for i, r in enumerate(bank.layer.refs(e))]
+            for e, b in zip(experts, bufs)
+        ]
+
+    def figure(where, k):
+        reps = max(2, args.ram_probe_mb * 1_000_000 // (k * nbytes))
+        reused = [np.zeros(nbytes, np.uint8) for _ in range(k)]
+        seconds = 0.0
+        for rep in range(reps):
+            experts = [(rep * k + j) % bank.num_experts for j in range(k)]
+            slots = list(range(k))
+            touch(slots)
+            with bank.lock:
+                todo = jobs(where, experts, slots, reused)
+                t = time.perf_counter()
+                if k == 1:
+                    cache.store.read_many(todo[0])
+                else:
+                    pool = cache.demand_pool
+                    for f in [pool.submit(cache.store.read_many, j) for j in todo]:
+                        f.result()
+                seconds += time.perf_counter() - t
+        return reps * k * nbytes / seconds / 1e9
+
+    wheres = ("slots", "host fresh", "host reused")
+    if bank.views is None:
+        wheres = wheres[1:]  # no host views of the banks here: direct reads are off
+    gbps = {}
+    for k in [1] + ks:
+        for where in wheres:
+            gbps[f"{where} {'alone' if k == 1 else f'k{k}'}"] = figure(where, k)
+    out = dict(
+        layer=bank.path, slots=bank.slots, expert_bytes=nbytes, k=ks, mb=args.ram_probe_mb,
+        gbps=gbps, seconds=time.perf_counter() - start_s,
+    )
+    del model, cache, bank
+    gc.collect()
+    return out
+
+
 def plan(args, routings):
     """``(regime, routing, budget)`` of every group, in run order."""
     if not args.regimes:
@@ -535,6 +718,7 @@ def plan(args, routings):
 
 QUICK = dict(
     shape="tiny", layers=4, rounds=2, block=2, probe_mb=8, prompt=6, probe_threads="1,4",
+    ram_probe_mb=2,
     variants="default,default_tl", budgets="0.25,0.5", ckpt_dir="/tmp/bench_ckpt_quick",
 )
 
@@ -590,6 +774,17 @@ def main(argv=None):
                     "prefill rows, 28 for uniform)")
     ap.add_argument("--probe-mb", type=int, default=768)
     ap.add_argument("--probe-threads", default="1,2,4,8,16")
+    ap.add_argument(
+        "--ram-probe-mb",
+        type=int,
+        default=256,
+        help="the ram regime's read-path probe: MB (decimal) read per figure (0: no probe)",
+    )
+    ap.add_argument(
+        "--ram-probe-k",
+        default="2,4,8",
+        help="the ram probe's parallel reads: experts read at once (a layer call's misses)",
+    )
     ap.add_argument("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
     ap.add_argument(
         "--quick",
@@ -607,6 +802,7 @@ def main(argv=None):
         if "routings" not in given:
             args.routings = "uniform,trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
     args.budget_list = [float(b) for b in args.budgets.split(",") if b]
+    args.ram_probe_k = sorted({int(k) for k in args.ram_probe_k.split(",") if k})
     args.regimes = [r for r in (args.regimes or "").split(",") if r]
     for r in args.regimes:
         if r not in REGIMES:
@@ -642,81 +838,69 @@ def main(argv=None):
         "tuning_variants": TUNING_VARIANTS,
         "graph_ids": GRAPH_IDS,
     }
-    path = harness.checkpoint(Path(args.ckpt_dir), args.shape, dtype, layers=args.layers, top_k=6)
-    files = harness.shards(path)
-    if any(variant_options(v)[0].get("store") == "packed" for v in variants):
-        from mlx_lm_streaming.pack import pack_checkpoint
-
-        start = time.time()
-        pack_checkpoint(path, progress=False)
-        log(f"packed in {time.time() - start:.0f} s")
-    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
-    cache = probe.expert_streaming.cache
-    res.update(
-        total_expert_bytes=cache.total_expert_bytes,
-        expert_bytes=cache.banks[0].layer.expert_nbytes,
-        moe_layers=len(cache.banks),
-        experts=cache.banks[0].num_experts,
-    )
-    del probe, cache
-    gc.collect()
-
-    threads = [int(t) for t in args.probe_threads.split(",")]
-    bw = harness.probe_disk(files, res["expert_bytes"], args.probe_mb * MB, threads)
-    res["disk_gbps"] = bw
-    res["disk_best_gbps"] = max(v for v in bw.values() if v)
-    log(f"disk GB/s: {bw}")
-
-    stocks = {}
-    names = ("stock", "stock_again") + (FLOORS if args.floors else ())
-    for name in names:
-        stocks[name], config = harness.load_stock(path)
-        # routed now (pointed at each group's routing later), so the floors wrap the routed modules
-        wrap(stocks[name], harness.make_routing(routings[0], res["experts"], res["moe_layers"]))
-    if args.floors:
-        sync_per_layer(stocks["stock_synclayer"])
-        sync_per_token(stocks["stock_synctoken"])
+    # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
+    synthetic = [r for r in routings if not r.startswith("model:")]
+    runs = [(None, synthetic)] if synthetic else []
+    runs += [(r, [r]) for r in routings if r.startswith("model:")]
+    res["checkpoints"] = {}
+    groups = []
+    res["groups"] = groups
     import random
 
     rng = random.Random(1)
-    vocab = config["vocab_size"]
-    stream = [rng.randrange(vocab) for _ in range(4096)]
-    groups = []
-    res["groups"] = groups
-    prompts = {}
-    for regime, spec, budget in plan(args, routings):
-        if spec not in prompts:
-            routing = harness.make_routing(spec, res["experts"], res["moe_layers"])
-            prompt_len = args.prompt or (
-                routing.decode_rows() if hasattr(routing, "decode_rows") else 28
+    for model_spec, specs in runs:
+        if model_spec is None:
+            path = harness.checkpoint(
+                Path(args.ckpt_dir), args.shape, dtype, layers=args.layers, top_k=6
             )
-            prompts[spec] = [rng.randrange(vocab) for _ in range(prompt_len)]
-        prompt = prompts[spec]
-        g = run_group(
-            stocks, path, spec, budget, variants, args, res, files, prompt, stream, regime
-        )
-        g.update(routing=spec, budget=budget, prompt_tokens=len(prompt))
-        if spec.startswith("trace:") and variants and regime != "hit":
-            slots = g["configs"][variants[0]]["slots"]
-            rows = g["decode_rows"]
-            g["replay"] = replay_figures(
-                spec, res["moe_layers"], slots, len(prompt), rows["warmup"], rows["measured"]
+        else:
+            path = Path(model_spec[len("model:") :])
+        ck, files, stocks = open_checkpoint(path, args, variants, specs[0])
+        name = "synthetic" if model_spec is None else harness.routing_label(model_spec)
+        res["checkpoints"][name] = ck
+        for k in ("total_expert_bytes", "expert_bytes", "moe_layers", "experts", "disk_gbps",
+                  "disk_best_gbps"):
+            res.setdefault(k, ck[k])  # the first checkpoint's, as before model:DIR
+        if model_spec is None:
+            stream = [rng.randrange(ck["vocab"]) for _ in range(4096)]
+        else:
+            model_prompt, stream = text_tokens(path, args.prompt or 28)
+        prompts = {}
+        for regime, spec, budget in plan(args, specs):
+            if spec not in prompts and model_spec is None:
+                routing = harness.make_routing(spec, ck["experts"], ck["moe_layers"])
+                prompt_len = args.prompt or (
+                    routing.decode_rows() if hasattr(routing, "decode_rows") else 28
+                )
+                prompts[spec] = [rng.randrange(ck["vocab"]) for _ in range(prompt_len)]
+            prompt = prompts.get(spec) or model_prompt
+            g = run_group(
+                stocks, path, spec, budget, variants, args, ck, files, prompt, stream, regime
             )
-        summarize(g, res)
-        groups.append(g)
-        res["groups"] = groups
-        # regime -> "routing budget" -> config -> its ratio (and stock's own run-to-run)
-        where = f"{'trace' if spec.startswith('trace') else spec} {budget}"
-        res.setdefault("summary", {}).setdefault(regime, {})[where] = {
-            k: {
-                "ratio": round(c["ratio"], 4),
-                "exact": f"{c['exact_steps']}/{c['total_steps']}",
-                "hit_rate": c.get("hit_rate"),
+            g.update(routing=spec, budget=budget, prompt_tokens=len(prompt), checkpoint=name)
+            if spec.startswith("trace:") and variants and regime != "hit":
+                slots = g["configs"][variants[0]]["slots"]
+                rows = g["decode_rows"]
+                g["replay"] = replay_figures(
+                    spec, ck["moe_layers"], slots, len(prompt), rows["warmup"], rows["measured"]
+                )
+            summarize(g, ck)
+            groups.append(g)
+            res["groups"] = groups
+            # regime -> "routing budget" -> config -> its ratio (and stock's own run-to-run)
+            where = f"{routing_cell(spec)} {budget}"
+            res.setdefault("summary", {}).setdefault(regime, {})[where] = {
+                k: {
+                    "ratio": round(c["ratio"], 4),
+                    "exact": f"{c['exact_steps']}/{c['total_steps']}",
+                    "hit_rate": c.get("hit_rate"),
+                }
+                for k, c in g["configs"].items()
             }
-            for k, c in g["configs"].items()
-        }
-        save(res, args)  # after every group: a run cut short keeps what it measured
-        log(table(dict(res, groups=[g])))  # this group's detailed rows
+            save(res, args)  # after every group: a run cut short keeps what it measured
+            log(table(dict(res, groups=[g])))  # this group's detailed rows
+        del stocks
+        gc.collect()
     print(regime_tables(res), flush=True)
     bad = [
         f"{g['regime']} {g['routing']} {g['budget']} {k}"
@@ -737,11 +921,12 @@ def save(res, args):
         (out / f"{args.tag}.md").write_text(markdown(res))
 
 
-def summarize(g, res):
+def summarize(g, ck):
     """limit, ratio to it (also the median of per-round ratios), read GB/s, paired ratios to the
     base variant; the regime's headline ratio per configuration (``ratio``): to stock for hit and
-    ram, to the limit for cold (stock configurations: to stock)."""
-    disk = res["disk_best_gbps"] * GB
+    ram, to the limit for cold (stock configurations: to stock). ``ck``: the checkpoint's figures
+    (``open_checkpoint``); with its ram probe, ram rows get ``ram_limit`` (``ram_limit``)."""
+    disk = ck["disk_best_gbps"] * GB
     stock = g["configs"]["stock"]["s_per_token"]
     for key, c in g["configs"].items():
         c["ratio"] = c["ratio_to_stock"]
@@ -756,6 +941,8 @@ def summarize(g, res):
         )
         if g.get("regime", "cold") == "cold":
             c["ratio"] = c["ratio_to_limit_median"]
+        if g.get("regime") == "ram" and ck.get("ram_probe"):
+            ram_limit(c, stock, ck)
         c["read_gbps_in_waits"] = (
             c["bytes_per_token"] / c["io_wait_s_per_token"] / GB
             if c["io_wait_s_per_token"]
@@ -769,6 +956,29 @@ def summarize(g, res):
         c["vs_base_paired"] = (
             statistics.median(r[base] / r[key] for r in g["rounds"]) if base else None
         )
+
+
+def ram_limit(c, stock_s, ck) -> None:
+    """``c["ram_limit"]``: 1 / (stock's step + missed bytes per token / the ram probe's parallel
+    reads into slots, at the probed K nearest this row's misses per layer call), and this row's
+    tok/s as a fraction of it."""
+    probe = ck["ram_probe"]
+    per_call = c["misses_per_token"] / ck["moe_layers"]
+    figures = {k: probe["gbps"].get(f"slots k{k}") for k in probe["k"]}
+    figures = {k: v for k, v in figures.items() if v}
+    if not figures:
+        return
+    k = min(figures, key=lambda k: (abs(k - per_call), k))
+    missed = c["misses_per_token"] * ck["expert_bytes"]
+    limit_s = stock_s + missed / (figures[k] * 1e9)
+    c["ram_limit"] = {
+        "tok_s": 1 / limit_s,
+        "of_limit": c["tok_s"] * limit_s,
+        "k": k,
+        "gbps": figures[k],
+        "missed_bytes_per_token": missed,
+        "misses_per_layer_call": per_call,
+    }
 
 
 SPLIT_SHORT = (
@@ -799,24 +1009,36 @@ def regime_tables(res):
         if not groups:
             continue
         against = "limit" if regime == "cold" else "stock"
+        # ram: the ram limit (1 / (stock step + missed bytes per token / the probe's parallel
+        # reads into slots)) and tok/s as a fraction of it
+        ram = regime == "ram"
         lines += [
             "",
             f"### {regime}",
             "",
-            f"| routing | budget | config | tok/s | ratio to {against} | stock/stock | exact | hit "
+            f"| routing | budget | config | tok/s | ratio to {against} | "
+            + ("ram limit tok/s (K) | of ram limit | " if ram else "")
+            + "stock/stock | exact | hit "
             "| ms per layer: " + " / ".join(s for _, s in SPLIT_SHORT)
             + " | ms per token: same / outside / token |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if ram else ""),
         ]
         for g in groups:
-            routing = "trace" if g["routing"].startswith("trace") else g["routing"]
+            routing = routing_cell(g["routing"])
             for key, c in g["configs"].items():
                 hit = "" if c.get("hit_rate") is None else f"{c['hit_rate']:.3f}"
                 ratio = c.get("ratio", c["ratio_to_stock"])
+                lim = c.get("ram_limit")
+                cells = ""
+                if ram:
+                    cells = (
+                        f"{lim['tok_s']:.2f} ({lim['k']}) | {lim['of_limit']:.3f} | " if lim
+                        else " | | "
+                    )
                 lines.append(
                     f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {ratio:.3f} | "
-                    f"{g['stock_vs_stock']:.3f} | {c['exact_steps']}/{c['total_steps']} | {hit} | "
-                    f"{_split_cell(c, 'ms per layer')} | {_split_cell(c, 'ms per token')} |"
+                    f"{cells}{g['stock_vs_stock']:.3f} | {c['exact_steps']}/{c['total_steps']} | "
+                    f"{hit} | {_split_cell(c, 'ms per layer')} | {_split_cell(c, 'ms per token')} |"
                 )
             for w in g.get("warnings", []):
                 lines.append(f"\n{w}\n")
@@ -824,8 +1046,10 @@ def regime_tables(res):
 
 
 def markdown(res):
+    cks = res.get("checkpoints") or {"synthetic": None}
+    what = [f"{res.get('shape')} shape" if k == "synthetic" else k for k in cks]
     head = [
-        f"# gpu_pipeline: {res.get('shape')} shape, {res.get('moe_layers')} MoE layers, "
+        f"# gpu_pipeline: {', '.join(what)}, {res.get('moe_layers')} MoE layers, "
         f"{res.get('dtype')}, {res.get('device')} (mlx {res.get('mlx')})",
         "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
@@ -851,7 +1075,40 @@ def markdown(res):
         "head, sampling, mlx-lm) and token = the measured time per token.",
         "",
     ]
-    return "\n".join(head) + regime_tables(res) + "\n\n## Details\n\n" + table(res) + "\n"
+    return (
+        "\n".join(head + checkpoint_lines(res)) + "\n" + regime_tables(res) + "\n\n## Details\n\n"
+        + table(res) + "\n"
+    )
+
+
+def checkpoint_lines(res):
+    """A line per checkpoint (its expert size, disk probe, ram probe), where model:DIR ran."""
+    cks = res.get("checkpoints") or {}
+    if len(cks) < 2 and "synthetic" in cks:
+        return _probe_lines(cks["synthetic"])
+    lines = []
+    for name, ck in cks.items():
+        lines += [
+            f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "
+            f"{ck['expert_bytes'] / 1e6:.3f} MB per expert; disk best {ck['disk_best_gbps']:.2f} "
+            "GB/s.",
+            "",
+        ] + _probe_lines(ck)
+    return lines
+
+
+def _probe_lines(ck):
+    probe = ck.get("ram_probe")
+    if not probe:
+        return []
+    return [
+        f"Ram probe ({probe['layer']}, {probe['expert_bytes'] / 1e6:.3f} MB per expert, page "
+        "cache warm; GB/s decimal): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in probe["gbps"].items())
+        + ". ram limit = 1 / (stock step + missed bytes per token / slots kK GB/s), K the probed "
+        "count nearest the row's misses per layer call.",
+        "",
+    ]
 
 
 def _ahead(p):
@@ -872,7 +1129,7 @@ def table(res):
         "|" + "---|" * 17,
     ]
     for g in res["groups"]:
-        routing = "trace" if g["routing"].startswith("trace") else g["routing"]
+        routing = routing_cell(g["routing"])
         for key, c in g["configs"].items():
             same = f"{sum(c['same_as_stock'])}/{len(c['same_as_stock'])}"
             if "bytes_per_token" not in c:

@@ -288,7 +288,8 @@ class ForcedRouting:
 def make_routing(routing: str, num_experts: int, layers: int, fold=None):
     """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
     (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones; ``fold`` =
-    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None."""
+    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None (also
+    for ``model:DIR``: that checkpoint's own router)."""
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
@@ -303,6 +304,8 @@ def make_routing(routing: str, num_experts: int, layers: int, fold=None):
 
 def routing_label(routing: str, fold=None, layers=None) -> str:
     """How a run's routing is named in its report."""
+    if routing.startswith("model:"):
+        return f"model {Path(routing[len('model:') :]).name} (its own router)"
     if not routing.startswith("trace:"):
         return routing
     label = f"trace {Path(routing[len('trace:') :]).name}"
