@@ -9,7 +9,14 @@ The H200 run (issue 22; 16 MoE layers, bf16, Qwen3-30B-A3B expert shape):
 
 (or ``BENCH=pipeline bash bench/gpu.sh <the same arguments>``). On the CPU, everything at tiny size
 in ~10 s: ``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floors --out /tmp/q``
-(``tests/test_bench_regimes.py`` runs it). Without ``--regimes``: the cold regime alone at
+(``tests/test_bench_regimes.py`` runs it). A trained checkpoint's own routing (``model:DIR``,
+below):
+
+    python3 bench/gpu_pipeline.py --out $OUT --regimes hit,ram,cold --floors \
+        --routings model:/root/qwen3-moe-16l --variants default,default_tl --rounds 4
+
+(CPU: ``--quick --regimes hit,ram --routings model:docs/demo-model``,
+``tests/test_bench_model_routing.py``). Without ``--regimes``: the cold regime alone at
 ``--budgets``, as before this option existed:
 
     python bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
@@ -19,8 +26,14 @@ in ~10 s: ``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floor
 One checkpoint with Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768, 128 experts,
 affine 4-bit) and top-k 6, the routing traces' (``--layers`` MoE layers, at most the trace's: 48 for
 ``qwen3-30b-a3b.jsonl``, 30 for ``gemma-4-26b-a4b.jsonl``; a trace of more layers is replayed on its
-first ones: ``bench/routing_replay.py``). Groups: regime x routing (uniform random experts, or a
-trace) x budget (share of the expert bytes). In each group every variant of the streaming model
+first ones: ``bench/routing_replay.py``). Groups: regime x routing (uniform random experts, a
+trace, or ``model:DIR``) x budget (share of the expert bytes). ``model:DIR``: DIR is a real mlx-lm
+MoE checkpoint (``mlx_lm.convert``'s output, e.g. docs/demo-model/); its groups run on that
+checkpoint, not the synthetic one: its streaming variants and stocks are loaded from DIR and route
+with the model's own router (no forced ids, no wrapper), fed ``TEXT`` encoded by DIR's tokenizer
+(the first ``--prompt`` tokens, 28 by default, as the prompt; the rest as the token stream); its
+expert size, disk probe and ram probe are its own (``checkpoints`` in the JSON); reported as
+"model NAME (its own router)". In each group every variant of the streaming model
 runs in interleaved rounds with two separately loaded stock models (``stock``, ``stock_again``: stock's
 own run-to-run) and, with ``--floors``, two stock models patched here (never in the package):
 ``stock_synclayer`` (one ``np.array(indices)`` of the router's ids per MoE layer, then the stock
@@ -33,7 +46,13 @@ Regimes:
   hit rate is reported; a warning is printed (and kept in the JSON) where it is not 1.0.
 - ``ram``: budget ``--ram-budget`` (0.90), page cache warm, the rounds' steps decoded once before
   them (the cache in its steady state): every miss is a copy from RAM (the safetensors store's
-  buffered reads; the ``packdirect`` store's O_DIRECT reads still go to the disk).
+  buffered reads; the ``packdirect`` store's O_DIRECT reads still go to the disk). Its limit: a
+  probe of the read path (``ram_probe``, page cache warm, the package's own store): one expert
+  alone and K (``--ram-probe-k``) in parallel on the demand threads, into a bank's slots (on a GPU
+  pages the device touched last: a forward and a device read of those slots before each rep) and
+  into plain numpy memory (fresh, reused), GB/s decimal, ``--ram-probe-mb`` per figure; each ram
+  row gets ``ram_limit`` = 1 / (stock's step + missed bytes per token / the slots' parallel GB/s at
+  the probed K nearest its misses per layer call), and its tok/s as a fraction of that.
 - ``cold``: the page cache dropped before every token, at ``--budgets``.
 
 Each configuration first feeds the same prompt one token at a time (one-token calls are
@@ -57,7 +76,8 @@ the time between layer calls, in ms per MoE layer call and per token; ``default`
 variant word for any ``CacheTuning`` fields (``nolk:lookahead=false``; ``--variants default,nolk``).
 
 Writes ``<out>/<tag>.json`` (after every group) and ``<out>/<tag>.md`` (a table per regime: config,
-tok/s, ratio, stock/stock, exact steps, hit rate, per-layer split; then the detailed table).
+tok/s, ratio, the ram limit and the fraction of it (ram), stock/stock, exact steps, hit rate,
+per-layer split; then the detailed table).
 """
 
 import argparse
@@ -542,7 +562,8 @@ def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
 
 
 # the text a model:DIR routing decodes (its tokens by that checkpoint's tokenizer): the prompt, then
-# the stream fed in place of sampling, the same for every configuration (cycled if the run is longer)
+# the stream fed in place of sampling, the same for every configuration (cycled if the run is
+# longer)
 TEXT = (
     "Return a new list of the items of the sequence, sorted by the key function. The sort is "
     "stable: items that compare equal keep their order. If the key is None, the items are "
@@ -622,6 +643,9 @@ def open_checkpoint(path, args, variants, first_routing):
     return ck, files, stocks
 
 
+RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe long
+
+
 def ram_probe(path, files, ck, args):
     """GB/s (decimal) of the ram regime's read path, the page cache warm, as the store reads: the
     package's own store (``store.read_many`` of an expert's (ref, buffer) jobs), into one layer's
@@ -630,7 +654,7 @@ def ram_probe(path, files, ck, args):
     parallel, one per demand thread (``bank_io.read_direct``'s way). Before each rep, one forward
     of the model and a device read of the slots about to be written: on a GPU (managed memory)
     their pages were last touched by the device, as in a decode step. At most ``--ram-probe-mb``
-    per figure. Model: ``default`` without lookahead (no background reads beside the probe) at the
+    and ``RAM_PROBE_REPS`` reps per figure. Model: ``default`` without lookahead (no background reads beside the probe) at the
     ram budget."""
     import mlx.core as mx
     import numpy as np
@@ -643,8 +667,8 @@ def ram_probe(path, files, ck, args):
     cache = model.expert_streaming.cache
     cache.ensure_planned()
     bank = cache.banks[0]
-    parts = bank.layer.parts
-    nbytes = bank.layer.expert_nbytes
+    layer = bank.layer
+    parts, nbytes = layer.parts, layer.expert_nbytes
     offsets = np.cumsum([0] + [p.nbytes for p in parts])
     ks = [k for k in args.ram_probe_k if k <= bank.slots]
     token = mx.array([[1]])
@@ -660,17 +684,17 @@ def ram_probe(path, files, ck, args):
         if where == "slots":
             views = bank.views
             return [
-                [(r, memoryview(views[i][s])) for i, r in enumerate(bank.layer.refs(e))]
+                [(r, memoryview(views[i][s])) for i, r in enumerate(layer.refs(e))]
                 for e, s in zip(experts, slots)
             ]
         bufs = reused if where == "host reused" else [np.empty(nbytes, np.uint8) for _ in experts]
         return [
-            [(r, memoryview(b[offsets[i] : offsets[i + 1]])) for i, r in enumerate(bank.layer.refs(e))]
+            [(r, memoryview(b[offsets[i] : offsets[i + 1]])) for i, r in enumerate(layer.refs(e))]
             for e, b in zip(experts, bufs)
         ]
 
     def figure(where, k):
-        reps = max(2, args.ram_probe_mb * 1_000_000 // (k * nbytes))
+        reps = min(RAM_PROBE_REPS, max(2, args.ram_probe_mb * 1_000_000 // (k * nbytes)))
         reused = [np.zeros(nbytes, np.uint8) for _ in range(k)]
         seconds = 0.0
         for rep in range(reps):
