@@ -20,9 +20,9 @@ Layout of ``experts.pack`` (beside the shards, unless ``--out``)::
 
 Written to a temporary file in the same directory, fsynced, then renamed over the old pack (and the
 directory fsynced): a pack is either complete or absent. One run at a time writes it: the run holds
-``experts.pack.lock`` beside it (``outputs.lock_beside``) and a second is refused. The ``packed`` store (``stores/packed.py``)
-checks magic, header hash, file size and the sources when it opens the pack, and each expert's crc32
-on its first read.
+``experts.pack.lock`` beside it (``outputs.lock_beside``) and a second is refused. The ``packed``
+store (``stores/packed.py``) checks magic, header hash, file size and the sources when it opens the
+pack, and each expert's crc32 on its first read.
 """
 
 import hashlib

@@ -169,7 +169,7 @@ def test_model_loaded_in_one_thread_runs_in_another(setup):
     assert all(mx.array_equal(a, b).item() for a, b in zip(expected[1], run(model, prompt(1))))
 
 
-# -- two processes, one output file (issue 27, item 1) -----------------------------------------------
+# -- two processes, one output file (issue 27, item 1) ---------------------------------------------
 
 # a streaming run that has written its routing trace and timeline and goes on until told to end
 WRITER = textwrap.dedent(
@@ -181,7 +181,8 @@ WRITER = textwrap.dedent(
     install()
     options = {"record_routing": sys.argv[2], "trace": sys.argv[3]}
     from pathlib import Path
-    model, _ = mlx_lm.utils.load_model(Path(sys.argv[1]), model_config={"streaming_experts": options})
+    config = {"streaming_experts": options}
+    model, _ = mlx_lm.utils.load_model(Path(sys.argv[1]), model_config=config)
     model(mx.array([[1, 2, 3, 4]]))
     model.expert_streaming.timeline.flush()  # the timeline is open too
     print("writing", flush=True)
@@ -218,7 +219,8 @@ def test_a_second_process_is_refused_the_trace_and_timeline_the_first_writes(che
                 f"{file}: another process is writing this {what} now; give this run another "
                 "path, or wait for that one to finish"
             )
-        out = run_cli(generate_cmd(path, "--streaming-experts", "--record-routing", trace), tmp_path)
+        cmd = generate_cmd(path, "--streaming-experts", "--record-routing", trace)
+        out = run_cli(cmd, tmp_path)
         one_error_line(out, "argument --record-routing", trace, "another process is writing")
         first.stdin.write("\n")
         first.stdin.flush()

@@ -305,7 +305,7 @@ def test_the_generate_command_finishes_when_its_traces_fill_the_disk(checkpoint,
     assert trace.stat().st_size <= 1000 and timeline.stat().st_size <= 1000
 
 
-# -- a plot replaces only a plot of ours (issue 27) --------------------------------------------------
+# -- a plot replaces only a plot of ours (issue 27) ------------------------------------------------
 
 
 def foreign_plot(path: Path) -> bytes:
@@ -333,7 +333,7 @@ def test_a_plot_replaces_only_a_plot_that_plot_wrote(tmp_path, ext):
     with pytest.raises(ConfigurationError) as info:
         plot_path(photo)
     message = str(info.value)
-    assert message.startswith(f"--plot {photo}: exists and is not a plot that --plot wrote"), message
+    assert message.startswith(f"--plot {photo}: exists and is not a plot that --plot wrote")
     assert photo.read_bytes() == before
     ours = tmp_path / f"budget{ext}"
     rows = [BudgetRow(f"{p}%", p * 10**6, [1], 10**6, p / 100, 0.1, 10.0) for p in (10, 50, 100)]
