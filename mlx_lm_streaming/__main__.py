@@ -93,9 +93,12 @@ def add_plan_arguments(parser):
         "read per decode token at this budget",
     )
     parser.add_argument(
+        "--expert-cache-policy",
         "--cache-policy",
+        dest="cache_policy",
         metavar="NAME",
-        help="eviction policy to replay with (default: the cache's, decay_next; or decay, lru)",
+        help="eviction policy to replay with, as the generate commands take it (default: the "
+        "cache's, decay_next; or decay, lru); --cache-policy is the same",
     )
     parser.add_argument(
         "--disk-gbps",
@@ -157,9 +160,12 @@ def run_plan(args) -> int:
     # the plan's own flags only (a StreamingOptions is taken as given, without the environment)
     options = StreamingOptions(expert_cache_gb=args.expert_cache_gb)
     if args.cache_policy is not None:
-        options = StreamingOptions(
-            expert_cache_gb=args.expert_cache_gb, cache_policy=args.cache_policy
-        )
+        try:
+            options = StreamingOptions(
+                expert_cache_gb=args.expert_cache_gb, cache_policy=args.cache_policy
+            )
+        except ConfigurationError as e:
+            raise ConfigurationError(f"argument --expert-cache-policy: {e}") from None
     model, _ = mlx_lm.utils.load_model(
         path, lazy=True, model_config={"streaming_experts": options}
     )

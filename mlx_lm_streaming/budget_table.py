@@ -220,9 +220,10 @@ def plot_path(path) -> Path:
 
 
 def plot(rows: List[BudgetRow], path, title: str) -> Path:
-    """Decode hit rate and disk-bound tok/s against budget (GB), one image at ``plot_path(path)``,
-    written beside it and renamed over it; returns that path."""
-    from .outputs import PLOT, replace_whole
+    """Decode hit rate and disk-bound tok/s against budget (GB), with the default and the given
+    budget marked, one image at ``plot_path(path)``, written beside it and renamed over it (with
+    ``PLOT_MARK`` in its metadata: a later --plot may replace it); returns that path."""
+    from .outputs import PLOT, PLOT_MARK, replace_whole
 
     path = plot_path(path)
     import matplotlib
@@ -230,9 +231,17 @@ def plot(rows: List[BudgetRow], path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    marked = [r for r in rows if not r.label.endswith("%")]  # the default and the given budget
     rows = [r for r in rows if r.label.endswith("%")] or rows
     x = [r.budget_bytes / 1e9 for r in rows]
     fig, left = plt.subplots(figsize=(7, 4))
+    for r, style in zip(marked, (":", "-.")):
+        left.axvline(
+            r.budget_bytes / 1e9,
+            color="tab:gray",
+            linestyle=style,
+            label=f"{r.label} budget, {_gb(r.budget_bytes)} GB",
+        )
     left.plot(x, [100 * r.decode_hit_rate for r in rows], "o-", color="tab:blue")
     left.set_xlabel("expert cache budget (GB)")
     left.set_ylabel("decode hit rate (%)", color="tab:blue")
@@ -243,11 +252,17 @@ def plot(rows: List[BudgetRow], path, title: str) -> Path:
     if shown:
         right.plot(*zip(*shown), "s--", color="tab:red")
     right.set_ylabel("decode tok/s the disk allows", color="tab:red")
+    if marked:
+        left.legend(loc="lower right")
     left.set_title(title)
     fig.tight_layout()
     fmt = path.suffix.lower()[1:]
     try:
-        return replace_whole(path, PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format=fmt))
+        return replace_whole(
+            path,
+            PLOT,
+            lambda tmp: fig.savefig(tmp, dpi=100, format=fmt, metadata={"Creator": PLOT_MARK}),
+        )
     except ConfigurationError as e:
         raise ConfigurationError(f"--plot {e}") from None
     finally:

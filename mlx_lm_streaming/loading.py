@@ -36,7 +36,7 @@ from .outputs import ROUTING_TRACE, TIMELINE, check_output
 from .routing_trace import RoutingRecorder
 from .switch import StreamingSwitchGLU
 from .verified_step import StepRunner
-from .timeline import open_timeline
+from .timeline import Timeline, open_timeline
 
 
 
@@ -115,9 +115,13 @@ class StreamingState:
     ):
         self.model_path = Path(model_path)
         self.options = options
-        # the files this run writes, before anything is made (nothing is opened yet)
-        for path, kind in ((options.record_routing, ROUTING_TRACE), (options.trace, TIMELINE)):
-            if path:
+        # the files this run writes, before anything is made (nothing is opened yet); a file this
+        # process already writes for another model is not written by this one (``claimed``)
+        for path, kind, claimed in (
+            (options.record_routing, ROUTING_TRACE, RoutingRecorder.claimed),
+            (options.trace, TIMELINE, Timeline.claimed),
+        ):
+            if path and not claimed(path):
                 check_output(path, kind, self.model_path)
         # a lazy, non-strict load (mlx-lm's sharded_load) may lack the shards of other pipeline
         # ranks' layers: checked once ``pipeline`` says which layers this rank keeps

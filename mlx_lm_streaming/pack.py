@@ -49,7 +49,11 @@ def add_arguments(parser) -> None:
         help=f"pack file, or an existing directory to write {PACK_NAME} into (default: "
         f"MODEL/{PACK_NAME}); another disk than the model's spreads the reads over both",
     )
-    parser.add_argument("--force", action="store_true", help="write it even if a valid pack exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write it even if a valid pack exists, or over another model's pack",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

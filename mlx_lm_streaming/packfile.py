@@ -19,9 +19,10 @@ Layout of ``experts.pack`` (beside the shards, unless ``--out``)::
     D   data   (the file ends exactly where the last expert's padding ends)
 
 Written to a temporary file in the same directory, fsynced, then renamed over the old pack (and the
-directory fsynced): a pack is either complete or absent. The ``packed`` store (``stores/packed.py``)
-checks magic, header hash, file size and the sources when it opens the pack, and each expert's crc32
-on its first read.
+directory fsynced): a pack is either complete or absent. One run at a time writes it: the run holds
+``experts.pack.lock`` beside it (``outputs.lock_beside``) and a second is refused. The ``packed``
+store (``stores/packed.py``) checks magic, header hash, file size and the sources when it opens the
+pack, and each expert's crc32 on its first read.
 """
 
 import hashlib
@@ -101,6 +102,21 @@ def check_free_space(out: Path, need: int) -> None:
 HINT = "write it again with `mlx_lm_streaming pack MODEL --force`, or use the default store"
 
 
+class PackOfAnotherModel(CheckpointError):
+    """A pack made from another model's directory whose shards this model's do not match."""
+
+    def __init__(self, path, made_for: str, model_path, why: str):
+        self.made_for = made_for
+        self.hint = (
+            f"give {model_path}'s own pack (--expert-pack), or write one with `mlx_lm_streaming "
+            f"pack {model_path}`"
+        )
+        super().__init__(
+            f"{path}: the expert pack of another model: made from the checkpoint at {made_for}, "
+            f"not {model_path} ({why}); {self.hint}"
+        )
+
+
 class PackFile:
     """A validated pack: its header and entries, and an open file descriptor."""
 
@@ -140,21 +156,26 @@ class PackFile:
                     f"{self.path}: is {st.st_size} bytes but its header says {end} (partial or "
                     f"damaged pack); {HINT}"
                 )
+            made_for = meta.get("model")
+            other = made_for and made_for != str(Path(model_path).resolve())
             for name, want in meta["sources"].items():
                 shard = Path(model_path) / name
-                if not shard.is_file():
+                have = shard_fingerprint(shard) if shard.is_file() else None
+                if have != want and other:
+                    why = (
+                        f"{model_path} has no {name}"
+                        if have is None
+                        else f"its {name} has other tensors than {shard}"
+                        if have["header_sha256"] != want.get("header_sha256")
+                        else f"its {name} differs: size or modification time"
+                    )
+                    raise PackOfAnotherModel(self.path, made_for, model_path, why)
+                if have is None:
                     raise CheckpointError(f"{self.path}: made from {name}, missing now; {HINT}")
-                have = shard_fingerprint(shard)
                 if have["header_sha256"] != want.get("header_sha256"):
                     raise CheckpointError(
                         f"{self.path}: made from another checkpoint: its {name} has other "
                         f"tensors than {shard} (the safetensors headers differ); {HINT}"
-                    )
-                made_for = meta.get("model")
-                if have != want and made_for and made_for != str(Path(model_path).resolve()):
-                    raise CheckpointError(
-                        f"{self.path}: made from the checkpoint at {made_for}, not "
-                        f"{model_path} (its {name} differs: size or modification time); {HINT}"
                     )
                 if have != want:
                     raise CheckpointError(
@@ -246,8 +267,10 @@ def write_pack(
     checkpoint's ``ExpertIndex``, or a function that makes it (called only if a pack is written).
 
     ``out`` is the pack file or an existing directory to write ``experts.pack`` into (default: the
-    model directory). An existing pack that matches the checkpoint is kept unless ``force``."""
-    from .outputs import PACK, check_output
+    model directory). An existing pack that matches the checkpoint is kept unless ``force``; one
+    made for another model is replaced only with ``force``. Two runs never write one pack at once:
+    the second is refused (``outputs.lock_beside``)."""
+    from .outputs import PACK, check_output, lock_beside
 
     model_path = Path(model_path)
     if not model_path.is_dir():
@@ -262,11 +285,30 @@ def write_pack(
     # a file that is not a pack (a text, a shard, a device) is never overwritten; a pack is
     # replaced as a whole, below
     check_output(out, PACK, model_path)
-    if out.exists() and out.stat().st_size and not force:
+    try:
+        with lock_beside(out, PACK):
+            return _write_pack(model_path, index, out, progress, force)
+    except OSError as e:
+        if isinstance(e, StreamingError):
+            raise
+        raise ExpertIOError(f"{out}: writing the pack failed ({e}); the checkpoint is untouched")
 
+
+def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool) -> Path:
+    # write_pack's, under the pack's lock
+    if out.exists() and out.stat().st_size and not force:
         try:
             PackFile(out, model_path).close()
             return out
+        except PackOfAnotherModel as e:
+            if out.parent.resolve() != model_path.resolve():
+                raise ConfigurationError(
+                    f"{out}: holds the expert pack of another model ({e.made_for}), not of "
+                    f"{model_path}; refusing to replace it: give another --out, or --force to "
+                    "replace it"
+                ) from None
+            reason = str(e).replace(f"; {e.hint}", "")  # a copied model directory: its own place
+            print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
         except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
             reason = str(e).replace(f"; {HINT}", "")
             print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import CheckpointError, open_output
-from .outputs import ROUTING_TRACE, TRACE_FORMAT, check_output, close_quietly, say_failed
+from .outputs import (
+    ROUTING_TRACE,
+    TRACE_FORMAT,
+    check_output,
+    close_quietly,
+    identity,
+    open_for_run,
+    say_failed,
+)
 
 FORMAT = TRACE_FORMAT
 VERSION = 1
@@ -232,6 +240,7 @@ class RoutingRecorder:
         self.phase = None
         # a bad path fails at load; the file is opened at the first token, once the load passed
         check_output(self.path, ROUTING_TRACE, model_path)
+        self.seen = identity(self.path)  # what may be replaced at the first token
         self.failed = False  # writing failed: the trace was given up (outputs.say_failed)
         RoutingRecorder._open.add(self.path.resolve())
 
@@ -259,7 +268,7 @@ class RoutingRecorder:
             banks = list(self.banks())
             self.layer_of = {id(b): i for i, b in enumerate(banks)}
             experts = max(b.num_experts for b in banks)
-            file = open(self.path, "w", encoding="utf-8")  # an OSError gives the trace up
+            file = open_for_run(self.path, self.seen)  # an OSError gives the trace up
             self.writer = TraceWriter(
                 self.path, len(banks), experts, None, file=file, **self.header
             )

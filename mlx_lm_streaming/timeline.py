@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Optional
 
-from .outputs import TIMELINE, check_output, close_quietly, say_failed
+from .outputs import TIMELINE, check_output, close_quietly, identity, open_for_run, say_failed
 
 # events kept in memory before they are written, and the longest they wait
 FLUSH_EVENTS = 512
@@ -42,6 +42,7 @@ class Timeline:
         goes on."""
         self.path = str(path)
         check_output(self.path, TIMELINE, model_path)
+        self._seen = identity(self.path)  # what may be replaced at the first write
         self._file = None  # opened by the first ``_write``
         self._failed = False
         self._closed = False
@@ -196,7 +197,7 @@ class Timeline:
             return
         try:
             if self._file is None:
-                self._file = open(self.path, "w", encoding="utf-8")
+                self._file = open_for_run(self.path, self._seen)
             text = ",\n".join(self._pending)
             if self._first:
                 text = text.replace("[,\n", "[\n", 1)

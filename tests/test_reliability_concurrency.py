@@ -4,17 +4,26 @@ With a budget of 3 experts per layer (of 8) every call evicts, so threads keep r
 others use. No deadlock (every thread finishes within a timeout), logits exactly the serial/stock ones,
 and after the store is closed (explicitly or by dropping the model) no reader thread or file descriptor
 is left behind.
+
+At the file level (issue 27): two processes given one routing trace or timeline, or one pack, never
+write it at once; the second is refused in one line, and what the first wrote is kept whole.
 """
 
+import errno
+import fcntl
 import gc
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from support import load_stock, load_streaming
+from support import BIN, generate_cmd, load_stock, load_streaming, one_error_line, run_cli
 
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import ExpertIOError
@@ -158,3 +167,161 @@ def test_model_loaded_in_one_thread_runs_in_another(setup):
     assert all(mx.array_equal(a, b).item() for a, b in zip(expected[0], out["r"]))
     # and back on this thread after the worker updated the banks
     assert all(mx.array_equal(a, b).item() for a, b in zip(expected[1], run(model, prompt(1))))
+
+
+# -- two processes, one output file (issue 27, item 1) ---------------------------------------------
+
+# a streaming run that has written its routing trace and timeline and goes on until told to end
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import mlx.core as mx
+    import mlx_lm.utils
+    from mlx_lm_streaming.integration import install
+    install()
+    options = {"record_routing": sys.argv[2], "trace": sys.argv[3]}
+    from pathlib import Path
+    config = {"streaming_experts": options}
+    model, _ = mlx_lm.utils.load_model(Path(sys.argv[1]), model_config=config)
+    model(mx.array([[1, 2, 3, 4]]))
+    model.expert_streaming.timeline.flush()  # the timeline is open too
+    print("writing", flush=True)
+    sys.stdin.readline()
+    model(mx.array([[5]]))
+    model.expert_streaming.close()
+    """
+)
+
+
+def test_a_second_process_is_refused_the_trace_and_timeline_the_first_writes(checkpoint, tmp_path):
+    """Two runs given one --streaming-trace left invalid JSON (both runs' events interleaved), and
+    one --record-routing lost a run's record. The second run is refused while the first writes."""
+    from mlx_lm_streaming.errors import ConfigurationError
+    from mlx_lm_streaming.routing_trace import read_trace
+
+    path = checkpoint("qwen3_moe", "affine4")
+    trace, timeline = tmp_path / "r.jsonl", tmp_path / "t.json"
+    first = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(trace), str(timeline)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout.readline().strip() == "writing"
+        for kind, file, what in (
+            ("record_routing", trace, "routing trace"),
+            ("trace", timeline, "timeline"),
+        ):
+            with pytest.raises(ConfigurationError) as info:
+                load_streaming(path, **{kind: str(file)})
+            assert str(info.value) == (
+                f"{file}: another process is writing this {what} now; give this run another "
+                "path, or wait for that one to finish"
+            )
+        cmd = generate_cmd(path, "--streaming-experts", "--record-routing", trace)
+        out = run_cli(cmd, tmp_path)
+        one_error_line(out, "argument --record-routing", trace, "another process is writing")
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert [r.phase for r in read_trace(trace).rows] == ["prefill"] * 4 + ["decode"]
+    assert json.loads(timeline.read_text())[0]["name"] == "process_name"
+
+
+@pytest.mark.parametrize("kind", ["record_routing", "trace"])
+def test_a_run_that_meets_another_writer_at_its_first_write_leaves_the_file(
+    checkpoint, tmp_path, capfd, kind
+):
+    """Both runs passed their checks before either wrote: the one that comes second to the file
+    gives it up in one line, whether the other still writes it (its lock) or has finished it."""
+    import mlx.core as mx
+
+    path = checkpoint("qwen3_moe", "affine4")
+    what = "routing trace" if kind == "record_routing" else "timeline"
+    for case, reason in (
+        ("writing", "another process is writing it; give each run its own file"),
+        ("finished", "another process wrote it since this run began; left as it is, give each "
+         "run its own file"),
+    ):
+        out = tmp_path / case  # a file's failure is said once per process
+        model, _ = load_streaming(path, **{kind: str(out)})  # checked: no file yet
+        other = os.open(out, os.O_WRONLY | os.O_CREAT)  # the other run, as open_for_run does it
+        fcntl.flock(other, fcntl.LOCK_EX)
+        os.write(other, b"the other run's record\n")
+        if case == "finished":
+            os.close(other)
+        capfd.readouterr()
+        model(mx.array([[1, 2, 3]]))
+        model.expert_streaming.close()
+        err = capfd.readouterr().err
+        assert [line for line in err.splitlines() if "writing the" in line] == [
+            f"mlx-lm-streaming: {out}: writing the {what} failed ({reason}); stopped writing it, "
+            "the generation goes on"
+        ], case
+        assert out.read_bytes() == b"the other run's record\n", case
+        if case == "writing":
+            os.close(other)
+
+
+# the first pack run: stops inside its first expert until told to go on
+SLOW_PACK = textwrap.dedent(
+    """
+    import sys, zlib
+    import mlx_lm_streaming.packfile as pack_mod
+    from mlx_lm_streaming.pack import pack_checkpoint
+    real = zlib.crc32
+    def held(*a):
+        if not held.said:
+            held.said = True
+            print("writing", flush=True)
+            sys.stdin.readline()
+        return real(*a)
+    held.said = False
+    pack_mod.zlib.crc32 = held
+    pack_checkpoint(sys.argv[1], progress=False)
+    """
+)
+
+
+def test_a_second_pack_into_one_directory_is_refused(checkpoint, tmp_path):
+    """Two `pack` runs into one directory: the second removed the first's temporary file, and the
+    first failed with `[Errno 2] ... experts.pack.tmp-NNN -> experts.pack`. Now the second is
+    refused in one line and the first finishes a pack that streams exactly."""
+    from mlx_lm_streaming.packfile import PACK_NAME
+
+    src = checkpoint("qwen3_moe", "affine4")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(PACK_NAME):
+            os.link(f, ckpt / f.name)
+    first = subprocess.Popen(
+        [sys.executable, "-c", SLOW_PACK, str(ckpt)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout.readline().strip() == "writing"
+        out = run_cli([BIN / "mlx_lm_streaming", "pack", ckpt, "--quiet"], tmp_path)
+        line = one_error_line(out, ckpt / PACK_NAME, f"process {first.pid} is writing this")
+        assert out.returncode == 2, line
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.wait(timeout=120) == 0, first.stderr.read()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert sorted(f.name for f in ckpt.glob(PACK_NAME + "*")) == [PACK_NAME]
+    stock, _ = load_stock(ckpt)
+    model, _ = load_streaming(ckpt, store="packed")
+    a, b = stock(mx.array([[3, 1, 4, 1, 5]])), model(mx.array([[3, 1, 4, 1, 5]]))
+    assert mx.array_equal(a, b).item()
+    model.expert_streaming.close()

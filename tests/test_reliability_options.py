@@ -129,6 +129,41 @@ def test_plot_path_that_cannot_be_a_plot_is_one_line_before_loading(
     assert sorted(os.listdir(tmp_path)) == ["adir", "r.jsonl"]
 
 
+def test_the_plot_marks_the_default_and_the_given_budget(ckpt, tmp_path, capsys):
+    """Issue 27, item 7: the budget plot showed only the 10%-100% curve."""
+    pytest.importorskip("matplotlib")
+    trace = trace_for(tmp_path / "r.jsonl", ["prefill"] * 3 + ["decode"] * 6)
+    plot = tmp_path / "budgets.svg"  # matplotlib keeps each text as a comment in an SVG
+    argv = ["plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1", "--plot", plot]
+    status, out, err = run_cli(argv + ["--expert-cache-gb", "0.004"], capsys)
+    assert status == 0, err
+    default = re.search(r"^default budget: (\S+) GB", out, re.M).group(1)
+    given = re.search(r"^expert cache budget \(given\): (\S+) GB", out, re.M).group(1)
+    svg = plot.read_text()
+    assert f"default budget, {default} GB" in svg and f"given budget, {given} GB" in svg
+    status, out, err = run_cli(argv, capsys)  # no budget given: the default alone
+    assert status == 0, err
+    svg = plot.read_text()
+    assert f"default budget, {default} GB" in svg and "given budget" not in svg
+
+
+# -- plan takes the generate commands' policy flag (issue 27, item 6) ------------------------------
+
+
+def test_plan_takes_expert_cache_policy_and_keeps_cache_policy(ckpt, tmp_path, capsys):
+    trace = trace_for(tmp_path / "r.jsonl", ["prefill"] * 3 + ["decode"] * 6)
+    argv = ["plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1"]
+    for flag in ("--expert-cache-policy", "--cache-policy"):
+        status, out, err = run_cli(argv + [flag, "lru"], capsys)
+        assert status == 0 and "policy lru)" in out, (flag, err)
+    status, out, err = run_cli(argv + ["--expert-cache-policy", "fifo"], capsys)
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "mlx_lm_streaming plan: error: argument --expert-cache-policy: cache_policy 'fifo' is "
+        "unknown"
+    ), err
+
+
 # -- plan on a trace without decode tokens ---------------------------------------------------------
 
 
@@ -149,9 +184,9 @@ def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
 
     other = build_checkpoint(tmp_path / "other", "qwen3_moe", num_layers=3)
     pack = pack_checkpoint(other, tmp_path / "other.pack", progress=False)
-    with pytest.raises(CheckpointError, match="made from another checkpoint") as info:
+    with pytest.raises(CheckpointError, match="the expert pack of another model") as info:
         load_streaming(ckpt, pack=str(pack))
-    assert "changed since" not in str(info.value)
+    assert "has other tensors" in str(info.value) and "changed since" not in str(info.value)
     # same shapes, other weights: told apart by where the pack was made
     twin = build_checkpoint(tmp_path / "twin", "qwen3_moe", seed=1)
     pack = pack_checkpoint(twin, tmp_path / "twin.pack", progress=False)

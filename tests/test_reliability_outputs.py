@@ -303,3 +303,60 @@ def test_the_generate_command_finishes_when_its_traces_fill_the_disk(checkpoint,
         for path, what in ((trace, "routing trace"), (timeline, "timeline"))
     ), out.stderr
     assert trace.stat().st_size <= 1000 and timeline.stat().st_size <= 1000
+
+
+# -- a plot replaces only a plot of ours (issue 27) ------------------------------------------------
+
+
+def foreign_plot(path: Path) -> bytes:
+    """A file of the plot's format that --plot did not write: matplotlib's own, without our mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("ext", [".png", ".svg", ".pdf"])
+def test_a_plot_replaces_only_a_plot_that_plot_wrote(tmp_path, ext):
+    """The "same kind" check looked only at the PNG signature: any PNG (a photo) was overwritten.
+    Our plots carry ``PLOT_MARK`` in their metadata (for a PDF, near the end)."""
+    pytest.importorskip("matplotlib")
+    from mlx_lm_streaming.budget_table import BudgetRow, plot, plot_path
+
+    photo = tmp_path / f"photo{ext}"
+    before = foreign_plot(photo)
+    with pytest.raises(ConfigurationError) as info:
+        plot_path(photo)
+    message = str(info.value)
+    assert message.startswith(f"--plot {photo}: exists and is not a plot that --plot wrote")
+    assert photo.read_bytes() == before
+    ours = tmp_path / f"budget{ext}"
+    rows = [BudgetRow(f"{p}%", p * 10**6, [1], 10**6, p / 100, 0.1, 10.0) for p in (10, 50, 100)]
+    plot(rows, ours, "first")
+    first = ours.read_bytes()
+    assert plot_path(ours) == ours  # ours: may be replaced
+    plot(rows, ours, "second, another title")
+    assert ours.read_bytes() != first
+
+
+def test_plan_plot_over_a_photo_is_refused_untouched(own_ckpt, tmp_path):
+    """The command of the issue: `plan MODEL --routing-trace r.jsonl --plot photo.png`."""
+    pytest.importorskip("matplotlib")
+    from mlx_lm_streaming.routing_trace import TraceWriter
+
+    photo = tmp_path / "photo.png"
+    before = foreign_plot(photo)
+    trace = tmp_path / "r.jsonl"
+    with TraceWriter(trace, 2, 8, 2, model="synthetic") as writer:
+        for i in range(6):
+            writer.token(0, "prefill" if i < 2 else "decode", [[i % 8, (i + 1) % 8]] * 2)
+    cmd = [BIN / "mlx_lm_streaming", "plan", own_ckpt, "--routing-trace", trace, "--plot", photo]
+    out = run_cli(cmd, tmp_path)
+    line = one_error_line(out, "mlx_lm_streaming plan: error: --plot", photo)
+    assert "is not a plot that --plot wrote" in line and out.returncode == 2, line
+    assert photo.read_bytes() == before

@@ -1,5 +1,6 @@
 """Pack under failure: a full disk (ENOSPC) or a pack killed mid-way never leaves a pack that is
-accepted, never touches the checkpoint, and a re-run restarts cleanly."""
+accepted, never touches the checkpoint, and a re-run restarts cleanly. Another model's pack is never
+replaced without ``--force`` (issue 27)."""
 
 import errno
 import hashlib
@@ -12,10 +13,10 @@ import time
 
 import mlx.core as mx
 import pytest
-from support import load_stock, load_streaming
+from support import BIN, load_stock, load_streaming, one_error_line, run_cli
 
 import mlx_lm_streaming.packfile as pack_mod
-from mlx_lm_streaming.errors import CheckpointError, ExpertIOError
+from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, ExpertIOError
 from mlx_lm_streaming.pack import pack_checkpoint
 from mlx_lm_streaming.packfile import PACK_NAME
 
@@ -106,3 +107,33 @@ def test_pack_killed_midway_is_never_accepted_and_rerun_restarts(ckpt):
     stock, _ = load_stock(ckpt)
     model, _ = load_streaming(ckpt, store="packed")
     assert mx.array_equal(logits(stock), logits(model)).item()
+
+
+def test_another_models_pack_is_not_replaced_without_force(ckpt, tmp_path):
+    """`pack MODEL_B --out DIR` over MODEL_A's pack replaced it, exit 0, with only "made from
+    model-00001-of-00002.safetensors, missing now; writing a new pack". Now refused in one line
+    naming both models; --force replaces it. Using it with the wrong model names both too."""
+    from mlx_lm_streaming.synthetic import build_checkpoint
+
+    other = build_checkpoint(tmp_path / "b", "qwen3_moe", shards=1)  # other shard names
+    where = tmp_path / "packs"
+    where.mkdir()
+    pack = pack_checkpoint(ckpt, where, progress=False)
+    before = pack.read_bytes()
+    out = run_cli([BIN / "mlx_lm_streaming", "pack", other, "--out", where, "--quiet"], tmp_path)
+    line = one_error_line(out, pack, f"another model ({ckpt.resolve()}), not of {other}", "--force")
+    assert out.returncode == 2, line
+    assert pack.read_bytes() == before
+    with pytest.raises(CheckpointError) as info:
+        load_streaming(other, pack=str(pack))
+    assert str(info.value).startswith(
+        f"{pack}: the expert pack of another model: made from the checkpoint at "
+        f"{ckpt.resolve()}, not {other} ({other} has no model-00001-of-00002.safetensors)"
+    ), info.value
+    with pytest.raises(ConfigurationError, match="another model"):
+        pack_checkpoint(other, where, progress=False)  # the Python API: the same refusal
+    pack_checkpoint(other, where, progress=False, force=True)
+    stock, _ = load_stock(other)
+    model, _ = load_streaming(other, pack=str(pack))
+    assert mx.array_equal(logits(stock), logits(model)).item()
+    model.expert_streaming.close()
