@@ -326,3 +326,57 @@ def test_plan_and_help_say_decimal_gb_only(ckpt, capsys):
     help_text = " ".join(parser.format_help().split())
     assert "Expert cache budget in decimal GB (10**9 bytes)" in help_text
     assert not OTHER_UNITS.search(help_text)
+
+
+# -- store option values (issue 27, item 3) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5", "100000"])
+def test_a_bad_threads_value_is_one_line_naming_it(ckpt, capsys, value):
+    # the flag: at parse time, before anything loads
+    status, err = flags(
+        ["--streaming-experts", "--expert-store-options", f"threads={value}"], capsys=capsys
+    )
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "cmd: error: argument --expert-store-options: store option threads="
+    ), err
+    assert "give a whole number of reader threads, 1 to 256 (safetensors store)" in err[0]
+    # the variable: the line names it
+    environ = {"MLX_LM_STREAMING_EXPERTS": "1", "MLX_LM_STREAMING_STORE_OPTIONS": f"threads={value}"}
+    status, err = flags([], environ=environ, capsys=capsys)
+    assert status == 2 and len(err) == 1, err
+    assert f"MLX_LM_STREAMING_STORE_OPTIONS='threads={value}': store option threads=" in err[0]
+    # the Python API: our type, the same message
+    with pytest.raises(ConfigurationError, match=r"^store option threads=.*whole number"):
+        load_streaming(ckpt, store_options=f"threads={value}")
+
+
+@pytest.mark.parametrize(
+    "store, given, named",
+    [
+        ("safetensors", {"chunk_bytes": 600.5}, "chunk_bytes=600.5"),
+        ("safetensors", {"chunk_bytes": "big"}, "chunk_bytes='big'"),
+        ("packed", {"direct": "maybe"}, "direct='maybe'"),
+        ("packed", {"verify": "sometimes"}, "verify='sometimes'"),
+        ("packed", {"threads": 0}, "threads=0"),
+        ("packed", {"path": 12}, "path=12"),
+    ],
+)
+def test_every_store_option_value_is_checked_before_the_store_is_made(ckpt, store, given, named):
+    from mlx_lm_streaming import plugins
+
+    with pytest.raises(ConfigurationError, match=f"^store option {re.escape(named)}: "):
+        plugins.check_store_options(store, given)
+    with pytest.raises(ConfigurationError, match=f"^store option {re.escape(named)}: "):
+        load_streaming(ckpt, store=store, store_options=given)
+
+
+def test_good_store_option_values_pass():
+    from mlx_lm_streaming import plugins
+
+    plugins.check_store_options("safetensors", {"threads": 1, "chunk_bytes": 0})
+    plugins.check_store_options("safetensors", {"threads": 256, "chunk_bytes": 512})
+    plugins.check_store_options(
+        "packed", {"threads": 8, "direct": "on", "verify": "off", "path": "/p"}
+    )
