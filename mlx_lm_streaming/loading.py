@@ -295,6 +295,10 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
             raise CheckpointError(
                 f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
             ) from e
+        # the counts the experts are built from, before the model is built from them
+        adapter = plugins.architectures().get(model_class.__module__.rsplit(".", 1)[-1])
+        if adapter is not None and hasattr(adapter, "check_config"):
+            adapter.check_config(config, args_class, model_path / "config.json")
 
         def build(args):
             model = model_class(args)
