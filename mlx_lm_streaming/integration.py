@@ -43,6 +43,7 @@ from .options import (
     missing_local_path,
     requested,
     streaming_asked_by_environment,
+    warn_unknown_variables,
 )
 
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
@@ -110,6 +111,7 @@ def _wrap_load_model(stock_load_model):
                 k: v for k, v in model_config.items() if k != CONFIG_KEY
             }
         if options is None:
+            warn_unknown_variables()
             return stock_load_model(*bound.args, **bound.kwargs)
         from .errors import UnsupportedModelError
         from .loading import load_streaming_model

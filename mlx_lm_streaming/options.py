@@ -385,15 +385,56 @@ def streaming_asked_by_environment(environ=os.environ) -> bool:
         raise ConfigurationError(f"{variable}={value!r}: use 1 or 0") from None
 
 
+def unknown_variables(environ=os.environ) -> list:
+    """The ``MLX_LM_STREAMING_*`` variables set in ``environ`` that are not ours, sorted."""
+    known = set(ENV.values()) | set(OTHER_ENV)
+    return sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+
+
+def closest_variable(name: str) -> Optional[str]:
+    """The variable of ours whose name is closest to ``name`` (``difflib``), if any is close.
+    Compared without the common prefix, which would make every name look alike."""
+    import difflib
+
+    ours = {v[len(PREFIX) :]: v for v in sorted(set(ENV.values()) | set(OTHER_ENV))}
+    close = difflib.get_close_matches(name[len(PREFIX) :], list(ours), n=1, cutoff=0.6)
+    return ours[close[0]] if close else None
+
+
+def _misspelt(name: str) -> str:
+    closest = closest_variable(name)
+    return f"{name} (did you mean {closest}?)" if closest else f"{name} (misspelt?)"
+
+
+_unknown_warned = False
+
+
+def warn_unknown_variables(environ=os.environ) -> None:
+    """For a load that does not stream: one line on stderr, once per process, naming each
+    ``MLX_LM_STREAMING_*`` variable that is not ours (``MLX_LM_STREAMING_EXPERT=1``, the S missing,
+    would otherwise load every expert without a word). Nothing else changes: the load is stock."""
+    global _unknown_warned
+    unknown = unknown_variables(environ)
+    if _unknown_warned or not unknown:
+        return
+    _unknown_warned = True
+    noun = "variable" if len(unknown) == 1 else "variables"
+    print(
+        f"mlx-lm-streaming: warning: unknown {noun} {', '.join(map(_misspelt, unknown))}: "
+        "ignored, this model loads without streaming experts",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def environment_options(environ=os.environ) -> Dict[str, str]:
     """The options the environment gives (empty variables count as unset), each checked on its
     own so that an error names the variable; an unknown ``MLX_LM_STREAMING_*`` is an error."""
-    known = set(ENV.values()) | set(OTHER_ENV)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+    unknown = unknown_variables(environ)
     if unknown:
         listed = ", ".join(sorted(o.env for o in OPTIONS))
         raise ConfigurationError(
-            f"unknown variable {unknown[0]} (misspelt?); the options are {listed}"
+            f"unknown variable {_misspelt(unknown[0])}; the options are {listed}"
         )
     options = {}
     for option in OPTIONS:

@@ -408,6 +408,19 @@ def test_flag_with_deprecated_python_m_form_says_why_it_is_unknown(ckpt, tmp_pat
 # -- plugins -------------------------------------------------------------------------------------
 
 
+def test_a_misspelt_variable_is_named_once_though_the_run_is_stock(ckpt, tmp_path):
+    # MLX_LM_STREAMING_EXPERT=1 (the S missing) ran stock without a word: on a 16 GB Mac, every
+    # expert loaded (issue 27, item 2)
+    out = generate(ckpt, env={"MLX_LM_STREAMING_EXPERT": "1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "mlx-lm-streaming" in line]
+    assert said == [
+        "mlx-lm-streaming: warning: unknown variable MLX_LM_STREAMING_EXPERT (did you mean "
+        "MLX_LM_STREAMING_EXPERTS?): ignored, this model loads without streaming experts"
+    ], out.stderr
+    assert "[streaming]" not in out.stderr
+
+
 def _blocked_plugin(root: Path) -> Path:
     """An installed distribution (on PYTHONPATH) whose plugin registers the store ``blocked_store``."""
     root.mkdir()

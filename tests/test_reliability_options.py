@@ -380,3 +380,37 @@ def test_good_store_option_values_pass():
     plugins.check_store_options(
         "packed", {"threads": 8, "direct": "on", "verify": "off", "path": "/p"}
     )
+
+
+# -- unknown MLX_LM_STREAMING_* variables (issue 27, item 2) -----------------------------------
+
+
+def test_an_unknown_variable_is_named_once_when_mlx_lm_loads_without_streaming(
+    ckpt, environ, capsys, monkeypatch
+):
+    from mlx_lm_streaming import options
+    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.options import requested
+
+    install()
+    monkeypatch.setattr(options, "_unknown_warned", False)
+    environ["MLX_LM_STREAMING_EXPERT"] = "1"  # the S missing
+    capsys.readouterr()
+    model, _ = mlx_lm.utils.load_model(Path(ckpt))
+    assert not hasattr(model, "expert_streaming")  # stock, as before
+    assert capsys.readouterr().err.splitlines() == [
+        "mlx-lm-streaming: warning: unknown variable MLX_LM_STREAMING_EXPERT (did you mean "
+        "MLX_LM_STREAMING_EXPERTS?): ignored, this model loads without streaming experts"
+    ]
+    # once per process; streaming turned off in model_config is a load without streaming too
+    mlx_lm.utils.load_model(Path(ckpt), model_config={"streaming_experts": False})
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(options, "_unknown_warned", False)
+    environ["MLX_LM_STREAMING_FOO"] = "x"
+    mlx_lm.utils.load_model(Path(ckpt), model_config={"streaming_experts": False})
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "unknown variables MLX_LM_STREAMING_EXPERT (did you mean MLX_LM_STREAMING_EXPERTS?), " in line
+    assert "MLX_LM_STREAMING_FOO (misspelt?)" in line, line
+    # with streaming on, it stays an error, which now says the closest name too
+    with pytest.raises(ConfigurationError, match=r"MLX_LM_STREAMING_EXPERT \(did you mean"):
+        requested({"streaming_experts": True})
