@@ -120,13 +120,12 @@ def memory_and_swap() -> Optional[tuple]:
     return (ram, swap_bytes()) if ram > 0 else None
 
 
-def check_budget_gb(value, machine: bool = True) -> float:
-    """A budget in decimal GB as a float: a positive, finite number and, with ``machine``, no larger
-    than this machine's memory plus swap (raises ``ConfigurationError``).
+def check_budget_gb(value) -> float:
+    """A budget in decimal GB as a float: a positive, finite number (raises ``ConfigurationError``).
 
-    ``StreamingOptions`` bounds a budget given as text (a flag, a variable, a typed value), where an
-    extra digit or ``1e30`` is a slip; a number from code may be any finite size, as programs (the
-    benchmarks among them) pass a huge one to mean "every expert"."""
+    A budget is a cap: one above what every expert takes means "every expert". Whether the cache
+    and the resident weights fit this machine is checked at load, once the model says what the
+    cache would really take (``loading.check_budget``)."""
     try:
         gb = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -139,14 +138,6 @@ def check_budget_gb(value, machine: bool = True) -> float:
         raise ConfigurationError(
             f"{value!r}: the budget must be a finite number of GB (leave it out for the default; "
             "a budget above the experts' total keeps every expert)"
-        )
-    memory = memory_and_swap() if machine else None
-    if memory is not None and gb * GB > sum(memory):
-        ram, swap = memory
-        raise ConfigurationError(
-            f"{value!r}: a budget of {gb:g} GB is more than this machine's memory "
-            f"plus swap ({decimal_gb(ram)} + {decimal_gb(swap)}); leave it out for the default "
-            "(a budget above the experts' total keeps every expert)"
         )
     return gb
 
@@ -244,9 +235,7 @@ class StreamingOptions:
     def __post_init__(self):
         if self.expert_cache_gb is not None:
             try:
-                self.expert_cache_gb = check_budget_gb(
-                    self.expert_cache_gb, machine=isinstance(self.expert_cache_gb, str)
-                )
+                self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
             except ConfigurationError as e:
                 raise ConfigurationError(f"expert_cache_gb {e}") from None
         for name in ("store", "kernel"):
