@@ -191,7 +191,8 @@ def _check_plan_flags(args) -> None:
 
 def _print_plan(args, state, trace) -> None:
     from .budget_table import slots_text
-    from .loading import budget_base, default_budget
+    from .loading import check_budget_fits, default_budget
+    from .report import budget_how, cache_bytes
 
     cache = state.cache
     banks = cache.banks
@@ -216,14 +217,15 @@ def _print_plan(args, state, trace) -> None:
         f"(--expert-cache-gb {gb_at_least(per_slot)})"
     )
     default, free = default_budget(state)
-    _, share, what = budget_base()
-    print(
-        f"default budget: {decimal_gb(default)} ({share:.0%} of the {decimal_gb(free)} of {what} "
-        "that the resident weights leave free, between the minimum and every expert)"
-    )
-    cache.slots_for_budget()  # a budget below the minimum stops here, naming it
-    how = "given" if args.expert_cache_gb is not None else "default"
-    print(f"expert cache budget ({how}): {decimal_gb(cache.budget_bytes)}")
+    print(f"default budget: {decimal_gb(default)} ({budget_how(state, default, free=free)})")
+    # a budget below the minimum, or one that cannot fit this machine, stops here, naming it
+    check_budget_fits(state)
+    if args.expert_cache_gb is not None:
+        how = budget_how(state, cache.budget_bytes, given_gb=args.expert_cache_gb)
+        budget = cache_bytes(cache, cache.budget_bytes)
+        print(f"expert cache budget (given): {decimal_gb(budget)} ({how})")
+    else:
+        print(f"expert cache budget (default): {decimal_gb(cache.budget_bytes)}")
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
     print(f"slots per layer: {slots_text(plan)} ({decimal_gb(used)} used)")

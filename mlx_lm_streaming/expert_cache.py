@@ -222,7 +222,9 @@ class ExpertCache:
         if self.tuning.staging_bytes is not None:
             return int(self.tuning.staging_bytes)
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
-        budget = self.budget_bytes if self.budget_bytes is not None else self.total_expert_bytes
+        budget = self.total_expert_bytes
+        if self.budget_bytes is not None:  # a budget is a cap: above every expert, every expert
+            budget = min(self.budget_bytes, budget)
         floor = 0 if self.tuning.direct_reads else 2 * biggest
         return int(max(STAGING_SHARE * budget, floor))
 

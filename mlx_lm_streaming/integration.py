@@ -43,6 +43,7 @@ from .options import (
     missing_local_path,
     requested,
     streaming_asked_by_environment,
+    warn_unknown_variables,
 )
 
 FLAG_GROUP = "streaming experts (mlx-lm-streaming)"
@@ -110,6 +111,7 @@ def _wrap_load_model(stock_load_model):
                 k: v for k, v in model_config.items() if k != CONFIG_KEY
             }
         if options is None:
+            warn_unknown_variables()
             return stock_load_model(*bound.args, **bound.kwargs)
         from .errors import UnsupportedModelError
         from .loading import load_streaming_model
@@ -216,7 +218,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
     try:
         options = StreamingOptions.from_env(environ)
         _check_outputs(options, model)
-        _check_store_options(options)
+        _check_store_options(options, "expert_store_options" not in given, environ)
     except StreamingError as e:
         fail(parser, str(e))
     if missing_local_path(model):
@@ -240,10 +242,18 @@ def _check_outputs(options, model) -> None:
             check_output(path, kind, _local_model(model))
 
 
-def _check_store_options(options) -> None:
+def _check_store_options(options, from_environment: bool, environ) -> None:
+    """The store's options by name and value; those of the variable name it."""
     from . import plugins
+    from .errors import ConfigurationError
 
-    plugins.check_store_options(options.store, options.store_options)
+    try:
+        plugins.check_store_options(options.store, options.store_options)
+    except ConfigurationError as e:
+        variable = ENV["store_options"]
+        if from_environment and environ.get(variable):
+            raise ConfigurationError(f"{variable}={environ[variable]!r}: {e}") from None
+        raise
 
 
 def _check_flags(parser, given: dict, model=None, environ=os.environ) -> None:

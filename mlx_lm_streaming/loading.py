@@ -31,6 +31,7 @@ from .options import (
     DEFAULT_CACHE_SHARE,
     StreamingOptions,
     budget_bytes,
+    decimal_gb,
 )
 from .outputs import ROUTING_TRACE, TIMELINE, check_output
 from .routing_trace import RoutingRecorder
@@ -100,6 +101,33 @@ def default_budget(state: "StreamingState"):
     per_slot = sum(b.layer.expert_nbytes for b in cache.banks)
     budget = min(cache.total_expert_bytes, max(per_slot, share * free))
     return int(budget), free
+
+
+def check_budget_fits(state: "StreamingState") -> None:
+    """Fail at load, not at the first token: a budget below one expert per MoE layer, or a given
+    budget whose cache (what its slots really take: at most every expert) and the resident weights
+    do not fit this machine's memory plus swap. A budget above every expert means every expert."""
+    from .options import memory_and_swap
+
+    cache = state.cache
+    cache.slots_for_budget()
+    given = state.options.expert_cache_gb
+    memory = memory_and_swap() if given is not None else None
+    if memory is None:
+        return
+    used = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
+    ram, swap = memory
+    needed = used + state.resident_bytes
+    if needed > ram + swap:
+        every = " (every expert)" if cache.budget_bytes >= cache.total_expert_bytes else ""
+        raise ConfigurationError(
+            f"expert cache budget of {given:g} GB: the cache would take {decimal_gb(used)}"
+            f"{every} and the resident weights {decimal_gb(state.resident_bytes)}, "
+            f"{decimal_gb(needed)} in all, more than this machine's memory plus swap, "
+            f"{decimal_gb(ram + swap)} ({decimal_gb(ram)} + {decimal_gb(swap)}): lower "
+            "--expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb, or leave it out "
+            "for the default"
+        )
 
 
 def set_default_budget(state: "StreamingState") -> None:
@@ -253,9 +281,8 @@ def convert_model(
     state.resident_bytes = sum(v.nbytes for v in weights.values())
     if state.cache.budget_bytes is None:
         set_default_budget(state)
-    # fail at load, not at the first token, if the budget is too small
     if check_budget:
-        state.cache.slots_for_budget()
+        check_budget_fits(state)  # at load, not at the first token
     return weights
 
 
@@ -299,6 +326,10 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
             raise CheckpointError(
                 f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
             ) from e
+        # the counts the experts are built from, before the model is built from them
+        adapter = plugins.architectures().get(model_class.__module__.rsplit(".", 1)[-1])
+        if adapter is not None and hasattr(adapter, "check_config"):
+            adapter.check_config(config, args_class, model_path / "config.json")
 
         def build(args):
             model = model_class(args)
@@ -431,7 +462,7 @@ def _stream_per_pipeline_stage(model, state: StreamingState) -> None:
             state.resident_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
             set_default_budget(state)
         try:
-            state.cache.slots_for_budget()
+            check_budget_fits(state)
         except ConfigurationError as e:
             raise ConfigurationError(f"{stage}: {e}") from None
         if report.say_choice(state.options):

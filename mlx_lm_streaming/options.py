@@ -120,13 +120,12 @@ def memory_and_swap() -> Optional[tuple]:
     return (ram, swap_bytes()) if ram > 0 else None
 
 
-def check_budget_gb(value, machine: bool = True) -> float:
-    """A budget in decimal GB as a float: a positive, finite number and, with ``machine``, no larger
-    than this machine's memory plus swap (raises ``ConfigurationError``).
+def check_budget_gb(value) -> float:
+    """A budget in decimal GB as a float: a positive, finite number (raises ``ConfigurationError``).
 
-    ``StreamingOptions`` bounds a budget given as text (a flag, a variable, a typed value), where an
-    extra digit or ``1e30`` is a slip; a number from code may be any finite size, as programs (the
-    benchmarks among them) pass a huge one to mean "every expert"."""
+    A budget is a cap: one above what every expert takes means "every expert". Whether the cache
+    and the resident weights fit this machine is checked at load, once the model says what the
+    cache would really take (``loading.check_budget``)."""
     try:
         gb = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -139,14 +138,6 @@ def check_budget_gb(value, machine: bool = True) -> float:
         raise ConfigurationError(
             f"{value!r}: the budget must be a finite number of GB (leave it out for the default; "
             "a budget above the experts' total keeps every expert)"
-        )
-    memory = memory_and_swap() if machine else None
-    if memory is not None and gb * GB > sum(memory):
-        ram, swap = memory
-        raise ConfigurationError(
-            f"{value!r}: a budget of {gb:g} GB is more than this machine's memory "
-            f"plus swap ({decimal_gb(ram)} + {decimal_gb(swap)}); leave it out for the default "
-            "(a budget above the experts' total keeps every expert)"
         )
     return gb
 
@@ -244,9 +235,7 @@ class StreamingOptions:
     def __post_init__(self):
         if self.expert_cache_gb is not None:
             try:
-                self.expert_cache_gb = check_budget_gb(
-                    self.expert_cache_gb, machine=isinstance(self.expert_cache_gb, str)
-                )
+                self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
             except ConfigurationError as e:
                 raise ConfigurationError(f"expert_cache_gb {e}") from None
         for name in ("store", "kernel"):
@@ -385,15 +374,56 @@ def streaming_asked_by_environment(environ=os.environ) -> bool:
         raise ConfigurationError(f"{variable}={value!r}: use 1 or 0") from None
 
 
+def unknown_variables(environ=os.environ) -> list:
+    """The ``MLX_LM_STREAMING_*`` variables set in ``environ`` that are not ours, sorted."""
+    known = set(ENV.values()) | set(OTHER_ENV)
+    return sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+
+
+def closest_variable(name: str) -> Optional[str]:
+    """The variable of ours whose name is closest to ``name`` (``difflib``), if any is close.
+    Compared without the common prefix, which would make every name look alike."""
+    import difflib
+
+    ours = {v[len(PREFIX) :]: v for v in sorted(set(ENV.values()) | set(OTHER_ENV))}
+    close = difflib.get_close_matches(name[len(PREFIX) :], list(ours), n=1, cutoff=0.6)
+    return ours[close[0]] if close else None
+
+
+def _misspelt(name: str) -> str:
+    closest = closest_variable(name)
+    return f"{name} (did you mean {closest}?)" if closest else f"{name} (misspelt?)"
+
+
+_unknown_warned = False
+
+
+def warn_unknown_variables(environ=os.environ) -> None:
+    """For a load that does not stream: one line on stderr, once per process, naming each
+    ``MLX_LM_STREAMING_*`` variable that is not ours (``MLX_LM_STREAMING_EXPERT=1``, the S missing,
+    would otherwise load every expert without a word). Nothing else changes: the load is stock."""
+    global _unknown_warned
+    unknown = unknown_variables(environ)
+    if _unknown_warned or not unknown:
+        return
+    _unknown_warned = True
+    noun = "variable" if len(unknown) == 1 else "variables"
+    print(
+        f"mlx-lm-streaming: warning: unknown {noun} {', '.join(map(_misspelt, unknown))}: "
+        "ignored, this model loads without streaming experts",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def environment_options(environ=os.environ) -> Dict[str, str]:
     """The options the environment gives (empty variables count as unset), each checked on its
     own so that an error names the variable; an unknown ``MLX_LM_STREAMING_*`` is an error."""
-    known = set(ENV.values()) | set(OTHER_ENV)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+    unknown = unknown_variables(environ)
     if unknown:
         listed = ", ".join(sorted(o.env for o in OPTIONS))
         raise ConfigurationError(
-            f"unknown variable {unknown[0]} (misspelt?); the options are {listed}"
+            f"unknown variable {_misspelt(unknown[0])}; the options are {listed}"
         )
     options = {}
     for option in OPTIONS:

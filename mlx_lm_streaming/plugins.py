@@ -149,8 +149,10 @@ def store_option_names(factory) -> set:
 
 
 def check_store_options(name: str, options: dict) -> None:
-    """``ConfigurationError`` naming the first option the store ``name`` does not take."""
-    known = store_option_names(_store_factory(name))
+    """``ConfigurationError`` naming the first option the store ``name`` does not take, or the
+    first value its ``option_checks`` refuse (``threads=abc``, ``threads=0``)."""
+    factory = _store_factory(name)
+    known = store_option_names(factory)
     unknown = sorted(set(options) - known)
     if unknown:
         listed = ", ".join(sorted(known)) or "none"
@@ -158,6 +160,13 @@ def check_store_options(name: str, options: dict) -> None:
             f"store_options: the {name} store has no option {unknown[0]!r} (misspelt?); its "
             f"options: {listed}"
         )
+    checks = getattr(factory, "option_checks", None) or {}
+    for key in sorted(options):
+        if key in checks:
+            try:
+                checks[key](options[key])
+            except ConfigurationError as e:
+                raise ConfigurationError(f"store option {e} ({name} store)") from None
 
 
 def make_store(name: str, files, **options):

@@ -62,36 +62,55 @@ def layers_table(state) -> str:
         for r in rows
     )
 
+# what a budget at or above every expert's bytes is said to be, by the load line and ``plan`` alike
+EVERY_EXPERT = "capped at every expert"
+
+
+def budget_how(state, budget: int, given_gb=None, free=None) -> str:
+    """Where ``budget`` came from and what bounded it, in the words the load line and ``plan``
+    share: ``given 100000 GB, capped at every expert``; ``50% of the 25.276 GB of memory that the
+    resident weights leave free, raised to one expert per layer``; ``default``."""
+    cache = state.cache
+    if given_gb is not None:
+        how = f"given {given_gb:g} GB"
+    elif free is None:
+        how = "default"
+    else:
+        from .loading import budget_base
+
+        _, part, what = budget_base()
+        how = f"{part:.0%} of the {decimal_gb(free)} of {what} that the resident weights leave free"
+    if budget >= cache.total_expert_bytes:
+        how += ", " + EVERY_EXPERT
+    elif given_gb is None and budget == sum(b.layer.expert_nbytes for b in cache.banks):
+        how += ", raised to one expert per layer"
+    return how
+
+
+def cache_bytes(cache, budget: int) -> int:
+    """What a cache with ``budget`` can hold at most: the budget, capped at every expert."""
+    return min(budget, cache.total_expert_bytes)
+
+
 def choice_line(state) -> str:
     """What was chosen, said at load: budget (and where it came from), slots, resident weights."""
     cache = state.cache
     banks = cache.banks
     if cache.budget_bytes is None or not banks:
         return f"[streaming] {state.model_path.name}: no MoE layer streams on this rank"
-    per_slot = sum(b.layer.expert_nbytes for b in banks)
-    if state.options.expert_cache_gb is not None:
-        how = f"given {state.options.expert_cache_gb:g} GB"
-    elif state.free_bytes is None:
-        how = "default"
-    else:
-        from .loading import budget_base
-
-        _, part, what = budget_base()
-        share = f"{part:.0%} of the {decimal_gb(state.free_bytes)} of {what}"
-        how = f"default: {share} that the resident weights leave free"
-        if cache.budget_bytes >= cache.total_expert_bytes:
-            how += ", capped at every expert"
-        elif cache.budget_bytes == per_slot:
-            how += ", raised to one expert per layer"
+    how = budget_how(state, cache.budget_bytes, state.options.expert_cache_gb, state.free_bytes)
+    if state.options.expert_cache_gb is None and state.free_bytes is not None:
+        how = f"default: {how}"
     plan = cache.plan_slots()
     slots = min(plan)
     more = sum(n > slots for n in plan)
     extra = f" ({slots + 1} in {more} layer{'s' if more > 1 else ''})" if more else ""
     experts = "/".join(sorted({str(b.num_experts) for b in banks}))
     return (
-        f"[streaming] {state.model_path.name}: expert cache {decimal_gb(cache.budget_bytes)} "
-        f"({how}), {slots} of {experts} experts per layer{extra} in {len(banks)} MoE "
-        f"layer{'s' if len(banks) > 1 else ''}, resident weights {decimal_gb(state.resident_bytes)}"
+        f"[streaming] {state.model_path.name}: expert cache "
+        f"{decimal_gb(cache_bytes(cache, cache.budget_bytes))} ({how}), {slots} of {experts} "
+        f"experts per layer{extra} in {len(banks)} MoE layer{'s' if len(banks) > 1 else ''}, "
+        f"resident weights {decimal_gb(state.resident_bytes)}"
     )
 
 

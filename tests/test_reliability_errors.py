@@ -256,6 +256,37 @@ def test_damaged_checkpoint_names_the_file(case, route, damaged, tmp_path):
     assert line.endswith(": error: " + one_line(info.value)), line
 
 
+# config.json that is valid JSON with wrong values (issue 27, item 3): stock mlx-lm raises a
+# TypeError, chained tracebacks, or an argpartition error at the first token; plan said nothing
+CONFIG_VALUES = {
+    "num_experts 'abc'": ({"num_experts": "abc"}, "num_experts is 'abc'"),
+    "no num_hidden_layers": ({"num_hidden_layers": None}, "num_hidden_layers is missing"),
+    "num_experts 0": ({"num_experts": 0}, "num_experts is 0"),
+    "num_experts_per_tok 100": (
+        {"num_experts_per_tok": 100},
+        "num_experts_per_tok is 100, more than the 8 experts of num_experts",
+    ),
+}
+
+
+@pytest.mark.parametrize("route", ["flag", "plan"])
+@pytest.mark.parametrize("case", list(CONFIG_VALUES))
+def test_a_wrong_config_value_names_the_key_and_the_file(case, route, ckpt, tmp_path):
+    change, named = CONFIG_VALUES[case]
+    model = _copy(ckpt, tmp_path / "model")
+    config = model / "config.json"
+    data = json.loads(config.read_text())
+    for key, value in change.items():
+        data.pop(key) if value is None else data.__setitem__(key, value)
+    config.write_text(json.dumps(data))
+    out = ROUTES[route](model, tmp_path)
+    line = one_error_line(out, config, named)
+    assert out.returncode == 1, line
+    with pytest.raises(CheckpointError) as info:
+        load_streaming(model)
+    assert line.endswith(": error: " + one_line(info.value)), line
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_missing_model_path(route, tmp_path):
     missing = tmp_path / "no" / "such" / "model"
@@ -375,6 +406,19 @@ def test_flag_with_deprecated_python_m_form_says_why_it_is_unknown(ckpt, tmp_pat
 
 
 # -- plugins -------------------------------------------------------------------------------------
+
+
+def test_a_misspelt_variable_is_named_once_though_the_run_is_stock(ckpt, tmp_path):
+    # MLX_LM_STREAMING_EXPERT=1 (the S missing) ran stock without a word: on a 16 GB Mac, every
+    # expert loaded (issue 27, item 2)
+    out = generate(ckpt, env={"MLX_LM_STREAMING_EXPERT": "1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "mlx-lm-streaming" in line]
+    assert said == [
+        "mlx-lm-streaming: warning: unknown variable MLX_LM_STREAMING_EXPERT (did you mean "
+        "MLX_LM_STREAMING_EXPERTS?): ignored, this model loads without streaming experts"
+    ], out.stderr
+    assert "[streaming]" not in out.stderr
 
 
 def _blocked_plugin(root: Path) -> Path:

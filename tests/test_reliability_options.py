@@ -22,7 +22,7 @@ from support import load_streaming
 from mlx_lm_streaming import integration, report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.options import StreamingOptions
+from mlx_lm_streaming.options import StreamingOptions, decimal_gb
 from mlx_lm_streaming.routing_trace import TraceWriter
 from mlx_lm_streaming.synthetic import build_checkpoint
 
@@ -204,29 +204,75 @@ def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
 # -- budget bounds ---------------------------------------------------------------------------------
 
 
-def test_a_budget_above_memory_plus_swap_is_refused_with_the_figures(monkeypatch, capsys):
+def test_a_budget_above_every_expert_means_every_expert(ckpt, capsys):
+    # refused before as "more than this machine's memory plus swap" (issue 27, item 4), though the
+    # model's experts take 0.000123 GB: a budget is a cap
+    status, err = flags(["--streaming-experts", "--expert-cache-gb", "100000"], capsys=capsys)
+    assert status is None and err == [], err
+    status, err = flags(["--streaming-experts", "--expert-cache-gb", "1e30"], capsys=capsys)
+    assert status is None and err == [], err
+    model, _ = load_streaming(ckpt, expert_cache_gb="100000")
+    state = model.expert_streaming
+    total = state.cache.total_expert_bytes
+    assert state.cache.plan_slots() == [b.num_experts for b in state.cache.banks]
+    line = report.choice_line(state)
+    assert f"expert cache {decimal_gb(total)} (given 100000 GB, capped at every expert)" in line
+    state.close()
+    status, out, err = run_cli(["plan", ckpt, "--expert-cache-gb", "100000"], capsys)
+    assert status == 0, err
+    assert (
+        f"expert cache budget (given): {decimal_gb(total)} (given 100000 GB, capped at every "
+        "expert)" in out
+    ), out
+
+
+def test_a_budget_that_cannot_fit_is_refused_at_load_with_both_figures(ckpt, monkeypatch, capsys):
     from mlx_lm_streaming import options
 
-    monkeypatch.setattr(options, "memory_and_swap", lambda: (8 * 10**9, 2 * 10**9))
-    with pytest.raises(ConfigurationError, match=r"'11'.*11 GB.*memory plus swap \(8.000 GB \+ 2.000 GB\)"):
-        StreamingOptions(expert_cache_gb="11")
-    assert StreamingOptions(expert_cache_gb="9.5").expert_cache_gb == 9.5
-    # a number from code is not bounded: programs pass a huge one to mean "every expert"
-    assert StreamingOptions(expert_cache_gb=1e6).expert_cache_gb == 1e6
-    status, err = flags(["--streaming-experts", "--expert-cache-gb", "11"], capsys=capsys)
-    assert status == 2 and err[0].startswith("cmd: error: argument --expert-cache-gb: '11'")
-    assert "8.000 GB + 2.000 GB" in err[0]
+    model, _ = load_streaming(ckpt)
+    state = model.expert_streaming
+    every, resident = state.cache.total_expert_bytes, state.resident_bytes
+    state.close()
+    # every expert and the resident weights need one byte more than this machine has
+    monkeypatch.setattr(options, "memory_and_swap", lambda: (every + resident - 1001, 1000))
+    needed = (
+        rf"the cache would take {decimal_gb(every)} \(every expert\) and the resident weights "
+        rf"{decimal_gb(resident)}, {decimal_gb(every + resident)} in all, more than this "
+        rf"machine's memory plus swap, {decimal_gb(every + resident - 1)} "
+    )
+    with pytest.raises(ConfigurationError, match="^expert cache budget of 100000 GB: " + needed):
+        load_streaming(ckpt, expert_cache_gb="100000")
+    status, out, err = run_cli(["plan", ckpt, "--expert-cache-gb", "100000"], capsys)
+    assert status == 2 and len(err) == 1 and re.search(needed, err[0]), err
+    # what the cache really takes counts, not the budget: one slot a layer fits
+    least = sum(b.layer.expert_nbytes for b in state.cache.banks)
+    monkeypatch.setattr(options, "memory_and_swap", lambda: (least + resident, 0))
+    model, _ = load_streaming(ckpt, expert_cache_gb=(least + 1) / 10**9)
+    model.expert_streaming.close()
+    # the default budget is never refused for the machine: it is a share of what is free
+    model, _ = load_streaming(ckpt)
+    model.expert_streaming.close()
 
 
-def test_1e30_is_refused_on_this_machine_and_nan_is_not_a_number(capsys):
-    status, err = flags(["--streaming-experts", "--expert-cache-gb", "1e30"], capsys=capsys)
-    assert status == 2 and "more than this machine's memory plus swap" in err[0], err
+def test_nan_is_not_a_number(capsys):
     status, err = flags(["--streaming-experts", "--expert-cache-gb", "nan"], capsys=capsys)
     assert status == 2 and "'nan' is not a number" in err[0], err
     with pytest.raises(ConfigurationError, match="not a number"):
         StreamingOptions(expert_cache_gb=float("nan"))
-    with pytest.raises(ConfigurationError, match="memory plus swap"):
-        StreamingOptions(expert_cache_gb="1e30")
+
+
+def test_plan_and_the_load_line_word_a_capped_default_alike(ckpt, capsys):
+    # plan said "between the minimum and every expert" whatever the budget, the load line
+    # "capped at every expert" (issue 27, item 6): one phrase, report.budget_how, now
+    status, out, err = run_cli(["plan", ckpt], capsys)
+    assert status == 0, err
+    (default,) = [line for line in out.splitlines() if line.startswith("default budget: ")]
+    assert default.endswith(", capped at every expert)"), default
+    how = default.split(" (", 1)[1][:-1]
+    model, _ = load_streaming(ckpt)
+    line = report.choice_line(model.expert_streaming)
+    model.expert_streaming.close()
+    assert f"(default: {how})" in line, (line, how)
 
 
 # -- verify --steps --------------------------------------------------------------------------------
@@ -338,7 +384,9 @@ def test_the_budget_counts_decimal_gb_everywhere(ckpt, capsys):
     state = model.expert_streaming
     assert state.cache.budget_bytes == 10**6
     line = report.choice_line(state)
-    assert "(given 0.001 GB)" in line and "expert cache 0.001 GB" in line, line
+    # 0.001 GB is more than every expert of this model: the line says what the cache holds
+    total = decimal_gb(state.cache.total_expert_bytes)
+    assert f"expert cache {total} (given 0.001 GB, capped at every expert)" in line, line
     assert not OTHER_UNITS.search(line), line
     state.close()
     # the too-small error: one unit, and the minimum it names is enough
@@ -361,3 +409,91 @@ def test_plan_and_help_say_decimal_gb_only(ckpt, capsys):
     help_text = " ".join(parser.format_help().split())
     assert "Expert cache budget in decimal GB (10**9 bytes)" in help_text
     assert not OTHER_UNITS.search(help_text)
+
+
+# -- store option values (issue 27, item 3) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5", "100000"])
+def test_a_bad_threads_value_is_one_line_naming_it(ckpt, capsys, value):
+    # the flag: at parse time, before anything loads
+    status, err = flags(
+        ["--streaming-experts", "--expert-store-options", f"threads={value}"], capsys=capsys
+    )
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "cmd: error: argument --expert-store-options: store option threads="
+    ), err
+    assert "give a whole number of reader threads, 1 to 256 (safetensors store)" in err[0]
+    # the variable: the line names it
+    environ = {"MLX_LM_STREAMING_EXPERTS": "1", "MLX_LM_STREAMING_STORE_OPTIONS": f"threads={value}"}
+    status, err = flags([], environ=environ, capsys=capsys)
+    assert status == 2 and len(err) == 1, err
+    assert f"MLX_LM_STREAMING_STORE_OPTIONS='threads={value}': store option threads=" in err[0]
+    # the Python API: our type, the same message
+    with pytest.raises(ConfigurationError, match=r"^store option threads=.*whole number"):
+        load_streaming(ckpt, store_options=f"threads={value}")
+
+
+@pytest.mark.parametrize(
+    "store, given, named",
+    [
+        ("safetensors", {"chunk_bytes": 600.5}, "chunk_bytes=600.5"),
+        ("safetensors", {"chunk_bytes": "big"}, "chunk_bytes='big'"),
+        ("packed", {"direct": "maybe"}, "direct='maybe'"),
+        ("packed", {"verify": "sometimes"}, "verify='sometimes'"),
+        ("packed", {"threads": 0}, "threads=0"),
+        ("packed", {"path": 12}, "path=12"),
+    ],
+)
+def test_every_store_option_value_is_checked_before_the_store_is_made(ckpt, store, given, named):
+    from mlx_lm_streaming import plugins
+
+    with pytest.raises(ConfigurationError, match=f"^store option {re.escape(named)}: "):
+        plugins.check_store_options(store, given)
+    with pytest.raises(ConfigurationError, match=f"^store option {re.escape(named)}: "):
+        load_streaming(ckpt, store=store, store_options=given)
+
+
+def test_good_store_option_values_pass():
+    from mlx_lm_streaming import plugins
+
+    plugins.check_store_options("safetensors", {"threads": 1, "chunk_bytes": 0})
+    plugins.check_store_options("safetensors", {"threads": 256, "chunk_bytes": 512})
+    plugins.check_store_options(
+        "packed", {"threads": 8, "direct": "on", "verify": "off", "path": "/p"}
+    )
+
+
+# -- unknown MLX_LM_STREAMING_* variables (issue 27, item 2) -----------------------------------
+
+
+def test_an_unknown_variable_is_named_once_when_mlx_lm_loads_without_streaming(
+    ckpt, environ, capsys, monkeypatch
+):
+    from mlx_lm_streaming import options
+    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.options import requested
+
+    install()
+    monkeypatch.setattr(options, "_unknown_warned", False)
+    environ["MLX_LM_STREAMING_EXPERT"] = "1"  # the S missing
+    capsys.readouterr()
+    model, _ = mlx_lm.utils.load_model(Path(ckpt))
+    assert not hasattr(model, "expert_streaming")  # stock, as before
+    assert capsys.readouterr().err.splitlines() == [
+        "mlx-lm-streaming: warning: unknown variable MLX_LM_STREAMING_EXPERT (did you mean "
+        "MLX_LM_STREAMING_EXPERTS?): ignored, this model loads without streaming experts"
+    ]
+    # once per process; streaming turned off in model_config is a load without streaming too
+    mlx_lm.utils.load_model(Path(ckpt), model_config={"streaming_experts": False})
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(options, "_unknown_warned", False)
+    environ["MLX_LM_STREAMING_FOO"] = "x"
+    mlx_lm.utils.load_model(Path(ckpt), model_config={"streaming_experts": False})
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "unknown variables MLX_LM_STREAMING_EXPERT (did you mean MLX_LM_STREAMING_EXPERTS?), " in line
+    assert "MLX_LM_STREAMING_FOO (misspelt?)" in line, line
+    # with streaming on, it stays an error, which now says the closest name too
+    with pytest.raises(ConfigurationError, match=r"MLX_LM_STREAMING_EXPERT \(did you mean"):
+        requested({"streaming_experts": True})

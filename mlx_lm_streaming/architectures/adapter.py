@@ -7,12 +7,17 @@ The routed experts are always mlx-lm's ``SwitchGLU`` modules (subclasses include
 their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Tuple, Union
 
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from ..errors import CheckpointError
+
 DEFAULT_RAW_KEY = "{parent}.experts.{expert}.{proj}.{part}"
+# config keys every adapter's model reads as a count (besides its experts and experts per token)
+COUNT_KEYS = ("num_hidden_layers", "hidden_size")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,58 @@ class ArchitectureAdapter:
     raw_key: Union[str, Callable, None] = DEFAULT_RAW_KEY
     # stock projection name -> raw checkpoint name (Mixtral: gate_proj -> w1)
     raw_projections: Mapping[str, str] = field(default_factory=dict)
+    # the config keys of the routed experts per layer and the experts each token picks, checked
+    # before mlx-lm builds the model (``check_config``)
+    num_experts_key: str = "num_experts"
+    top_k_key: str = "num_experts_per_tok"
+    # the part of config.json that holds them: None, the top level; "text_config" (llama4)
+    config_section: Optional[str] = None
+
+    def check_config(self, config: dict, args_class, path) -> None:
+        """``CheckpointError`` naming ``path`` (the config.json) and the key, where a count the
+        model is built from is missing, not a whole number of at least 1, or where a token picks
+        more experts than a layer has: stock mlx-lm fails on these with a ``TypeError``,
+        chained tracebacks, or an ``argpartition`` error at the first token, or builds a plan
+        from them without a word. At the top level, only keys that ``args_class`` (the model's
+        ``ModelArgs``) takes are checked, and a missing one only where it has no default."""
+        section, prefix = config, ""
+        # key -> default (``_REQUIRED``: none), for the keys the model's args class takes
+        defaults = _defaults(args_class)
+        if self.config_section is not None:
+            section, prefix = config.get(self.config_section), self.config_section + "."
+            if not isinstance(section, dict):
+                raise CheckpointError(f"{path}: {self.config_section} must be a JSON object")
+        counts = {}
+        for key in COUNT_KEYS + (self.num_experts_key, self.top_k_key):
+            if self.config_section is not None:
+                default = _REQUIRED
+            elif defaults is None:
+                default = None  # not a dataclass: a missing key is the model's to judge
+            elif key in defaults:
+                default = defaults[key]
+            else:
+                continue  # the model does not read it
+            if key not in section:
+                if default is _REQUIRED:
+                    raise CheckpointError(f"{path}: {prefix}{key} is missing (the model needs it)")
+                counts[key] = default
+                continue
+            value = section[key]
+            if value is None and default is None:
+                counts[key] = None  # optional, e.g. no routed experts: a dense model
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(
+                    f"{path}: {prefix}{key} is {value!r}; it must be a whole number, 1 or more"
+                )
+            counts[key] = value
+        experts, top_k = counts.get(self.num_experts_key), counts.get(self.top_k_key)
+        if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+            raise CheckpointError(
+                f"{path}: {prefix}{self.top_k_key} is {top_k}, more than the {experts} experts "
+                f"of {prefix}{self.num_experts_key}: a token cannot pick more experts than a "
+                "layer has"
+            )
 
     def is_routed_experts(self, path: str, module) -> bool:
         """Every ``SwitchGLU`` by default; a subclass may leave some out (by path)."""
@@ -39,3 +96,21 @@ class ArchitectureAdapter:
         parent = path.rsplit(".", 1)[0]
         proj = self.raw_projections.get(proj, proj)
         return self.raw_key.format(parent=parent, expert=expert, proj=proj, part=part)
+
+
+_REQUIRED = object()
+
+
+def _defaults(args_class) -> Optional[dict]:
+    """``field name -> default`` (``_REQUIRED`` where there is none) of a dataclass, else None."""
+    if not dataclasses.is_dataclass(args_class):
+        return None
+    out = {}
+    for f in dataclasses.fields(args_class):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = None
+        else:
+            out[f.name] = _REQUIRED
+    return out

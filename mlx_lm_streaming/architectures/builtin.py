@@ -17,6 +17,10 @@ def deepseek_v41_raw_key(path, expert, proj, part):
     return f"layers.{m.group(1)}.ffn.experts.{expert}.{V41_PROJ[proj]}.weight"
 
 
+# the config keys of the routed experts per layer and of the experts each token picks
+LOCAL = {"num_experts_key": "num_local_experts"}
+ROUTED = {"num_experts_key": "n_routed_experts"}
+
 ADAPTERS = [
     # mlp.experts.{e}.{gate,up,down}_proj
     ArchitectureAdapter(("qwen2_moe", "qwen3_moe")),
@@ -24,21 +28,27 @@ ADAPTERS = [
     ArchitectureAdapter(
         ("mixtral",),
         raw_projections={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+        **LOCAL,
     ),
     # group-limited routing (v2), noaux_tc with n_group > 1 (v3; kimi_k2 maps to deepseek_v3)
-    ArchitectureAdapter(("deepseek_v2", "deepseek_v3")),
+    ArchitectureAdapter(("deepseek_v2", "deepseek_v3"), **ROUTED),
     # clipped SwiGLU lives in the SwitchGLU's own activation
-    ArchitectureAdapter(("deepseek_v41",), raw_key=deepseek_v41_raw_key),
+    ArchitectureAdapter(("deepseek_v41",), raw_key=deepseek_v41_raw_key, **ROUTED),
 ]
 
 # Generic: any mlx-lm model whose routed experts are a SwitchGLU, enabled one by one as each passes
 # the parity suite (tests/test_parity.py; docs/architectures.md lists them).
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 GENERIC = [
-    ArchitectureAdapter(("olmoe", "glm4_moe", "ernie4_5_moe")),
-    ArchitectureAdapter(("phimoe", "minimax"), raw_projections=MIXTRAL_NAMES),
+    ArchitectureAdapter(("olmoe",)),
+    ArchitectureAdapter(("glm4_moe",), **ROUTED),
+    ArchitectureAdapter(
+        ("ernie4_5_moe",), num_experts_key="moe_num_experts", top_k_key="moe_k"
+    ),
+    ArchitectureAdapter(("phimoe", "minimax"), raw_projections=MIXTRAL_NAMES, **LOCAL),
     # Hugging Face ships these with fused expert tensors: only converted checkpoints stream
-    ArchitectureAdapter(("granitemoe", "gpt_oss", "llama4"), raw_key=None),
+    ArchitectureAdapter(("granitemoe", "gpt_oss"), raw_key=None, **LOCAL),
+    ArchitectureAdapter(("llama4",), raw_key=None, config_section="text_config", **LOCAL),
 ]
 
 

@@ -13,9 +13,37 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from ..counters import Counters
-from ..errors import CheckpointChangedError, ExpertIOError
+from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..index import CheckpointFiles
 from ..safetensors_header import TensorRef
+
+
+# the most reader threads a store option may ask for (8 was the fastest measured; a typo such as
+# threads=80 still works, threads=8000 is a slip)
+MAX_THREADS = 256
+
+
+def thread_count(value, name: str = "threads") -> int:
+    """The ``threads`` store option: a whole number from 1 to ``MAX_THREADS``, else
+    ``ConfigurationError`` naming the option and its value (``threads=abc``, ``0``, ``1.5``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ConfigurationError(
+            f"{name}={value!r}: give a whole number of reader threads, 1 to "
+            f"{MAX_THREADS}"
+        )
+    return value
+
+
+def switch_option(value, name: str) -> bool:
+    """A yes/no store option (``direct``): a bool, 0 or 1, or true/false, yes/no, on/off."""
+    from ..options import parse_switch
+
+    try:
+        return parse_switch(value, name)
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"{name}={value!r}: give true or false (1 or 0)"
+        ) from None
 
 
 def shard_error(path, error: OSError, doing: str) -> Exception:
@@ -44,6 +72,10 @@ class ExpertStore:
     """Reads byte ranges described by ``TensorRef`` into writable buffers."""
 
     name = "base"
+    # option name -> check(value) -> value: what ``plugins.check_store_options`` runs on each
+    # option's value before the store is made, so that a bad value is one line naming it (a check
+    # raises ``ConfigurationError``); options without a check are the store's own to refuse
+    option_checks: dict = {}
     # how many expert reads the cache runs on this store at once (its demand-read pool, at least 2)
     threads = 4
 

@@ -26,27 +26,51 @@ from ..devices import backend
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
 from ..packfile import HINT, PackFile, align_up, pack_path
 from ..safetensors_header import FileIdentity, TensorRef
-from .base import ExpertStore
+from .base import ExpertStore, switch_option, thread_count
 from .safetensors import SafetensorsStore
 
 BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
+VERIFY = ("first", "always", "off")
+
+
+def _verify_option(value) -> str:
+    if value not in VERIFY:
+        raise ConfigurationError(
+            f"verify={value!r}: use {', '.join(VERIFY)}"
+        )
+    return value
+
+
+def _path_option(value):
+    """``path``: a file or directory path (text from ``key=value`` that reads as a number is a
+    slip, not a path), or None for the default."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"path={value!r}: give the pack file or its directory"
+        )
+    return value
 class PackedStore(ExpertStore):
     """Reads experts from a pack file: one aligned read per expert."""
 
     name = "packed"
+    option_checks = {
+        "path": _path_option,
+        "direct": lambda value: switch_option(value, "direct"),
+        "verify": _verify_option,
+        "threads": thread_count,
+    }
 
     def __init__(self, files, path=None, direct=False, verify="first", threads=4, **options):
         super().__init__(files)
-        if verify not in ("first", "always", "off"):
-            raise ConfigurationError(f"packed store: verify={verify!r}; use first, always or off")
-        self.verify = verify
-        self.threads = max(1, int(threads))
+        self.verify = _verify_option(verify)
+        self.threads = thread_count(threads)
+        direct = switch_option(direct, "direct")
         self.pack = PackFile(
-            pack_path(files.model_path, path or None),
+            pack_path(files.model_path, _path_option(path) or None),
             files.model_path,
-            direct=bool(direct),
+            direct=direct,
         )
-        self.direct = bool(direct)
+        self.direct = direct
         # O_DIRECT straight into the caller's buffers (when aligned) only on MLX's CPU backend: the
         # buffers can be MLX memory, which on CUDA is unified (cudaMallocManaged) memory, and DMA
         # into it was measured to give wrong bytes on the H200 (logits not bit-identical); there the

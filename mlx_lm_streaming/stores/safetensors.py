@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..safetensors_header import TensorRef
-from .base import ExpertStore, shard_error
+from .base import ExpertStore, shard_error, thread_count
 
 # reads in flight: a fast disk gives one reader less than several, and cold decode on the H200 ran
 # faster with 8 than with 4, 16 no better (docs/benchmarks/README.md, "What won")
@@ -26,16 +26,30 @@ MAX_RETRIES = 8
 DEFAULT_CHUNK_BYTES: Optional[int] = None
 
 
+def _chunk_option(value) -> Optional[int]:
+    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else a whole number of bytes,
+    at least 512."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 512:
+        raise ConfigurationError(
+            f"chunk_bytes={value!r}: must be 0 (whole ranges) or a whole number of "
+            "bytes, at least 512"
+        )
+    return value
+
+
 class SafetensorsStore(ExpertStore):
     """Reads expert byte ranges straight from the safetensors shards."""
 
     name = "safetensors"
+    option_checks = {"threads": thread_count, "chunk_bytes": _chunk_option}
 
     def __init__(
         self, files, threads: int = DEFAULT_THREADS, chunk_bytes=DEFAULT_CHUNK_BYTES, **options
     ):
         super().__init__(files)
-        self.threads = max(1, int(threads))
+        self.threads = thread_count(threads)
         self.chunk_bytes = _chunk_option(chunk_bytes)
         self._fds: Dict[Path, int] = {}
 
@@ -140,18 +154,3 @@ class SafetensorsStore(ExpertStore):
             self._pool = None
         for fd in fds.values():
             os.close(fd)
-
-
-def _chunk_option(value) -> Optional[int]:
-    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else at least 512 bytes."""
-    if value is None or value == 0:
-        return None
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        size = -1
-    if size < 512:
-        raise ConfigurationError(
-            f"store option chunk_bytes must be 0 (whole ranges) or at least 512, not {value!r}"
-        )
-    return size
