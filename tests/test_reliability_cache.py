@@ -180,7 +180,7 @@ def test_more_experts_than_slots_in_one_load_is_refused():
 
 @pytest.fixture(scope="module")
 def wave_checkpoint(tmp_path_factory):
-    """A 16-expert checkpoint, its stock model and vocabulary, and the bytes of one slot per layer."""
+    """A 16-expert checkpoint, its stock model and vocabulary, and the bytes of a slot per layer."""
     path = build_checkpoint(
         tmp_path_factory.mktemp("waves") / "q3", "qwen3_moe", "affine4", overrides={"experts": 16}
     )
