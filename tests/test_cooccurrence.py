@@ -110,12 +110,14 @@ def test_a_decode_call_costs_tens_of_microseconds():
     trace = read_trace(QWEN)
     p = CoactivationPredictor(trace.num_layers, trace.num_experts)
     rows = [np.array(r.experts[:-1], dtype=np.int64) for r in trace.rows[:60]]
-    start = time.perf_counter()
+    # this thread's CPU time, not the wall clock: on a busy machine the wall clock counts the wait
+    # for a core too (measured: 300 us a call with both cores of this box busy, 45 us of CPU)
+    start = time.thread_time()
     for ids in rows:
         for layer in range(len(ids)):
             p.observe(layer, ids[layer][None, :])
             p.predict(layer, ids[layer][None, :], limit=2, min_score=0.25)
-    per_call = (time.perf_counter() - start) / (len(rows) * len(rows[0]))
+    per_call = (time.thread_time() - start) / (len(rows) * len(rows[0]))
     # observe + predict of one layer for one token (shared CI machines: a loose bound)
     assert per_call < 300e-6, f"{per_call * 1e6:.0f} us"
 

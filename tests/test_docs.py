@@ -198,3 +198,30 @@ def test_benchmark_pages_hold_only_indexed_runs_and_their_links_resolve():
         for f in files:
             for target in re.findall(r"docs/benchmarks/([\w.-]+\.\w+)", f.read_text()):
                 assert (ROOT / "docs" / "benchmarks" / target).is_file(), f"{f}: {target}"
+
+
+def test_every_page_counts_the_same_ways_to_ask_for_streaming():
+    """Flags, environment variables, ``model_config`` keys and ``mlx_lm_streaming.load`` keywords:
+    every page that counts the ways says four, and usage.md's table has a row for each."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    for name, text in (("README.md", README), ("usage.md", USAGE_MD), ("design.md", design)):
+        counts = set(re.findall(r"\b(one|two|three|four|five|six) ways\b", text, re.I))
+        assert {c.lower() for c in counts} == {"four"}, (name, counts)
+    table = USAGE_MD.split("| where | how |", 1)[1].split("\n\n", 1)[0]
+    assert len(re.findall(r"^\| ", table, re.M)) == 4, table
+
+
+def test_benchmark_expert_sizes_are_decimal():
+    """The benchmark page's shapes table gives one expert's and all experts' sizes in decimal MB and
+    GB, as computed from the shape (affine 4-bit, group 64, float32 scales and biases)."""
+    page = (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    lines = re.findall(r"^\| [\w.-]+ \| hidden .*$", page, re.M)
+    assert len(lines) == 3, lines
+    for line in lines:
+        cells = line.split("|")
+        shape = re.search(r"hidden (\d+), \w+ (\d+), (\d+)", cells[2])
+        hidden, inter, experts = map(int, shape.groups())
+        layers = int(re.match(r"\s*(\d+)", cells[3]).group(1))
+        expert = 3 * (hidden * inter // 2 + 2 * 4 * hidden * inter // 64)
+        assert f"{expert / 1e6:.3g} MB" in cells[4], (line, expert)
+        assert f"{layers * experts * expert / 1e9:.3g} GB" in cells[5], (line, expert)

@@ -179,10 +179,10 @@ def test_damaged_entry_names_file_and_tensor(tmp_path, tensors, data, mutation):
     victim = data.draw(st.sampled_from(sorted(tensors)))
     header[victim] = MUTATIONS[mutation](header[victim], len(body))
     path = write_file(tmp_path / "model.safetensors", json.dumps(header).encode(), body)
-    start = time.monotonic()
+    start = time.thread_time()  # CPU time: a busy machine does not stretch it
     err = parse_or_named_error(path, culprit=victim)
     assert isinstance(err, CheckpointError), f"{mutation} accepted"
-    assert time.monotonic() - start < 2.0
+    assert time.thread_time() - start < 2.0
 
 
 @FUZZ
@@ -246,14 +246,14 @@ def test_no_allocation_sized_by_the_header(tmp_path):
     header = {"many": {"dtype": "U8", "shape": [2**62] * 100_000, "data_offsets": [0, 4]}}
     path = write_file(tmp_path / "model.safetensors", json.dumps(header).encode(), b"\0" * 64)
     tracemalloc.start()
-    start = time.monotonic()
+    start = time.thread_time()  # CPU time: a busy machine does not stretch it
     try:
         with pytest.raises(CheckpointError):
             read_header(path)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - start < 2.0
+    assert time.thread_time() - start < 2.0
     assert peak < 50 * path.stat().st_size + (1 << 20), peak
 
 

@@ -179,20 +179,31 @@ def test_more_experts_than_slots_in_one_load_is_refused():
 
 
 @pytest.fixture(scope="module")
-def wave_models(tmp_path_factory):
-    """Stock model, and streaming models of 1..16 slots per layer, of a 16-expert checkpoint."""
+def wave_checkpoint(tmp_path_factory):
+    """A 16-expert checkpoint, its stock model and vocabulary, and the bytes of a slot per layer."""
     path = build_checkpoint(
         tmp_path_factory.mktemp("waves") / "q3", "qwen3_moe", "affine4", overrides={"experts": 16}
     )
     stock, config = load_stock(path)
     probe, _ = load_streaming(path)
     per_slot = sum(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
-    models = {}
-    for slots in (1, 2, 3, 5, 8, 16):
-        models[slots], _ = load_streaming(path, expert_cache_gb=(slots * per_slot + 0.5) / GB)
-        models[slots].expert_streaming.cache.ensure_planned()
-        assert all(b.slots == slots for b in models[slots].expert_streaming.cache.banks)
-    return stock, config["vocab_size"], models
+    return path, stock, config["vocab_size"], per_slot
+
+
+def load_slots(path, per_slot: int, slots: int):
+    """A streaming model of ``slots`` slots per layer."""
+    model, _ = load_streaming(path, expert_cache_gb=(slots * per_slot + 0.5) / GB)
+    model.expert_streaming.cache.ensure_planned()
+    assert all(b.slots == slots for b in model.expert_streaming.cache.banks)
+    return model
+
+
+@pytest.fixture(scope="module")
+def wave_models(wave_checkpoint):
+    """Stock model, and streaming models of 1..16 slots per layer, of a 16-expert checkpoint."""
+    path, stock, vocab, per_slot = wave_checkpoint
+    models = {slots: load_slots(path, per_slot, slots) for slots in (1, 2, 3, 5, 8, 16)}
+    return stock, vocab, models
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -203,10 +214,18 @@ def wave_models(tmp_path_factory):
 )
 def test_waves_never_exceed_slots_and_stay_exact(wave_models, slots, tokens, batch):
     stock, vocab, models = wave_models
-    model = models[slots]
     x = mx.array([tokens] * batch) if batch == 1 else mx.array([tokens, tokens[::-1]])
+    check_call(models[slots], stock, x)
+
+
+def check_call(model, stock, x) -> list:
+    """One call of ``model`` on ``x``: no load asks for more experts than the bank has slots, pinned
+    and kept experts keep their slots, the logits are stock's and the banks stay within the budget.
+    Returns the loads' (experts, slots)."""
     sizes = []
     banks = model.expert_streaming.cache.banks
+    steps = model.expert_streaming.cache.steps
+    verified, again = steps.verified, steps.replays + steps.recomputed
     loads = {}
     for bank in banks:
         loads[bank] = bank.load
@@ -226,9 +245,29 @@ def test_waves_never_exceed_slots_and_stay_exact(wave_models, slots, tokens, bat
     finally:
         for bank in banks:
             del bank.load
-    # a bank holding every expert (complete) loads nothing: its layer skips the host sync
-    assert sizes or all(b.complete for b in banks)
+    # a call loads nothing only where its layers skip the host sync: banks holding every expert
+    # (complete), or a verified step that found every expert it used resident (no layer run again)
+    clean_step = steps.verified > verified and steps.replays + steps.recomputed == again
+    assert sizes or clean_step or all(b.complete for b in banks)
     assert all(n <= s for n, s in sizes), sizes
     assert mx.array_equal(got, stock(x)).item()
     cache = model.expert_streaming.cache
     assert cache.resident_bytes <= cache.budget_bytes
+    return sizes
+
+
+def test_a_verified_step_that_hits_everywhere_loads_nothing(wave_checkpoint):
+    """The same token again and again: once the running share of layers that missed is low enough,
+    the call is a verified step that finds its experts resident and loads nothing, while the banks
+    are not complete. Which calls those are depends on the model's history (and, for identity
+    banks, on how far the background fill got), so the property test above met this case only now
+    and then, and its replay of the case passed: hypothesis' "Failed to reproduce"."""
+    path, stock, vocab, per_slot = wave_checkpoint
+    model = load_slots(path, per_slot, 5)
+    loads = [check_call(model, stock, mx.array([[3]])) for _ in range(20)]
+    assert loads[0] and not loads[-1]
+    assert not any(b.complete for b in model.expert_streaming.cache.banks)
+    # an identity bank (16 slots) while the background fill completes it
+    model = load_slots(path, per_slot, 16)
+    for _ in range(20):
+        check_call(model, stock, mx.array([[3]]))
