@@ -196,11 +196,7 @@ class LayerBank:
             resident = self.slot_of[experts] >= 0
             # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read
             # for it, so counted as its misses (and as misses guessed)
-            used = ()
-            if self._ahead_used:
-                used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
-                taken = set(used.tolist())
-                self._ahead_used = [e for e in self._ahead_used if e not in taken]
+            used = self._take_ahead_used(experts)
             if self.predicted is not None:
                 missed = experts[~resident]
                 if len(used):
@@ -225,6 +221,35 @@ class LayerBank:
             self.misses += len(missing) + len(used)
             self.cache.stats.add(hits, len(missing) + len(used), evicted)
             self.note_complete()
+
+    def _take_ahead_used(self, experts: np.ndarray) -> np.ndarray:
+        """The experts of ``experts`` read ahead on a guess for this call (``load(...,
+        guessed=True)``), no longer counted as such."""
+        if not self._ahead_used:
+            return np.zeros(0, dtype=np.int64)
+        used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
+        taken = set(used.tolist())
+        self._ahead_used = [e for e in self._ahead_used if e not in taken]
+        return used
+
+    def note_use(self, experts: np.ndarray) -> tuple:
+        """A call found every one of ``experts`` resident and loaded nothing (a verified step's
+        commit): the policy's record of a use, and this layer's counters. Experts read ahead on a
+        guess for it (``load(..., guessed=True)``) count as its misses, the rest as hits; guesses it
+        did not use end here. Returns ``(hits, misses)`` for the cache's counters."""
+        with self.lock:
+            self.table.admit(experts)
+            read = len(self._take_ahead_used(experts))
+            self._ahead_used = []
+            hits = len(experts) - read
+            self.hits += hits
+            self.misses += read
+        return hits, read
+
+    def drop_guesses(self) -> None:
+        """Guesses read ahead for a call that ended without using them are no longer its."""
+        with self.lock:
+            self._ahead_used = []
 
     def note_complete(self) -> None:
         """An identity bank is ``complete`` once every expert is resident (checked after a change)."""

@@ -33,6 +33,8 @@ GB = 1 << 30
 # next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
 # not read. Peak memory stays within ~2x this over the budget
 STAGING_SHARE = 0.05
+# banks loaded at once when a verified step reads a token's misses together
+BANK_THREADS = 8
 # experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
 PHASE_MIN_BYTES = 16 << 20
 # every cache that may have background threads, for ``close_all`` at interpreter exit
@@ -95,6 +97,13 @@ class CacheTuning:
     # decode-sized calls whose experts are all resident run with no host sync per layer, checked
     # once per call (``verified_step.py``)
     verified_steps: bool = True
+    # a verified step that finds a miss reads, with the missed layer's experts, those the pass
+    # beyond it picked and lacks, all at once, then runs again from the missed layer
+    # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
+    read_misses_together: bool = True
+    # verified steps while recent tokens missed in at most this share of the MoE layers; None:
+    # ``verified_step``'s per-backend default
+    verify_max_missed_share: Optional[float] = None
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``schedules.ByProjection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
@@ -127,6 +136,7 @@ class ExpertCache:
         self.steps = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
         self._demand_pool: Optional[ThreadPoolExecutor] = None
+        self._bank_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
         self._filler: Optional[threading.Thread] = None
         self._fill_queue: List[LayerBank] = []
@@ -181,18 +191,28 @@ class ExpertCache:
                 self._callers.add(me)
 
     @property
+    def bank_pool(self) -> ThreadPoolExecutor:
+        """Threads that run the loads of several banks at once (a verified step's misses read
+        together); each load's reads still go through ``demand_pool``."""
+        return self._pool("_bank_pool", BANK_THREADS, "banks")
+
+    @property
     def demand_pool(self) -> ThreadPoolExecutor:
         """Threads that run the demand reads of one load in parallel, one expert each."""
-        if self._demand_pool is None:
+        return self._pool("_demand_pool", max(2, self.store.threads), "demand")
+
+    def _pool(self, attr: str, threads: int, name: str) -> ThreadPoolExecutor:
+        """The pool kept as ``attr``, started on first use (a closed cache raises)."""
+        pool = getattr(self, attr)
+        if pool is None:
             with self._lock:
                 if self._closed:
                     raise ExpertIOError("the expert cache is closed (its model was released)")
-                if self._demand_pool is None:
-                    threads = max(2, self.store.threads)
-                    self._demand_pool = ThreadPoolExecutor(
-                        threads, thread_name_prefix="mlx-lm-streaming-demand"
-                    )
-        return self._demand_pool
+                pool = getattr(self, attr)
+                if pool is None:
+                    pool = ThreadPoolExecutor(threads, thread_name_prefix=f"mlx-lm-streaming-{name}")
+                    setattr(self, attr, pool)
+        return pool
 
     # -- background reads ------------------------------------------------------------------------
 
@@ -279,9 +299,11 @@ class ExpertCache:
         if self._prefetcher is not None:
             self._prefetcher.close(wait=wait)
         with self._lock:
-            pool, self._demand_pool = self._demand_pool, None
-        if pool is not None:
-            pool.shutdown(wait=wait)
+            pools = (self._bank_pool, self._demand_pool)
+            self._bank_pool = self._demand_pool = None
+        for pool in pools:  # the bank pool's loads wait on the demand pool: it goes first
+            if pool is not None:
+                pool.shutdown(wait=wait)
         filler = self._filler
         if wait and filler is not None and filler is not threading.current_thread():
             filler.join()
@@ -367,6 +389,9 @@ class ExpertCache:
             # model calls run as verified steps (verified_step.py), and layers run again in them
             "verified_steps": self.steps.verified if self.steps is not None else 0,
             "verified_replays": self.steps.replays if self.steps is not None else 0,
+            # experts read on the word of a pass beyond a miss, and those the pass run again used
+            "verified_named": self.steps.named if self.steps is not None else 0,
+            "verified_named_used": self.steps.named_used if self.steps is not None else 0,
             "per_layer": [b.summary() for b in self.banks],
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }

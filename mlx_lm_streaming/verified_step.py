@@ -17,6 +17,14 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
   back (``mlx_compat.rewind``), and the forward runs again, each decoder layer before that one
   giving back its recorded output (``layer_call``) instead of computing. Repeated until nothing is
   missing: one host sync per token plus one per layer that missed, instead of one per layer.
+- read together (``CacheTuning.read_misses_together``): the layers after the first miss ran on a
+  slightly wrong input, but on a trained model they pick nearly the experts they will pick once
+  right (98.5% of them on the routing model, docs/routing.md). So the experts that pass picked and
+  its banks lack are read too, at the same time as the missed layer's (``load_together``: several
+  banks at once, each expert on its own demand thread), as guesses (``LayerBank.load(...,
+  guessed=True)``: counted as misses only if the pass run again uses them). The forward then runs
+  again from the first missed layer, and usually finds nothing missing: about one host sync more
+  per token that missed, however many layers missed, and its reads overlapped.
 
 Where layers cannot be replayed (``model.layers`` not one decoder layer per cache entry), a miss
 rewinds every cache entry and runs the whole call per layer instead. ``StepRunner`` chooses per
@@ -44,6 +52,9 @@ VERIFY_MAX_TOKENS = 4
 # docs/benchmarks/README.md, "Decode regimes")
 MAX_MISSED_SHARE = {"cpu": 0.01}
 MAX_MISSED_SHARE_GPU = 0.35
+# the same on a GPU when a token's misses are read together: a token that missed costs about one
+# more sync and a partial forward, not one per layer that missed
+MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
 # on a GPU, a token that missed in no layer lets the next one be a verified step, whatever the
 # running share says: after a burst of misses (a new topic, the cache filling) the running share
 # kept the per-layer schedule, at 0.3-0.6 of a verified step's speed, for the 4 tokens it took to
@@ -88,6 +99,10 @@ class VerifiedStep:
         # the kept calls' ids, concatenated in the order of ``kept`` (set by the check after the
         # forward)
         self.ids: Optional[mx.array] = None
+        # the last check's per-call miss counts (host); id(bank) -> experts read for it on the
+        # word of a pass that ran beyond a miss (``load_together``)
+        self.counts: Optional[np.ndarray] = None
+        self.guessed: Dict[int, set] = {}
 
     def add(self, bank, indices: mx.array, missing: mx.array) -> None:
         self.calls.append((self.layer, bank, indices, missing))
@@ -150,12 +165,31 @@ class VerifiedStep:
         mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
         tl = bank.cache.timeline
         start = tl.now() if tl else 0
-        bank.load(experts)  # reads what is missing; counts the call's hits and misses
+        guesses = self.named_after(first) if self.runner.together else []
+        # reads what is missing; counts the call's hits and misses
+        load_together([(bank, experts, {})] + guesses)
         self.loaded.add(id(bank))
         if tl:
-            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
+                    guessed=sum(len(g[1]) for g in guesses))
         self.calls = []
         return layer
+
+    def named_after(self, first: int) -> List[tuple]:
+        """``(bank, experts, load options)`` for each MoE call after ``calls[first]`` that the
+        check found missing experts: those its ids (picked on a wrong input) name and its bank
+        lacks, to be read as guesses, the call's other experts kept."""
+        out = []
+        for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
+            _, bank, indices, _ = self.calls[j]
+            named = np.unique(np.array(indices, copy=False).astype(np.int64))
+            lack = named[bank.slot_of[named] < 0]
+            if len(lack) == 0 or id(bank) in self.loaded:
+                continue
+            self.guessed.setdefault(id(bank), set()).update(lack.tolist())
+            self.runner.named += len(lack)
+            out.append((bank, lack, {"keep": named, "guessed": True}))
+        return out
 
     def rewind(self, first: int, end: int) -> None:
         """Take back this step's tokens from the cache entries of decoder layers ``first`` to
@@ -180,7 +214,7 @@ class VerifiedStep:
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
         start = tl.now() if tl else 0
-        counts = np.array(counts, copy=False)
+        counts = self.counts = np.array(counts, copy=False)
         if tl:
             tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
@@ -190,25 +224,30 @@ class VerifiedStep:
         """The host work of a step found complete: each kept MoE call's uses told to its policy and
         counted as hits (unless a load in this step counted them), the routing recorded, identity
         banks' fill asked for."""
-        hits = 0
+        hits = misses = 0
         # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
         flat = np.array(self.ids, copy=False).astype(np.int64)
         at = 0
         for key, (bank, indices) in self.kept.items():
             idx = flat[at : at + indices.size].reshape(indices.shape)
             at += indices.size
-            if key not in self.loaded:
+            guessed = self.guessed.get(key)
+            if key not in self.loaded or guessed:
                 experts = np.unique(idx)
-                with bank.lock:
-                    bank.table.admit(experts)  # nothing missing: the policy's record of a use
-                    bank.hits += len(experts)
-                hits += len(experts)
+                if guessed:
+                    self.runner.named_used += len(guessed.intersection(experts.tolist()))
+            if key in self.loaded:
+                bank.drop_guesses()  # its load counted what it used
+            else:
+                # nothing missing: the policy's record of a use; guesses it used are its misses
+                h, m = bank.note_use(experts)
+                hits, misses = hits + h, misses + m
             if cache.recorder is not None:
                 cache.recorder.record(bank, idx)
             if bank.identity and not bank.complete:
                 cache.request_fill(bank)
         cache.stats.start()
-        cache.stats.add(hits, 0, 0)
+        cache.stats.add(hits, misses, 0)
 
 
 class StepRunner:
@@ -229,6 +268,11 @@ class StepRunner:
         self.pending: Optional[VerifiedStep] = None
         # whether a token that missed nowhere brings the running share down to the limit
         self.clean_retries = CLEAN_TOKEN_RETRIES.get(state.selector.backend, True)
+        # whether a miss reads the experts the pass beyond it named too (``load_together``), and
+        # how many experts were read so, and how many of those the pass run again used
+        self.together = state.cache.tuning.read_misses_together
+        self.named = 0
+        self.named_used = 0
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -282,7 +326,11 @@ class StepRunner:
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
-        return MAX_MISSED_SHARE.get(self.state.selector.backend, MAX_MISSED_SHARE_GPU)
+        given = self.state.cache.tuning.verify_max_missed_share
+        if given is not None:
+            return given
+        gpu = MAX_MISSED_SHARE_TOGETHER_GPU if self.together else MAX_MISSED_SHARE_GPU
+        return MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
@@ -299,6 +347,8 @@ class StepRunner:
         with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
         miss runs the layers since the one that missed again)."""
         moe = max(1, len(self.state.cache.banks))
+        if self.together:  # the pass beyond a miss names the later misses: check once, at the end
+            return moe
         return max(1, round(moe / (1 + self.missed_share * moe)))
 
     def _verified(self, call, args, kwargs, kv, tokens):
@@ -336,6 +386,27 @@ class StepRunner:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
         return out
+
+
+def load_together(loads) -> None:
+    """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
+    threads where every bank reads directly into its slots and has no staged reads to install (an
+    MLX update, which must run on the calling thread); else one after another. All pending work
+    was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
+    has ended when this returns; the first error is raised then."""
+    banks = [bank for bank, _, _ in loads]
+    if len(loads) == 1 or not all(b.direct and not b.staged for b in banks):
+        for bank, experts, options in loads:
+            bank.load(experts, **options)
+        return
+    for bank in banks:
+        bank.last_stream = None
+    pool = banks[0].cache.bank_pool
+    futures = [pool.submit(bank.load, experts, **options) for bank, experts, options in loads]
+    errors = [f.exception() for f in futures]  # waits for each
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def miss_counts(calls) -> mx.array:

@@ -167,3 +167,54 @@ def test_a_cache_that_cannot_be_rewound_runs_per_layer(q3_path):
     verified = runner.verified
     mx.eval(model(mx.array([[5]]), cache=rotating))  # offset 3 + 1 reaches the window
     assert runner.verified == verified
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected, together):
+    # few slots, a verified step at every call: a miss reads the experts the pass beyond it named
+    # too (several banks at once), as guesses; the pass run again is stock's bits, and every
+    # expert a call used is counted once, as a hit or a miss
+    tuning = CacheTuning(read_misses_together=together)
+    model = with_slots(q3_path, 4, tuning=tuning)
+    assert_same(expected, _every_call_verified(model))
+    runner = model.expert_streaming.steps
+    cache = model.expert_streaming.cache
+    stats = model.expert_streaming.stats()
+    assert runner.recomputed == 0 and runner.replays > 0
+    assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
+    if together:
+        assert runner.every() == len(cache.banks)  # one check, after the forward
+        assert stats["verified_named"] > 0 and 0 <= stats["verified_named_used"] <= stats["verified_named"]
+    else:
+        assert stats["verified_named"] == 0
+
+
+def test_reading_together_lets_gpus_verify_whatever_the_misses(q3_path):
+    model = with_slots(q3_path, 4)
+    runner = model.expert_streaming.steps
+    runner.state.selector.backend, backend = "gpu", runner.state.selector.backend
+    try:
+        assert runner.limit() == 1.0
+        runner.together = False
+        assert runner.limit() == 0.35
+    finally:
+        runner.state.selector.backend = backend
+    tuned = with_slots(q3_path, 4, tuning=CacheTuning(verify_max_missed_share=0.5))
+    assert tuned.expert_streaming.steps.limit() == 0.5
+
+
+def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monkeypatch):
+    from mlx_lm_streaming import verified_step
+
+    seen = []
+    real = verified_step.load_together
+
+    def spy(loads):
+        seen.append((len(loads), all(b.direct and not b.staged for b, _, _ in loads)))
+        return real(loads)
+
+    monkeypatch.setattr(verified_step, "load_together", spy)
+    model = with_slots(q3_path, 4)
+    assert_same(expected, _every_call_verified(model))
+    assert any(n > 1 and parallel for n, parallel in seen)  # on the bank threads
+    assert model.expert_streaming.cache._bank_pool is not None
