@@ -130,11 +130,12 @@ def read_into_slots(
         bank.cache.stats.add_time(io, install)
 
 
-def slot_reader(bank):
+def slot_reader(bank, spread: bool = True):
     """``read(expert, slot, members)``: the bank parts ``members`` of ``expert`` read into ``slot``'s
-    memory through the bank's host views (as they are now), on the store's reader pool. For
-    direct reads (``read_direct``)."""
-    read_ranges = bank.cache.store.read_many
+    memory through the bank's host views (as they are now), spread over the store's reader pool,
+    or (``spread`` False) on the calling thread alone. For direct reads (``read_direct``)."""
+    store = bank.cache.store
+    read_ranges = store.read_many if spread else store.read_on_this_thread
     views, refs = bank.views, bank.layer.refs
 
     def read(expert, slot, members):
@@ -163,7 +164,10 @@ def read_direct(bank, pairs, resident, part_landed=None, started=None) -> float:
     if stream is not None and stream != mx.default_stream(mx.default_device()):
         mx.synchronize(stream)  # work of the previous call, if on another stream, has ended
     parts = bank.layer.parts
-    read_slot = slot_reader(bank)
+    # a few experts: each one's ranges spread over the store's readers; more: each expert read by
+    # its own demand thread alone (``CacheTuning.spread_reads_upto``)
+    upto = bank.cache.tuning.spread_reads_upto
+    read_slot = slot_reader(bank, spread=upto is None or len(pairs) <= upto)
     if part_landed is None:
         groups = [(None, list(range(len(parts))))]
     else:

@@ -274,3 +274,42 @@ def test_a_cancelled_read_is_an_error_not_a_hang(q3):
     with pytest.raises(ExpertIOError, match="cancelled"):
         decode(model, tokens)
     cache._demand_pool = None
+
+
+class CountingStore(SafetensorsStore):
+    """The safetensors store counting how loads read: ranges spread over its readers, or one
+    expert's ranges on the calling thread alone."""
+
+    name = "counting"
+
+    def __init__(self, files, **options):
+        super().__init__(files, **options)
+        self.spread = self.alone = 0
+
+    def _read_jobs(self, jobs, spread):
+        if spread:
+            self.spread += 1
+        else:
+            self.alone += 1
+        return super()._read_jobs(jobs, spread)
+
+
+class CountingStorePlugin:
+    @hookimpl
+    def register_stores(self, register):
+        register(CountingStore.name, CountingStore)
+
+
+@pytest.mark.parametrize("upto", [1, None])
+def test_a_load_of_several_experts_reads_each_on_its_own_thread(q3, upto):
+    # ``spread_reads_upto``: a load of one expert spreads its ranges over the store's readers;
+    # of more, each expert is read whole by its demand thread (None: always spread); exact either way
+    path, tokens, want = q3
+    with registered(CountingStorePlugin(), "counting-store-test"):
+        tuning = CacheTuning(lookahead=False, spread_reads_upto=upto, verified_steps=False)
+        model = with_slots(path, 5, tuning=tuning, store=CountingStore.name)
+        assert same(want, decode(model, tokens))
+        store = model.expert_streaming.cache.store
+        assert store.spread > 0
+        assert (store.alone > 0) == (upto is not None)
+        model.expert_streaming.close()

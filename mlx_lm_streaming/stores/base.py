@@ -126,6 +126,12 @@ class ExpertStore:
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
+    def read_on_this_thread(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        """``read_many`` without handing ranges to other threads: for a caller that reads several
+        experts at once, one per thread, where spreading each expert's ranges over the store's
+        readers costs more hand-offs than it gains. The default is ``read_many``."""
+        self.read_many(jobs)
+
     def close(self, wait: bool = True) -> None:
         """Release files and threads; the store may not be used afterwards. ``wait=False``: do not
         join threads (the call may come from a garbage-collection finalizer, where joining a thread

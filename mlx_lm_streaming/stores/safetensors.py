@@ -115,13 +115,22 @@ class SafetensorsStore(ExpertStore):
             retries = 0
 
     def read_many(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        self._read_jobs(jobs, spread=True)
+
+    def read_on_this_thread(self, jobs: List[Tuple[TensorRef, memoryview]]) -> None:
+        if type(self).read_many is not SafetensorsStore.read_many:
+            self.read_many(jobs)  # a subclass's own reads: it may have reasons
+        else:
+            self._read_jobs(jobs, spread=False)
+
+    def _read_jobs(self, jobs, spread: bool) -> None:
         if not jobs:
             return
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
         pieces = self._pieces(jobs, self.chunk_bytes)
-        if self.threads == 1 or len(pieces) == 1:
+        if self.threads == 1 or len(pieces) == 1 or not spread:
             for piece in pieces:
                 self._read(*piece)
         else:
