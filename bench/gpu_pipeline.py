@@ -483,6 +483,11 @@ def run_group(stocks, path, routing_spec, budget, variants, args, ck, files, pro
                 direct=all(b.direct for b in cfg.cache.banks),
                 policy=getattr(cfg.cache, "policy", None),
                 prefetch=harness.precision_recall(c.get("prefetch")),
+                verified_share=c.get("verified_steps", 0) / n,
+                replays_per_token=c.get("verified_replays", 0) / n,
+                named_per_token=c.get("verified_named", 0) / n,
+                named_used=(c["verified_named_used"] / c["verified_named"]
+                            if c.get("verified_named") else None),
             )
             if regime == "hit" and entry["hit_rate"] != 1.0:
                 msg = (
@@ -735,7 +740,7 @@ def plan(args, routings):
         return [("cold", r, b) for r in routings for b in args.budget_list]
     out = []
     for regime in args.regimes:
-        budgets = {"hit": [args.hit_budget], "ram": [args.ram_budget]}.get(regime, args.budget_list)
+        budgets = {"hit": [args.hit_budget], "ram": args.ram_budgets}.get(regime, args.budget_list)
         out += [(regime, r, b) for r in routings for b in budgets]
     return out
 
@@ -765,7 +770,8 @@ def main(argv=None):
     )
     ap.add_argument("--budgets", default="0.25,0.5", help="the cold regime's budgets")
     ap.add_argument("--hit-budget", type=float, default=0.99)
-    ap.add_argument("--ram-budget", type=float, default=0.90)
+    ap.add_argument("--ram-budget", default="0.90", help="the ram regime's budgets (comma list; "
+                    "the probe runs at the first)")
     ap.add_argument(
         "--floors",
         action="store_true",
@@ -826,6 +832,8 @@ def main(argv=None):
         if "routings" not in given:
             args.routings = "uniform,trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
     args.budget_list = [float(b) for b in args.budgets.split(",") if b]
+    args.ram_budgets = [float(b) for b in str(args.ram_budget).split(",") if b]
+    args.ram_budget = args.ram_budgets[0]
     args.ram_probe_k = sorted({int(k) for k in args.ram_probe_k.split(",") if k})
     args.regimes = [r for r in (args.regimes or "").split(",") if r]
     for r in args.regimes:

@@ -205,6 +205,10 @@ class Config:
             "io_wait_seconds": s["io_wait_seconds"],
             "install_seconds": s["install_seconds"],
             "prefetch": _prefetch_counts(cache),
+            # verified steps, the layers they ran again, the experts read on a pass's word and
+            # those used (verified_step.py)
+            **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
+                                         "verified_named_used")},
         }
 
 

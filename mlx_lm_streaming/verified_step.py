@@ -184,8 +184,8 @@ class VerifiedStep:
             _, bank, indices, _ = self.calls[j]
             named = np.unique(np.array(indices, copy=False).astype(np.int64))
             lack = named[bank.slot_of[named] < 0]
-            if len(lack) == 0 or id(bank) in self.loaded:
-                continue
+            if len(lack) == 0 or id(bank) in self.loaded or len(named) > bank.slots:
+                continue  # (more than its slots: that call runs in waves, if it comes)
             self.guessed.setdefault(id(bank), set()).update(lack.tolist())
             self.runner.named += len(lack)
             out.append((bank, lack, {"keep": named, "guessed": True}))

@@ -218,3 +218,10 @@ def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monk
     assert_same(expected, _every_call_verified(model))
     assert any(n > 1 and parallel for n, parallel in seen)  # on the bank threads
     assert model.expert_streaming.cache._bank_pool is not None
+
+
+def test_a_pass_naming_more_experts_than_slots_guesses_nothing_there(q3_path, expected):
+    # two slots, three experts a token: the pass beyond a miss names more experts than a bank holds;
+    # those banks are not read ahead (their call runs in waves), and the result is stock's
+    model = with_slots(q3_path, 2)
+    assert_same(expected, _every_call_verified(model))
