@@ -107,7 +107,7 @@ SHAPES = ("qwen3", "tiny")
 # timeline, ``--streaming-trace``, summarized by bench/timeline_summary.py). Words of settings that
 # left ``CacheTuning`` are listed in bench/README.md with the commit they last existed in.
 # E.g. "direct_t8_c256", "staged_gate25_tl".
-VARIANT_WORDS = "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, tl"
+VARIANT_WORDS = "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, fdt, tl"
 
 
 # Variants defined on the command line (``--tuning-variant NAME:field=value,...``): a word NAME
@@ -180,6 +180,8 @@ def variant_options(name: str):
             store.setdefault("threads", 8)
             if word == "packdirect":
                 store["direct"] = True
+        elif word == "fdt":
+            store["fd_per_thread"] = True  # each reading thread its own descriptor of a shard
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
         elif word.startswith("gate") and word[4:].isdigit():

@@ -129,7 +129,8 @@ def layer_split(events, steps):
         for lay in layers:
             la, lb = lay["ts"], lay["ts"] + lay["dur"]
             in_layers += lay["dur"]
-            lo, hi = bisect_left(starts[tid], la), bisect_right(starts[tid], lb + 1)
+            at = starts.get(tid, [])  # (a thread whose layers recorded no span of their own)
+            lo, hi = bisect_left(at, la), bisect_right(at, lb + 1)
             inside = [e for e in own[tid][lo:hi] if e["ts"] + e["dur"] <= lb + 1]
             sync = [e for e in inside if e["name"] == "host sync"]
             sync_end = sync[0]["ts"] + sync[0]["dur"] if sync else la

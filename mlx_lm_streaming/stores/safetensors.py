@@ -9,13 +9,14 @@ load (even during the read) is an error, never silently different logits.
 """
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..safetensors_header import TensorRef
-from .base import ExpertStore, shard_error, thread_count
+from .base import ExpertStore, shard_error, switch_option, thread_count
 
 # reads in flight: a fast disk gives one reader less than several, and cold decode on the H200 ran
 # faster with 8 than with 4, 16 no better (docs/benchmarks/README.md, "What won")
@@ -24,6 +25,9 @@ MAX_RETRIES = 8
 # ranges longer than this are read as pieces of this size in parallel, so that even one expert (a
 # few ranges, most of its bytes in three) keeps every reader busy; None: one read per range
 DEFAULT_CHUNK_BYTES: Optional[int] = None
+# each reading thread opens its own descriptor of a shard instead of all sharing one (some kernels,
+# gVisor's among them, may serialize reads of one open file)
+DEFAULT_FD_PER_THREAD = False
 
 
 def _chunk_option(value) -> Optional[int]:
@@ -43,18 +47,45 @@ class SafetensorsStore(ExpertStore):
     """Reads expert byte ranges straight from the safetensors shards."""
 
     name = "safetensors"
-    option_checks = {"threads": thread_count, "chunk_bytes": _chunk_option}
+    option_checks = {
+        "threads": thread_count,
+        "chunk_bytes": _chunk_option,
+        "fd_per_thread": lambda v: switch_option(v, "fd_per_thread"),
+    }
 
     def __init__(
-        self, files, threads: int = DEFAULT_THREADS, chunk_bytes=DEFAULT_CHUNK_BYTES, **options
+        self,
+        files,
+        threads: int = DEFAULT_THREADS,
+        chunk_bytes=DEFAULT_CHUNK_BYTES,
+        fd_per_thread=DEFAULT_FD_PER_THREAD,
+        **options,
     ):
         super().__init__(files)
         self.threads = thread_count(threads)
         self.chunk_bytes = _chunk_option(chunk_bytes)
+        self.fd_per_thread = switch_option(fd_per_thread, "fd_per_thread")
         self._fds: Dict[Path, int] = {}
+        # fd_per_thread: each thread's own descriptors (path -> fd), and every one opened, to close
+        self._local = threading.local()
+        self._thread_fds: List[int] = []
 
     def _fd(self, path: Path) -> int:
-        return self._per_file(self._fds, path, self._open)
+        if not self.fd_per_thread:
+            return self._per_file(self._fds, path, self._open)
+        mine = getattr(self._local, "fds", None)
+        if mine is None:
+            mine = self._local.fds = {}
+        fd = mine.get(path)
+        if fd is None:
+            fd = self._open(path)
+            with self._lock:
+                if self._closed:
+                    os.close(fd)
+                    raise self._closed_error()
+                self._thread_fds.append(fd)
+            mine[path] = fd
+        return fd
 
     def _open(self, path: Path) -> int:
         try:
@@ -157,9 +188,10 @@ class SafetensorsStore(ExpertStore):
         """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
         with self._lock:
             self._closed = True
-            fds, self._fds = self._fds, {}
+            fds = list(self._fds.values()) + self._thread_fds
+            self._fds, self._thread_fds = {}, []
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
             self._pool = None
-        for fd in fds.values():
+        for fd in fds:
             os.close(fd)
