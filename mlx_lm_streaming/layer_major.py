@@ -1,0 +1,273 @@
+"""Layer-major prefill: every chunk of a long prompt through decoder layer L before layer L+1.
+
+mlx-lm's ``generate_step`` prefills a prompt in chunks of ``prefill_step_size`` tokens, each chunk
+through every layer. With streaming, each chunk then reads again every expert the cache could not
+keep since the chunk before: a prompt of k chunks reads the uncached experts up to k times.
+
+Layer L's output and KV entries for chunk c depend only on chunk c's input to layer L and on layer
+L's cache of the chunks before c. So running every chunk through layer L before any chunk goes
+through layer L+1 does the same operations, on the same values and shapes, as stock's order, and a
+layer's experts are read while its chunks follow one another: each uncached expert about once per
+prompt (per group of chunks, below), not once per chunk.
+
+How, without knowing the architecture's forward (``prefill``):
+
+1. each chunk's model call runs stock with every decoder layer skipped (``Recorder``: a layer's call
+   is recorded and its input handed on). What each layer gets besides its input (the attention
+   mask, its cache entry) is made there, before layer 0, from cache entry 0: at that moment entry 0
+   holds exactly the chunks before this one, as in stock;
+2. layer 0 runs on the chunk right away, so that the next chunk's call finds entry 0 as stock would;
+3. once a group's chunks went through layer 0, each later layer runs on each chunk in order: the
+   recorded call, with the layer before's output as input.
+
+The recorded calls are checked (``Recorder.problem``); where the model's forward is not "make the
+layers' arguments, then each layer on the output of the one before, one cache entry each", the
+prompt prefills chunk by chunk, as stock. The hidden states of a group's chunks are held between
+layers: chunks are grouped so that they stay under ``CacheTuning.prefill_hold_bytes``.
+
+``wrap_generate_step`` puts this in front of ``mlx_lm.generate.generate_step`` (``generate``,
+``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands): the prompt but its
+last token is prefilled here, and the stock function takes the last token from there, with the
+logits processors given the whole prompt as stock's would see it.
+"""
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import mlx_compat, report
+
+class Fallback(Exception):
+    """Layer-major prefill does not apply here; the message says why."""
+
+
+@dataclass
+class PrefillStats:
+    """What layer-major prefill did (``--streaming-stats``)."""
+
+    prompts: int = 0
+    chunks: int = 0
+    groups: int = 0
+    # most bytes of hidden states (and array arguments) held between layers at once
+    held_bytes: int = 0
+    # prompts that fell back, and why (the first reason)
+    fallbacks: int = 0
+    why: Optional[str] = None
+    said: set = field(default_factory=set)
+
+
+class Recorder:
+    """One chunk's model call with every decoder layer skipped: each layer's call is recorded
+    (``StepRunner``'s layer wrappers call ``layer_call`` while this is the thread's step)."""
+
+    def __init__(self):
+        self.calls: List[tuple] = []  # (layer index, stock call, args, kwargs)
+
+    def layer_call(self, i, call, args, kwargs):
+        self.calls.append((i, call, args, kwargs))
+        return args[0] if args else kwargs.get("x")
+
+    def problem(self, layers: int, kv) -> Optional[str]:
+        """None if the recorded forward is one call per decoder layer, in order, each with its own
+        cache entry and the previous layer's output, and arrays among the other arguments only
+        those layer 0 got; else what differs."""
+        if [c[0] for c in self.calls] != list(range(layers)):
+            return "the model's forward does not call each decoder layer once, in order"
+        if len(kv) != layers:
+            return f"{len(kv)} cache entries for {layers} decoder layers"
+        first = self.calls[0][2][0] if self.calls[0][2] else None
+        if not isinstance(first, mx.array):
+            return "decoder layers take no hidden states as their first argument"
+        shared = {id(a) for a in _arrays(self.calls[0])}
+        for i, _, args, kwargs in self.calls:
+            if not args or args[0] is not first:
+                return "the model's forward changes the hidden states between decoder layers"
+            if mlx_compat.layer_cache(args, kwargs) is not kv[i]:
+                return f"decoder layer {i} is not given cache entry {i}"
+            if any(id(a) not in shared for a in _arrays((i, None, args, kwargs))):
+                return f"decoder layer {i} gets an array argument that layer 0 does not"
+        return None
+
+
+def _arrays(call):
+    """The mx.array arguments of a recorded layer call but its first (the hidden states)."""
+    _, _, args, kwargs = call
+    return [a for a in (*args[1:], *kwargs.values()) if isinstance(a, mx.array)]
+
+
+def _held(item) -> int:
+    h, call = item
+    return h.nbytes + sum(a.nbytes for a in _arrays(call))
+
+
+def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
+    """Put ``prompt`` (1-D tokens) into ``kv`` (``model``'s KV cache, every entry a ``KVCache``)
+    in chunks of ``step`` tokens, layer-major (module docstring). ``progress(tokens)``: after each
+    layer, the prompt tokens that many layers' worth of work stands for. Raises ``Fallback``, with
+    nothing computed, where the model's forward is not as it must be."""
+    state = model.expert_streaming
+    runner = state.steps
+    layers = runner.layers
+    stats = state.prefill
+    limit = state.cache.tuning.prefill_hold_bytes
+    total = prompt.shape[0]
+    starts = list(range(0, total, step))
+    group: List[list] = []  # [hidden states, recorded call of layer 0 ... ] per chunk
+    held = 0
+    done = 0  # tokens of the groups finished
+    calls_per_chunk: List[List[tuple]] = []
+    for c, start in enumerate(starts):
+        chunk = prompt[start : start + step]
+        recorder = Recorder()
+        runner.flush()
+        try:
+            with runner.running(recorder):
+                mlx_compat.stock_call(model, chunk[None], cache=kv)
+        except Exception as e:  # a forward that cannot run with its layers skipped
+            why = f"the model's forward cannot run with its layers skipped ({type(e).__name__})"
+        else:
+            why = recorder.problem(layers, kv)
+        if why is not None:
+            if c == 0:
+                raise Fallback(why)
+            # the chunks so far, layer-major; the rest chunk by chunk, as stock
+            _finish(group, calls_per_chunk, kv, layers, stats, progress, done)
+            done += sum(g[0].shape[1] for g in group)
+            _chunk_by_chunk(model, kv, prompt[start:], step)
+            note_fallback(state, why)
+            return
+        _, call, args, kwargs = recorder.calls[0]
+        h = call(*args, **kwargs)
+        mx.eval(h, mlx_compat.kv_state(kv[0]))
+        if h.shape != args[0].shape:
+            raise RuntimeError(f"decoder layer 0 changed the hidden states' shape to {h.shape}")
+        group.append([h])
+        calls_per_chunk.append(recorder.calls)
+        held += _held((h, recorder.calls[0]))
+        stats.held_bytes = max(stats.held_bytes, held)
+        stats.chunks += 1
+        if c == len(starts) - 1 or (limit is not None and held >= limit):
+            _finish(group, calls_per_chunk, kv, layers, stats, progress, done)
+            done += sum(g[0].shape[1] for g in group)
+            group, calls_per_chunk, held = [], [], 0
+            mx.clear_cache()
+    stats.prompts += 1
+
+
+def _finish(group, calls_per_chunk, kv, layers, stats, progress, done) -> None:
+    """Run a group's chunks (through layer 0 already) through every later layer, layer-major."""
+    if not group:
+        return
+    tokens = sum(g[0].shape[1] for g in group)
+    for i in range(1, layers):
+        for item, calls in zip(group, calls_per_chunk):
+            _, call, args, kwargs = calls[i]
+            h = call(item[0], *args[1:], **kwargs)
+            mx.eval(h, mlx_compat.kv_state(kv[i]))
+            item[0] = h
+        if progress is not None:
+            progress(done + tokens * (i + 1) // layers)
+    stats.groups += 1
+
+
+def _chunk_by_chunk(model, kv, prompt: mx.array, step: int) -> None:
+    """``prompt`` into the cache in chunks of ``step``, each through every layer, as stock."""
+    for start in range(0, prompt.shape[0], step):
+        model(prompt[start : start + step][None], cache=kv)
+        mx.eval([mlx_compat.kv_state(c) for c in kv])
+        mx.clear_cache()
+
+
+def note_fallback(state, why: str) -> None:
+    """Count a prompt that prefilled chunk by chunk; say why once (``--streaming-stats``)."""
+    stats = state.prefill
+    stats.fallbacks += 1
+    stats.why = stats.why or why
+    if state.options.stats and why not in stats.said:
+        stats.said.add(why)
+        report.say(report.fallback_line(state, why))
+
+
+# the reason generate_step was left stock at patch time (``mlx_compat.generate_step_problem``)
+unpatched: Optional[str] = None
+
+
+def wrap_generate_step(stock):
+    """``generate_step`` with layer-major prefill for streaming models (module docstring); the
+    stock function, unchanged, for every other model and where it does not apply."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def generate_step(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        model = a["model"]
+        state = getattr(model, "expert_streaming", None)
+        prompt, step = a["prompt"], a["prefill_step_size"]
+        if (
+            state is None
+            or not state.cache.tuning.layer_major_prefill
+            or not isinstance(prompt, mx.array)
+            or prompt.ndim != 1
+            or not isinstance(step, int)
+            or step < 1
+            or prompt.shape[0] - 1 <= step  # one chunk: nothing to reorder
+        ):
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        why = _problem(state, a)
+        if why is None:
+            kv = a["prompt_cache"]
+            if kv is None:
+                kv = mlx_compat.make_prompt_cache(model, max_kv_size=a["max_kv_size"])
+            why = mlx_compat.plain_kv_cache_problem(kv)
+        if why is not None:
+            note_fallback(state, why)
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        total = prompt.shape[0]
+        callback = a["prompt_progress_callback"] or (lambda *_: None)
+        callback(0, total)
+        try:
+            with mx.stream(a["stream"]):
+                prefill(model, kv, prompt[:-1], step, lambda n: callback(n, total))
+        except Fallback as e:
+            note_fallback(state, str(e))
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        head = prompt[:-1]
+        a["prompt"] = prompt[-1:]
+        a["prompt_cache"] = kv
+        if a["logits_processors"]:
+            # stock's processors see every token of the prompt so far, then the generated ones
+            a["logits_processors"] = [_after(head, p) for p in a["logits_processors"]]
+        a["prompt_progress_callback"] = lambda n, t: callback(total - t + n, total) if n else None
+        yield from stock(*bound.args, **bound.kwargs)
+
+    generate_step.mlx_lm_streaming = True
+    generate_step.stock = stock
+    return generate_step
+
+
+def _after(head: mx.array, processor):
+    def process(tokens, logits):
+        return processor(mx.concat([head, tokens]), logits)
+
+    return process
+
+
+def _problem(state, a) -> Optional[str]:
+    """Why layer-major prefill does not apply to this call, from its arguments, or None."""
+    if a["input_embeddings"] is not None:
+        return "input embeddings"
+    if a["kv_bits"] is not None:
+        return "a quantized KV cache (kv_bits)"
+    if state.pipeline is not None:
+        return "a pipeline-parallel model"
+    if state.steps is None or state.steps.layers == 0:
+        return "the model has no list of decoder layers"
+    return None
