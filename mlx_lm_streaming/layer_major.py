@@ -33,10 +33,12 @@ logits processors given the whole prompt as stock's would see it.
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from . import mlx_compat, report
 
@@ -98,11 +100,6 @@ def _arrays(call):
     return [a for a in (*args[1:], *kwargs.values()) if isinstance(a, mx.array)]
 
 
-def _held(item) -> int:
-    h, call = item
-    return h.nbytes + sum(a.nbytes for a in _arrays(call))
-
-
 def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     """Put ``prompt`` (1-D tokens) into ``kv`` (``model``'s KV cache, every entry a ``KVCache``)
     in chunks of ``step`` tokens, layer-major (module docstring). ``progress(tokens)``: after each
@@ -115,17 +112,16 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     limit = state.cache.tuning.prefill_hold_bytes
     total = prompt.shape[0]
     starts = list(range(0, total, step))
-    group: List[list] = []  # [hidden states, recorded call of layer 0 ... ] per chunk
-    held = 0
+    group: List[Chunk] = []
+    first = LayerPass(kv[0])  # layer 0 of the group being recorded
     done = 0  # tokens of the groups finished
-    calls_per_chunk: List[List[tuple]] = []
     for c, start in enumerate(starts):
-        chunk = prompt[start : start + step]
+        tokens = prompt[start : start + step]
         recorder = Recorder()
         runner.flush()
         try:
             with runner.running(recorder):
-                mlx_compat.stock_call(model, chunk[None], cache=kv)
+                mlx_compat.stock_call(model, tokens[None], cache=kv)
         except Exception as e:  # a forward that cannot run with its layers skipped
             why = f"the model's forward cannot run with its layers skipped ({type(e).__name__})"
         else:
@@ -134,51 +130,187 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             if c == 0:
                 raise Fallback(why)
             # the chunks so far, layer-major; the rest chunk by chunk, as stock
-            _finish(group, calls_per_chunk, kv, layers, stats, progress, done)
-            done += sum(g[0].shape[1] for g in group)
+            done = _finish(group, first, kv, layers, stats, progress, done)
             _chunk_by_chunk(model, kv, prompt[start:], step)
             note_fallback(state, why)
             return
-        _, call, args, kwargs = recorder.calls[0]
-        h = call(*args, **kwargs)
-        mx.eval(h, mlx_compat.kv_state(kv[0]))
-        if h.shape != args[0].shape:
-            raise RuntimeError(f"decoder layer 0 changed the hidden states' shape to {h.shape}")
-        group.append([h])
-        calls_per_chunk.append(recorder.calls)
-        held += _held((h, recorder.calls[0]))
-        stats.held_bytes = max(stats.held_bytes, held)
+        chunk = Chunk(recorder.calls)
+        group.append(chunk)
+        # layer 0 now: the next chunk's forward makes its arguments from cache entry 0
+        first.route(chunk, 0)
         stats.chunks += 1
+        held = sum(ch.h.nbytes for ch in group) * (2 + first.top_k)
         if c == len(starts) - 1 or (limit is not None and held >= limit):
-            _finish(group, calls_per_chunk, kv, layers, stats, progress, done)
-            done += sum(g[0].shape[1] for g in group)
-            group, calls_per_chunk, held = [], [], 0
+            done = _finish(group, first, kv, layers, stats, progress, done)
+            group, first = [], LayerPass(kv[0])
             mx.clear_cache()
     stats.prompts += 1
 
 
-def _finish(group, calls_per_chunk, kv, layers, stats, progress, done) -> None:
-    """Run a group's chunks (through layer 0 already) through every later layer, layer-major."""
+class Chunk:
+    """One chunk of the prompt: its recorded layer calls and its hidden states so far."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.h = calls[0][2][0]  # the embeddings, as layer 0 gets them
+
+    @property
+    def tokens(self) -> int:
+        return self.h.shape[1]
+
+
+_local = threading.local()
+
+
+def current() -> Optional["LayerPass"]:
+    """The layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None."""
+    return getattr(_local, "layer", None)
+
+
+class LayerPass:
+    """One decoder layer over a group of chunks, its experts read once for all of them.
+
+    ``route``: each chunk through the layer with its MoE calls recorded (their input and the
+    router's ids) and answered with zeros: the layer's KV entries are right (they do not depend on
+    the MoE's output), its output is not, and is dropped. ``compute``: every chunk's MoE rows,
+    expert-major: waves of the bank's slots, each expert read once, each chunk's rows of a wave by
+    the same kernel over the same bank as a per-layer schedule (``schedules.kernel_rows``: a
+    partial call, padded to the chunk's rows where the backend needs it). ``give``: the layer's
+    KV entries of the group taken back, and each chunk through the layer again, its MoE calls
+    answered with the rows computed, where the call's input and ids are those routed (else the
+    call runs as usual)."""
+
+    def __init__(self, entry):
+        self.entry = entry  # the layer's KV cache entry
+        self.routing = True
+        self.chunks: List[Chunk] = []
+        self.moe: List[list] = []  # per chunk: [module, x, indices, y] per MoE call
+        self.at = 0
+        self.top_k = 8  # until a call says
+
+    def moe_call(self, module, x, indices):
+        if self.routing:
+            self.moe[-1].append([module, x, indices, None])
+            self.top_k = indices.shape[-1]
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
+        calls = self.moe[self.at]
+        for item in calls:
+            got, x0, idx0, y = item
+            if got is module and y is not None:
+                item[3] = None
+                if mx.array_equal(x0, x).item() and mx.array_equal(idx0, indices).item():
+                    return y
+                break
+        from . import schedules
+
+        with schedules.choose(module, x, indices) as schedule:
+            return schedule.run()
+
+    def route(self, chunk: Chunk, i: int) -> None:
+        _, call, args, kwargs = chunk.calls[i]
+        self.chunks.append(chunk)
+        self.moe.append([])
+        _local.layer = self
+        try:
+            h = call(chunk.h, *args[1:], **kwargs)
+        finally:
+            _local.layer = None
+        if h.shape != chunk.h.shape:
+            raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
+        if self.moe[-1]:
+            mx.eval([(x, idx) for _, x, idx, _ in self.moe[-1]], mlx_compat.kv_state(self.entry))
+        else:  # no MoE call in this layer: its output is right
+            mx.eval(h, mlx_compat.kv_state(self.entry))
+            chunk.out = h
+
+    def finish(self, i: int) -> int:
+        """The group's MoE rows, then each chunk through layer ``i`` again; the bytes held."""
+        if not any(self.moe):
+            for chunk in self.chunks:
+                chunk.h = chunk.out
+            return sum(ch.h.nbytes for ch in self.chunks)
+        self.compute()
+        held = sum(ch.h.nbytes for ch in self.chunks) + sum(
+            x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls
+        )
+        mlx_compat.rewind([self.entry], sum(ch.tokens for ch in self.chunks))
+        self.routing = False
+        _local.layer = self
+        try:
+            for at, chunk in enumerate(self.chunks):
+                self.at = at
+                _, call, args, kwargs = chunk.calls[i]
+                h = call(chunk.h, *args[1:], **kwargs)
+                mx.eval(h, mlx_compat.kv_state(self.entry))
+                chunk.h = h
+                self.moe[at] = []
+        finally:
+            _local.layer = None
+        return held
+
+    def compute(self) -> None:
+        from .schedules import kernel_rows, member, wait
+
+        by_module = {}
+        for calls in self.moe:
+            for item in calls:
+                by_module.setdefault(id(item[0]), []).append(item)
+        for items in by_module.values():
+            module = items[0][0]
+            bank = module.bank
+            cache = bank.cache
+            cache.ensure_planned()
+            idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
+            if cache.recorder is not None:
+                for ids in idx:
+                    cache.recorder.record(bank, ids)
+            experts = np.unique(np.concatenate([ids.reshape(-1) for ids in idx]))
+            # resident experts first: no read
+            resident = bank.slot_of[experts] >= 0
+            experts = np.concatenate([experts[resident], experts[~resident]])
+            size = bank.slots
+            parts = [([], []) for _ in items]
+            for start in range(0, len(experts), size):
+                wave = experts[start : start + size]
+                with bank.lock:
+                    bank.load(wave)
+                    outs = []
+                    for (_, x, _, _), ids, (rows_done, ys) in zip(items, idx, parts):
+                        flat = ids.reshape(-1)
+                        rows = np.nonzero(member(flat, wave, bank.num_experts))[0]
+                        if len(rows):
+                            y = kernel_rows(module, x, ids, rows)
+                            rows_done.append(rows)
+                            ys.append(y)
+                            outs.append(y)
+                    wait(bank, outs)  # before the next wave takes the slots
+            for item, ids, (rows_done, ys) in zip(items, idx, parts):
+                order = np.argsort(np.concatenate(rows_done), kind="stable")
+                y = mx.concatenate(ys, axis=0)[mx.array(order)]
+                item[3] = y.reshape(*ids.shape, y.shape[-1])
+                mx.eval(item[3])
+
+
+def _finish(group, first, kv, layers, stats, progress, done) -> int:
+    """Run a group's chunks (routed through layer 0 already) through every layer, layer-major;
+    the tokens done after it."""
     if not group:
-        return
-    tokens = sum(g[0].shape[1] for g in group)
+        return done
+    tokens = sum(ch.tokens for ch in group)
+    held = first.finish(0)
+    stats.held_bytes = max(stats.held_bytes, held)
+    if progress is not None:
+        progress(done + tokens // layers)
     for i in range(1, layers):
-        for item, calls in zip(group, calls_per_chunk):
-            _, call, args, kwargs = calls[i]
-            h = call(item[0], *args[1:], **kwargs)
-            mx.eval(h, mlx_compat.kv_state(kv[i]))
-            item[0] = h
+        layer = LayerPass(kv[i])
+        for chunk in group:
+            layer.route(chunk, i)
+        held = layer.finish(i)
+        stats.held_bytes = max(stats.held_bytes, held)
         if progress is not None:
             progress(done + tokens * (i + 1) // layers)
     stats.groups += 1
-
-
-def _chunk_by_chunk(model, kv, prompt: mx.array, step: int) -> None:
-    """``prompt`` into the cache in chunks of ``step``, each through every layer, as stock."""
-    for start in range(0, prompt.shape[0], step):
-        model(prompt[start : start + step][None], cache=kv)
-        mx.eval([mlx_compat.kv_state(c) for c in kv])
-        mx.clear_cache()
+    return done + tokens
 
 
 def note_fallback(state, why: str) -> None:
