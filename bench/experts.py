@@ -311,7 +311,9 @@ def layer_major_figures(args) -> None:
     path = checkpoint(Path(args.ckpt_dir), name, dtype)
     tokens = args.prefill_tokens or 1024
     step = args.prefill_step
-    prompt = mx.array([random.Random(i).randrange(1000) for i in range(tokens)])
+    _, config = load_stock(path)
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
     rows = []
     for share in (0.25, 0.5):
         firsts = {}
@@ -335,7 +337,11 @@ def layer_major_figures(args) -> None:
                     firsts.setdefault(mode, logprobs)
                 seconds = time.perf_counter() - start
                 s = state.stats()
-                exact = bool(mx.array_equal(firsts[mode], firsts["chunked"])) if "chunked" in firsts else None
+                exact = (
+                    bool(mx.array_equal(firsts[mode], firsts["chunked"]))
+                    if "chunked" in firsts
+                    else None
+                )
                 row = {
                     "share": share, "mode": mode, "round": rep, "tokens": tokens, "step": step,
                     "gb_read": s["gb_read"], "uncached_gb": (total - budget) / 1e9,
