@@ -288,6 +288,83 @@ def run_arch(name, path, args, device):
     return res
 
 
+def layer_major_figures(args) -> None:
+    """``--layer-major-prefill``: one prompt of ``--prefill-tokens`` in chunks of
+    ``--prefill-step``, cold (empty banks, checkpoint out of the page cache), at 25% and 50% of
+    the expert bytes: today's chunk-by-chunk prefill against layer-major (layer_major.py), side by
+    side, each twice, interleaved. Prints GB read per prompt against the bytes of the experts not
+    cached (every expert's bytes less the budget) and against every expert's bytes, prefill tok/s,
+    and whether the first token's log-probabilities are those of the chunk-by-chunk run."""
+    from dataclasses import replace
+
+    import mlx.core as mx
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    generate = sys.modules["mlx_lm.generate"] if "mlx_lm.generate" in sys.modules else None
+    if generate is None:
+        import mlx_lm.generate  # noqa: F401
+
+        generate = sys.modules["mlx_lm.generate"]
+    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
+    name = (args.archs or ("tiny" if args.quick else "qwen3")).split(",")[0]
+    path = checkpoint(Path(args.ckpt_dir), name, dtype)
+    tokens = args.prefill_tokens or 1024
+    step = args.prefill_step
+    _, config = load_stock(path)
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
+    rows = []
+    for share in (0.25, 0.5):
+        firsts = {}
+        for rep in range(2):
+            for mode in ("chunked", "layer_major"):
+                tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
+                probe, _ = load_streaming(path)
+                total = probe.expert_streaming.cache.total_expert_bytes
+                probe.expert_streaming.close()
+                del probe
+                budget = share * total
+                model, _ = load_streaming(path, expert_cache_gb=budget / BUDGET_GB, tuning=tuning)
+                state = model.expert_streaming
+                drop_page_cache(shards(path))
+                gc.collect()
+                start = time.perf_counter()
+                for _, logprobs in generate.generate_step(
+                    prompt, model, max_tokens=1, prefill_step_size=step
+                ):
+                    mx.eval(logprobs)
+                    firsts.setdefault(mode, logprobs)
+                seconds = time.perf_counter() - start
+                s = state.stats()
+                exact = (
+                    bool(mx.array_equal(firsts[mode], firsts["chunked"]))
+                    if "chunked" in firsts
+                    else None
+                )
+                row = {
+                    "share": share, "mode": mode, "round": rep, "tokens": tokens, "step": step,
+                    "gb_read": s["gb_read"], "uncached_gb": (total - budget) / 1e9,
+                    "read_over_uncached": s["gb_read"] * 1e9 / (total - budget),
+                    "read_over_every_expert": s["gb_read"] * 1e9 / total,
+                    "prefill_tok_s": tokens / seconds, "seconds": seconds,
+                    "held_gb": state.prefill.held_bytes / 1e9, "same_first_token_logprobs": exact,
+                }
+                rows.append(row)
+                log(json.dumps(row))
+                state.close()
+                del model, state
+                gc.collect()
+    print(f"{name}: {tokens}-token prompt in {step}-token chunks, cold")
+    print("share  mode         GB read  x uncached  x every expert  prefill tok/s  held GB  exact")
+    for r in rows:
+        print(
+            f"{r['share']:.0%}    {r['mode']:<11}  {r['gb_read']:7.3f}  {r['read_over_uncached']:10.2f}"
+            f"  {r['read_over_every_expert']:14.2f}  {r['prefill_tok_s']:13.1f}  {r['held_gb']:7.4f}"
+            f"  {r['same_first_token_logprobs']}"
+        )
+
+
 def main():
     import routing_replay
 
@@ -352,6 +429,12 @@ def main():
         default="auto",
         help="the direct_reads option for every streaming configuration (cold_staged: off)",
     )
+    ap.add_argument(
+        "--layer-major-prefill",
+        action="store_true",
+        help="only: today's chunked prefill against layer-major, cold, 25%% and 50%% budgets",
+    )
+    ap.add_argument("--prefill-step", type=int, default=128, help="with --layer-major-prefill")
     ap.add_argument("--render", default=None, help="rewrite the .md and .png of a results JSON")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
@@ -377,6 +460,8 @@ def main():
             args.routing,
         )
 
+    if args.layer_major_prefill:
+        return layer_major_figures(args)
     archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
     args.rounds = args.rounds or (3 if args.quick else 6)
     args.prefill_tokens = args.prefill_tokens or (

@@ -115,6 +115,12 @@ class CacheTuning:
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
     prefetch_threads: int = 2
+    # prompts longer than one prefill chunk go through decoder layer L chunk after chunk before
+    # layer L+1 (layer_major.py): each uncached expert read about once per prompt, not once per
+    # chunk; off: chunk by chunk, as stock (the benchmarks' comparison)
+    layer_major_prefill: bool = True
+    # bound on the hidden states held between layers for one group of chunks; None: no bound
+    prefill_hold_bytes: Optional[int] = 1 << 30
 
 
 class ExpertCache:

@@ -66,6 +66,8 @@ def patch_module(module) -> None:
             # a script that calls mlx_lm.load would otherwise load every expert into memory
             say_refusal(refusal(why))
     elif name in CLI_MODULES and callable(getattr(module, "main", None)):
+        if why is None and name == "mlx_lm.generate":
+            wrap_generate_step(module)
         if why is None:
             wrap_cli_main(module)
         else:
@@ -134,6 +136,27 @@ def _wrap_load_model(stock_load_model):
     load_model.mlx_lm_streaming = True
     load_model.stock = stock_load_model
     return load_model
+
+
+# -- prefill -------------------------------------------------------------------------------------
+
+
+def wrap_generate_step(generate) -> None:
+    """Put layer-major prefill (layer_major.py) in front of ``mlx_lm.generate.generate_step``,
+    where ``mlx_compat.generate_step_problem`` finds it as expected; else leave it stock and keep
+    the reason for ``--streaming-stats``. Modules that import ``generate_step`` by name
+    (``cache_prompt``) do so after this runs, and get the wrapper."""
+    from . import layer_major
+    from .mlx_compat import generate_step_problem
+
+    stock = getattr(generate, "generate_step", None)
+    if stock is None or getattr(stock, "mlx_lm_streaming", False):
+        return
+    why = generate_step_problem(stock)
+    if why is not None:
+        layer_major.unpatched = why
+        return
+    generate.generate_step = layer_major.wrap_generate_step(stock)
 
 
 # -- command-line flags --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .expert_cache import CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
+from .layer_major import PrefillStats
 from .lookahead import find_router
 from .option_table import GB
 from .options import (
@@ -192,6 +193,8 @@ class StreamingState:
         if self.timeline is not None:
             atexit.register(self.timeline.close)
         self.resident_bytes = 0
+        # what layer-major prefill did, or why it did not apply (layer_major.py)
+        self.prefill = PrefillStats()
         # verified_step.StepRunner (set once the model is built)
         self.steps = None
         # memory the resident weights leave free, where the default budget was derived from it

@@ -281,7 +281,12 @@ def wrap_call(module, around) -> None:
     sub = type(
         cls.__name__,
         (cls,),
-        {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        {
+            "__call__": __call__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_mlx_lm_streaming_wrapped": True,
+        },
     )
     module.__class__ = sub
 
@@ -320,3 +325,92 @@ def rewind(cache, tokens: int) -> None:
         return
     for c in cache:
         c.trim(tokens)
+
+
+def stock_call(module, *args, **kwargs):
+    """Call ``module`` with its own class's ``__call__``, past a ``wrap_call`` wrapper."""
+    cls = type(module)
+    if getattr(cls, "_mlx_lm_streaming_wrapped", False):
+        cls = cls.__mro__[1]
+    return cls.__call__(module, *args, **kwargs)
+
+
+def layer_cache(args, kwargs):
+    """The cache entry of a decoder layer's call ``layer(x, mask, cache)`` (or ``cache=``)."""
+    return args[2] if len(args) > 2 else kwargs.get("cache")
+
+
+# -- the prompt's prefill (layer_major.py) -----------------------------------------------------------
+
+# parameters of mlx_lm.generate.generate_step that layer-major prefill reads or passes on
+GENERATE_STEP_PARAMETERS = (
+    "prompt",
+    "model",
+    "stream",
+    "max_kv_size",
+    "prompt_cache",
+    "prefill_step_size",
+    "kv_bits",
+    "logits_processors",
+    "prompt_progress_callback",
+    "input_embeddings",
+)
+# the statements of generate_step (whitespace removed) whose work layer-major prefill does in
+# another order: the cache it makes, the chunks it cuts (all but the last token, in chunks of
+# prefill_step_size), the tokens the logits processors see, the last token's step
+GENERATE_STEP_BODY = (
+    "prompt_cache=make_prompt_cache(model,max_kv_size=max_kv_size",
+    "whiletotal_prompt_tokens-prompt_processed_tokens>1:",
+    "remaining=(total_prompt_tokens-prompt_processed_tokens)-1",
+    "n_to_process=min(prefill_step_size,remaining)",
+    "_model_call(input_tokens=processed[None],",
+    "mx.concat([tokens,input_tokens])",
+    "logits=processor(tokens,logits)",
+    "prompt_progress_callback(total_prompt_tokens,total_prompt_tokens)",
+)
+
+
+def generate_step_problem(generate_step) -> Optional[str]:
+    """None if mlx-lm's ``generate_step`` takes the parameters layer-major prefill reads and has
+    the chunked prefill it reorders, else what differs."""
+    try:
+        params = inspect.signature(generate_step).parameters
+    except (TypeError, ValueError):
+        return "mlx_lm.generate.generate_step has no signature to check"
+    missing = [p for p in GENERATE_STEP_PARAMETERS if p not in params]
+    if missing:
+        return f"mlx_lm.generate.generate_step takes no {', '.join(missing)}"
+    try:
+        body = re.sub(r"\s+", "", inspect.getsource(generate_step))
+    except (OSError, TypeError):
+        return "the source of mlx_lm.generate.generate_step cannot be read"
+    for statement in GENERATE_STEP_BODY:
+        if statement not in body:
+            return f"mlx_lm.generate.generate_step no longer does {statement!r}"
+    return None
+
+
+def make_prompt_cache(model, max_kv_size=None):
+    """mlx-lm's own cache for ``model``, as ``generate_step`` makes it."""
+    from mlx_lm.models.cache import make_prompt_cache as make
+
+    return make(model, max_kv_size=max_kv_size)
+
+
+def plain_kv_cache_problem(cache) -> Optional[str]:
+    """None if every entry of ``cache`` is exactly mlx-lm's ``KVCache`` (a write appends; its mask
+    and offsets depend on its own length only), else the first other kind, in words."""
+    from mlx_lm.models import cache as mc
+
+    plain = getattr(mc, "KVCache", None)
+    if not isinstance(cache, list) or not cache:
+        return "no list of KV caches"
+    for c in cache:
+        if plain is None or type(c) is not plain:
+            return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
+    return None
+
+
+def kv_state(entry):
+    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``)."""
+    return entry.state

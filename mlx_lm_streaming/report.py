@@ -32,6 +32,13 @@ def stats_line(state, label: bool = False) -> str:
     if state.pipeline is not None:
         rank, size, start, end = state.pipeline
         line += f", pipeline rank {rank}/{size} (layers {start}-{end - 1})"
+    p = state.prefill
+    if p.prompts:
+        line += (
+            f", layer-major prefill of {p.prompts} prompt{'s' if p.prompts > 1 else ''} "
+            f"({p.chunks} chunks in {p.groups} group{'s' if p.groups > 1 else ''}, "
+            f"{p.held_bytes / 1e9:.3f} GB of hidden states held at most)"
+        )
     if s["span_seconds"] > 0:
         line += (
             f"; {s['span_seconds']:.2f} s from first to last expert request: "
@@ -39,6 +46,14 @@ def stats_line(state, label: bool = False) -> str:
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
     return line
+
+def fallback_line(state, why: str) -> str:
+    """The one line that says a long prompt prefills chunk by chunk, as stock (layer_major.py)."""
+    return (
+        f"[streaming] {state.model_path.name}: layer-major prefill does not apply ({why}): long "
+        "prompts prefill chunk by chunk, each chunk reading the uncached experts again"
+    )
+
 
 def layers_table(state) -> str:
     """``--streaming-stats layers``: hit rate, misses and GB read of each MoE layer."""
@@ -145,6 +160,11 @@ def _report_stats() -> None:
             # model's structure before loading the rank's part
             continue
         shown.append(state)
+    from . import layer_major
+
+    if shown and layer_major.unpatched is not None:
+        print(f"[streaming] layer-major prefill does not apply ({layer_major.unpatched}): long "
+              "prompts prefill chunk by chunk", file=sys.stderr, flush=True)
     for state in shown:
         print(stats_line(state, label=len(shown) > 1), file=sys.stderr, flush=True)
         if state.options.stats == "layers":

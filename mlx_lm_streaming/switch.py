@@ -14,7 +14,7 @@ row is computed exactly once, by the same kernel, so each schedule gives stock's
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import schedules
+from . import layer_major, schedules
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -39,5 +39,8 @@ class StreamingSwitchGLU(nn.Module):
         return self._bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        across = layer_major.current()
+        if across is not None:  # a layer of a long prompt's chunks, its experts read once
+            return across.moe_call(self, x, indices)
         with schedules.choose(self, x, indices) as schedule:
             return schedule.run()

@@ -33,6 +33,7 @@ rewound, on one calling thread, outside pipeline stages, while recent tokens mis
 (``MAX_MISSED_SHARE``: fewer on the CPU); the per-layer schedule otherwise (prefill, cold caches).
 """
 
+import contextlib
 import threading
 from typing import Dict, List, Optional
 
@@ -280,6 +281,16 @@ class StepRunner:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.commit(self.state.cache)
+
+    @contextlib.contextmanager
+    def running(self, step):
+        """Make ``step`` (whatever has a ``layer_call``: a ``VerifiedStep``, the layer-major
+        prefill's ``Recorder``) the one this thread's decoder layers call."""
+        self._local.step = step
+        try:
+            yield step
+        finally:
+            self._local.step = None
 
     def current(self) -> Optional[VerifiedStep]:
         """The verified step this thread is running, or None."""

@@ -224,3 +224,133 @@ def test_verify_fails_on_a_difference(checkpoint, monkeypatch, capsys):
         assert parity.run_verify(args) == 1
     out = capsys.readouterr().out
     assert "budget 1 GB, batch 1: DIFFERENT: step 0: logits differ" in out
+
+
+# -- layer-major prefill (layer_major.py): generate_step's chunks through layer L before L+1 ------
+
+# every architecture of the table once; those whose KV cache is not all KVCache fall back
+LAYER_MAJOR = ARCHS + ["deepseek_v41"] + GENERIC
+LAYER_MAJOR_FALLS_BACK = {"gpt_oss": "RotatingKVCache", "llama4": "ChunkedKVCache",
+                          "deepseek_v41": "LayerCache"}
+PREFILL_STEP = 8  # a 42-token prompt: 5 chunks of 8 and 1 of 1, then the last token's step
+
+
+def generate_step_module():
+    import mlx_lm.generate  # noqa: F401 (mlx_lm's __init__ shadows the name with a function)
+
+    return sys.modules["mlx_lm.generate"]
+
+
+def run_generate_step(model, generate_step, prompt, tokens=4):
+    """Every step's log-probabilities and the KV cache after them, with a repetition penalty (its
+    processor must see the whole prompt)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_logits_processors
+
+    cache = make_prompt_cache(model)
+    out = [
+        lp
+        for _, lp in generate_step(
+            prompt,
+            model,
+            max_tokens=tokens,
+            prefill_step_size=PREFILL_STEP,
+            prompt_cache=cache,
+            logits_processors=make_logits_processors(repetition_penalty=1.5),
+        )
+    ]
+    mx.eval(out)
+    return out, cache
+
+
+def check_layer_major(path, **options):
+    """mlx-lm's generate_step over the streaming model (wrapped: layer-major prefill) against the
+    stock function over the stock model, same chunks: log-probabilities and KV caches bit for bit,
+    at three experts per layer and with every expert resident."""
+    from support import load_stock
+
+    generate = generate_step_module()
+    assert getattr(generate.generate_step, "mlx_lm_streaming", False)
+    config_vocab = 64
+    prompt = mx.array([(7 * i + 3) % config_vocab for i in range(42)])
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    del stock
+    probe, _ = load_streaming(path, **options)
+    budgets = [budget_of_slots(probe, 3), (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB]
+    probe.expert_streaming.close()
+    for budget in budgets:
+        model, _ = load_streaming(path, expert_cache_gb=budget, **options)
+        state = model.expert_streaming
+        out, cache = run_generate_step(model, generate.generate_step, prompt)
+        assert difference(ref, out) is None, (path.name, budget, difference(ref, out))
+        for a, b in zip(ref_cache, cache):
+            for x, y in zip(tree_flatten(a.state), tree_flatten(b.state)):
+                assert (x[1] is None and y[1] is None) or mx.array_equal(x[1], y[1]), path.name
+        arch = path.name.split("-")[0]
+        if arch in LAYER_MAJOR_FALLS_BACK:
+            assert state.prefill.prompts == 0 and state.prefill.fallbacks == 1
+            assert LAYER_MAJOR_FALLS_BACK[arch] in state.prefill.why
+        else:
+            assert (state.prefill.prompts, state.prefill.chunks, state.prefill.fallbacks) == (
+                1, 6, 0)
+        state.close()
+
+
+@pytest.mark.parametrize("arch", LAYER_MAJOR)
+def test_parity_layer_major_prefill(checkpoint, arch):
+    check_layer_major(checkpoint(arch))
+
+
+def test_parity_layer_major_prefill_staged_reads(checkpoint):
+    check_layer_major(checkpoint("mixtral"), direct_reads=False)
+
+
+def test_layer_major_prefill_reads_each_expert_once(checkpoint):
+    # a 97-token prompt in six 16-token chunks, four experts per layer cached: chunk by chunk
+    # reads the uncached experts several times over, layer-major about once
+    from dataclasses import replace
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(5 * i + 1) % 64 for i in range(97)])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 4)
+    probe.expert_streaming.close()
+    read = {}
+    for on in (False, True):
+        tuning = replace(CacheTuning(), layer_major_prefill=on, lookahead=False)
+        model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+        banks = model.expert_streaming.cache.banks
+        for _ in generate.generate_step(prompt, model, max_tokens=0, prefill_step_size=16):
+            pass
+        read[on] = sum(b.misses for b in banks)
+        model.expert_streaming.close()
+    # every expert is read once (the prompt uses them all, the cache starts empty), and the
+    # last token's step (stock's) reads again some that the last wave evicted
+    assert read[True] <= 1.25 * sum(b.num_experts for b in banks), read
+    assert read[False] >= 2.5 * read[True], read
+
+
+def test_layer_major_prefill_falls_back_in_one_line(checkpoint, tmp_path):
+    # a rotating KV cache (max_kv_size): today's chunked prefill, said once under --streaming-stats
+    path = checkpoint("qwen3_moe")
+    code = (
+        "import sys, mlx.core as mx, mlx_lm.generate\n"
+        "from pathlib import Path\nfrom mlx_lm_streaming.parity import load_streaming\n"
+        "g = sys.modules['mlx_lm.generate']\n"
+        f"m, _ = load_streaming(Path({str(path)!r}), stats=True)\n"
+        "for _ in range(2):\n"
+        "    for _ in g.generate_step(mx.array(list(range(40))), m, max_tokens=2,\n"
+        "                             prefill_step_size=8, max_kv_size=64):\n"
+        "        pass\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [l for l in done.stderr.splitlines() if "layer-major prefill does not apply" in l]
+    assert len(lines) == 1, done.stderr
+    assert "RotatingKVCache" in lines[0] and "chunk by chunk" in lines[0]

@@ -1,0 +1,405 @@
+"""Layer-major prefill: every chunk of a long prompt through decoder layer L before layer L+1.
+
+mlx-lm's ``generate_step`` prefills a prompt in chunks of ``prefill_step_size`` tokens, each chunk
+through every layer. With streaming, each chunk then reads again every expert the cache could not
+keep since the chunk before: a prompt of k chunks reads the uncached experts up to k times.
+
+Layer L's output and KV entries for chunk c depend only on chunk c's input to layer L and on layer
+L's cache of the chunks before c. So running every chunk through layer L before any chunk goes
+through layer L+1 does the same operations, on the same values and shapes, as stock's order, and a
+layer's experts are read while its chunks follow one another: each uncached expert about once per
+prompt (per group of chunks, below), not once per chunk.
+
+How, without knowing the architecture's forward (``prefill``):
+
+1. each chunk's model call runs stock with every decoder layer skipped (``Recorder``: a layer's call
+   is recorded and its input handed on). What each layer gets besides its input (the attention
+   mask, its cache entry) is made there, before layer 0, from cache entry 0: at that moment entry 0
+   holds exactly the chunks before this one, as in stock;
+2. layer 0 runs on the chunk right away, so that the next chunk's call finds entry 0 as stock would;
+3. once a group's chunks went through layer 0, each later layer runs on each chunk in order: the
+   recorded call, with the layer before's output as input.
+
+The recorded calls are checked (``Recorder.problem``); where the model's forward is not "make the
+layers' arguments, then each layer on the output of the one before, one cache entry each", the
+prompt prefills chunk by chunk, as stock. The hidden states of a group's chunks are held between
+layers: chunks are grouped so that they stay under ``CacheTuning.prefill_hold_bytes``.
+
+``wrap_generate_step`` puts this in front of ``mlx_lm.generate.generate_step`` (``generate``,
+``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands): the prompt but its
+last token is prefilled here, and the stock function takes the last token from there, with the
+logits processors given the whole prompt as stock's would see it.
+"""
+
+import functools
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import mlx_compat, report
+
+class Fallback(Exception):
+    """Layer-major prefill does not apply here; the message says why."""
+
+
+@dataclass
+class PrefillStats:
+    """What layer-major prefill did (``--streaming-stats``)."""
+
+    prompts: int = 0
+    chunks: int = 0
+    groups: int = 0
+    # most bytes of hidden states (and array arguments) held between layers at once
+    held_bytes: int = 0
+    # prompts that fell back, and why (the first reason)
+    fallbacks: int = 0
+    why: Optional[str] = None
+    said: set = field(default_factory=set)
+
+
+class Recorder:
+    """One chunk's model call with every decoder layer skipped: each layer's call is recorded
+    (``StepRunner``'s layer wrappers call ``layer_call`` while this is the thread's step)."""
+
+    def __init__(self):
+        self.calls: List[tuple] = []  # (layer index, stock call, args, kwargs)
+
+    def layer_call(self, i, call, args, kwargs):
+        self.calls.append((i, call, args, kwargs))
+        return args[0] if args else kwargs.get("x")
+
+    def problem(self, layers: int, kv) -> Optional[str]:
+        """None if the recorded forward is one call per decoder layer, in order, each with its own
+        cache entry and the previous layer's output, and arrays among the other arguments only
+        those layer 0 got; else what differs."""
+        if [c[0] for c in self.calls] != list(range(layers)):
+            return "the model's forward does not call each decoder layer once, in order"
+        if len(kv) != layers:
+            return f"{len(kv)} cache entries for {layers} decoder layers"
+        first = self.calls[0][2][0] if self.calls[0][2] else None
+        if not isinstance(first, mx.array):
+            return "decoder layers take no hidden states as their first argument"
+        shared = {id(a) for a in _arrays(self.calls[0])}
+        for i, _, args, kwargs in self.calls:
+            if not args or args[0] is not first:
+                return "the model's forward changes the hidden states between decoder layers"
+            if mlx_compat.layer_cache(args, kwargs) is not kv[i]:
+                return f"decoder layer {i} is not given cache entry {i}"
+            if any(id(a) not in shared for a in _arrays((i, None, args, kwargs))):
+                return f"decoder layer {i} gets an array argument that layer 0 does not"
+        return None
+
+
+def _arrays(call):
+    """The mx.array arguments of a recorded layer call but its first (the hidden states)."""
+    _, _, args, kwargs = call
+    return [a for a in (*args[1:], *kwargs.values()) if isinstance(a, mx.array)]
+
+
+def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
+    """Put ``prompt`` (1-D tokens) into ``kv`` (``model``'s KV cache, every entry a ``KVCache``)
+    in chunks of ``step`` tokens, layer-major (module docstring). ``progress(tokens)``: after each
+    layer, the prompt tokens that many layers' worth of work stands for. Raises ``Fallback``, with
+    nothing computed, where the model's forward is not as it must be."""
+    state = model.expert_streaming
+    runner = state.steps
+    layers = runner.layers
+    stats = state.prefill
+    limit = state.cache.tuning.prefill_hold_bytes
+    total = prompt.shape[0]
+    starts = list(range(0, total, step))
+    group: List[Chunk] = []
+    first = LayerPass(kv[0])  # layer 0 of the group being recorded
+    done = 0  # tokens of the groups finished
+    for c, start in enumerate(starts):
+        tokens = prompt[start : start + step]
+        recorder = Recorder()
+        runner.flush()
+        try:
+            with runner.running(recorder):
+                mlx_compat.stock_call(model, tokens[None], cache=kv)
+        except Exception as e:  # a forward that cannot run with its layers skipped
+            why = f"the model's forward cannot run with its layers skipped ({type(e).__name__})"
+        else:
+            why = recorder.problem(layers, kv)
+        if why is not None:
+            if c == 0:
+                raise Fallback(why)
+            # the chunks so far, layer-major; the rest chunk by chunk, as stock
+            done = _finish(group, first, kv, layers, stats, progress, done)
+            _chunk_by_chunk(model, kv, prompt[start:], step)
+            note_fallback(state, why)
+            return
+        chunk = Chunk(recorder.calls)
+        group.append(chunk)
+        # layer 0 now: the next chunk's forward makes its arguments from cache entry 0
+        first.route(chunk, 0)
+        stats.chunks += 1
+        held = sum(ch.h.nbytes for ch in group) * (2 + first.top_k)
+        if c == len(starts) - 1 or (limit is not None and held >= limit):
+            done = _finish(group, first, kv, layers, stats, progress, done)
+            group, first = [], LayerPass(kv[0])
+            mx.clear_cache()
+    stats.prompts += 1
+
+
+class Chunk:
+    """One chunk of the prompt: its recorded layer calls and its hidden states so far."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.h = calls[0][2][0]  # the embeddings, as layer 0 gets them
+
+    @property
+    def tokens(self) -> int:
+        return self.h.shape[1]
+
+
+_local = threading.local()
+
+
+def current() -> Optional["LayerPass"]:
+    """The layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None."""
+    return getattr(_local, "layer", None)
+
+
+class LayerPass:
+    """One decoder layer over a group of chunks, its experts read once for all of them.
+
+    ``route``: each chunk through the layer with its MoE calls recorded (their input and the
+    router's ids) and answered with zeros: the layer's KV entries are right (they do not depend on
+    the MoE's output), its output is not, and is dropped. ``compute``: every chunk's MoE rows,
+    expert-major: waves of the bank's slots, each expert read once, each chunk's rows of a wave by
+    the same kernel over the same bank as a per-layer schedule (``schedules.kernel_rows``: a
+    partial call, padded to the chunk's rows where the backend needs it). ``give``: the layer's
+    KV entries of the group taken back, and each chunk through the layer again, its MoE calls
+    answered with the rows computed, where the call's input and ids are those routed (else the
+    call runs as usual)."""
+
+    def __init__(self, entry):
+        self.entry = entry  # the layer's KV cache entry
+        self.routing = True
+        self.chunks: List[Chunk] = []
+        self.moe: List[list] = []  # per chunk: [module, x, indices, y] per MoE call
+        self.at = 0
+        self.top_k = 8  # until a call says
+
+    def moe_call(self, module, x, indices):
+        if self.routing:
+            self.moe[-1].append([module, x, indices, None])
+            self.top_k = indices.shape[-1]
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
+        calls = self.moe[self.at]
+        for item in calls:
+            got, x0, idx0, y = item
+            if got is module and y is not None:
+                item[3] = None
+                if mx.array_equal(x0, x).item() and mx.array_equal(idx0, indices).item():
+                    return y
+                break
+        from . import schedules
+
+        with schedules.choose(module, x, indices) as schedule:
+            return schedule.run()
+
+    def route(self, chunk: Chunk, i: int) -> None:
+        _, call, args, kwargs = chunk.calls[i]
+        self.chunks.append(chunk)
+        self.moe.append([])
+        _local.layer = self
+        try:
+            h = call(chunk.h, *args[1:], **kwargs)
+        finally:
+            _local.layer = None
+        if h.shape != chunk.h.shape:
+            raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
+        if self.moe[-1]:
+            mx.eval([(x, idx) for _, x, idx, _ in self.moe[-1]], mlx_compat.kv_state(self.entry))
+        else:  # no MoE call in this layer: its output is right
+            mx.eval(h, mlx_compat.kv_state(self.entry))
+            chunk.out = h
+
+    def finish(self, i: int) -> int:
+        """The group's MoE rows, then each chunk through layer ``i`` again; the bytes held."""
+        if not any(self.moe):
+            for chunk in self.chunks:
+                chunk.h = chunk.out
+            return sum(ch.h.nbytes for ch in self.chunks)
+        self.compute()
+        held = sum(ch.h.nbytes for ch in self.chunks) + sum(
+            x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls
+        )
+        mlx_compat.rewind([self.entry], sum(ch.tokens for ch in self.chunks))
+        self.routing = False
+        _local.layer = self
+        try:
+            for at, chunk in enumerate(self.chunks):
+                self.at = at
+                _, call, args, kwargs = chunk.calls[i]
+                h = call(chunk.h, *args[1:], **kwargs)
+                mx.eval(h, mlx_compat.kv_state(self.entry))
+                chunk.h = h
+                self.moe[at] = []
+        finally:
+            _local.layer = None
+        return held
+
+    def compute(self) -> None:
+        from .schedules import kernel_rows, member, wait
+
+        by_module = {}
+        for calls in self.moe:
+            for item in calls:
+                by_module.setdefault(id(item[0]), []).append(item)
+        for items in by_module.values():
+            module = items[0][0]
+            bank = module.bank
+            cache = bank.cache
+            cache.ensure_planned()
+            idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
+            if cache.recorder is not None:
+                for ids in idx:
+                    cache.recorder.record(bank, ids)
+            experts = np.unique(np.concatenate([ids.reshape(-1) for ids in idx]))
+            # resident experts first: no read
+            resident = bank.slot_of[experts] >= 0
+            experts = np.concatenate([experts[resident], experts[~resident]])
+            size = bank.slots
+            parts = [([], []) for _ in items]
+            for start in range(0, len(experts), size):
+                wave = experts[start : start + size]
+                with bank.lock:
+                    bank.load(wave)
+                    outs = []
+                    for (_, x, _, _), ids, (rows_done, ys) in zip(items, idx, parts):
+                        flat = ids.reshape(-1)
+                        rows = np.nonzero(member(flat, wave, bank.num_experts))[0]
+                        if len(rows):
+                            y = kernel_rows(module, x, ids, rows)
+                            rows_done.append(rows)
+                            ys.append(y)
+                            outs.append(y)
+                    wait(bank, outs)  # before the next wave takes the slots
+            for item, ids, (rows_done, ys) in zip(items, idx, parts):
+                order = np.argsort(np.concatenate(rows_done), kind="stable")
+                y = mx.concatenate(ys, axis=0)[mx.array(order)]
+                item[3] = y.reshape(*ids.shape, y.shape[-1])
+                mx.eval(item[3])
+
+
+def _finish(group, first, kv, layers, stats, progress, done) -> int:
+    """Run a group's chunks (routed through layer 0 already) through every layer, layer-major;
+    the tokens done after it."""
+    if not group:
+        return done
+    tokens = sum(ch.tokens for ch in group)
+    held = first.finish(0)
+    stats.held_bytes = max(stats.held_bytes, held)
+    if progress is not None:
+        progress(done + tokens // layers)
+    for i in range(1, layers):
+        layer = LayerPass(kv[i])
+        for chunk in group:
+            layer.route(chunk, i)
+        held = layer.finish(i)
+        stats.held_bytes = max(stats.held_bytes, held)
+        if progress is not None:
+            progress(done + tokens * (i + 1) // layers)
+    stats.groups += 1
+    return done + tokens
+
+
+def note_fallback(state, why: str) -> None:
+    """Count a prompt that prefilled chunk by chunk; say why once (``--streaming-stats``)."""
+    stats = state.prefill
+    stats.fallbacks += 1
+    stats.why = stats.why or why
+    if state.options.stats and why not in stats.said:
+        stats.said.add(why)
+        report.say(report.fallback_line(state, why))
+
+
+# the reason generate_step was left stock at patch time (``mlx_compat.generate_step_problem``)
+unpatched: Optional[str] = None
+
+
+def wrap_generate_step(stock):
+    """``generate_step`` with layer-major prefill for streaming models (module docstring); the
+    stock function, unchanged, for every other model and where it does not apply."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def generate_step(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        model = a["model"]
+        state = getattr(model, "expert_streaming", None)
+        prompt, step = a["prompt"], a["prefill_step_size"]
+        if (
+            state is None
+            or not state.cache.tuning.layer_major_prefill
+            or not isinstance(prompt, mx.array)
+            or prompt.ndim != 1
+            or not isinstance(step, int)
+            or step < 1
+            or prompt.shape[0] - 1 <= step  # one chunk: nothing to reorder
+        ):
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        why = _problem(state, a)
+        if why is None:
+            kv = a["prompt_cache"]
+            if kv is None:
+                kv = mlx_compat.make_prompt_cache(model, max_kv_size=a["max_kv_size"])
+            why = mlx_compat.plain_kv_cache_problem(kv)
+        if why is not None:
+            note_fallback(state, why)
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        total = prompt.shape[0]
+        callback = a["prompt_progress_callback"] or (lambda *_: None)
+        callback(0, total)
+        try:
+            with mx.stream(a["stream"]):
+                prefill(model, kv, prompt[:-1], step, lambda n: callback(n, total))
+        except Fallback as e:
+            note_fallback(state, str(e))
+            yield from stock(*bound.args, **bound.kwargs)
+            return
+        head = prompt[:-1]
+        a["prompt"] = prompt[-1:]
+        a["prompt_cache"] = kv
+        if a["logits_processors"]:
+            # stock's processors see every token of the prompt so far, then the generated ones
+            a["logits_processors"] = [_after(head, p) for p in a["logits_processors"]]
+        a["prompt_progress_callback"] = lambda n, t: callback(total - t + n, total) if n else None
+        yield from stock(*bound.args, **bound.kwargs)
+
+    generate_step.mlx_lm_streaming = True
+    generate_step.stock = stock
+    return generate_step
+
+
+def _after(head: mx.array, processor):
+    def process(tokens, logits):
+        return processor(mx.concat([head, tokens]), logits)
+
+    return process
+
+
+def _problem(state, a) -> Optional[str]:
+    """Why layer-major prefill does not apply to this call, from its arguments, or None."""
+    if a["input_embeddings"] is not None:
+        return "input embeddings"
+    if a["kv_bits"] is not None:
+        return "a quantized KV cache (kv_bits)"
+    if state.pipeline is not None:
+        return "a pipeline-parallel model"
+    if state.steps is None or state.steps.layers == 0:
+        return "the model has no list of decoder layers"
+    return None
