@@ -26,6 +26,15 @@ sampled (temperature ``--temp``, seeded). Writes
 
     python3 bench/routing_model_figures.py --model /root/routing-model/mlx \
         --prompts /root/routing-model/heldout.json --out $OUT [--seqs 4 --decode 256]
+
+``--compare TRACE...`` (no model; the CPU is enough) compares traces instead: per layer, the decode hit
+rate of per-layer caches of 12.5%, 25% and 50% of the experts under LRU and Belady's offline optimum
+(``mlx_lm_streaming.replay``, cold start, the whole trace in order), the share of a token's experts
+that the previous token of its sequence used in the same layer, and the skew of expert load (the
+share of a layer's decode picks that go to its 10% most used experts; 0.10 is uniform), written to
+``--out``/routing-compare.json:
+
+    python3 bench/routing_model_figures.py --compare tests/data/routing/*.jsonl --out docs/benchmarks
 """
 
 import argparse
@@ -123,10 +132,57 @@ class Score:
         }
 
 
+def compare(paths, out: Path) -> dict:
+    """Hit curves, reuse and skew of each trace (``--compare``)."""
+    from mlx_lm_streaming.replay import belady, replay
+    from mlx_lm_streaming.routing_trace import read_trace
+
+    figures = {}
+    for path in paths:
+        trace = read_trace(path)
+        decode = [r for r in trace.rows if r.phase == "decode"]
+        lookups = [sum(len(r.experts[i]) for r in decode) for i in range(trace.num_layers)]
+        entry = {"model": trace.header.get("model"), "layers": trace.num_layers,
+                 "experts": trace.num_experts, "decode_tokens": len(decode)}
+        for share in (0.125, 0.25, 0.5):
+            slots = max(1, int(round(share * trace.num_experts)))
+            for name, run in (("lru", lambda t, n: replay(t, n, policy="lru")), ("belady", belady)):
+                res = run(trace, slots)
+                per_layer = [1 - m / n if n else None for m, n in zip(res.decode_misses, lookups)]
+                entry[f"{name} {share}"] = {"hit_rate": res.hit_rate("decode"),
+                                            "per_layer": per_layer}
+        reused = total = 0
+        prev = None
+        for row in trace.rows:
+            if row.phase == "decode" and prev is not None and prev.seq == row.seq:
+                for a, b in zip(row.experts, prev.experts):
+                    reused += len(set(a) & set(b))
+                    total += len(a)
+            prev = row
+        entry["previous_token_reuse"] = reused / total if total else None
+        top = []
+        for i in range(trace.num_layers):
+            counts = np.bincount([e for r in decode for e in r.experts[i]],
+                                 minlength=trace.num_experts)
+            if counts.sum():
+                k = max(1, trace.num_experts // 10)
+                top.append(np.sort(counts)[::-1][:k].sum() / counts.sum())
+        entry["top10pct_load_share"] = float(np.mean(top)) if top else None
+        figures[Path(path).name] = entry
+        print(f"{Path(path).name}: " + ", ".join(
+            f"{k} {v['hit_rate']:.3f}" for k, v in entry.items() if isinstance(v, dict))
+            + f", reuse {entry['previous_token_reuse']:.3f}, top-10% load "
+            f"{entry['top10pct_load_share']:.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing-compare.json").write_text(json.dumps(figures, indent=1))
+    return figures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True, help="heldout.json of train_routing_model.py")
+    ap.add_argument("--compare", nargs="+", default=None, help="traces to compare (no model)")
+    ap.add_argument("--model")
+    ap.add_argument("--prompts", help="heldout.json of train_routing_model.py")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=96)
@@ -136,6 +192,11 @@ def main(argv=None):
                     "every Nth decode token")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(args.compare, Path(args.out))
+        return
+    if not args.model or not args.prompts:
+        ap.error("--model and --prompts (or --compare TRACE...)")
 
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
