@@ -126,3 +126,12 @@ def test_routing_model_figures(tmp_path):
     pooled = figures["predictors"]["next_router_on_moe_input top-k"]
     assert 0 <= pooled["precision"] <= 1 and pooled["n"] == 8 * 3 * 2
     assert 0 <= figures["pass_without_one_expert"]["every later layer"]["recall"] <= 1
+
+
+def test_read_path_probe(tmp_path):
+    out = tmp_path / "probe.json"
+    bench(BENCH / "read_path_probe.py", "--dir", tmp_path, "--file-gb", 0.05, "--experts", 4,
+          "--threads", "1,2", "--out", out)
+    figures = json.loads(out.read_text())["gbps"]
+    assert "shared fd, 2 threads, 9 ranges" in figures and "own fd, 1 threads" in figures
+    assert all(v > 0 for v in figures.values())
