@@ -700,7 +700,7 @@ def ram_probe(path, files, ck, args):
             for e, b in zip(experts, bufs)
         ]
 
-    def figure(where, k):
+    def figure(where, k, spread=False):
         reps = min(RAM_PROBE_REPS, max(2, args.ram_probe_mb * 1_000_000 // (k * nbytes)))
         reused = [np.zeros(nbytes, np.uint8) for _ in range(k)]
         seconds = 0.0
@@ -714,8 +714,11 @@ def ram_probe(path, files, ck, args):
                 if k == 1:
                     cache.store.read_many(todo[0])
                 else:
+                    # as read_direct reads a load of k experts: each on its own demand thread, its
+                    # ranges on that thread alone (``spread_reads_upto``), or spread ("spread")
+                    read = cache.store.read_many if spread else cache.store.read_on_this_thread
                     pool = cache.demand_pool
-                    for f in [pool.submit(cache.store.read_many, j) for j in todo]:
+                    for f in [pool.submit(read, j) for j in todo]:
                         f.result()
                 seconds += time.perf_counter() - t
         return reps * k * nbytes / seconds / 1e9
@@ -727,6 +730,8 @@ def ram_probe(path, files, ck, args):
     for k in [1] + ks:
         for where in wheres:
             gbps[f"{where} {'alone' if k == 1 else f'k{k}'}"] = figure(where, k)
+        if k > 1 and "slots" in wheres:
+            gbps[f"slots k{k} spread"] = figure("slots", k, spread=True)
     out = dict(
         layer=bank.path, slots=bank.slots, expert_bytes=nbytes, k=ks, mb=args.ram_probe_mb,
         gbps=gbps, seconds=time.perf_counter() - start_s,
