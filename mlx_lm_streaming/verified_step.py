@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import mlx_compat
+from . import bank_io, mlx_compat
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -413,11 +413,20 @@ def load_together(loads) -> None:
     for bank in banks:
         bank.last_stream = None
     pool = banks[0].cache.bank_pool
-    futures = [pool.submit(bank.load, experts, **options) for bank, experts, options in loads]
+    futures = [pool.submit(_load_alone, *load) for load in loads]
     errors = [f.exception() for f in futures]  # waits for each
     for error in errors:
         if error is not None:
             raise error
+
+
+def _load_alone(bank, experts, options) -> None:
+    """``bank.load`` on a bank thread, beside other banks' loads: its experts never spread."""
+    bank_io.ALONE.on = True
+    try:
+        bank.load(experts, **options)
+    finally:
+        bank_io.ALONE.on = False
 
 
 def miss_counts(calls) -> mx.array:

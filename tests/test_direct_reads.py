@@ -330,3 +330,23 @@ def test_a_descriptor_per_reading_thread_reads_the_same_bits(q3):
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_a_load_beside_other_banks_never_spreads(q3):
+    # a lone expert's ranges are spread over the store's readers; the same load on a bank thread of
+    # a verified step's misses read together (``_load_alone``) reads it on its demand thread alone
+    from mlx_lm_streaming.verified_step import _load_alone
+
+    path, tokens, want = q3
+    with registered(CountingStorePlugin(), "counting-store-test"):
+        model = with_slots(path, 5, tuning=NO_LOOKAHEAD, store=CountingStore.name)
+        cache = model.expert_streaming.cache
+        cache.ensure_planned()
+        store = cache.store
+        first, second = cache.banks[0], cache.banks[1]
+        first.load(np.array([0]))
+        assert (store.spread, store.alone) == (1, 0)
+        _load_alone(second, np.array([0]), {})
+        assert (store.spread, store.alone) == (1, 1)
+        assert first.slot_of[0] >= 0 and second.slot_of[0] >= 0
+        model.expert_streaming.close()
