@@ -348,6 +348,7 @@ def wrap_generate_step(stock):
             or not isinstance(step, int)
             or step < 1
             or prompt.shape[0] - 1 <= step  # one chunk: nothing to reorder
+            or _holds_every_expert(state.cache)
         ):
             yield from stock(*bound.args, **bound.kwargs)
             return
@@ -390,6 +391,13 @@ def _after(head: mx.array, processor):
         return processor(mx.concat([head, tokens]), logits)
 
     return process
+
+
+def _holds_every_expert(cache) -> bool:
+    """Whether every bank has a slot per expert: an expert read once stays, so chunk by chunk reads
+    each at most once already, and layer-major would only run attention twice."""
+    cache.ensure_planned()
+    return bool(cache.banks) and all(b.identity for b in cache.banks)
 
 
 def _problem(state, a) -> Optional[str]:
