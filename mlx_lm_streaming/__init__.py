@@ -12,7 +12,7 @@ def load(path_or_hf_repo, **kwargs):
     """``mlx_lm.load(path, **kwargs)`` with the routed experts streamed from disk.
 
     The keywords named in ``option_table.OPTIONS`` are streaming options (``expert_cache_gb``,
-    ``store``, ``store_options``, ``kernel``, ``cache_policy``, ``direct_reads``, ``stats``,
+    ``store``, ``store_options``, ``kernel``, ``cache_policy``, ``direct_reads``, ``layer_major_prefill``, ``stats``,
     ``verbose``, ``record_routing``, ``trace``, ``pack``; docs/usage.md); the environment variables
     give those not given here, as for ``mlx_lm.load``. The other keywords go to ``mlx_lm.load``.
 

@@ -168,6 +168,7 @@ class StreamingState:
         tuning = replace(
             tuning,
             direct_reads=options.use_direct_reads(self.selector.backend),
+            layer_major_prefill=options.use_layer_major_prefill(options.tuning),
             # every call reports its ids when recording: complete banks must not skip the host sync
             skip_sync=tuning.skip_sync and not recording,
         )

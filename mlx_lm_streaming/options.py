@@ -202,6 +202,16 @@ def parse_store_options(value) -> Dict[str, Any]:
     return options
 
 
+def auto_switch(value, name: str) -> Optional[bool]:
+    """An ``auto|on|off`` option: None (auto), True or False, from a bool, None or a word."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        value = None if word == "auto" else True if word in TRUE else False if word in FALSE else value
+    if value is not None and not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be true, false or auto, got {value!r}")
+    return value
+
+
 @dataclass
 class StreamingOptions:
     """What to stream through: cache budget, store backend, kernel choice. The fields are the rows
@@ -219,6 +229,9 @@ class StreamingOptions:
     # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
+    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, which is off
+    # on every backend until measured to pay there (docs/usage.md, "Long prompts")
+    layer_major_prefill: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
     # write the run's routing to this file as it goes (routing_trace.py; docs/routing.md)
@@ -260,15 +273,8 @@ class StreamingOptions:
             )
         self.stats = parse_stats(self.stats)
         self.verbose = parse_switch(self.verbose, "verbose")
-        value = self.direct_reads
-        if isinstance(value, str):
-            word = value.strip().lower()
-            value = None if word == "auto" else True if word in TRUE else False if word in FALSE else value
-        if value is not None and not isinstance(value, bool):
-            raise ConfigurationError(
-                f"direct_reads must be true, false or auto, got {self.direct_reads!r}"
-            )
-        self.direct_reads = value
+        self.direct_reads = auto_switch(self.direct_reads, "direct_reads")
+        self.layer_major_prefill = auto_switch(self.layer_major_prefill, "layer_major_prefill")
 
     def _use_pack(self) -> None:
         if not isinstance(self.pack, (str, os.PathLike)):
@@ -286,6 +292,13 @@ class StreamingOptions:
                 f"pack {self.pack!r} and store_options path {str(path)!r} differ; give one"
             )
         self.store_options = {**self.store_options, "path": self.pack}
+
+    def use_layer_major_prefill(self, tuning) -> bool:
+        """Whether long prompts prefill layer by layer: as asked; auto: off, or as the internal
+        ``tuning`` of benchmarks and tests says where one was given."""
+        if self.layer_major_prefill is None:
+            return tuning is not None and tuning.layer_major_prefill
+        return self.layer_major_prefill
 
     def use_direct_reads(self, backend: str) -> bool:
         """Whether demand reads go straight into the banks on ``backend`` (cpu, cuda, metal)."""

@@ -90,6 +90,7 @@ def cases(tmp_path, pack):
         "kernel": ("gather", "gather"),
         "cache_policy": ("lru", "lru"),
         "direct_reads": ("off", False),
+        "layer_major_prefill": ("on", True),
         "stats": ("layers", "layers"),
         "verbose": ("1", True),
         "record_routing": (str(tmp_path / "r.jsonl"), str(tmp_path / "r.jsonl")),

@@ -277,6 +277,7 @@ def check_layer_major(path, **options):
     stock, _ = load_stock(path)
     ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
     del stock
+    options = {"layer_major_prefill": True, **options}  # (auto: off)
     probe, _ = load_streaming(path, **options)
     budgets = [budget_of_slots(probe, 3), (probe.expert_streaming.cache.total_expert_bytes + 0.5) / GB]
     probe.expert_streaming.close()
@@ -348,7 +349,8 @@ def test_layer_major_prefill_falls_back_in_one_line(checkpoint, tmp_path):
         "import sys, mlx.core as mx, mlx_lm.generate\n"
         "from pathlib import Path\nfrom mlx_lm_streaming.parity import load_streaming\n"
         "g = sys.modules['mlx_lm.generate']\n"
-        f"m, _ = load_streaming(Path({str(path)!r}), stats=True, expert_cache_gb={budget!r})\n"
+        f"m, _ = load_streaming(Path({str(path)!r}), stats=True, expert_cache_gb={budget!r},\n"
+        "                      layer_major_prefill=True)\n"
         "for _ in range(2):\n"
         "    for _ in g.generate_step(mx.array(list(range(40))), m, max_tokens=2,\n"
         "                             prefill_step_size=8, max_kv_size=64):\n"
