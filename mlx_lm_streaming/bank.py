@@ -57,7 +57,7 @@ class LayerBank:
         # x -> router logits of this layer (for lookahead from the layer before), or None
         self.router = None
         # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
-        # addresses they were made for; None where MLX memory has none (see ``_refresh_views``)
+        # addresses they were made for; None where MLX memory has none (see ``refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
         self._addresses: Optional[List[int]] = None
         # the stream of the last call that used the bank (see the module docstring)
@@ -69,7 +69,8 @@ class LayerBank:
         # reaches ``CacheTuning.lookahead_min_precision`` (four good calls in a row from 0): wrong guesses
         # would cost staging memory and disk time before the layer has shown it can guess
         self.ahead_precision = 0.0
-        self._fill_requested = False
+        # an identity bank's background fill was asked for (``ExpertCache.request_fill``)
+        self.fill_requested = False
         # guesses staged and loaded for the call that is starting (``load(..., guessed=True)``),
         # counted as that call's misses by its own load
         self._ahead_used: List[int] = []
@@ -115,13 +116,13 @@ class LayerBank:
         N) in current thread"), so a bank must never be left lazy for the next caller's thread.
         """
         with self.lock:
-            self._drop_staged(everything=True)
+            self.discard_staged(everything=True)
         self.predicted = None
         self.ahead_precision = 0.0
         self.slots = slots
         self.identity = slots == self.num_experts
         self.complete = False
-        self._fill_requested = False
+        self.fill_requested = False
         self.table = SlotTable(self.num_experts, self.cache.policy)
         self.table.reset(slots)
         for spec in self.layer.parts:
@@ -130,9 +131,9 @@ class LayerBank:
         mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
         self.views = self._addresses = None
         self.last_stream = None
-        self._refresh_views()
+        self.refresh_views()
 
-    def _refresh_views(self) -> None:
+    def refresh_views(self) -> None:
         """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
@@ -330,9 +331,11 @@ class LayerBank:
         """End of a call: staged experts it did not use are dropped (identity banks keep them)."""
         if self.staged and not self.identity:
             with self.lock:
-                self._drop_staged()
+                self.discard_staged()
 
-    def _drop_staged(self, everything: bool = False) -> None:
+    def discard_staged(self, everything: bool = False) -> None:
+        """Forget every staged read (under ``lock``), identity bank or not: their buffers go back
+        once read. For a call that cannot install them now (``schedules.Direct``)."""
         batches = {id(b): b for b in self.staged.values()}
         self.staged.clear()
         for batch in batches.values():

@@ -283,7 +283,7 @@ def _install(bank, groups) -> None:
     # evaluated now, in this thread (see ``LayerBank.allocate``)
     mx.eval([bank.array(spec.proj, spec.part) for spec in parts])
     if bank.views is not None:
-        bank._refresh_views()
+        bank.refresh_views()
     if bank.cache.timeline:
         experts = sum(len(rows) for _, rows, _ in groups)
         bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)

@@ -270,9 +270,9 @@ class ExpertCache:
 
     def request_fill(self, bank: LayerBank) -> None:
         """Read the rest of an identity bank's experts in the background (low priority)."""
-        if not self.tuning.fill or bank._fill_requested or self._closed:
+        if not self.tuning.fill or bank.fill_requested or self._closed:
             return
-        bank._fill_requested = True
+        bank.fill_requested = True
         with self._lock:
             self._fill_queue.append(bank)
             if self._filler is None or not self._filler.is_alive():

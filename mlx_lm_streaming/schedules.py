@@ -320,7 +320,7 @@ class Direct(PerLayer):
             elif bank.staged:
                 # installing them now (an MLX update of a bank that pending work reads) would
                 # copy the whole bank: read them again directly instead
-                bank._drop_staged()
+                bank.discard_staged()
             hit = wave[bank.slot_of[wave] >= 0]
             started = None
             if len(hit):

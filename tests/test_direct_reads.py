@@ -137,7 +137,7 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
     # a new array for the bank, as an update that could not be done in place leaves it
     bank.glu[spec.proj][spec.part] = mx.array(np.array(bank.array(spec.proj, spec.part)))
     mx.eval(bank.array(spec.proj, spec.part))
-    bank._refresh_views()
+    bank.refresh_views()
     assert bank._addresses[0] != before
     bank.views[0][1, :4] = 7
     seen = np.array(bank.array(spec.proj, spec.part)[1].view(mx.uint8)).reshape(-1)[:4]
