@@ -42,6 +42,7 @@ import numpy as np
 
 from . import mlx_compat, report
 
+
 class Fallback(Exception):
     """Layer-major prefill does not apply here; the message says why."""
 
@@ -131,7 +132,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
                 raise Fallback(why)
             # the chunks so far, layer-major; the rest chunk by chunk, as stock
             done = _finish(group, first, kv, layers, stats, progress, done)
-            _chunk_by_chunk(model, kv, prompt[start:], step)
+            _chunk_by_chunk(model, kv, prompt[start:], step, progress, done)
             note_fallback(state, why)
             return
         chunk = Chunk(recorder.calls)
@@ -289,6 +290,18 @@ class LayerPass:
                 y = mx.concatenate(ys, axis=0)[mx.array(order)]
                 item[3] = y.reshape(*ids.shape, y.shape[-1])
                 mx.eval(item[3])
+
+
+def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
+    """The rest of a prompt, ``tokens``, into ``kv`` chunk by chunk, as stock's ``generate_step``
+    prefills it: one model call per chunk of ``step`` tokens, its cache entries evaluated."""
+    for start in range(0, tokens.shape[0], step):
+        chunk = tokens[start : start + step]
+        model(chunk[None], cache=kv)
+        mx.eval([mlx_compat.kv_state(c) for c in kv])
+        done += chunk.shape[0]
+        if progress is not None:
+            progress(done)
 
 
 def _finish(group, first, kv, layers, stats, progress, done) -> int:

@@ -363,3 +363,39 @@ def test_layer_major_prefill_falls_back_in_one_line(checkpoint, tmp_path):
     lines = [l for l in done.stderr.splitlines() if "layer-major prefill does not apply" in l]
     assert len(lines) == 1, done.stderr
     assert "RotatingKVCache" in lines[0] and "chunk by chunk" in lines[0]
+
+
+def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
+    # a forward that stops being layer-major at the second chunk: the chunks so far layer-major,
+    # the rest chunk by chunk, and the result stock's bits, with the reason said once
+    from support import load_stock
+
+    from mlx_lm_streaming import layer_major
+
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    del stock
+    seen = []
+    real = layer_major.Recorder.problem
+
+    def problem(self, layers, kv):
+        seen.append(1)
+        return "injected at the second chunk" if len(seen) == 2 else real(self, layers, kv)
+
+    monkeypatch.setattr(layer_major.Recorder, "problem", problem)
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True)
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        for x, y in zip(tree_flatten(a.state), tree_flatten(b.state)):
+            assert (x[1] is None and y[1] is None) or mx.array_equal(x[1], y[1])
+    state = model.expert_streaming
+    assert state.prefill.fallbacks == 1 and "injected" in state.prefill.why
+    assert state.prefill.chunks == 1  # the first chunk went layer-major
+    state.close()
