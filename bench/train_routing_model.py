@@ -282,7 +282,6 @@ def main(argv=None):
                    num_experts_per_tok=2,
                    intermediate_size=256)
 
-    import numpy as np
     import torch
 
     t0 = time.time()

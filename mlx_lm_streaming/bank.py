@@ -116,7 +116,7 @@ class LayerBank:
         N) in current thread"), so a bank must never be left lazy for the next caller's thread.
         """
         with self.lock:
-            self.discard_staged(everything=True)
+            self.discard_staged()
         self.predicted = None
         self.ahead_precision = 0.0
         self.slots = slots
@@ -240,7 +240,7 @@ class LayerBank:
         did not use end here. Returns ``(hits, misses)`` for the cache's counters."""
         with self.lock:
             self.table.admit(experts)
-            read = len(self._take_ahead_used(experts))
+            read = len(np.intersect1d(self._ahead_used, experts)) if self._ahead_used else 0
             self._ahead_used = []
             hits = len(experts) - read
             self.hits += hits
@@ -333,7 +333,7 @@ class LayerBank:
             with self.lock:
                 self.discard_staged()
 
-    def discard_staged(self, everything: bool = False) -> None:
+    def discard_staged(self) -> None:
         """Forget every staged read (under ``lock``), identity bank or not: their buffers go back
         once read. For a call that cannot install them now (``schedules.Direct``)."""
         batches = {id(b): b for b in self.staged.values()}

@@ -61,10 +61,11 @@ def budget_rows(state, trace, default_bytes: int, gbps: float, given: bool) -> L
     cache = state.cache
     banks = cache.banks
     per_slot = sum(b.layer.expert_nbytes for b in banks)
-    # a budget above every expert's bytes means every expert (as the load line and plan say)
-    budgets = [("default", min(default_bytes, cache.total_expert_bytes))]
+    from .report import cache_bytes  # a budget above every expert's bytes means every expert
+
+    budgets = [("default", cache_bytes(cache, default_bytes))]
     if given:
-        budgets.append(("given", min(cache.budget_bytes, cache.total_expert_bytes)))
+        budgets.append(("given", cache_bytes(cache, cache.budget_bytes)))
     budgets += [(f"{p}%", cache.total_expert_bytes * p // 100) for p in range(10, 101, 10)]
     rows = []
     for label, budget in budgets:

@@ -47,6 +47,7 @@ def stats_line(state, label: bool = False) -> str:
         )
     return line
 
+
 def fallback_line(state, why: str) -> str:
     """The one line that says a long prompt prefills chunk by chunk, as stock (layer_major.py)."""
     return (

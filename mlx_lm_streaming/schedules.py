@@ -29,17 +29,11 @@ def choose(layer, x: mx.array, indices: mx.array) -> "Schedule":
     where it runs under it (its ``with`` block lets it go)."""
     bank = layer.bank
     cache = bank.cache
-    stock = bank.complete and cache.tuning.skip_sync
-    step = cache.steps.current() if cache.steps is not None else None
-    if step is not None and bank.slots > 0 and not stock:
-        # (a bank with slots is planned) the decode step's path, tested first: fewest calls
-        kernel = layer.selector.select(bank, indices.size)
-        if not kernel.needs_host_slots:
-            return Verified(layer, x, indices, kernel, step)
     cache.ensure_planned()
     kernel = layer.selector.select(bank, indices.size)
-    if stock and not kernel.needs_host_slots:
+    if bank.complete and cache.tuning.skip_sync and not kernel.needs_host_slots:
         return StockGraph(layer, x, indices, kernel)
+    step = cache.steps.current() if cache.steps is not None else None
     if step is not None and bank.slots > 0 and not kernel.needs_host_slots:
         return Verified(layer, x, indices, kernel, step)
     call = HostSync(layer, x, indices)

@@ -49,6 +49,8 @@ def _path_option(value):
             f"path={value!r}: give the pack file or its directory"
         )
     return value
+
+
 class PackedStore(ExpertStore):
     """Reads experts from a pack file: one aligned read per expert."""
 
