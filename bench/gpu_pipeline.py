@@ -656,15 +656,19 @@ RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe lo
 def ram_probe(path, files, ck, args):
     """GB/s (decimal) of the ram regime's read path, the page cache warm, as the store reads: the
     package's own store (``store.read_many`` of an expert's (ref, buffer) jobs), into one layer's
-    bank slots through their host views (``bank_io.slot_reader``) and into plain numpy host memory
-    (``np.empty``: fresh each rep, or reused); one expert alone on this thread, and K experts in
-    parallel, one per demand thread (``bank_io.read_direct``'s way). Before each rep, one forward
+    bank slots the package's way (``bank_io.slot_reader``: through their host views, or on mlx-cuda
+    by device copies, ``cuda_copy.py``), timed up to the device's next read of those slots (where
+    pages the host wrote migrate back), and into plain numpy host memory (``np.empty``: fresh each
+    rep, or reused); one expert alone, and K experts in parallel, one per demand thread
+    (``bank_io.read_direct``'s way). Before each rep, one forward
     of the model and a device read of the slots about to be written: on a GPU (managed memory)
     their pages were last touched by the device, as in a decode step. At most ``--ram-probe-mb``
     and ``RAM_PROBE_REPS`` reps per figure. Model: ``default`` without lookahead (no background reads beside the probe) at the
     ram budget."""
     import mlx.core as mx
     import numpy as np
+
+    from mlx_lm_streaming import bank_io
 
     start_s = time.perf_counter()
     model = load_variant(
@@ -688,12 +692,6 @@ def ram_probe(path, files, ck, args):
         mx.eval([bank.array(p.proj, p.part)[idx] for p in parts])
 
     def jobs(where, experts, slots, reused):
-        if where == "slots":
-            views = bank.views
-            return [
-                [(r, memoryview(views[i][s])) for i, r in enumerate(layer.refs(e))]
-                for e, s in zip(experts, slots)
-            ]
         bufs = reused if where == "host reused" else [np.empty(nbytes, np.uint8) for _ in experts]
         return [
             [(r, memoryview(b[offsets[i] : offsets[i + 1]])) for i, r in enumerate(layer.refs(e))]
@@ -709,6 +707,17 @@ def ram_probe(path, files, ck, args):
             slots = list(range(k))
             touch(slots)
             with bank.lock:
+                if where == "slots":  # the package's own way into the slots, and the device's
+                    t = time.perf_counter()  # next read of them (managed pages come back)
+                    read = bank_io.slot_reader(bank, spread=spread or k == 1)
+                    members = list(range(len(parts)))
+                    pool = cache.demand_pool
+                    for f in [pool.submit(read, e, s, members) for e, s in zip(experts, slots)]:
+                        f.result()
+                    idx = mx.array(slots)
+                    mx.eval([bank.array(p.proj, p.part)[idx].sum() for p in parts])
+                    seconds += time.perf_counter() - t
+                    continue
                 todo = jobs(where, experts, slots, reused)
                 t = time.perf_counter()
                 if k == 1:

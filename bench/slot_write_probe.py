@@ -55,6 +55,9 @@ def cudart():
             continue
         lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_void_p]
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         return lib, name
     return None, None
 
@@ -139,10 +142,26 @@ def main(argv=None):
             pos = 0
             for n, base in zip(PARTS, addresses):
                 os.preadv(fd, [buf[pos : pos + n]], at + pos)
-                assert lib.cudaMemcpy(base + slot * n, buf.ctypes.data + pos, n, 4) == 0
+                assert lib.cudaMemcpy(base + int(slot) * n, buf.ctypes.data + pos, n, 4) == 0
                 pos += n
 
         return write
+
+    def via_async(at, slot, i):
+        buf = buffer("pinned")
+        if not hasattr(local, "stream"):
+            local.stream = ctypes.c_void_p()
+            assert lib.cudaStreamCreateWithFlags(ctypes.byref(local.stream), 1) == 0
+        pos = 0
+        for n in PARTS:  # the whole expert read, then its ranges copied on this thread's stream
+            os.preadv(fd, [buf[pos : pos + n]], at + pos)
+            pos += n
+        pos = 0
+        for n, base in zip(PARTS, addresses):
+            assert lib.cudaMemcpyAsync(base + int(slot) * n, buf.ctypes.data + pos, n, 4,
+                                       local.stream) == 0
+            pos += n
+        assert lib.cudaStreamSynchronize(local.stream) == 0
 
     def into_staging(at, slot, i):
         read_expert(at, np.split(staging_view[i], np.cumsum(PARTS)[:-1]))
@@ -183,6 +202,7 @@ def main(argv=None):
     if gpu:
         ways["prefetch+direct"] = (direct, prefetch_host, None)
         ways["pinned+memcpy"] = (via("pinned"), None, None)
+        ways["pinned+async"] = (via_async, None, None)
         ways["pageable+memcpy"] = (via("pageable"), None, None)
     ways["mlx update"] = (into_staging, None, mlx_update)
     results = {}

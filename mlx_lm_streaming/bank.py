@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import lookahead
+from . import cuda_copy, lookahead
 from .bank_io import install_finished, read_into_slots
 from .index import LayerExperts
 from .policy import SlotTable
@@ -60,6 +60,9 @@ class LayerBank:
         # addresses they were made for; None where MLX memory has none (see ``refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
         self._addresses: Optional[List[int]] = None
+        # on mlx-cuda: the writer of direct reads into the views' memory by device copies
+        # (``cuda_copy``), or None (host writes through the views)
+        self.copier = None
         # the stream of the last call that used the bank (see the module docstring)
         self.last_stream = None
         # the previous layer's guess of this layer's misses, scored at the next load; a running
@@ -138,7 +141,7 @@ class LayerBank:
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
         if self.slots == 0 or not self.cache.tuning.direct_reads:
-            self.views = self._addresses = None
+            self.views = self._addresses = self.copier = None
             return
         arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
         addresses = [host_address(a) for a in arrays]
@@ -150,9 +153,10 @@ class LayerBank:
             else None
         )
         if views is None or any(v is None for v in views):
-            self.views = self._addresses = None
+            self.views = self._addresses = self.copier = None
             return
         self.views, self._addresses = views, addresses
+        self.copier = cuda_copy.copier_for(addresses) if self.cache.tuning.device_copies else None
 
     def array(self, proj: str, part: str) -> mx.array:
         return self.glu[proj][part]

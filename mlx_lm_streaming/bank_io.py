@@ -144,6 +144,16 @@ def slot_reader(bank, spread: bool = True):
     store = bank.cache.store
     read_ranges = store.read_many if spread else store.read_on_this_thread
     views, refs = bank.views, bank.layer.refs
+    copier = bank.copier
+    if copier is not None:  # on mlx-cuda: device copies from a page-locked buffer (cuda_copy.py)
+        starts = [view.ctypes.data for view in views]
+        rows = [view.shape[1] for view in views]
+
+        def read(expert, slot, members):
+            expert_refs = refs(expert)
+            copier.read(read_ranges, [(expert_refs[i], starts[i] + slot * rows[i]) for i in members])
+
+        return read
 
     def read(expert, slot, members):
         expert_refs = refs(expert)

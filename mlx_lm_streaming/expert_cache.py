@@ -109,6 +109,10 @@ class CacheTuning:
     # thread hand-offs: page cache reads of a 2.65 MB expert on the CPU box, 0.12 ms alone against
     # 0.39-0.78 ms spread); None: always spread
     spread_reads_upto: Optional[int] = 1
+    # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
+    # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
+    # writes through the banks' views. Nothing changes on other backends
+    device_copies: bool = True
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``schedules.ByProjection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
