@@ -82,6 +82,61 @@ def prefetcher(lib):
     return lambda at, n: fn(at, n, -1, None), version.value  # cudaCpuDeviceId
 
 
+def remote_reads(lib, reps: int) -> dict:
+    """Experts the GPU reads from host memory inside the graph, with no host round trip (as
+    truespar/paddock does on CUDA): ``gather_qmm`` over one Qwen3-shape projection of 128 experts
+    (768 x 2048, 4-bit, bf16), 6 picked per token, ms per call, its memory (a) on the device, (b)
+    advised to stay on the host and be read from there (``cudaMemAdvise``), (c) just written by
+    the host (pages fault back on the read)."""
+    import mlx.core as mx
+
+    from mlx_lm_streaming.host_views import host_address
+
+    fn = getattr(lib, "cudaMemAdvise_v2", None) or lib.cudaMemAdvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, Location]
+    w = mx.random.normal((128, 768, 2048)).astype(mx.bfloat16)
+    q, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
+    mx.eval(q, scales, biases, x)
+    rng = np.random.default_rng(1)
+
+    def timed():
+        times = []
+        for _ in range(reps):
+            idx = mx.array(rng.choice(128, 6, replace=False).reshape(1, 6).astype(np.uint32))
+            mx.eval(idx)
+            t = time.perf_counter()
+            mx.eval(mx.gather_qmm(x, q, scales, biases, rhs_indices=idx, transpose=True))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    out = {"device": timed()}
+    arrays = [q, scales, biases]
+    for a in arrays:
+        at = host_address(a)
+        fn(at, a.nbytes, 3, Location(2, 0))  # cudaMemAdviseSetPreferredLocation: host
+        fn(at, a.nbytes, 5, Location(1, 0))  # cudaMemAdviseSetAccessedBy: device 0
+        prefetch, _ = prefetcher(lib)
+        prefetch(at, a.nbytes)
+    lib.cudaDeviceSynchronize()
+    out["host, read remotely"] = timed()
+    for a in arrays:
+        at = host_address(a)
+        fn(at, a.nbytes, 4, Location(2, 0))  # cudaMemAdviseUnsetPreferredLocation
+        fn(at, a.nbytes, 6, Location(1, 0))  # cudaMemAdviseUnsetAccessedBy
+    times = []
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * q.nbytes).from_address(host_address(q)))
+    for _ in range(reps):
+        view[::4096] = view[::4096]  # the host writes every page: they migrate to the host
+        idx = mx.array(rng.choice(128, 6, replace=False).reshape(1, 6).astype(np.uint32))
+        mx.eval(idx)
+        t = time.perf_counter()
+        mx.eval(mx.gather_qmm(x, q, scales, biases, rhs_indices=idx, transpose=True))
+        times.append(time.perf_counter() - t)
+    out["host-written, faulted back"] = statistics.median(times) * 1e3
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp")
@@ -89,6 +144,7 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=24)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--remote", action="store_true", help="also time remote_reads (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import mlx.core as mx
@@ -230,7 +286,10 @@ def main(argv=None):
             print(f"{key}: write {r['write_ms']:.2f} ms ({r['gbps_write']:.2f} GB/s), touch "
                   f"{r['touch_ms']:.2f} ms, with touch {r['gbps_with_touch']:.2f} GB/s, "
                   f"exact {r['exact']}", flush=True)
-    out = {"device": str(mx.default_device()), "cudart": libname,
+    remote = remote_reads(lib, args.reps * 3) if gpu and args.remote else None
+    if remote:
+        print("gather_qmm ms, 6 of 128 experts:", remote, flush=True)
+    out = {"device": str(mx.default_device()), "cudart": libname, "remote_gather_ms": remote,
            "runtime": version if gpu else None, "threads": args.threads, "ways": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -43,6 +43,7 @@ class _PointerAttributes(ctypes.Structure):
         ("device", ctypes.c_int),
         ("devicePointer", ctypes.c_void_p),
         ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),  # (room for fields a later runtime adds)
     ]
 
 
@@ -69,6 +70,7 @@ def _load_runtime():
             lib.cudaHostAlloc.argtypes = [ctypes.POINTER(p), size, ctypes.c_uint]
             lib.cudaFreeHost.argtypes = [p]
             lib.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_PointerAttributes), p]
+            lib.cudaGetLastError.argtypes = []
         except (OSError, AttributeError):
             continue
         return lib
