@@ -392,8 +392,8 @@ def run_group(stocks, path, routing_spec, budget, variants, args, ck, files, pro
         configs[name] = cfg
     timelines = {}
     kind = routing_spec.split(":")[0]
-    if kind == "model":
-        kind += "-" + Path(routing_spec[len("model:") :]).name
+    if kind in ("model", "trace"):
+        kind += "-" + Path(routing_spec[len(kind) + 1 :]).stem
     group = f"{regime}-{kind}-{int(round(budget * 100))}"
     all_files = list(files)
     for v in variants:
@@ -600,8 +600,11 @@ def text_tokens(path, prompt_len: int):
 
 
 def routing_cell(spec: str) -> str:
-    """A routing as the tables name it ("trace", "uniform", "model NAME (its own router)")."""
-    return "trace" if spec.startswith("trace:") else harness.routing_label(spec)
+    """A routing as the tables name it ("trace NAME" by the trace file's stem, "uniform", "model
+    NAME (its own router)")."""
+    if spec.startswith("trace:"):
+        return "trace " + Path(spec[len("trace:") :]).stem
+    return harness.routing_label(spec)
 
 
 def open_checkpoint(path, args, variants, first_routing):
