@@ -41,7 +41,7 @@ def main():
     from mlx_lm_streaming import bank_io
     from mlx_lm_streaming.expert_cache import CacheTuning
     from mlx_lm_streaming.option_table import GB as BUDGET_GB
-    from mlx_lm_streaming.synthetic import build_checkpoint
+    from synthetic import build_checkpoint
     from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
     print("device", mx.default_device(), flush=True)

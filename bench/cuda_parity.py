@@ -63,7 +63,7 @@ def main():
 
     from mlx_lm_streaming.devices import backend
     from mlx_lm_streaming.options import StreamingOptions
-    from mlx_lm_streaming.synthetic import build_checkpoint
+    from synthetic import build_checkpoint
     from mlx_lm_streaming.parity import (
         DECODE_STEPS,
         GB,

@@ -53,7 +53,7 @@ def default_checkpoint(quick: bool = False) -> Path:
     name = "tiny_4l" if quick else "qwen3_30b_4l"
     path = Path(tempfile.gettempdir()) / f"mlx_lm_streaming_bench_{name}"
     if not (path / "config.json").is_file():
-        from mlx_lm_streaming.synthetic import build_checkpoint
+        from synthetic import build_checkpoint
 
         print(f"building {path} (once) ...", file=sys.stderr, flush=True)
         build_checkpoint(

@@ -80,7 +80,7 @@ def checkpoint(
     path = ckpt_dir / f"{name}-{layers}l{k}{e}-{dtype}"
     if (path / ".complete").is_file():
         return path
-    from mlx_lm_streaming.synthetic import build_checkpoint
+    from synthetic import build_checkpoint
 
     log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()

@@ -18,7 +18,7 @@ from support import (
 
 from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.options import ENV
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 
 @pytest.fixture(scope="session")

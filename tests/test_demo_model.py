@@ -22,7 +22,7 @@ from support import (
 )
 
 from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 DEMO = Path(__file__).resolve().parent.parent / "docs" / "demo-model"
 PROMPT = "The"

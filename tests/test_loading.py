@@ -13,7 +13,7 @@ from support import build_dense_checkpoint, held_out_env, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 
 def test_load_reads_no_expert_bytes(checkpoint):

@@ -19,7 +19,7 @@ from mlx_lm_streaming.pack import index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 
 def run(model, steps=4):

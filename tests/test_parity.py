@@ -19,7 +19,7 @@ from support import held_out_env, load_streaming
 from mlx_lm_streaming import schedules
 from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
 from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
 VARIANTS = ["affine4", "mixed", "affine8", "mxfp4", "float32_hf"]

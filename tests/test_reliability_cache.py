@@ -24,7 +24,7 @@ from mlx_lm_streaming.index import LayerExperts, PartSpec
 from mlx_lm_streaming.safetensors_header import TensorRef
 from mlx_lm_streaming.policy import DEFAULT_POLICY, POLICIES
 from mlx_lm_streaming.stores.base import ExpertStore
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 PARTS = [("gate_proj", "weight", 6), ("up_proj", "weight", 6), ("down_proj", "scales", 3)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 BIN = Path(sys.executable).parent
 PROMPT = "Tell me a story about a dragon"

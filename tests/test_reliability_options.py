@@ -24,7 +24,7 @@ from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
 from mlx_lm_streaming.options import StreamingOptions, decimal_gb
 from mlx_lm_streaming.routing_trace import TraceWriter
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 OTHER_UNITS = re.compile(r"\d ?(B|KB|MB|KiB|MiB|GiB)\b|2\*\*30|GiB")
 

@@ -113,7 +113,7 @@ def test_another_models_pack_is_not_replaced_without_force(ckpt, tmp_path):
     """`pack MODEL_B --out DIR` over MODEL_A's pack replaced it, exit 0, with only "made from
     model-00001-of-00002.safetensors, missing now; writing a new pack". Now refused in one line
     naming both models; --force replaces it. Using it with the wrong model names both too."""
-    from mlx_lm_streaming.synthetic import build_checkpoint
+    from synthetic import build_checkpoint
 
     other = build_checkpoint(tmp_path / "b", "qwen3_moe", shards=1)  # other shard names
     where = tmp_path / "packs"

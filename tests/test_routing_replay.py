@@ -9,7 +9,7 @@ import pytest
 from support import decode, load_stock, load_streaming, per_slot, same
 
 from mlx_lm_streaming.routing_trace import TraceError, read_trace
-from mlx_lm_streaming.synthetic import build_checkpoint
+from synthetic import build_checkpoint
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TRACE = Path(__file__).resolve().parent / "data" / "routing" / "qwen3-30b-a3b.jsonl"

@@ -5,15 +5,17 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+import setuptools
 from mlx.utils import tree_flatten
 from mlx_lm.models import switch_layers
 
-from mlx_lm_streaming import synthetic
-from mlx_lm_streaming.synthetic import (
+import synthetic
+from synthetic import (
     ARCHITECTURES,
     EXTRA_VARIANTS,
     VARIANTS,
@@ -31,6 +33,7 @@ TABLE = [
     if v != "float32_hf" or a in HF_ARCHS
 ]
 PROMPT = "hello world, the quick brown fox"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _index(path):
@@ -262,7 +265,7 @@ def test_cli(tmp_path, capsys):
         [
             sys.executable,
             "-m",
-            "mlx_lm_streaming.synthetic",
+            "synthetic",
             str(tmp_path / "b"),
             "--arch",
             "qwen3_moe",
@@ -280,6 +283,7 @@ def test_cli(tmp_path, capsys):
         check=True,
         capture_output=True,
         text=True,
+        cwd=ROOT,  # the builder is not installed: it runs from a checkout
     ).stdout
     assert out.strip() == str(tmp_path / "b")
     cfg = _config(tmp_path / "b")
@@ -288,3 +292,12 @@ def test_cli(tmp_path, capsys):
         128,
         16,
     )
+
+
+def test_the_wheel_leaves_the_builder_out():
+    # the packages pyproject.toml's package discovery puts in the wheel: ours, not this builder
+    text = (ROOT / "pyproject.toml").read_text()
+    include = json.loads(re.search(r"^include = (\[.*\])$", text, re.M).group(1))
+    packages = setuptools.find_packages(str(ROOT), include=include)
+    assert {"mlx_lm_streaming", "mlx_lm_streaming.stores"} <= set(packages)
+    assert not [p for p in packages if "synthetic" in p], packages

@@ -1,7 +1,8 @@
 """Tiny synthetic MoE checkpoints built with stock mlx-lm model classes.
 
-A user command as well as the test suite's and benchmarks' checkpoints: a model of any supported
-architecture to try a store or kernel plugin on (docs/plugins.md).
+Development only, not in the wheel: the test suite's and benchmarks' checkpoints, and, from a checkout
+(the repository root on ``sys.path``), a model of any supported architecture to try a store or kernel
+plugin on (docs/plugins.md).
 
 No hub is needed: weights are random (seeded), the tokenizer is a small
 byte-level BPE trained on a built-in corpus, and everything is written the way
@@ -10,11 +11,11 @@ byte-level BPE trained on a built-in corpus, and everything is written the way
 
 Usage::
 
-    from mlx_lm_streaming.synthetic import build_checkpoint
+    from synthetic import build_checkpoint
     path = build_checkpoint(tmp / "q3", "qwen3_moe", "affine4")
     model, tokenizer = mlx_lm.load(str(path))
 
-    python -m mlx_lm_streaming.synthetic OUT_DIR --arch qwen3_moe \\
+    python -m synthetic OUT_DIR --arch qwen3_moe \\
         --variant affine4 --layers 2 [--hidden N --moe-intermediate N \\
         --experts N --top-k N --vocab N --shards N --seed N --dtype bfloat16]
 
@@ -113,7 +114,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm import utils as mlx_utils
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .. import mlx_compat
+from mlx_lm_streaming import mlx_compat
+
 from .configs import (
     _DTYPES,
     _LAYER_RE,

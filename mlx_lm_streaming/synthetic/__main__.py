@@ -1,5 +1,0 @@
-"""``python -m mlx_lm_streaming.synthetic OUT_DIR ...``"""
-
-from . import main
-
-main()

@@ -1,0 +1,5 @@
+"""``python -m synthetic OUT_DIR ...``"""
+
+from . import main
+
+main()
