@@ -49,7 +49,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from mlx_lm_streaming.options import DEFAULT_CACHE_SHARE
+from mlx_lm_streaming.memory import DEFAULT_CACHE_SHARE
 from mlx_lm_streaming.policy import DEFAULT_POLICY
 from mlx_lm_streaming.replay import ReplayResult, replay
 from mlx_lm_streaming.routing_trace import RoutingTrace, check_decode_tokens, read_trace

@@ -8,8 +8,6 @@ shapes the index checks the checkpoint against are those of the quantized stock 
 """
 
 import atexit
-import os
-import sys
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -18,18 +16,15 @@ from typing import Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import mlx_compat, plugins, report
+from . import memory, mlx_compat, plugins, report
 from .expert_cache import CacheTuning, ExpertCache, close_all
 from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
 from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from .kernels.selector import KernelSelector
 from .layer_major import PrefillStats
 from .lookahead import find_router
-from .option_table import GB
 from .options import (
     CONFIG_KEY,
-    CUDA_CACHE_SHARE,
-    DEFAULT_CACHE_SHARE,
     StreamingOptions,
     budget_bytes,
     decimal_gb,
@@ -42,63 +37,13 @@ from .timeline import Timeline, open_timeline
 
 
 
-# what the default budget assumes where the OS does not say how much memory there is
-ASSUMED_MEMORY_BYTES = 16 * GB
-_memory_warned = False
-
-
-def physical_memory_bytes() -> int:
-    """This machine's RAM; where the OS does not tell, ``ASSUMED_MEMORY_BYTES``, said once on
-    stderr (the default expert budget depends on it)."""
-    global _memory_warned
-    try:
-        page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
-        why = f"page size {page}, pages {pages}"
-    except (ValueError, OSError, AttributeError) as e:
-        page, pages, why = 0, 0, f"{type(e).__name__}: {e}"
-    if page > 0 and pages > 0:
-        return page * pages
-    if not _memory_warned:
-        _memory_warned = True
-        print(
-            f"mlx-lm-streaming: cannot read this machine's memory size from the OS ({why}); the "
-            f"default expert cache budget assumes {ASSUMED_MEMORY_BYTES // GB} GB: set "
-            "--expert-cache-gb (MLX_LM_STREAMING_CACHE_GB) to choose it",
-            file=sys.stderr,
-            flush=True,
-        )
-    return ASSUMED_MEMORY_BYTES
-
-
-def cuda_memory_bytes() -> Optional[int]:
-    """The GPU's memory where MLX runs on CUDA (``mx.device_info()["total_memory"]``), else None:
-    there the expert cache's arrays live in it, not in the machine's RAM."""
-    try:
-        cuda = getattr(mx, "cuda", None)
-        if mx.default_device().type != mx.gpu or cuda is None or not cuda.is_available():
-            return None
-        total = mx.device_info().get("total_memory")
-    except Exception:  # an MLX without these calls: the machine's RAM, as before
-        return None
-    return int(total) if isinstance(total, int) and total > 0 else None
-
-
-def budget_base():
-    """``(memory, share, what)``: the memory the default budget is a share of, the share
-    (``options.DEFAULT_CACHE_SHARE``, ``CUDA_CACHE_SHARE``), and what the load line calls it."""
-    gpu = cuda_memory_bytes()
-    if gpu is not None:
-        return gpu, CUDA_CACHE_SHARE, "GPU memory"
-    return physical_memory_bytes(), DEFAULT_CACHE_SHARE, "memory"
-
-
 def default_budget(state: "StreamingState"):
     """``(budget, free)``: the default budget for ``state``'s model on this machine,
     ``clamp(share * free, one expert per layer, every expert)``, and ``free``, the memory the
-    resident weights leave (``budget_base``: the GPU's on CUDA, the machine's RAM elsewhere)."""
+    resident weights leave (``memory.budget_base``: the GPU's on CUDA, the machine's RAM elsewhere)."""
     cache = state.cache
-    memory, share, _ = budget_base()
-    free = memory - state.resident_bytes
+    total, share, _ = memory.budget_base()
+    free = total - state.resident_bytes
     per_slot = sum(b.layer.expert_nbytes for b in cache.banks)
     budget = min(cache.total_expert_bytes, max(per_slot, share * free))
     return int(budget), free
@@ -108,16 +53,14 @@ def check_budget_fits(state: "StreamingState") -> None:
     """Fail at load, not at the first token: a budget below one expert per MoE layer, or a given
     budget whose cache (what its slots really take: at most every expert) and the resident weights
     do not fit this machine's memory plus swap. A budget above every expert means every expert."""
-    from .options import memory_and_swap
-
     cache = state.cache
     cache.slots_for_budget()
     given = state.options.expert_cache_gb
-    memory = memory_and_swap() if given is not None else None
-    if memory is None:
+    machine = memory.memory_and_swap() if given is not None else None
+    if machine is None:
         return
     used = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
-    ram, swap = memory
+    ram, swap = machine
     needed = used + state.resident_bytes
     if needed > ram + swap:
         every = " (every expert)" if cache.budget_bytes >= cache.total_expert_bytes else ""

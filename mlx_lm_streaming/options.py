@@ -22,17 +22,6 @@ from .option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREF
 from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"
-# Of the memory the resident weights leave free, this share goes to the expert cache by default.
-# Where the expert cache is in the machine's RAM (CPU, Metal's unified memory) the rest holds the
-# OS and other programs, the KV cache, activations and the page cache; replaying real routing with
-# measured read costs, the page cache's share is worth less than the same bytes of expert cache at
-# every size (docs/benchmarks/README.md, "Page cache or expert cache"), but what the OS and other
-# programs need is not measured here, so half stays free. On CUDA the expert cache is in GPU memory
-# (measured: a 1 GB array adds nothing to the process's RSS on the H200) and the page cache in host
-# RAM: they do not compete, and the share is of the GPU's memory (``CUDA_CACHE_SHARE``), the rest
-# for the KV cache and activations.
-DEFAULT_CACHE_SHARE = 0.5
-CUDA_CACHE_SHARE = 0.8
 TRUE = ON_WORDS
 FALSE = ("",) + OFF_WORDS
 
@@ -74,50 +63,6 @@ def missing_local_path(name: str) -> bool:
         or name.startswith(("./", "../", "~"))
         or name.count("/") > 1
     )
-
-
-def _macos_swap_bytes() -> int:
-    import ctypes
-    import ctypes.util
-
-    class XswUsage(ctypes.Structure):
-        _fields_ = [
-            ("total", ctypes.c_uint64),
-            ("avail", ctypes.c_uint64),
-            ("used", ctypes.c_uint64),
-            ("pagesize", ctypes.c_uint32),
-            ("encrypted", ctypes.c_bool),
-        ]
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    usage = XswUsage()
-    size = ctypes.c_size_t(ctypes.sizeof(usage))
-    if libc.sysctlbyname(b"vm.swapusage", ctypes.byref(usage), ctypes.byref(size), None, 0):
-        return 0
-    return int(usage.total)
-
-
-def swap_bytes() -> int:
-    """The swap space configured on this machine (0 where the OS does not say)."""
-    try:
-        if sys.platform == "darwin":
-            return _macos_swap_bytes()
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("SwapTotal:"):
-                    return int(line.split()[1]) * 1024
-    except Exception:
-        pass
-    return 0
-
-
-def memory_and_swap() -> Optional[tuple]:
-    """``(ram, swap)`` in bytes, or None where the OS does not say how much memory there is."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return (ram, swap_bytes()) if ram > 0 else None
 
 
 def check_budget_gb(value) -> float:

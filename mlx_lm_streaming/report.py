@@ -4,6 +4,7 @@ per-layer table) at exit. Functions of a ``loading.StreamingState``."""
 import atexit
 import sys
 
+from . import memory
 from .options import StreamingOptions, decimal_gb
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
@@ -92,9 +93,7 @@ def budget_how(state, budget: int, given_gb=None, free=None) -> str:
     elif free is None:
         how = "default"
     else:
-        from .loading import budget_base
-
-        _, part, what = budget_base()
+        _, part, what = memory.budget_base()
         how = f"{part:.0%} of the {decimal_gb(free)} of {what} that the resident weights leave free"
     if budget >= cache.total_expert_bytes:
         how += ", " + EVERY_EXPERT

@@ -177,17 +177,19 @@ def test_streaming_off_is_stock(checkpoint, monkeypatch):
 @pytest.mark.parametrize("failure", ["raises", "unsupported"])
 def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
     """The default budget assumed 16 GB without a word where the OS does not give the RAM size."""
-    from mlx_lm_streaming import loading
+    from mlx_lm_streaming import memory
 
     def sysconf(name):
         if failure == "raises":
             raise ValueError(f"unrecognized configuration name {name!r}")
         return -1
 
-    monkeypatch.setattr(loading.os, "sysconf", sysconf)
-    monkeypatch.setattr(loading, "_memory_warned", False)
-    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES == 16 * 10**9
-    assert loading.physical_memory_bytes() == loading.ASSUMED_MEMORY_BYTES
+    monkeypatch.setattr(memory.os, "sysconf", sysconf)
+    monkeypatch.setattr(memory, "_memory_warned", False)
+    assert memory.physical_memory_bytes() == memory.ASSUMED_MEMORY_BYTES == 16 * 10**9
+    assert memory.physical_memory_bytes() == memory.ASSUMED_MEMORY_BYTES
+    # the check of a given budget asks the same probe: no memory to check against
+    assert memory.memory_and_swap() is None
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines
     assert "cannot read this machine's memory size" in lines[0]
@@ -201,22 +203,22 @@ def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeyp
     elsewhere half of the machine's RAM. Both after the resident weights."""
     from types import SimpleNamespace
 
-    from mlx_lm_streaming import loading, options
+    from mlx_lm_streaming import loading, memory
 
     bank = SimpleNamespace(layer=SimpleNamespace(expert_nbytes=10**6))
     cache = SimpleNamespace(banks=[bank, bank], total_expert_bytes=10**15)
     state = SimpleNamespace(cache=cache, resident_bytes=10**9)
-    monkeypatch.setattr(loading, "physical_memory_bytes", lambda: 64 * 10**9)
-    monkeypatch.setattr(loading, "cuda_memory_bytes", lambda: None)
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: 64 * 10**9)
+    monkeypatch.setattr(memory, "cuda_memory_bytes", lambda: None)
     assert loading.default_budget(state) == (int(0.5 * 63 * 10**9), 63 * 10**9)
-    assert loading.budget_base()[2] == "memory"
-    monkeypatch.setattr(loading, "cuda_memory_bytes", lambda: 24 * 10**9)
+    assert memory.budget_base()[2] == "memory"
+    monkeypatch.setattr(memory, "cuda_memory_bytes", lambda: 24 * 10**9)
     budget, free = loading.default_budget(state)
-    assert free == 23 * 10**9 and budget == int(options.CUDA_CACHE_SHARE * free)
-    assert loading.budget_base()[1:] == (options.CUDA_CACHE_SHARE, "GPU memory")
+    assert free == 23 * 10**9 and budget == int(memory.CUDA_CACHE_SHARE * free)
+    assert memory.budget_base()[1:] == (memory.CUDA_CACHE_SHARE, "GPU memory")
 
 
 def test_no_cuda_memory_off_cuda():
-    from mlx_lm_streaming import loading
+    from mlx_lm_streaming import memory
 
-    assert loading.cuda_memory_bytes() is None  # this CPU box: the machine's RAM
+    assert memory.cuda_memory_bytes() is None  # this CPU box: the machine's RAM

@@ -227,14 +227,14 @@ def test_a_budget_above_every_expert_means_every_expert(ckpt, capsys):
 
 
 def test_a_budget_that_cannot_fit_is_refused_at_load_with_both_figures(ckpt, monkeypatch, capsys):
-    from mlx_lm_streaming import options
+    from mlx_lm_streaming import memory
 
     model, _ = load_streaming(ckpt)
     state = model.expert_streaming
     every, resident = state.cache.total_expert_bytes, state.resident_bytes
     state.close()
     # every expert and the resident weights need one byte more than this machine has
-    monkeypatch.setattr(options, "memory_and_swap", lambda: (every + resident - 1001, 1000))
+    monkeypatch.setattr(memory, "memory_and_swap", lambda: (every + resident - 1001, 1000))
     needed = (
         rf"the cache would take {decimal_gb(every)} \(every expert\) and the resident weights "
         rf"{decimal_gb(resident)}, {decimal_gb(every + resident)} in all, more than this "
@@ -246,7 +246,7 @@ def test_a_budget_that_cannot_fit_is_refused_at_load_with_both_figures(ckpt, mon
     assert status == 2 and len(err) == 1 and re.search(needed, err[0]), err
     # what the cache really takes counts, not the budget: one slot a layer fits
     least = sum(b.layer.expert_nbytes for b in state.cache.banks)
-    monkeypatch.setattr(options, "memory_and_swap", lambda: (least + resident, 0))
+    monkeypatch.setattr(memory, "memory_and_swap", lambda: (least + resident, 0))
     model, _ = load_streaming(ckpt, expert_cache_gb=(least + 1) / 10**9)
     model.expert_streaming.close()
     # the default budget is never refused for the machine: it is a share of what is free
