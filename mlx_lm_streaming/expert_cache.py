@@ -27,7 +27,6 @@ from .options import format_size, gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
-GB = 1 << 30
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the
 # next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
@@ -91,8 +90,7 @@ class CacheTuning:
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
-    # background fill of identity banks; complete identity banks skip the host sync
-    fill: bool = True
+    # complete identity banks (their background fill done) skip the host sync
     skip_sync: bool = True
     # decode-sized calls whose experts are all resident run with no host sync per layer, checked
     # once per call (``verified_step.py``)
@@ -106,8 +104,8 @@ class CacheTuning:
     verify_max_missed_share: Optional[float] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer
-    # thread hand-offs: page cache reads of a 2.65 MB expert on the CPU box, 0.12 ms alone against
-    # 0.39-0.78 ms spread); None: always spread
+    # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
+    # spread
     spread_reads_upto: Optional[int] = 1
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
@@ -118,7 +116,6 @@ class CacheTuning:
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
-    prefetch_threads: int = 2
     # prompts longer than one prefill chunk go through decoder layer L chunk after chunk before
     # layer L+1 (layer_major.py): each uncached expert read about once per prompt, not once per
     # chunk; off: chunk by chunk, as stock (the benchmarks' comparison)
@@ -236,9 +233,7 @@ class ExpertCache:
         if self._prefetcher is None:
             with self._lock:
                 if self._prefetcher is None:
-                    self._prefetcher = ExpertPrefetcher(
-                        self.store, self._staging_limit(), self.tuning.prefetch_threads
-                    )
+                    self._prefetcher = ExpertPrefetcher(self.store, self._staging_limit())
                     self._prefetcher.timeline = self.timeline
                     if self._closed:
                         self._prefetcher.close()
@@ -274,7 +269,7 @@ class ExpertCache:
 
     def request_fill(self, bank: LayerBank) -> None:
         """Read the rest of an identity bank's experts in the background (low priority)."""
-        if not self.tuning.fill or bank.fill_requested or self._closed:
+        if bank.fill_requested or self._closed:
             return
         bank.fill_requested = True
         with self._lock:

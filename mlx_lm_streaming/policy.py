@@ -136,7 +136,7 @@ class DecayNextPolicy(DecayPolicy):
         if self.previous is not None and len(self.previous):
             self.after[self.previous] += 1.0
             # ``follows[previous[:, None], experts] += 1`` through the flat view: the same
-            # elements (each pair once: both are unique ids), 5x faster than numpy's 2-D fancy
+            # elements (each pair once: both are unique ids), faster than numpy's 2-D fancy
             # indexing, and this runs for every call of every layer
             pairs = (self.previous[:, None] * self.num_experts + experts).reshape(-1)
             self.follows.reshape(-1)[pairs] += 1.0
@@ -279,11 +279,3 @@ class SlotTable:
         self.slot_of[experts] = slots
         self.expert_of[slots] = experts
         self.version += 1
-
-    def unplace(self, expert: int, slot: int) -> None:
-        """``expert`` is no longer in ``slot`` (its read failed), if it still is there: the slot is
-        free."""
-        if self.slot_of[expert] == slot:
-            self.slot_of[expert] = -1
-            self.expert_of[slot] = -1
-            self.version += 1

@@ -148,12 +148,13 @@ class PrefetchStats:
 
 
 class ExpertPrefetcher:
-    """A small pool of reader threads with priorities, and a bound on staged bytes."""
+    """A small pool of reader threads (``threads``) with priorities, and a bound on staged bytes."""
 
-    def __init__(self, store, max_bytes: int, threads: int = 2):
+    threads = 2
+
+    def __init__(self, store, max_bytes: int):
         self.store = store
         self.max_bytes = int(max_bytes)
-        self.threads = threads
         self.stats = PrefetchStats()
         self._cv = threading.Condition()
         self._heap = []

@@ -1,6 +1,6 @@
 """Every script in bench/ runs at a tiny size and finds what it should, so none rots between the runs
-whose figures docs/benchmarks/ records (startup.py and cuda_banks.py run in test_integration_hook.py
-and test_parity.py). Timings are the scripts' business, never asserted here."""
+whose figures docs/benchmarks/ records (startup.py runs in test_integration_hook.py). Timings are
+the scripts' business, never asserted here."""
 
 import json
 import os

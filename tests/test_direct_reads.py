@@ -315,23 +315,6 @@ def test_a_load_of_several_experts_reads_each_on_its_own_thread(q3, upto):
         model.expert_streaming.close()
 
 
-def test_a_descriptor_per_reading_thread_reads_the_same_bits(q3):
-    # store option fd_per_thread: each reader thread opens the shard itself; exact, and every
-    # descriptor it opened is closed with the store
-    import os
-
-    path, tokens, want = q3
-    model = with_slots(path, 5, tuning=NO_LOOKAHEAD, store_options={"fd_per_thread": True})
-    assert same(want, decode(model, tokens))
-    store = model.expert_streaming.cache.store
-    fds = list(store._thread_fds)
-    assert len(fds) >= 2  # the model's thread and at least one reader
-    model.expert_streaming.close()
-    for fd in fds:
-        with pytest.raises(OSError):
-            os.fstat(fd)
-
-
 def test_a_load_beside_other_banks_never_spreads(q3):
     # a lone expert's ranges are spread over the store's readers; the same load on a bank thread of
     # a verified step's misses read together (``_load_alone``) reads it on its demand thread alone

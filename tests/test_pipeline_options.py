@@ -1,5 +1,5 @@
-"""The I/O pipeline's schedule (issue 14): ranges read in pieces (store option ``chunk_bytes``),
-each read expert computed as it lands, the router's lookahead one layer ahead. Each only moves work:
+"""The I/O pipeline's schedule (issue 14): each read expert computed as it lands, the router's
+lookahead one layer ahead. Each only moves work:
 logits equal stock's bit for bit, and each does what it says.
 """
 
@@ -12,39 +12,9 @@ from support import KernelPlugin, decode, load_stock, registered, same, with_slo
 
 from mlx_lm_streaming import bank_io
 from mlx_lm_streaming import lookahead
-from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.mlx_compat import SORT_THRESHOLD
-from mlx_lm_streaming.stores.safetensors import SafetensorsStore
-
-
-def test_ranges_read_in_pieces_are_exact_and_are_pieces(q3, monkeypatch):
-    path, tokens, want = q3
-    model = with_slots(path, 3, store_options={"chunk_bytes": 512})
-    store = model.expert_streaming.cache.store
-    assert isinstance(store, SafetensorsStore) and store.chunk_bytes == 512
-    pieces = []
-    real = SafetensorsStore._read
-
-    def read(self, ref, out, start=0, end=-1):
-        pieces.append((ref.nbytes, start, end))
-        return real(self, ref, out, start, end)
-
-    monkeypatch.setattr(SafetensorsStore, "_read", read)
-    assert same(want, decode(model, tokens))
-    # a range longer than a piece was read as several, none longer than a piece
-    assert any(n > 512 for n, _, _ in pieces)
-    assert all(end - start <= 512 for _, start, end in pieces)
-    assert any(start > 0 for _, start, _ in pieces)
-    model.expert_streaming.close()
-
-
-@pytest.mark.parametrize("bad", [100, -1, "big", 511])
-def test_a_bad_piece_size_is_named(q3, bad):
-    path, _, _ = q3
-    with pytest.raises(ConfigurationError, match="chunk_bytes"):
-        with_slots(path, 3, store_options={"chunk_bytes": bad})
 
 
 def test_one_call_per_landing_is_exact(q3, tmp_path):

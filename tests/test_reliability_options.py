@@ -438,8 +438,7 @@ def test_a_bad_threads_value_is_one_line_naming_it(ckpt, capsys, value):
 @pytest.mark.parametrize(
     "store, given, named",
     [
-        ("safetensors", {"chunk_bytes": 600.5}, "chunk_bytes=600.5"),
-        ("safetensors", {"chunk_bytes": "big"}, "chunk_bytes='big'"),
+        ("safetensors", {"threads": 2.5}, "threads=2.5"),
         ("packed", {"direct": "maybe"}, "direct='maybe'"),
         ("packed", {"verify": "sometimes"}, "verify='sometimes'"),
         ("packed", {"threads": 0}, "threads=0"),
@@ -458,8 +457,8 @@ def test_every_store_option_value_is_checked_before_the_store_is_made(ckpt, stor
 def test_good_store_option_values_pass():
     from mlx_lm_streaming import plugins
 
-    plugins.check_store_options("safetensors", {"threads": 1, "chunk_bytes": 0})
-    plugins.check_store_options("safetensors", {"threads": 256, "chunk_bytes": 512})
+    plugins.check_store_options("safetensors", {"threads": 1})
+    plugins.check_store_options("safetensors", {"threads": 256})
     plugins.check_store_options(
         "packed", {"threads": 8, "direct": "on", "verify": "off", "path": "/p"}
     )

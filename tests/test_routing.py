@@ -162,6 +162,33 @@ def test_a_slot_table_never_gives_up_a_pinned_slot(policy, slots, calls):
         assert (table.expert_of[table.slot_of[resident]] == resident).all()
 
 
+def test_a_wrong_prefetch_is_evicted_before_a_used_expert():
+    table = SlotTable(16, "decay")
+    table.reset(2)
+    for _ in range(10):
+        admit(table, [5])  # 5: a high score
+    admit(table, [0, 1])  # 5 evicted (the only candidate), keeps its score
+    admit(table, [0])
+    clock = table.policy.clock
+    missing, slots, evicted = table.prefetch(np.array([5, 0]))
+    assert missing.tolist() == [5] and evicted == 1  # 0 is resident: only 5 is read
+    table.place(missing, slots)
+    assert table.policy.clock == clock  # not a use
+    assert table.slot_of[1] < 0  # the lowest score went
+    admit(table, [2])  # decay alone would evict 0 (score ~2, 5's ~10): 5 is on probation
+    assert table.slot_of[5] < 0 and table.slot_of[0] >= 0
+
+
+def test_a_prefetched_expert_once_used_is_off_probation():
+    table = SlotTable(16, "lru")
+    table.reset(2)
+    admit(table, [0])
+    table.place(*table.prefetch(np.array([1]))[:2])
+    admit(table, [1])  # used: now the most recent
+    admit(table, [2])
+    assert table.slot_of[0] < 0 and table.slot_of[1] >= 0
+
+
 # --- traces -------------------------------------------------------------------------------------
 
 

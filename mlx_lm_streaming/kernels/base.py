@@ -14,7 +14,6 @@ and the selector falls back. Exactness is a measured fact per backend: never cla
 import mlx.core as mx
 
 
-
 class ExpertKernel:
     """Computes ``SwitchGLU(x, indices)`` over a slot bank."""
 
@@ -25,10 +24,8 @@ class ExpertKernel:
     # bits as the whole call: there the layer may compute rows in groups (the resident experts' while
     # the others are read, each read expert's as it lands, waves). Elsewhere every partial call is
     # padded to the whole call's row count (repeating a row it has, results dropped), so the kernel
-    # sees the shapes stock mlx-lm gives it. Measured on CUDA (H200, mlx 0.32.4, bf16): gather_qmm
-    # over 8 rows, in groups of 4 or fewer, is not bit-identical to the 8 at once; 16 of 32, 64 of
-    # 512 are (``bench/cuda_rows.py``, removed: bench/README.md): the kernel's launch shape depends
-    # on the row count.
+    # sees the shapes stock mlx-lm gives it: on CUDA a kernel's launch shape, and with it a row's
+    # bits, may depend on the row count (docs/design.md, "Row groups and exactness on GPUs").
     subset_exact_on = ()
     # whether it reads ``slots_np`` (host copy of the slot ids); if not, a complete bank whose slots
     # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync

@@ -2,10 +2,10 @@
 
 The layer's stock ``SwitchGLU`` module is called with its arrays swapped for the slot banks and with slot
 ids in place of expert ids, so sorting at >= 64 indices, activations and biases are mlx-lm's code.
-Measured bit-identical to stock on CPU and on CUDA (H200, bf16/fp16/fp32, sorted and unsorted) when
-called with the call's whole row count (on CUDA a call over fewer rows may launch differently, so
-partial calls are padded there, see ``ExpertKernel.subset_exact_on``); on Metal it is MLX's own kernel,
-expected exact but not verified by us (no Mac in CI), and padded like CUDA.
+Measured bit-identical to stock on CPU and on CUDA when called with the call's whole row count: on
+CUDA partial calls are padded to it (``ExpertKernel.subset_exact_on``; docs/design.md, "Row groups and
+exactness on GPUs"). On Metal it is MLX's own kernel, expected exact but not verified by us (no Mac in
+CI), and padded like CUDA.
 """
 
 from .base import ExpertKernel

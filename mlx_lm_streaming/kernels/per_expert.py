@@ -2,8 +2,8 @@
 
 Rows are grouped by slot on the host (the slot ids are already there), each group is multiplied by its
 expert's own slice of the bank, and the rows are put back in order. Bit-identical to stock on CPU
-(measured); on CUDA it is not (max abs diff 1.0 in bf16), so it is marked inexact there and is only used
-when asked for by name. Global-scale (nvfp4) banks are not supported: ``quantized_matmul`` takes no
+(measured); on CUDA it is not (docs/design.md, "Kernels and the selector"), so it is marked inexact
+there and is only used when asked for by name. Global-scale (nvfp4) banks are not supported: ``quantized_matmul`` takes no
 global scale.
 """
 

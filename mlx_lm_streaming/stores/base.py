@@ -18,8 +18,8 @@ from ..index import CheckpointFiles
 from ..safetensors_header import TensorRef
 
 
-# the most reader threads a store option may ask for (8 was the fastest measured; a typo such as
-# threads=80 still works, threads=8000 is a slip)
+# the most reader threads a store option may ask for (a typo such as threads=80 still works,
+# threads=8000 is a slip; the default: docs/benchmarks/README.md, "What won")
 MAX_THREADS = 256
 
 

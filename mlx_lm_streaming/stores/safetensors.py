@@ -9,83 +9,33 @@ load (even during the read) is an error, never silently different logits.
 """
 
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
-from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
+from ..errors import CheckpointChangedError, ExpertIOError
 from ..safetensors_header import TensorRef
-from .base import ExpertStore, shard_error, switch_option, thread_count
+from .base import ExpertStore, shard_error, thread_count
 
-# reads in flight: a fast disk gives one reader less than several, and cold decode on the H200 ran
-# faster with 8 than with 4, 16 no better (docs/benchmarks/README.md, "What won")
+# reads in flight: a fast disk serves several readers faster than one, and more than 8 gained nothing
+# cold (docs/benchmarks/README.md, "What won")
 DEFAULT_THREADS = 8
 MAX_RETRIES = 8
-# ranges longer than this are read as pieces of this size in parallel, so that even one expert (a
-# few ranges, most of its bytes in three) keeps every reader busy; None: one read per range
-DEFAULT_CHUNK_BYTES: Optional[int] = None
-# each reading thread opens its own descriptor of a shard instead of all sharing one (some kernels,
-# gVisor's among them, may serialize reads of one open file)
-DEFAULT_FD_PER_THREAD = False
-
-
-def _chunk_option(value) -> Optional[int]:
-    """The ``chunk_bytes`` store option: None or 0 (whole ranges), else a whole number of bytes,
-    at least 512."""
-    if value is None or (value == 0 and not isinstance(value, bool)):
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 512:
-        raise ConfigurationError(
-            f"chunk_bytes={value!r}: must be 0 (whole ranges) or a whole number of "
-            "bytes, at least 512"
-        )
-    return value
 
 
 class SafetensorsStore(ExpertStore):
     """Reads expert byte ranges straight from the safetensors shards."""
 
     name = "safetensors"
-    option_checks = {
-        "threads": thread_count,
-        "chunk_bytes": _chunk_option,
-        "fd_per_thread": lambda v: switch_option(v, "fd_per_thread"),
-    }
+    option_checks = {"threads": thread_count}
 
-    def __init__(
-        self,
-        files,
-        threads: int = DEFAULT_THREADS,
-        chunk_bytes=DEFAULT_CHUNK_BYTES,
-        fd_per_thread=DEFAULT_FD_PER_THREAD,
-        **options,
-    ):
+    def __init__(self, files, threads: int = DEFAULT_THREADS, **options):
         super().__init__(files)
         self.threads = thread_count(threads)
-        self.chunk_bytes = _chunk_option(chunk_bytes)
-        self.fd_per_thread = switch_option(fd_per_thread, "fd_per_thread")
         self._fds: Dict[Path, int] = {}
-        # fd_per_thread: each thread's own descriptors (path -> fd), and every one opened, to close
-        self._local = threading.local()
-        self._thread_fds: List[int] = []
 
     def _fd(self, path: Path) -> int:
-        if not self.fd_per_thread:
-            return self._per_file(self._fds, path, self._open)
-        mine = getattr(self._local, "fds", None)
-        if mine is None:
-            mine = self._local.fds = {}
-        fd = mine.get(path)
-        if fd is None:
-            fd = self._open(path)
-            with self._lock:
-                if self._closed:
-                    os.close(fd)
-                    raise self._closed_error()
-                self._thread_fds.append(fd)
-            mine[path] = fd
-        return fd
+        return self._per_file(self._fds, path, self._open)
 
     def _open(self, path: Path) -> int:
         try:
@@ -115,11 +65,11 @@ class SafetensorsStore(ExpertStore):
         self._read(ref, out)
         self._check([ref.file])
 
-    def _read(self, ref: TensorRef, out: memoryview, start: int = 0, end: int = -1) -> None:
-        """Bytes ``start:end`` of ``ref`` (all by default) into the same bytes of ``out``."""
+    def _read(self, ref: TensorRef, out: memoryview) -> None:
+        """``ref``'s bytes into ``out``."""
         fd = self._fd(ref.file)
-        end = ref.nbytes if end < 0 else end
-        done, retries = start, 0
+        end = ref.nbytes
+        done, retries = 0, 0
         while done < end:
             try:
                 n = os.preadv(fd, [out[done:end]], ref.offset + done)
@@ -160,36 +110,25 @@ class SafetensorsStore(ExpertStore):
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        pieces = self._pieces(jobs, self.chunk_bytes)
-        if self.threads == 1 or len(pieces) == 1 or not spread:
-            for piece in pieces:
-                self._read(*piece)
+        if self.threads == 1 or len(jobs) == 1 or not spread:
+            for job in jobs:
+                self._read(*job)
         else:
             pool = self._reader_pool()
             # list() re-raises the first error of any read
-            list(pool.map(lambda piece: self._read(*piece), pieces))
+            list(pool.map(lambda job: self._read(*job), jobs))
         # again after: a change that raced with the reads is caught before the bytes are used
         self._check(files)
         self.stats.add(
             len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
-    def _pieces(self, jobs, size: Optional[int]):
-        """``(ref, out, start, end)`` reads: whole ranges, or pieces of ``size`` of long ones."""
-        if size is None or self.threads == 1:
-            return [(ref, out, 0, ref.nbytes) for ref, out in jobs]
-        return [
-            (ref, out, a, min(a + size, ref.nbytes))
-            for ref, out in jobs
-            for a in range(0, max(ref.nbytes, 1), size)
-        ]
-
     def close(self, wait: bool = True) -> None:
         """``wait=False``: do not join the reader threads (see ``ExpertCache.close``)."""
         with self._lock:
             self._closed = True
-            fds = list(self._fds.values()) + self._thread_fds
-            self._fds, self._thread_fds = {}, []
+            fds = list(self._fds.values())
+            self._fds = {}
         if self._pool is not None:
             self._pool.shutdown(wait=wait)
             self._pool = None
