@@ -39,9 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ARCHS, drop_page_cache, shards  # noqa: E402 (stdlib only at import)
+from harness import ARCHS, GB, drop_page_cache, shards  # noqa: E402 (stdlib only at import)
 
-GB = 1 << 30
 QWEN3_30B_SHAPE = ARCHS["qwen3"]["overrides"]
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle."
