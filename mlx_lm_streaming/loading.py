@@ -36,7 +36,6 @@ from .verified_step import StepRunner
 from .timeline import Timeline, open_timeline
 
 
-
 def default_budget(state: "StreamingState"):
     """``(budget, free)``: the default budget for ``state``'s model on this machine,
     ``clamp(share * free, one expert per layer, every expert)``, and ``free``, the memory the
