@@ -101,13 +101,13 @@ SHAPES = ("qwen3", "tiny")
 
 # A variant is a name made of "_"-joined words: "default" (the package's defaults), "staged" /
 # "direct" (direct reads off / on, 4 store threads unless a "tN" word says otherwise), "tN" (N store
-# threads), "cN" (the store reads ranges in pieces of N KiB, ``chunk_bytes``), "nolookahead" (no
+# threads), "nolookahead" (no
 # next-layer lookahead), "gateN" (lookahead guesses read once their running precision is N% or
 # more), "pack" / "packdirect" (the ``packed`` store, buffered / O_DIRECT), "tl" (records a
 # timeline, ``--streaming-trace``, summarized by bench/timeline_summary.py). Words of settings that
 # left ``CacheTuning`` are listed in bench/README.md with the commit they last existed in.
-# E.g. "direct_t8_c256", "staged_gate25_tl".
-VARIANT_WORDS = "default, staged, direct, tN, cN, nolookahead, gateN, pack, packdirect, fdt, tl"
+# E.g. "direct_t8", "staged_gate25_tl".
+VARIANT_WORDS = "default, staged, direct, tN, nolookahead, gateN, pack, packdirect, tl"
 
 
 # Variants defined on the command line (``--tuning-variant NAME:field=value,...``): a word NAME
@@ -180,17 +180,12 @@ def variant_options(name: str):
             store.setdefault("threads", 8)
             if word == "packdirect":
                 store["direct"] = True
-        elif word == "fdt":
-            store["fd_per_thread"] = True  # each reading thread its own descriptor of a shard
         elif word == "tl":
             opts["trace"] = True  # the caller names the file
         elif word.startswith("gate") and word[4:].isdigit():
             tuning["lookahead_min_precision"] = int(word[4:]) / 100
-        elif word[:1] in "tc" and word[1:].isdigit():
-            if word[0] == "t":
-                store["threads"] = int(word[1:])
-            else:
-                store["chunk_bytes"] = int(word[1:]) * 1024
+        elif word[:1] == "t" and word[1:].isdigit():
+            store["threads"] = int(word[1:])
         elif word != "default":
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {VARIANT_WORDS})")
     if store:
