@@ -14,6 +14,7 @@ If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked
 supported range (``refusal``), instead of silently loading every expert into memory.
 """
 
+import contextlib
 import inspect
 import os
 import re
@@ -408,7 +409,42 @@ def plain_kv_cache_problem(cache) -> Optional[str]:
     for c in cache:
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
+        if not all(hasattr(c, a) for a in ("offset", "keys", "trim")):
+            return "mlx-lm's KVCache has no offset, keys or trim"
     return None
+
+
+def kv_seek(entry, offset: int) -> None:
+    """Put ``entry`` (a ``KVCache``, ``plain_kv_cache_problem``) at ``offset`` tokens, back or
+    forward within what it holds: its next write goes there, and its reads see the tokens before
+    it (``trim`` only goes back)."""
+    held = 0 if entry.keys is None else entry.keys.shape[2]
+    if not 0 <= offset <= held:
+        raise ValueError(f"a KVCache holding {held} tokens cannot be put at token {offset}")
+    entry.offset = offset
+
+
+def child_modules(module) -> list:
+    """The modules that are direct attributes of ``module`` (a decoder layer's attention, norms,
+    MLP), not those in lists or dicts."""
+    import mlx.nn as nn
+
+    return [m for m in module.children().values() if isinstance(m, nn.Module)]
+
+
+@contextlib.contextmanager
+def calls_through(modules, around):
+    """While the block runs, route calls of each of ``modules`` through ``around(module, call,
+    args, kwargs)`` (``call(*args, **kwargs)``: the stock call); their classes are put back
+    after it (``wrap_call``, undone)."""
+    classes = [(m, type(m)) for m in modules]
+    try:
+        for m, _ in classes:
+            wrap_call(m, lambda call, args, kwargs, m=m: around(m, call, args, kwargs))
+        yield
+    finally:
+        for m, cls in classes:
+            m.__class__ = cls
 
 
 def kv_state(entry):

@@ -299,6 +299,9 @@ def check_layer_major(path, **options):
         else:
             assert (state.prefill.prompts, state.prefill.chunks, state.prefill.fallbacks) == (
                 1, 6, 0)
+            # attention ran once per chunk and layer: given back its output when run again
+            assert state.prefill.parts_given > 0 and state.prefill.attention_run == 0, (
+                arch, state.prefill.parts_given, state.prefill.attention_run)
         state.close()
 
 
@@ -399,3 +402,29 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
     assert state.prefill.fallbacks == 1 and "injected" in state.prefill.why
     assert state.prefill.chunks == 1  # the first chunk went layer-major
     state.close()
+
+
+def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch):
+    # where a part's arguments differ from those routed, it runs again: the attention then writes
+    # the same KV entries again, at the chunk's own offset
+    from mlx_lm_streaming import layer_major
+
+    monkeypatch.setattr(layer_major, "_same", lambda a, b: False)
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
+    from support import load_stock
+
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    probe, _ = load_streaming(path, layer_major_prefill=True)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True)
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.state, b.state))
+    prefill = model.expert_streaming.prefill
+    assert prefill.prompts == 1 and prefill.parts_given == 0 and prefill.attention_run == 12
+    model.expert_streaming.close()
