@@ -543,6 +543,56 @@ def wrap_generate_step(stock):
     return generate_step
 
 
+# where a prefill that does not go through generate_step falls back (mlx_compat: BATCH_INSERT)
+BATCHED = (
+    "mlx-lm's BatchGenerator (the server's batched requests, batch_generate) prefills a chunk per "
+    "step, between decode steps, into batched caches"
+)
+SPECULATIVE = "a draft model (speculative_generate_step prefills chunk by chunk itself)"
+
+
+def note_elsewhere(model, tokens: int, step, why: str) -> None:
+    """A prompt of ``tokens`` tokens prefilled by mlx-lm outside ``generate_step`` in chunks of
+    ``step``: counted as a fallback, said once, where layer-major prefill would have run."""
+    state = getattr(model, "expert_streaming", None)
+    if (
+        state is None
+        or not state.cache.tuning.layer_major_prefill
+        or not isinstance(step, int)
+        or tokens - 1 <= step
+        or _holds_every_expert(state.cache)
+    ):
+        return
+    note_fallback(state, why)
+
+
+def note_batched(generator, lengths) -> None:
+    """Prompts inserted into a ``BatchGenerator`` (``mlx_compat.wrap_batch_insert``)."""
+    for n in lengths:
+        note_elsewhere(generator.model, n, generator.prefill_step_size, BATCHED)
+
+
+def wrap_speculative(stock):
+    """``speculative_generate_step``, stock, with a long prompt's fallback noted for each
+    streamed model it prefills (the model and the draft model)."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def speculative_generate_step(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        prompt = a["prompt"]
+        tokens = prompt.size if isinstance(prompt, mx.array) else len(prompt)
+        for model in (a["model"], a["draft_model"]):
+            note_elsewhere(model, tokens, a["prefill_step_size"], SPECULATIVE)
+        yield from stock(*args, **kwargs)
+
+    speculative_generate_step.mlx_lm_streaming = True
+    speculative_generate_step.stock = stock
+    return speculative_generate_step
+
+
 def _after(head: mx.array, processor):
     def process(tokens, logits):
         return processor(mx.concat([head, tokens]), logits)

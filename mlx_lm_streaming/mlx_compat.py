@@ -391,6 +391,75 @@ def generate_step_problem(generate_step) -> Optional[str]:
     return None
 
 
+# the prefills that do not go through generate_step, where layer-major prefill does not apply and
+# says so (layer_major.note_elsewhere): mlx-lm's BatchGenerator (the server's batched requests,
+# batch_generate) prefills a chunk per step, interleaved with decoding, into batched caches; a
+# draft model's speculative_generate_step prefills both models chunk by chunk itself
+BATCH_INSERT = {"insert_segments": "segments", "insert": "prompts"}  # newest first
+
+
+def batch_insert_problem(batch_generator) -> Optional[str]:
+    """None if mlx-lm's ``BatchGenerator`` takes prompts through ``insert_segments(segments, ...)``
+    (0.32) or ``insert(prompts, ...)`` (0.30), on a generator with a ``prefill_step_size``; else
+    what differs."""
+    if not isinstance(batch_generator, type):
+        return "mlx_lm.generate has no BatchGenerator class"
+    if "prefill_step_size" not in _parameters(batch_generator.__init__):
+        return "BatchGenerator takes no prefill_step_size"
+    for name, first in BATCH_INSERT.items():
+        method = getattr(batch_generator, name, None)
+        if callable(method):
+            params = list(_parameters(method))
+            if params[1:2] != [first]:
+                return f"BatchGenerator.{name} takes {params[1:2]}, not {first}"
+            return None
+    return "BatchGenerator has no insert_segments or insert"
+
+
+def _parameters(fn):
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def wrap_batch_insert(batch_generator, before) -> None:
+    """Call ``before(generator, lengths)`` (each inserted prompt's length in tokens) ahead of
+    every insertion of prompts into a ``BatchGenerator`` (``batch_insert_problem`` found none)."""
+    import functools
+
+    name = next(n for n in BATCH_INSERT if callable(getattr(batch_generator, n, None)))
+    stock = getattr(batch_generator, name)
+    if getattr(stock, "mlx_lm_streaming", False):
+        return
+
+    @functools.wraps(stock)
+    def insert(self, *args, **kwargs):
+        prompts = args[0] if args else kwargs.get(BATCH_INSERT[name], ())
+        if name == "insert_segments":
+            lengths = [sum(len(s) for s in segments) for segments in prompts]
+        else:
+            lengths = [len(p) for p in prompts]
+        before(self, lengths)
+        return stock(self, *args, **kwargs)
+
+    insert.mlx_lm_streaming = True
+    setattr(batch_generator, name, insert)
+
+
+SPECULATIVE_PARAMETERS = ("prompt", "model", "draft_model", "prefill_step_size")
+
+
+def speculative_problem(speculative_generate_step) -> Optional[str]:
+    """None if mlx-lm's ``speculative_generate_step`` takes the parameters read to tell a long
+    prompt, else what is missing."""
+    params = _parameters(speculative_generate_step)
+    missing = [p for p in SPECULATIVE_PARAMETERS if p not in params]
+    if missing:
+        return f"mlx_lm.generate.speculative_generate_step takes no {', '.join(missing)}"
+    return None
+
+
 def make_prompt_cache(model, max_kv_size=None):
     """mlx-lm's own cache for ``model``, as ``generate_step`` makes it."""
     from mlx_lm.models.cache import make_prompt_cache as make

@@ -428,3 +428,48 @@ def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch)
     prefill = model.expert_streaming.prefill
     assert prefill.prompts == 1 and prefill.parts_given == 0 and prefill.attention_run == 12
     model.expert_streaming.close()
+
+
+def test_layer_major_prefill_batched_and_speculative_fall_back(checkpoint, capsys):
+    # mlx-lm's BatchGenerator (the server's batched requests) and a draft model's
+    # speculative_generate_step prefill without generate_step: their long prompts prefill as
+    # stock (the same tokens as the stock model's), each reason said once in one line
+    from support import load_stock
+
+    generate = generate_step_module()
+    assert getattr(generate.speculative_generate_step, "mlx_lm_streaming", False)
+    path = checkpoint("qwen3_moe")
+    prompts = [[(7 * i + 3 + j) % 64 for i in range(40)] for j in range(2)]
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    stock, _ = load_stock(path)
+    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True, stats=True)
+
+    def batched(m):
+        gen = generate.BatchGenerator(m, max_tokens=3, prefill_step_size=8)
+        uids = gen.insert(prompts)
+        out = {u: [] for u in uids}
+        while any(len(t) < 3 for t in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return list(out.values())
+
+    def speculative(m, draft):
+        steps = generate.speculative_generate_step(
+            mx.array(prompts[0]), m, draft, max_tokens=3, prefill_step_size=8
+        )
+        return [int(t) for t, *_ in steps]
+
+    assert batched(model) == batched(stock)
+    assert speculative(model, stock) == speculative(stock, stock)
+    state = model.expert_streaming
+    assert state.prefill.prompts == 0 and state.prefill.fallbacks == 3
+    lines = [l for l in capsys.readouterr().err.splitlines() if "does not apply" in l]
+    assert len(lines) == 2, lines
+    assert "BatchGenerator" in lines[0] and "draft model" in lines[1], lines
+    # a prompt of one chunk: nothing to reorder, nothing said
+    generate.BatchGenerator(model, prefill_step_size=64).insert([prompts[0]])
+    assert state.prefill.fallbacks == 3
+    state.close()
