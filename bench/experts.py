@@ -318,8 +318,9 @@ def layer_major_figures(args) -> None:
     bandwidth); time to first token against stock's; hidden states held between layers and MLX's
     peak memory; the decode hit rate after the prompt; whether each token after the prompt (the
     argmax of its log-probabilities) is stock's, and the first token's log-probabilities bit for
-    bit. Stock runs twice: its own run-to-run. ``--hold-tokens``: one more layer-major prompt of
+    bit. On a GPU stock runs twice: its own run-to-run. ``--hold-tokens``: one more layer-major prompt of
     that length at the first budget (held states bounded by ``CacheTuning.prefill_hold_bytes``).
+    ``--rounds``: each budget's two prefills that many times, in alternating order (paired ratios).
     Writes ``<out>/<tag>.json`` (tag default ``prefill-<device kind>``)."""
     from dataclasses import replace
 
@@ -421,19 +422,29 @@ def layer_major_figures(args) -> None:
     for tokens in sizes:
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
         ref = run(stock, prompt, cold=False)
-        again = run(stock, prompt, cold=False)
+        # stock's own run-to-run (on CUDA a long prompt's logits vary from run to run)
+        again = run(stock, prompt, cold=False) if args.device_kind == "gpu" else None
         stock_s = ref["ttft_s"]
         base = {"tokens": tokens, "stock_ttft_s": stock_s}
         res["runs"].append({
-            **base, "mode": "stock", "ttft_s": stock_s, "stock_again_ttft_s": again["ttft_s"],
-            "prefill_tok_s": tokens / stock_s, "peak_prefill_gb": ref["peak_prefill_gb"],
-            "stock_run_to_run_same_tokens": again["argmax"] == ref["argmax"],
-            "stock_run_to_run_same_first_logprobs": bool(mx.array_equal(again["first"], ref["first"])),
+            **base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s, "prefill_tok_s": tokens / stock_s,
+            "peak_prefill_gb": ref["peak_prefill_gb"],
         })  # fmt: skip
+        if again is not None:
+            res["runs"][-1].update({
+                "stock_again_ttft_s": again["ttft_s"],
+                "stock_run_to_run_same_tokens": again["argmax"] == ref["argmax"],
+                "stock_run_to_run_tokens_equal": sum(
+                    a == b for a, b in zip(again["argmax"], ref["argmax"])),
+                "stock_run_to_run_same_first_logprobs": bool(
+                    mx.array_equal(again["first"], ref["first"])),
+            })  # fmt: skip
         log(json.dumps(res["runs"][-1]))
         for share in shares:
             budget = share * total
-            for mode in ("chunked", "layer_major"):
+            modes = ("chunked", "layer_major")
+            rounds = [modes if r % 2 == 0 else modes[::-1] for r in range(args.rounds or 1)]
+            for r_index, mode in ((r, m) for r, order in enumerate(rounds) for m in order):
                 tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
                 model, _ = load_streaming(path, expert_cache_gb=budget / BUDGET_GB, tuning=tuning)
                 r = run(model, prompt, cold=True)
@@ -442,7 +453,8 @@ def layer_major_figures(args) -> None:
                 must = r["must_read_gb"] * 1e9
                 limit = max(stock_s, must / disk)
                 row = {
-                    **base, "share": share, "mode": mode, "budget_gb": budget / 1e9,
+                    **base, "share": share, "mode": mode, "round": r_index,
+                    "budget_gb": budget / 1e9,
                     "gb_read": r["gb_read"], "must_read_gb": must / 1e9,
                     "read_over_must_read": r["gb_read"] * 1e9 / must if must else None,
                     # the same for every token but the last (whose step, stock's, may read again
@@ -507,7 +519,8 @@ def prefill_table(res) -> str:
             lines.append(
                 f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} | - "
                 f"| {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
-                f"| run to run: {r['stock_run_to_run_same_tokens']} |"
+                + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
+                   if "stock_run_to_run_tokens_equal" in r else "| - |")
             )
             continue
         lines.append(
@@ -519,6 +532,21 @@ def prefill_table(res) -> str:
             f"| {r['peak_prefill_gb']:.2f} | {r['decode_hit_rate']:.3f} "
             f"| {r['tokens_equal_to_stock']}/{r['tokens_compared']}"
             f"{', first bits equal' if r['same_first_logprobs_as_stock'] else ''} |"
+        )
+    # paired: layer-major's prefill time against chunk by chunk's in the same round
+    pairs = {}
+    for r in res["runs"]:
+        if r["mode"] != "stock":
+            pairs.setdefault((r["tokens"], r["share"], r.get("round", 0)), {})[r["mode"]] = r
+    by = {}
+    for (tokens, share, _), p in pairs.items():
+        if len(p) == 2:
+            by.setdefault((tokens, share), []).append(
+                p["chunked"]["ttft_s"] / p["layer_major"]["ttft_s"])
+    for (tokens, share), ratios_ in sorted(by.items()):
+        lines.append(
+            f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, per round: "
+            + ", ".join(f"{x:.2f}" for x in ratios_)
         )
     h = res.get("hold")
     if h:

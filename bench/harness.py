@@ -54,7 +54,7 @@ ARCHS = {
     ),
     # the Qwen3 layout at small dims: long prompts (4K-32K tokens) prefill in minutes on the CPU
     "small": _shape("small (Qwen3 layout)", "qwen3_moe", 2, hidden=256, moe_intermediate=128,
-                    experts=64, top_k=4, heads=4, kv_heads=2, head_dim=64),
+                    experts=64, top_k=4, heads=2, kv_heads=1, head_dim=32),
     # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too)
     "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
                    experts=128, top_k=6),

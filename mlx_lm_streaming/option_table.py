@@ -98,8 +98,8 @@ OPTIONS = (
         "--layer-major-prefill",
         "auto|on|off",
         "Prefill a prompt of several chunks layer by layer, each uncached expert read about once "
-        "per prompt. Default: auto (off: on the CPU it read half the bytes but ran slower; not yet "
-        "measured on a GPU)",
+        "per prompt. Default: auto (on where it applies: a plain KV cache, a cache that cannot "
+        "hold every expert)",
     ),
     Option(
         "stats",

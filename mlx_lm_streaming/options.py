@@ -229,8 +229,8 @@ class StreamingOptions:
     # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
-    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, which is off
-    # on every backend until measured to pay there (docs/usage.md, "Long prompts")
+    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, which is on
+    # wherever it applies (docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md)
     layer_major_prefill: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
@@ -294,10 +294,11 @@ class StreamingOptions:
         self.store_options = {**self.store_options, "path": self.pack}
 
     def use_layer_major_prefill(self, tuning) -> bool:
-        """Whether long prompts prefill layer by layer: as asked; auto: off, or as the internal
-        ``tuning`` of benchmarks and tests says where one was given."""
+        """Whether long prompts prefill layer by layer: as asked; auto: on (it reads each uncached
+        expert about once per prompt for the compute of chunk by chunk: docs/benchmarks/prefill.md),
+        or as the internal ``tuning`` of benchmarks and tests says where one was given."""
         if self.layer_major_prefill is None:
-            return tuning is not None and tuning.layer_major_prefill
+            return tuning is None or tuning.layer_major_prefill
         return self.layer_major_prefill
 
     def use_direct_reads(self, backend: str) -> bool:

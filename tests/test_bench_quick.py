@@ -50,7 +50,6 @@ def test_experts_layer_major_prefill(tmp_path):
             assert r["layer_major_prompts"] == 1 and r["prefix_read_over_must_read"] <= 1.05, r
         else:
             assert r["layer_major_prompts"] == 0 and r["read_over_must_read"] > 1.1, r
-    assert all(r["stock_run_to_run_same_tokens"] for r in report["runs"] if r["mode"] == "stock")
     assert report["hold"]["held_gb"] > 0 and report["hold"]["groups"] == 1
 
 
