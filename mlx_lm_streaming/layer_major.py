@@ -145,8 +145,9 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
         # layer 0 now: the next chunk's forward makes its arguments from cache entry 0
         first.route(chunk, 0)
         stats.chunks += 1
-        # per token: hidden states, MoE input and output rows (top_k), recorded parts' outputs
-        held = sum(ch.h.nbytes for ch in group) * (4 + first.top_k)
+        # per token: hidden states, MoE input and output rows (top_k), the outputs of the
+        # attention and of its two norms
+        held = sum(ch.h.nbytes for ch in group) * (5 + first.top_k)
         if c == len(starts) - 1 or (limit is not None and held >= limit):
             done = _finish(group, first, kv, decoder, stats, progress, done)
             group, first = [], LayerPass(kv[0], decoder[0])
@@ -205,6 +206,7 @@ class LayerPass:
         self.replayed = 0  # part calls given back their recorded output
         self.rerun = 0  # part calls given the layer's KV entry run again (attention)
         self.layer = layer
+        self.thread = threading.get_ident()
         self.own = []
         if layer is not None:
             from .switch import StreamingSwitchGLU
@@ -235,7 +237,10 @@ class LayerPass:
 
     def part_call(self, module, call, args, kwargs):
         """A call of one of the layer's parts: recorded while routing, answered with its recorded
-        output when given the same arguments again (``_same``)."""
+        output when given the same arguments again (``_same``). Another thread's calls of the
+        same modules run stock."""
+        if threading.get_ident() != self.thread:
+            return call(*args, **kwargs)
         if self.routing:
             out = call(*args, **kwargs)
             self.parts[-1].append((module, args, kwargs, out))
