@@ -98,8 +98,8 @@ OPTIONS = (
         "--layer-major-prefill",
         "auto|on|off",
         "Prefill a prompt of several chunks layer by layer, each uncached expert read about once "
-        "per prompt. Default: auto (on where it applies: a plain KV cache, a cache that cannot "
-        "hold every expert)",
+        "per prompt. Default: auto (on with GPU backends, where reads bound a prefill; off on the "
+        "CPU, where compute does)",
     ),
     Option(
         "stats",

@@ -473,3 +473,21 @@ def test_layer_major_prefill_batched_and_speculative_fall_back(checkpoint, capsy
     generate.BatchGenerator(model, prefill_step_size=64).insert([prompts[0]])
     assert state.prefill.fallbacks == 3
     state.close()
+
+
+def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
+    # auto: on where reads bound a prefill (CUDA, Metal), off on the CPU (compute bounds it there);
+    # asked for, as asked; a benchmark's or test's tuning, as it says
+    from dataclasses import replace
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.options import StreamingOptions
+
+    auto = StreamingOptions()
+    assert [auto.use_layer_major_prefill(None, b) for b in ("cpu", "cuda", "metal")] == [
+        False, True, True]
+    assert StreamingOptions(layer_major_prefill=True).use_layer_major_prefill(None, "cpu")
+    assert not StreamingOptions(layer_major_prefill="off").use_layer_major_prefill(None, "cuda")
+    off = replace(CacheTuning(), layer_major_prefill=False)
+    assert not auto.use_layer_major_prefill(off, "cuda")
+    assert auto.use_layer_major_prefill(CacheTuning(), "cpu")
