@@ -552,7 +552,7 @@ def prefill_table(res) -> str:
     if h:
         lines.append(
             f"\n{h['tokens']} tokens, layer-major at {h['share']:.0%}: {h['held_gb']:.3f} GB of "
-            f"hidden states held at most (bound {h['hold_limit_gb']} GB, {h['groups']} groups), "
+            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, {h['groups']} groups), "
             f"MLX peak {h['peak_prefill_gb']:.2f} GB, {h['prefill_tok_s']:.1f} tok/s, "
             f"{h['gb_read']:.3f} GB read ({h['must_read_gb']:.3f} must be read)"
         )

@@ -491,3 +491,32 @@ def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
     off = replace(CacheTuning(), layer_major_prefill=False)
     assert not auto.use_layer_major_prefill(off, "cuda")
     assert auto.use_layer_major_prefill(CacheTuning(), "cpu")
+
+
+def test_parity_layer_major_prefill_in_groups(checkpoint):
+    # held states bounded (CacheTuning.prefill_hold_bytes): the prompt's chunks go layer-major in
+    # groups, each group's experts read once, and the result is still stock's bits
+    from dataclasses import replace
+
+    from support import load_stock
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    tuning = replace(CacheTuning(), layer_major_prefill=True, prefill_hold_bytes=1)
+    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.state, b.state))
+    prefill = model.expert_streaming.prefill
+    # a group per chunk: the bound is met at every chunk
+    assert (prefill.prompts, prefill.chunks, prefill.groups) == (1, 6, 6)
+    model.expert_streaming.close()
