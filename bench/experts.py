@@ -288,81 +288,275 @@ def run_arch(name, path, args, device):
     return res
 
 
+class RoutedExperts:
+    """A cache's routing recorder that keeps the distinct experts each bank was asked for: the
+    experts a cold prompt must read at least once."""
+
+    def __init__(self):
+        self.used = {}
+
+    def record(self, bank, ids):
+        import numpy as np
+
+        self.used.setdefault(id(bank), (bank, set()))[1].update(np.asarray(ids).reshape(-1).tolist())
+
+    def bytes(self) -> int:
+        return sum(len(s) * b.layer.expert_nbytes for b, s in self.used.values())
+
+    def close(self):
+        pass
+
+
 def layer_major_figures(args) -> None:
-    """``--layer-major-prefill``: one prompt of ``--prefill-tokens`` in chunks of
-    ``--prefill-step``, cold (empty banks, checkpoint out of the page cache), at 25% and 50% of
-    the expert bytes: today's chunk-by-chunk prefill against layer-major (layer_major.py), side by
-    side, each twice, interleaved. Prints GB read per prompt against the bytes of the experts not
-    cached (every expert's bytes less the budget) and against every expert's bytes, prefill tok/s,
-    and whether the first token's log-probabilities are those of the chunk-by-chunk run."""
+    """``--layer-major-prefill``: long prompts (``--prefill-tokens``, comma-separated) in chunks of
+    ``--prefill-step``, cold (empty banks, checkpoint dropped from the page cache), at each budget
+    of ``--shares``: today's chunk-by-chunk prefill against layer-major (layer_major.py), and stock
+    mlx-lm with every expert resident. Then ``--decode-tokens`` tokens after the prompt, fed a
+    fixed random token stream (the same for every run). Per run: GB read against the bytes of the
+    experts the prompt routes to (what a cold prompt must read) and against the experts the budget
+    cannot hold; prefill tok/s against the limit max(stock's time, bytes that must be read / disk
+    bandwidth); time to first token against stock's; hidden states held between layers and MLX's
+    peak memory; the decode hit rate after the prompt; whether each token after the prompt (the
+    argmax of its log-probabilities) is stock's, and the first token's log-probabilities bit for
+    bit. On a GPU stock runs twice: its own run-to-run. ``--hold-tokens``: one more layer-major prompt of
+    that length at the first budget (held states bounded by ``CacheTuning.prefill_hold_bytes``).
+    ``--rounds``: each budget's two prefills that many times, in alternating order (paired ratios).
+    Writes ``<out>/<tag>.json`` (tag default ``prefill-<device kind>``)."""
     from dataclasses import replace
 
     import mlx.core as mx
+    import numpy as np
 
     from mlx_lm_streaming.expert_cache import CacheTuning
 
-    generate = sys.modules["mlx_lm.generate"] if "mlx_lm.generate" in sys.modules else None
-    if generate is None:
-        import mlx_lm.generate  # noqa: F401
+    import mlx_lm.generate  # noqa: F401
 
-        generate = sys.modules["mlx_lm.generate"]
+    generate = sys.modules["mlx_lm.generate"]
+    stock_step = getattr(generate.generate_step, "stock", generate.generate_step)
     dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
-    name = (args.archs or ("tiny" if args.quick else "qwen3")).split(",")[0]
-    path = checkpoint(Path(args.ckpt_dir), name, dtype)
-    tokens = args.prefill_tokens or 1024
+    name = (args.archs or ("tiny" if args.quick else "small")).split(",")[0]
+    layers = args.layers if isinstance(args.layers, int) else None
+    path = checkpoint(Path(args.ckpt_dir), name, dtype, layers=layers)
+    files = shards(path)
+    sizes = [int(n) for n in str(args.prefill_tokens or "4096,16384").split(",")]
+    shares = [float(x) for x in args.shares.split(",")]
     step = args.prefill_step
-    _, config = load_stock(path)
+    stock, config = load_stock(path)
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
-    rows = []
-    for share in (0.25, 0.5):
-        firsts = {}
-        for rep in range(2):
-            for mode in ("chunked", "layer_major"):
+    stream = [random.Random(7).randrange(vocab) for _ in range(args.decode_tokens + 4)]
+    probe, _ = load_streaming(path, expert_cache_gb=1e6)
+    total = probe.expert_streaming.cache.total_expert_bytes
+    expert_nbytes = probe.expert_streaming.cache.banks[0].layer.expert_nbytes
+    probe.expert_streaming.close()
+    del probe
+    os.sync()  # a checkpoint just built: dirty pages would stay in the page cache
+    bw = probe_disk(files, expert_nbytes, min(256 * MB, sum(os.path.getsize(f) for f in files)))
+    disk = max(v for v in bw.values() if v) * GB  # bytes/s
+    log(f"disk GB/s: {bw}")
+    spec = ARCHS[name]
+    res = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine(args.device_kind),
+        "device_kind": args.device_kind,
+        "shape": {"name": name, "label": spec["label"], "arch": spec["arch"], "dtype": dtype,
+                  "layers": layers or spec["layers"], **spec["overrides"]},
+        "expert_bytes": expert_nbytes, "total_expert_bytes": total, "prefill_step": step,
+        "decode_tokens": args.decode_tokens, "disk_gbps": bw, "disk_bytes_per_s": disk,
+        "runs": [],
+    }  # fmt: skip
+
+    def run(model, prompt, cold):
+        """One prompt through mlx-lm's generate_step (ours wrapped where ``model`` streams), then
+        the decode tokens: figures of the run."""
+        state = getattr(model, "expert_streaming", None)
+        if state is not None:
+            state.cache.recorder = RoutedExperts()
+        if cold:
+            drop_page_cache(files)
+        gc.collect()
+        mx.synchronize()
+        mx.reset_peak_memory()
+        out = {"argmax": [], "first": None}
+        fed = iter(stream)
+
+        def sampler(logprobs):
+            out["argmax"].append(mx.argmax(logprobs, axis=-1))
+            return mx.array([next(fed)], dtype=mx.uint32)
+
+        def progress(done, total):
+            # every token but the last prefilled (the last one's step is stock's, with the
+            # logits): what was read so far, against what those tokens must read
+            if state is not None and done == total - 1 and "prompt_gb_read" not in out:
+                out["prompt_gb_read"] = state.stats()["gb_read"]
+                out["prompt_must_read_gb"] = state.cache.recorder.bytes() / 1e9
+
+        step_fn = generate.generate_step if state is not None else stock_step
+        start = time.perf_counter()
+        for n, (_, logprobs) in enumerate(
+            step_fn(prompt, model, max_tokens=args.decode_tokens + 1, sampler=sampler,
+                    prefill_step_size=step, prompt_progress_callback=progress)
+        ):  # fmt: skip
+            if n == 0:
+                mx.eval(logprobs)
+                out["ttft_s"] = time.perf_counter() - start
+                out["first"] = logprobs
+                out["peak_prefill_gb"] = mx.get_peak_memory() / 1e9
+                if state is not None:
+                    s = state.stats()
+                    out["gb_read"] = s["gb_read"]
+                    out["must_read_gb"] = state.cache.recorder.bytes() / 1e9
+                    h0, m0 = s["hits"], s["misses"]
+        mx.synchronize()
+        out["argmax"] = [int(t.item()) for t in out["argmax"]]
+        if state is not None:
+            s = state.stats()
+            asked = s["hits"] - h0 + s["misses"] - m0
+            out["decode_hit_rate"] = (s["hits"] - h0) / asked if asked else None
+            out["held_gb"] = state.prefill.held_bytes / 1e9
+            out["groups"] = state.prefill.groups
+            out["layer_major_prompts"] = state.prefill.prompts
+            out["fallbacks"] = state.prefill.fallbacks
+            state.cache.recorder = None
+        return out
+
+    for tokens in sizes:
+        prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
+        ref = run(stock, prompt, cold=False)
+        # stock's own run-to-run (on CUDA a long prompt's logits vary from run to run)
+        again = run(stock, prompt, cold=False) if args.device_kind == "gpu" else None
+        stock_s = ref["ttft_s"]
+        base = {"tokens": tokens, "stock_ttft_s": stock_s}
+        res["runs"].append({
+            **base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s, "prefill_tok_s": tokens / stock_s,
+            "peak_prefill_gb": ref["peak_prefill_gb"],
+        })  # fmt: skip
+        if again is not None:
+            res["runs"][-1].update({
+                "stock_again_ttft_s": again["ttft_s"],
+                "stock_run_to_run_same_tokens": again["argmax"] == ref["argmax"],
+                "stock_run_to_run_tokens_equal": sum(
+                    a == b for a, b in zip(again["argmax"], ref["argmax"])),
+                "stock_run_to_run_same_first_logprobs": bool(
+                    mx.array_equal(again["first"], ref["first"])),
+            })  # fmt: skip
+        log(json.dumps(res["runs"][-1]))
+        for share in shares:
+            budget = share * total
+            modes = ("chunked", "layer_major")
+            rounds = [modes if r % 2 == 0 else modes[::-1] for r in range(args.rounds or 1)]
+            for r_index, mode in ((r, m) for r, order in enumerate(rounds) for m in order):
                 tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
-                probe, _ = load_streaming(path)
-                total = probe.expert_streaming.cache.total_expert_bytes
-                probe.expert_streaming.close()
-                del probe
-                budget = share * total
                 model, _ = load_streaming(path, expert_cache_gb=budget / BUDGET_GB, tuning=tuning)
-                state = model.expert_streaming
-                drop_page_cache(shards(path))
-                gc.collect()
-                start = time.perf_counter()
-                for _, logprobs in generate.generate_step(
-                    prompt, model, max_tokens=1, prefill_step_size=step
-                ):
-                    mx.eval(logprobs)
-                    firsts.setdefault(mode, logprobs)
-                seconds = time.perf_counter() - start
-                s = state.stats()
-                exact = (
-                    bool(mx.array_equal(firsts[mode], firsts["chunked"]))
-                    if "chunked" in firsts
-                    else None
-                )
+                r = run(model, prompt, cold=True)
+                model.expert_streaming.close()
+                del model
+                must = r["must_read_gb"] * 1e9
+                limit = max(stock_s, must / disk)
                 row = {
-                    "share": share, "mode": mode, "round": rep, "tokens": tokens, "step": step,
-                    "gb_read": s["gb_read"], "uncached_gb": (total - budget) / 1e9,
-                    "read_over_uncached": s["gb_read"] * 1e9 / (total - budget),
-                    "read_over_every_expert": s["gb_read"] * 1e9 / total,
-                    "prefill_tok_s": tokens / seconds, "seconds": seconds,
-                    "held_gb": state.prefill.held_bytes / 1e9, "same_first_token_logprobs": exact,
-                }
-                rows.append(row)
+                    **base, "share": share, "mode": mode, "round": r_index,
+                    "budget_gb": budget / 1e9,
+                    "gb_read": r["gb_read"], "must_read_gb": must / 1e9,
+                    "read_over_must_read": r["gb_read"] * 1e9 / must if must else None,
+                    # the same for every token but the last (whose step, stock's, may read again
+                    # an expert that the prompt's last wave evicted)
+                    "prefix_read_over_must_read": (
+                        r["prompt_gb_read"] / r["prompt_must_read_gb"]
+                        if r.get("prompt_must_read_gb") else None
+                    ),
+                    "uncached_gb": (total - budget) / 1e9,
+                    "read_over_uncached": r["gb_read"] * 1e9 / (total - budget),
+                    "ttft_s": r["ttft_s"], "prefill_tok_s": tokens / r["ttft_s"],
+                    "limit_s": limit, "of_limit": limit / r["ttft_s"],
+                    "ttft_over_stock": r["ttft_s"] / stock_s,
+                    "held_gb": r["held_gb"], "groups": r["groups"],
+                    "peak_prefill_gb": r["peak_prefill_gb"],
+                    "decode_hit_rate": r["decode_hit_rate"],
+                    "layer_major_prompts": r["layer_major_prompts"], "fallbacks": r["fallbacks"],
+                    "same_tokens_as_stock": r["argmax"] == ref["argmax"],
+                    "tokens_equal_to_stock": sum(a == b for a, b in zip(r["argmax"], ref["argmax"])),
+                    "tokens_compared": len(ref["argmax"]),
+                    "same_first_logprobs_as_stock": bool(mx.array_equal(r["first"], ref["first"])),
+                }  # fmt: skip
+                res["runs"].append(row)
                 log(json.dumps(row))
-                state.close()
-                del model, state
                 gc.collect()
-    print(f"{name}: {tokens}-token prompt in {step}-token chunks, cold")
-    print("share  mode         GB read  x uncached  x every expert  prefill tok/s  held GB  exact")
-    for r in rows:
-        print(
-            f"{r['share']:.0%}    {r['mode']:<11}  {r['gb_read']:7.3f}  {r['read_over_uncached']:10.2f}"
-            f"  {r['read_over_every_expert']:14.2f}  {r['prefill_tok_s']:13.1f}  {r['held_gb']:7.4f}"
-            f"  {r['same_first_token_logprobs']}"
+    if args.hold_tokens:
+        tokens = args.hold_tokens
+        prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
+        model, _ = load_streaming(path, expert_cache_gb=shares[0] * total / BUDGET_GB,
+                                  layer_major_prefill=True)  # fmt: skip
+        limit = model.expert_streaming.cache.tuning.prefill_hold_bytes
+        r = run(model, prompt, cold=True)
+        model.expert_streaming.close()
+        del model
+        res["hold"] = {
+            "tokens": tokens, "share": shares[0], "hold_limit_gb": limit / 1e9 if limit else None,
+            "held_gb": r["held_gb"], "groups": r["groups"], "peak_prefill_gb": r["peak_prefill_gb"],
+            "ttft_s": r["ttft_s"], "prefill_tok_s": tokens / r["ttft_s"],
+            "gb_read": r["gb_read"], "must_read_gb": r["must_read_gb"],
+        }  # fmt: skip
+        log(json.dumps(res["hold"]))
+    out = Path(args.out) / f"{args.tag or 'prefill-' + args.device_kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(prefill_table(res))
+    print(f"wrote {out}")
+
+
+def prefill_table(res) -> str:
+    """The figures of ``layer_major_figures`` as a table (also for docs/benchmarks/prefill.md)."""
+    lines = [
+        f"{res['shape']['label']}, {res['shape']['layers']} layers, {res['shape']['dtype']}, "
+        f"chunks of {res['prefill_step']} tokens, cold; disk "
+        f"{res['disk_bytes_per_s'] / 1e9:.2f} GB/s",
+        "| tokens | budget | prefill | GB read | x must read (all but last token) | x uncached "
+        "| tok/s | of limit "
+        "| TTFT s | x stock TTFT | held GB | peak GB | decode hits | tokens = stock |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["runs"]:
+        if r["mode"] == "stock":
+            lines.append(
+                f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} | - "
+                f"| {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
+                + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
+                   if "stock_run_to_run_tokens_equal" in r else "| - |")
+            )
+            continue
+        lines.append(
+            f"| {r['tokens']} | {r['share']:.0%} | {r['mode'].replace('_', '-')} "
+            f"| {r['gb_read']:.3f} | {r['read_over_must_read']:.2f} "
+            f"({r['prefix_read_over_must_read'] or 0:.2f}) "
+            f"| {r['read_over_uncached']:.2f} | {r['prefill_tok_s']:.1f} | {r['of_limit']:.2f} "
+            f"| {r['ttft_s']:.2f} | {r['ttft_over_stock']:.2f} | {r['held_gb']:.3f} "
+            f"| {r['peak_prefill_gb']:.2f} | {r['decode_hit_rate']:.3f} "
+            f"| {r['tokens_equal_to_stock']}/{r['tokens_compared']}"
+            f"{', first bits equal' if r['same_first_logprobs_as_stock'] else ''} |"
         )
+    # paired: layer-major's prefill time against chunk by chunk's in the same round
+    pairs = {}
+    for r in res["runs"]:
+        if r["mode"] != "stock":
+            pairs.setdefault((r["tokens"], r["share"], r.get("round", 0)), {})[r["mode"]] = r
+    by = {}
+    for (tokens, share, _), p in pairs.items():
+        if len(p) == 2:
+            by.setdefault((tokens, share), []).append(
+                p["chunked"]["ttft_s"] / p["layer_major"]["ttft_s"])
+    for (tokens, share), ratios_ in sorted(by.items()):
+        lines.append(
+            f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, per round: "
+            + ", ".join(f"{x:.2f}" for x in ratios_)
+        )
+    h = res.get("hold")
+    if h:
+        lines.append(
+            f"\n{h['tokens']} tokens, layer-major at {h['share']:.0%}: {h['held_gb']:.3f} GB of "
+            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, {h['groups']} groups), "
+            f"MLX peak {h['peak_prefill_gb']:.2f} GB, {h['prefill_tok_s']:.1f} tok/s, "
+            f"{h['gb_read']:.3f} GB read ({h['must_read_gb']:.3f} must be read)"
+        )
+    return "\n".join(lines)
 
 
 def main():
@@ -386,9 +580,9 @@ def main():
     ap.add_argument("--prefill-reps", type=int, default=1)
     ap.add_argument(
         "--prefill-tokens",
-        type=int,
         default=None,
-        help=f"default {PREFILL_TOKENS} ({PREFILL_TOKENS // 4} with --quick: the CPU is slow)",
+        help=f"default {PREFILL_TOKENS} ({PREFILL_TOKENS // 4} with --quick: the CPU is slow); "
+        "with --layer-major-prefill several, comma-separated (default 4096,16384)",
     )
     ap.add_argument(
         "--ablations",
@@ -434,7 +628,13 @@ def main():
         action="store_true",
         help="only: today's chunked prefill against layer-major, cold, 25%% and 50%% budgets",
     )
-    ap.add_argument("--prefill-step", type=int, default=128, help="with --layer-major-prefill")
+    ap.add_argument("--prefill-step", type=int, default=2048, help="with --layer-major-prefill")
+    ap.add_argument("--shares", default="0.25,0.5", help="with --layer-major-prefill: budgets")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="with --layer-major-prefill")
+    ap.add_argument(
+        "--hold-tokens", type=int, default=None,
+        help="with --layer-major-prefill: one more layer-major prompt this long (held states)",
+    )  # fmt: skip
     ap.add_argument("--render", default=None, help="rewrite the .md and .png of a results JSON")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
@@ -464,7 +664,7 @@ def main():
         return layer_major_figures(args)
     archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
     args.rounds = args.rounds or (3 if args.quick else 6)
-    args.prefill_tokens = args.prefill_tokens or (
+    args.prefill_tokens = int(args.prefill_tokens) if args.prefill_tokens else (
         PREFILL_TOKENS // 4 if args.quick else PREFILL_TOKENS
     )
     args.ablations = [a for a in (args.ablations or "cold_staged").split(",") if a]

@@ -52,6 +52,9 @@ ARCHS = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
         n_group=1, topk_group=1, first_k_dense_replace=0,
     ),
+    # the Qwen3 layout at small dims: long prompts (4K-32K tokens) prefill in minutes on the CPU
+    "small": _shape("small (Qwen3 layout)", "qwen3_moe", 2, hidden=256, moe_intermediate=128,
+                    experts=64, top_k=4, heads=2, kv_heads=1, head_dim=32),
     # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too)
     "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
                    experts=128, top_k=6),

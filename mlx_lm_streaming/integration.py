@@ -157,6 +157,31 @@ def wrap_generate_step(generate) -> None:
         layer_major.unpatched = why
         return
     generate.generate_step = layer_major.wrap_generate_step(stock)
+    wrap_other_prefills(generate)
+
+
+def wrap_other_prefills(generate) -> None:
+    """The prefills of ``mlx_lm.generate`` that do not go through ``generate_step`` (mlx-lm's
+    ``BatchGenerator``, ``speculative_generate_step``): layer-major prefill does not apply there,
+    and a long prompt's stats line says so (``layer_major.note_elsewhere``). Each only where
+    ``mlx_compat``'s check finds it as expected; else left stock, silent."""
+    from . import layer_major
+    from .mlx_compat import (
+        batch_insert_problem,
+        speculative_problem,
+        wrap_batch_insert,
+    )
+
+    batch = getattr(generate, "BatchGenerator", None)
+    if batch_insert_problem(batch) is None:
+        wrap_batch_insert(batch, layer_major.note_batched)
+    speculative = getattr(generate, "speculative_generate_step", None)
+    if (
+        callable(speculative)
+        and not getattr(speculative, "mlx_lm_streaming", False)
+        and speculative_problem(speculative) is None
+    ):
+        generate.speculative_generate_step = layer_major.wrap_speculative(speculative)
 
 
 # -- command-line flags --------------------------------------------------------------------------

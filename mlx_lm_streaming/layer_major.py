@@ -56,6 +56,10 @@ class PrefillStats:
     groups: int = 0
     # most bytes of hidden states (and array arguments) held between layers at once
     held_bytes: int = 0
+    # calls of the layers' parts (attention, norms) given back their output recorded while
+    # routing, and calls given the layer's KV entry (attention) run again: their arguments differed
+    parts_given: int = 0
+    attention_run: int = 0
     # prompts that fell back, and why (the first reason)
     fallbacks: int = 0
     why: Optional[str] = None
@@ -114,7 +118,8 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     total = prompt.shape[0]
     starts = list(range(0, total, step))
     group: List[Chunk] = []
-    first = LayerPass(kv[0])  # layer 0 of the group being recorded
+    decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``: one per cache entry)
+    first = LayerPass(kv[0], decoder[0])  # layer 0 of the group being recorded
     done = 0  # tokens of the groups finished
     for c, start in enumerate(starts):
         tokens = prompt[start : start + step]
@@ -131,7 +136,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             if c == 0:
                 raise Fallback(why)
             # the chunks so far, layer-major; the rest chunk by chunk, as stock
-            done = _finish(group, first, kv, layers, stats, progress, done)
+            done = _finish(group, first, kv, decoder, stats, progress, done)
             _chunk_by_chunk(model, kv, prompt[start:], step, progress, done)
             note_fallback(state, why)
             return
@@ -140,10 +145,12 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
         # layer 0 now: the next chunk's forward makes its arguments from cache entry 0
         first.route(chunk, 0)
         stats.chunks += 1
-        held = sum(ch.h.nbytes for ch in group) * (2 + first.top_k)
+        # per token: hidden states, MoE input and output rows (top_k), the outputs of the
+        # attention and of its two norms
+        held = sum(ch.h.nbytes for ch in group) * (5 + first.top_k)
         if c == len(starts) - 1 or (limit is not None and held >= limit):
-            done = _finish(group, first, kv, layers, stats, progress, done)
-            group, first = [], LayerPass(kv[0])
+            done = _finish(group, first, kv, decoder, stats, progress, done)
+            group, first = [], LayerPass(kv[0], decoder[0])
             mx.clear_cache()
     stats.prompts += 1
 
@@ -173,21 +180,42 @@ class LayerPass:
 
     ``route``: each chunk through the layer with its MoE calls recorded (their input and the
     router's ids) and answered with zeros: the layer's KV entries are right (they do not depend on
-    the MoE's output), its output is not, and is dropped. ``compute``: every chunk's MoE rows,
-    expert-major: waves of the bank's slots, each expert read once, each chunk's rows of a wave by
-    the same kernel over the same bank as a per-layer schedule (``schedules.kernel_rows``: a
-    partial call, padded to the chunk's rows where the backend needs it). ``give``: the layer's
-    KV entries of the group taken back, and each chunk through the layer again, its MoE calls
-    answered with the rows computed, where the call's input and ids are those routed (else the
-    call runs as usual)."""
+    the MoE's output), its output is not. The calls of the layer's other parts (attention, norms:
+    its direct child modules holding no streamed experts) are recorded with their outputs.
+    ``compute``: every chunk's MoE rows, expert-major: each expert read once, each chunk's rows
+    of an expert by the same kernel over the same bank as a per-layer schedule
+    (``schedules.kernel_rows``: a partial call, padded to the chunk's rows where the backend needs
+    it), waves of half the slots read while the wave before computes. ``give``: each chunk
+    through the layer again, its KV entry put back at the chunk's first token, every recorded
+    call given with the very same arguments answered with its recorded output (attention does
+    not run twice: its KV entries are already written, and its reads see the chunks before this
+    one), the MoE calls answered with the rows computed where the call's input and ids are those
+    routed; a call whose arguments differ runs as usual (an attention writes the same entries
+    again, at the same place)."""
 
-    def __init__(self, entry):
+    def __init__(self, entry, layer=None):
         self.entry = entry  # the layer's KV cache entry
         self.routing = True
         self.chunks: List[Chunk] = []
         self.moe: List[list] = []  # per chunk: [module, x, indices, y] per MoE call
+        self.parts: List[list] = []  # per chunk: (module, args, kwargs, output) per part call
+        self.starts: List[int] = []  # per chunk: the KV entry's offset before it
         self.at = 0
+        self.given = 0  # the part calls given back so far in this chunk
         self.top_k = 8  # until a call says
+        self.replayed = 0  # part calls given back their recorded output
+        self.rerun = 0  # part calls given the layer's KV entry run again (attention)
+        self.layer = layer
+        self.thread = threading.get_ident()
+        self.own = []
+        if layer is not None:
+            from .switch import StreamingSwitchGLU
+
+            self.own = [
+                m
+                for m in mlx_compat.child_modules(layer)
+                if not any(isinstance(n, StreamingSwitchGLU) for n in m.modules())
+            ]
 
     def moe_call(self, module, x, indices):
         if self.routing:
@@ -207,22 +235,52 @@ class LayerPass:
         with schedules.choose(module, x, indices) as schedule:
             return schedule.run()
 
+    def part_call(self, module, call, args, kwargs):
+        """A call of one of the layer's parts: recorded while routing, answered with its recorded
+        output when given the same arguments again (``_same``). Another thread's calls of the
+        same modules run stock."""
+        if threading.get_ident() != self.thread:
+            return call(*args, **kwargs)
+        if self.routing:
+            out = call(*args, **kwargs)
+            self.parts[-1].append((module, args, kwargs, out))
+            return out
+        calls = self.parts[self.at]
+        if self.given < len(calls):
+            got, args0, kwargs0, out = calls[self.given]
+            self.given += 1
+            if got is module and _same(args, args0) and _same(kwargs, kwargs0):
+                self.replayed += 1
+                return out
+            self.given = len(calls)  # not the routed sequence: nothing more is given back
+        if any(a is self.entry for a in (*args, *kwargs.values())):
+            self.rerun += 1  # an attention, run again
+        return call(*args, **kwargs)
+
     def route(self, chunk: Chunk, i: int) -> None:
         _, call, args, kwargs = chunk.calls[i]
         self.chunks.append(chunk)
         self.moe.append([])
+        self.parts.append([])
+        self.starts.append(self.entry.offset)
         _local.layer = self
         try:
-            h = call(chunk.h, *args[1:], **kwargs)
+            with mlx_compat.calls_through(self.own, self.part_call):
+                h = call(chunk.h, *args[1:], **kwargs)
         finally:
             _local.layer = None
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
         if self.moe[-1]:
-            mx.eval([(x, idx) for _, x, idx, _ in self.moe[-1]], mlx_compat.kv_state(self.entry))
+            mx.eval(
+                [(x, idx) for _, x, idx, _ in self.moe[-1]],
+                [out for *_, out in self.parts[-1]],
+                mlx_compat.kv_state(self.entry),
+            )
         else:  # no MoE call in this layer: its output is right
             mx.eval(h, mlx_compat.kv_state(self.entry))
             chunk.out = h
+            self.parts[-1] = []
 
     def finish(self, i: int) -> int:
         """The group's MoE rows, then each chunk through layer ``i`` again; the bytes held."""
@@ -231,65 +289,150 @@ class LayerPass:
                 chunk.h = chunk.out
             return sum(ch.h.nbytes for ch in self.chunks)
         self.compute()
-        held = sum(ch.h.nbytes for ch in self.chunks) + sum(
-            x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls
+        held = (
+            sum(ch.h.nbytes for ch in self.chunks)
+            + sum(x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls)
+            + sum(_nbytes(out) for calls in self.parts for *_, out in calls)
         )
-        mlx_compat.rewind([self.entry], sum(ch.tokens for ch in self.chunks))
+        end = self.entry.offset
         self.routing = False
         _local.layer = self
         try:
-            for at, chunk in enumerate(self.chunks):
-                self.at = at
-                _, call, args, kwargs = chunk.calls[i]
-                h = call(chunk.h, *args[1:], **kwargs)
-                mx.eval(h, mlx_compat.kv_state(self.entry))
-                chunk.h = h
-                self.moe[at] = []
+            with mlx_compat.calls_through(self.own, self.part_call):
+                for at, chunk in enumerate(self.chunks):
+                    self.at, self.given = at, 0
+                    mlx_compat.kv_seek(self.entry, self.starts[at])
+                    _, call, args, kwargs = chunk.calls[i]
+                    h = call(chunk.h, *args[1:], **kwargs)
+                    mlx_compat.kv_seek(self.entry, self.starts[at] + chunk.tokens)
+                    mx.eval(h, mlx_compat.kv_state(self.entry))
+                    chunk.h = h
+                    self.moe[at] = []
+                    self.parts[at] = []
         finally:
             _local.layer = None
+        if self.entry.offset != end:
+            raise RuntimeError(f"decoder layer {i}'s KV cache ends at {self.entry.offset}, not {end}")
         return held
 
     def compute(self) -> None:
-        from .schedules import kernel_rows, member, wait
-
         by_module = {}
         for calls in self.moe:
             for item in calls:
                 by_module.setdefault(id(item[0]), []).append(item)
         for items in by_module.values():
-            module = items[0][0]
-            bank = module.bank
-            cache = bank.cache
-            cache.ensure_planned()
-            idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
-            if cache.recorder is not None:
-                for ids in idx:
-                    cache.recorder.record(bank, ids)
-            experts = np.unique(np.concatenate([ids.reshape(-1) for ids in idx]))
-            # resident experts first: no read
-            resident = bank.slot_of[experts] >= 0
-            experts = np.concatenate([experts[resident], experts[~resident]])
-            size = bank.slots
-            parts = [([], []) for _ in items]
-            for start in range(0, len(experts), size):
-                wave = experts[start : start + size]
-                with bank.lock:
-                    bank.load(wave)
-                    outs = []
-                    for (_, x, _, _), ids, (rows_done, ys) in zip(items, idx, parts):
-                        flat = ids.reshape(-1)
-                        rows = np.nonzero(member(flat, wave, bank.num_experts))[0]
-                        if len(rows):
-                            y = kernel_rows(module, x, ids, rows)
-                            rows_done.append(rows)
-                            ys.append(y)
-                            outs.append(y)
-                    wait(bank, outs)  # before the next wave takes the slots
-            for item, ids, (rows_done, ys) in zip(items, idx, parts):
-                order = np.argsort(np.concatenate(rows_done), kind="stable")
-                y = mx.concatenate(ys, axis=0)[mx.array(order)]
-                item[3] = y.reshape(*ids.shape, y.shape[-1])
-                mx.eval(item[3])
+            _expert_major(items)
+
+
+def _expert_major(items) -> None:
+    """The rows of one MoE module's calls ``items`` (``[module, x, indices, None]``, one per
+    chunk), expert-major, each expert read once: ``item[3]`` set to the call's output.
+
+    With direct reads (``LayerBank.direct``), as the ``Direct`` schedules do it within one call:
+    resident experts first (computed while the others are read), then waves of at most half the
+    slots, each read into the slots the wave two back used once it finished computing, so a
+    wave's reads overlap the wave before's compute; each read expert's rows computed as it lands
+    where partial calls are exact (the CPU), else a wave's rows once it landed (partial calls
+    padded: GPUs). Without, waves of the bank's slots, each loaded, then computed and evaluated
+    before the next takes the slots."""
+    from .schedules import kernel_rows, member, padded, submit, take_staged, wait
+
+    module = items[0][0]
+    bank = module.bank
+    cache = bank.cache
+    cache.ensure_planned()
+    idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
+    flats = [ids.reshape(-1) for ids in idx]
+    if cache.recorder is not None:
+        for ids in idx:
+            cache.recorder.record(bank, ids)
+    experts = np.unique(np.concatenate(flats))
+    parts = [([], []) for _ in items]
+    outs = []
+
+    def rows_of(ids) -> None:
+        for (_, x, _, _), call_ids, flat, (rows_done, ys) in zip(items, idx, flats, parts):
+            rows = np.nonzero(member(flat, ids, bank.num_experts))[0]
+            if len(rows):
+                y = kernel_rows(module, x, call_ids, rows)
+                submit(bank, y)
+                rows_done.append(rows)
+                ys.append(y)
+                outs.append(y)
+
+    with bank.lock:
+        resident = bank.slot_of[experts] >= 0
+        experts = np.concatenate([experts[resident], experts[~resident]])
+        if not bank.direct:
+            for start in range(0, len(experts), bank.slots):
+                wave = experts[start : start + bank.slots]
+                bank.load(wave)
+                rows_of(wave)
+                wait(bank, outs)  # before the next wave takes the slots
+        else:
+            each = not padded(module, max(f.size for f in flats))
+            if len(experts) <= bank.slots:
+                size, overlap = len(experts), False
+            else:
+                size = max(1, bank.slots // 2)
+                overlap = 2 * size <= bank.slots
+            waves = [experts[i : i + size] for i in range(0, len(experts), size)]
+            ends = []
+            for w, wave in enumerate(waves):
+                back = w - 2 if overlap else w - 1
+                if back >= 0:  # the wave whose slots this one may take has finished
+                    wait(bank, outs[: ends[back]])
+                keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
+                if w == 0:
+                    take_staged(bank, wave, keep)
+                elif bank.staged:
+                    bank.discard_staged()  # (installing them would copy the bank: read again)
+                landed = []
+                hit = wave[bank.slot_of[wave] >= 0]
+                started = (lambda hit=hit: rows_of(hit)) if len(hit) else None
+                if each:
+
+                    def ready(ids):
+                        for e in ids:
+                            rows_of(np.array([e]))
+
+                else:
+                    ready = landed.extend
+                bank.load(wave, ready=ready, keep=keep, started=started)
+                if landed:
+                    rows_of(np.array(landed))
+                ends.append(len(outs))
+            wait(bank, outs)
+    for item, ids, (rows_done, ys) in zip(items, idx, parts):
+        order = np.argsort(np.concatenate(rows_done), kind="stable")
+        y = mx.concatenate(ys, axis=0)[mx.array(order)]
+        item[3] = y.reshape(*ids.shape, y.shape[-1])
+        mx.eval(item[3])
+
+
+def _same(a, b) -> bool:
+    """Whether two argument tuples (or keyword dicts) of a call are the very same: the same
+    objects, or equal numbers, strings and None."""
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return False
+        a, b = list(a.values()), [b[k] for k in a]
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if type(x) is not type(y) or not isinstance(x, (int, float, str, bool)) or x != y:
+            return False
+    return True
+
+
+def _nbytes(out) -> int:
+    if isinstance(out, mx.array):
+        return out.nbytes
+    if isinstance(out, (tuple, list)):
+        return sum(_nbytes(o) for o in out)
+    return 0
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
@@ -304,26 +447,32 @@ def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int)
             progress(done)
 
 
-def _finish(group, first, kv, layers, stats, progress, done) -> int:
+def _finish(group, first, kv, decoder, stats, progress, done) -> int:
     """Run a group's chunks (routed through layer 0 already) through every layer, layer-major;
     the tokens done after it."""
     if not group:
         return done
     tokens = sum(ch.tokens for ch in group)
+    layers = len(decoder)
     held = first.finish(0)
-    stats.held_bytes = max(stats.held_bytes, held)
+    _count(stats, first, held)
     if progress is not None:
         progress(done + tokens // layers)
     for i in range(1, layers):
-        layer = LayerPass(kv[i])
+        layer = LayerPass(kv[i], decoder[i])
         for chunk in group:
             layer.route(chunk, i)
-        held = layer.finish(i)
-        stats.held_bytes = max(stats.held_bytes, held)
+        _count(stats, layer, layer.finish(i))
         if progress is not None:
             progress(done + tokens * (i + 1) // layers)
     stats.groups += 1
     return done + tokens
+
+
+def _count(stats, layer: LayerPass, held: int) -> None:
+    stats.held_bytes = max(stats.held_bytes, held)
+    stats.parts_given += layer.replayed
+    stats.attention_run += layer.rerun
 
 
 def note_fallback(state, why: str) -> None:
@@ -397,6 +546,56 @@ def wrap_generate_step(stock):
     generate_step.mlx_lm_streaming = True
     generate_step.stock = stock
     return generate_step
+
+
+# where a prefill that does not go through generate_step falls back (mlx_compat: BATCH_INSERT)
+BATCHED = (
+    "mlx-lm's BatchGenerator (the server's batched requests, batch_generate) prefills a chunk per "
+    "step, between decode steps, into batched caches"
+)
+SPECULATIVE = "a draft model (speculative_generate_step prefills chunk by chunk itself)"
+
+
+def note_elsewhere(model, tokens: int, step, why: str) -> None:
+    """A prompt of ``tokens`` tokens prefilled by mlx-lm outside ``generate_step`` in chunks of
+    ``step``: counted as a fallback, said once, where layer-major prefill would have run."""
+    state = getattr(model, "expert_streaming", None)
+    if (
+        state is None
+        or not state.cache.tuning.layer_major_prefill
+        or not isinstance(step, int)
+        or tokens - 1 <= step
+        or _holds_every_expert(state.cache)
+    ):
+        return
+    note_fallback(state, why)
+
+
+def note_batched(generator, lengths) -> None:
+    """Prompts inserted into a ``BatchGenerator`` (``mlx_compat.wrap_batch_insert``)."""
+    for n in lengths:
+        note_elsewhere(generator.model, n, generator.prefill_step_size, BATCHED)
+
+
+def wrap_speculative(stock):
+    """``speculative_generate_step``, stock, with a long prompt's fallback noted for each
+    streamed model it prefills (the model and the draft model)."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def speculative_generate_step(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        prompt = a["prompt"]
+        tokens = prompt.size if isinstance(prompt, mx.array) else len(prompt)
+        for model in (a["model"], a["draft_model"]):
+            note_elsewhere(model, tokens, a["prefill_step_size"], SPECULATIVE)
+        yield from stock(*args, **kwargs)
+
+    speculative_generate_step.mlx_lm_streaming = True
+    speculative_generate_step.stock = stock
+    return speculative_generate_step
 
 
 def _after(head: mx.array, processor):

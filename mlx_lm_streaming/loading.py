@@ -110,7 +110,9 @@ class StreamingState:
         tuning = replace(
             tuning,
             direct_reads=options.use_direct_reads(self.selector.backend),
-            layer_major_prefill=options.use_layer_major_prefill(options.tuning),
+            layer_major_prefill=options.use_layer_major_prefill(
+                options.tuning, self.selector.backend
+            ),
             # every call reports its ids when recording: complete banks must not skip the host sync
             skip_sync=tuning.skip_sync and not recording,
         )

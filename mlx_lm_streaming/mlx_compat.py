@@ -14,6 +14,7 @@ If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked
 supported range (``refusal``), instead of silently loading every expert into memory.
 """
 
+import contextlib
 import inspect
 import os
 import re
@@ -390,6 +391,75 @@ def generate_step_problem(generate_step) -> Optional[str]:
     return None
 
 
+# the prefills that do not go through generate_step, where layer-major prefill does not apply and
+# says so (layer_major.note_elsewhere): mlx-lm's BatchGenerator (the server's batched requests,
+# batch_generate) prefills a chunk per step, interleaved with decoding, into batched caches; a
+# draft model's speculative_generate_step prefills both models chunk by chunk itself
+BATCH_INSERT = {"insert_segments": "segments", "insert": "prompts"}  # newest first
+
+
+def batch_insert_problem(batch_generator) -> Optional[str]:
+    """None if mlx-lm's ``BatchGenerator`` takes prompts through ``insert_segments(segments, ...)``
+    (0.32) or ``insert(prompts, ...)`` (0.30), on a generator with a ``prefill_step_size``; else
+    what differs."""
+    if not isinstance(batch_generator, type):
+        return "mlx_lm.generate has no BatchGenerator class"
+    if "prefill_step_size" not in _parameters(batch_generator.__init__):
+        return "BatchGenerator takes no prefill_step_size"
+    for name, first in BATCH_INSERT.items():
+        method = getattr(batch_generator, name, None)
+        if callable(method):
+            params = list(_parameters(method))
+            if params[1:2] != [first]:
+                return f"BatchGenerator.{name} takes {params[1:2]}, not {first}"
+            return None
+    return "BatchGenerator has no insert_segments or insert"
+
+
+def _parameters(fn):
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def wrap_batch_insert(batch_generator, before) -> None:
+    """Call ``before(generator, lengths)`` (each inserted prompt's length in tokens) ahead of
+    every insertion of prompts into a ``BatchGenerator`` (``batch_insert_problem`` found none)."""
+    import functools
+
+    name = next(n for n in BATCH_INSERT if callable(getattr(batch_generator, n, None)))
+    stock = getattr(batch_generator, name)
+    if getattr(stock, "mlx_lm_streaming", False):
+        return
+
+    @functools.wraps(stock)
+    def insert(self, *args, **kwargs):
+        prompts = args[0] if args else kwargs.get(BATCH_INSERT[name], ())
+        if name == "insert_segments":
+            lengths = [sum(len(s) for s in segments) for segments in prompts]
+        else:
+            lengths = [len(p) for p in prompts]
+        before(self, lengths)
+        return stock(self, *args, **kwargs)
+
+    insert.mlx_lm_streaming = True
+    setattr(batch_generator, name, insert)
+
+
+SPECULATIVE_PARAMETERS = ("prompt", "model", "draft_model", "prefill_step_size")
+
+
+def speculative_problem(speculative_generate_step) -> Optional[str]:
+    """None if mlx-lm's ``speculative_generate_step`` takes the parameters read to tell a long
+    prompt, else what is missing."""
+    params = _parameters(speculative_generate_step)
+    missing = [p for p in SPECULATIVE_PARAMETERS if p not in params]
+    if missing:
+        return f"mlx_lm.generate.speculative_generate_step takes no {', '.join(missing)}"
+    return None
+
+
 def make_prompt_cache(model, max_kv_size=None):
     """mlx-lm's own cache for ``model``, as ``generate_step`` makes it."""
     from mlx_lm.models.cache import make_prompt_cache as make
@@ -408,7 +478,42 @@ def plain_kv_cache_problem(cache) -> Optional[str]:
     for c in cache:
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
+        if not all(hasattr(c, a) for a in ("offset", "keys", "trim")):
+            return "mlx-lm's KVCache has no offset, keys or trim"
     return None
+
+
+def kv_seek(entry, offset: int) -> None:
+    """Put ``entry`` (a ``KVCache``, ``plain_kv_cache_problem``) at ``offset`` tokens, back or
+    forward within what it holds: its next write goes there, and its reads see the tokens before
+    it (``trim`` only goes back)."""
+    held = 0 if entry.keys is None else entry.keys.shape[2]
+    if not 0 <= offset <= held:
+        raise ValueError(f"a KVCache holding {held} tokens cannot be put at token {offset}")
+    entry.offset = offset
+
+
+def child_modules(module) -> list:
+    """The modules that are direct attributes of ``module`` (a decoder layer's attention, norms,
+    MLP), not those in lists or dicts."""
+    import mlx.nn as nn
+
+    return [m for m in module.children().values() if isinstance(m, nn.Module)]
+
+
+@contextlib.contextmanager
+def calls_through(modules, around):
+    """While the block runs, route calls of each of ``modules`` through ``around(module, call,
+    args, kwargs)`` (``call(*args, **kwargs)``: the stock call); their classes are put back
+    after it (``wrap_call``, undone)."""
+    classes = [(m, type(m)) for m in modules]
+    try:
+        for m, _ in classes:
+            wrap_call(m, lambda call, args, kwargs, m=m: around(m, call, args, kwargs))
+        yield
+    finally:
+        for m, cls in classes:
+            m.__class__ = cls
 
 
 def kv_state(entry):

@@ -98,8 +98,8 @@ OPTIONS = (
         "--layer-major-prefill",
         "auto|on|off",
         "Prefill a prompt of several chunks layer by layer, each uncached expert read about once "
-        "per prompt. Default: auto (off: on the CPU it read half the bytes but ran slower; not yet "
-        "measured on a GPU)",
+        "per prompt. Default: auto (on with GPU backends, where reads bound a prefill; off on the "
+        "CPU, where compute does)",
     ),
     Option(
         "stats",

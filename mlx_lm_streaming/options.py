@@ -174,8 +174,9 @@ class StreamingOptions:
     # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
-    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, which is off
-    # on every backend until measured to pay there (docs/usage.md, "Long prompts")
+    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with GPU
+    # backends (reads bound a streamed prefill there), off on the CPU (compute bounds it: measured
+    # slower there; docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md)
     layer_major_prefill: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
@@ -238,11 +239,18 @@ class StreamingOptions:
             )
         self.store_options = {**self.store_options, "path": self.pack}
 
-    def use_layer_major_prefill(self, tuning) -> bool:
-        """Whether long prompts prefill layer by layer: as asked; auto: off, or as the internal
-        ``tuning`` of benchmarks and tests says where one was given."""
+    def use_layer_major_prefill(self, tuning, backend: str) -> bool:
+        """Whether long prompts prefill layer by layer on ``backend`` (cpu, cuda, metal): as asked;
+        auto: as the internal ``tuning`` of benchmarks and tests says where one was given, else on
+        with GPU backends, where reads bound a streamed prefill (the H200's cold prefill ran at
+        0.76 of its read limit) and layer-major reads each uncached expert about once per prompt
+        (1.0x the routed experts' bytes against 4.2-5.9x for 16K tokens), and off on the CPU,
+        where compute bounds it and layer-major ran at 0.67-0.83x chunk by chunk's speed
+        (docs/benchmarks/prefill.md)."""
         if self.layer_major_prefill is None:
-            return tuning is not None and tuning.layer_major_prefill
+            if tuning is not None:
+                return tuning.layer_major_prefill
+            return backend != "cpu"
         return self.layer_major_prefill
 
     def use_direct_reads(self, backend: str) -> bool:

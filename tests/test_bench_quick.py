@@ -32,6 +32,27 @@ def bench(*args, env=None, timeout=300):
     return done.stdout
 
 
+def test_experts_layer_major_prefill(tmp_path):
+    # --layer-major-prefill at the tiny shape: two prompts of 3 and 6 chunks, cold, 25% and 50%:
+    # layer-major reads each routed expert about once, chunk by chunk several times over, and
+    # every run's tokens after the prompt are stock's
+    out = bench(
+        BENCH / "experts.py", "--layer-major-prefill", "--archs", "tiny", "--prefill-tokens",
+        "96,192", "--prefill-step", "32", "--decode-tokens", "4", "--hold-tokens", "128",
+        "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path, "--tag", "prefill",
+    )  # fmt: skip
+    report = json.loads((tmp_path / "prefill.json").read_text())
+    runs = [r for r in report["runs"] if r["mode"] != "stock"]
+    assert len(runs) == 8 and "| 192 | 50% | layer-major |" in out
+    for r in runs:
+        assert r["same_tokens_as_stock"] and r["same_first_logprobs_as_stock"], r
+        if r["mode"] == "layer_major":
+            assert r["layer_major_prompts"] == 1 and r["prefix_read_over_must_read"] <= 1.05, r
+        else:
+            assert r["layer_major_prompts"] == 0 and r["read_over_must_read"] > 1.1, r
+    assert report["hold"]["held_gb"] > 0 and report["hold"]["groups"] == 1
+
+
 def test_the_index_names_every_script_and_only_those():
     scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
     indexed = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", INDEX, re.M))

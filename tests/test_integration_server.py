@@ -79,3 +79,49 @@ def test_server_rejects_bad_flags(tmp_path):
     )
     assert out.returncode == 2
     assert "--expert-kernel needs --streaming-experts" in out.stderr
+
+
+def test_server_layer_major_prefill(checkpoint, tmp_path):
+    # --layer-major-prefill on, chunks of 4 tokens: a request with a seed is served alone
+    # (stream_generate: layer-major), and the one after it continues its conversation from the
+    # server's prompt cache (layer-major over a cache already holding the prefix); batched
+    # requests (mlx-lm's BatchGenerator) prefill as stock, said once. Answers as the stock server's
+    ckpt = checkpoint("qwen3_moe")
+    first = chat(0, seed=1)
+    flags = ("--prefill-step-size", "4")
+
+    def answers(url):
+        got = [post(url, "/v1/chat/completions", first)["choices"][0]["message"]]
+        more = {
+            **first,
+            "messages": first["messages"]
+            + [got[0], {"role": "user", "content": "And then what happened to them all?"}],
+        }
+        got.append(post(url, "/v1/chat/completions", more)["choices"][0]["message"])
+        with ThreadPoolExecutor(2) as pool:
+            got += pool.map(
+                lambda i: post(url, "/v1/chat/completions", chat(i))["choices"][0]["message"],
+                (1, 2),
+            )
+        return got
+
+    with server(ckpt, *flags, cwd=tmp_path) as (url, _):
+        stock = answers(url)
+    with server(
+        ckpt,
+        *flags,
+        "--streaming-experts",
+        "--expert-cache-gb",
+        budget_below_one_layer(ckpt),
+        "--layer-major-prefill",
+        "on",
+        "--streaming-stats",
+        cwd=tmp_path,
+        stop=signal.SIGTERM,
+    ) as (url, run):
+        streamed = answers(url)
+    assert streamed == stock
+    log = run["log"]
+    assert "layer-major prefill of 2 prompts" in log, log
+    said = [l for l in log.splitlines() if "layer-major prefill does not apply" in l]
+    assert len(said) == 1 and "BatchGenerator" in said[0], log

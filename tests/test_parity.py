@@ -282,6 +282,9 @@ def check_layer_major(path, **options):
         else:
             assert (state.prefill.prompts, state.prefill.chunks, state.prefill.fallbacks) == (
                 1, 6, 0)
+            # attention ran once per chunk and layer: given back its output when run again
+            assert state.prefill.parts_given > 0 and state.prefill.attention_run == 0, (
+                arch, state.prefill.parts_given, state.prefill.attention_run)
         state.close()
 
 
@@ -382,3 +385,121 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
     assert state.prefill.fallbacks == 1 and "injected" in state.prefill.why
     assert state.prefill.chunks == 1  # the first chunk went layer-major
     state.close()
+
+
+def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch):
+    # where a part's arguments differ from those routed, it runs again: the attention then writes
+    # the same KV entries again, at the chunk's own offset
+    from mlx_lm_streaming import layer_major
+
+    monkeypatch.setattr(layer_major, "_same", lambda a, b: False)
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
+    from support import load_stock
+
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    probe, _ = load_streaming(path, layer_major_prefill=True)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True)
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.state, b.state))
+    prefill = model.expert_streaming.prefill
+    assert prefill.prompts == 1 and prefill.parts_given == 0 and prefill.attention_run == 12
+    model.expert_streaming.close()
+
+
+def test_layer_major_prefill_batched_and_speculative_fall_back(checkpoint, capsys):
+    # mlx-lm's BatchGenerator (the server's batched requests) and a draft model's
+    # speculative_generate_step prefill without generate_step: their long prompts prefill as
+    # stock (the same tokens as the stock model's), each reason said once in one line
+    from support import load_stock
+
+    generate = generate_step_module()
+    assert getattr(generate.speculative_generate_step, "mlx_lm_streaming", False)
+    path = checkpoint("qwen3_moe")
+    prompts = [[(7 * i + 3 + j) % 64 for i in range(40)] for j in range(2)]
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    stock, _ = load_stock(path)
+    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True, stats=True)
+
+    def batched(m):
+        gen = generate.BatchGenerator(m, max_tokens=3, prefill_step_size=8)
+        uids = gen.insert(prompts)
+        out = {u: [] for u in uids}
+        while any(len(t) < 3 for t in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return list(out.values())
+
+    def speculative(m, draft):
+        steps = generate.speculative_generate_step(
+            mx.array(prompts[0]), m, draft, max_tokens=3, prefill_step_size=8
+        )
+        return [int(t) for t, *_ in steps]
+
+    assert batched(model) == batched(stock)
+    assert speculative(model, stock) == speculative(stock, stock)
+    state = model.expert_streaming
+    assert state.prefill.prompts == 0 and state.prefill.fallbacks == 3
+    lines = [l for l in capsys.readouterr().err.splitlines() if "does not apply" in l]
+    assert len(lines) == 2, lines
+    assert "BatchGenerator" in lines[0] and "draft model" in lines[1], lines
+    # a prompt of one chunk: nothing to reorder, nothing said
+    generate.BatchGenerator(model, prefill_step_size=64).insert([prompts[0]])
+    assert state.prefill.fallbacks == 3
+    state.close()
+
+
+def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
+    # auto: on where reads bound a prefill (CUDA, Metal), off on the CPU (compute bounds it there);
+    # asked for, as asked; a benchmark's or test's tuning, as it says
+    from dataclasses import replace
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.options import StreamingOptions
+
+    auto = StreamingOptions()
+    assert [auto.use_layer_major_prefill(None, b) for b in ("cpu", "cuda", "metal")] == [
+        False, True, True]
+    assert StreamingOptions(layer_major_prefill=True).use_layer_major_prefill(None, "cpu")
+    assert not StreamingOptions(layer_major_prefill="off").use_layer_major_prefill(None, "cuda")
+    off = replace(CacheTuning(), layer_major_prefill=False)
+    assert not auto.use_layer_major_prefill(off, "cuda")
+    assert auto.use_layer_major_prefill(CacheTuning(), "cpu")
+
+
+def test_parity_layer_major_prefill_in_groups(checkpoint):
+    # held states bounded (CacheTuning.prefill_hold_bytes): the prompt's chunks go layer-major in
+    # groups, each group's experts read once, and the result is still stock's bits
+    from dataclasses import replace
+
+    from support import load_stock
+
+    from mlx_lm_streaming.expert_cache import CacheTuning
+
+    path = checkpoint("qwen3_moe")
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
+    stock, _ = load_stock(path)
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, 3)
+    probe.expert_streaming.close()
+    tuning = replace(CacheTuning(), layer_major_prefill=True, prefill_hold_bytes=1)
+    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.state, b.state))
+    prefill = model.expert_streaming.prefill
+    # a group per chunk: the bound is met at every chunk
+    assert (prefill.prompts, prefill.chunks, prefill.groups) == (1, 6, 6)
+    model.expert_streaming.close()
