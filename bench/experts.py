@@ -327,8 +327,12 @@ def layer_major_figures(args) -> None:
     import mlx.core as mx
     import numpy as np
 
+    from mlx_lm_streaming import _bootstrap
     from mlx_lm_streaming.expert_cache import CacheTuning
 
+    # what the installed startup hook does (a checkout on PYTHONPATH, as on the device, has none):
+    # mlx-lm's modules patched, generate_step given layer-major prefill
+    _bootstrap.install()
     import mlx_lm.generate  # noqa: F401
 
     generate = sys.modules["mlx_lm.generate"]
@@ -419,6 +423,17 @@ def layer_major_figures(args) -> None:
             state.cache.recorder = None
         return out
 
+    # a warm-up of every kind of run first (on CUDA the first prefill compiles its kernels: the
+    # H200's first stock prefill of 4096 tokens took 178 s where the second took under 2)
+    warm = mx.array([random.Random(i).randrange(vocab) for i in range(2 * step + 2)])
+    run(stock, warm, cold=False)
+    for mode in ("chunked", "layer_major"):
+        tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
+        model, _ = load_streaming(path, expert_cache_gb=shares[0] * total / BUDGET_GB,
+                                  tuning=tuning)  # fmt: skip
+        run(model, warm, cold=True)
+        model.expert_streaming.close()
+        del model
     for tokens in sizes:
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
         ref = run(stock, prompt, cold=False)
