@@ -20,15 +20,21 @@ How, without knowing the architecture's forward (``prefill``):
 3. once a group's chunks went through layer 0, each later layer runs on each chunk in order: the
    recorded call, with the layer before's output as input.
 
+Each layer runs twice per chunk (``LayerPass``): once to route (its MoE answered with zeros), once
+with the experts' rows; the second time its attention and norms are given back their first outputs,
+so attention runs once per chunk and layer.
+
 The recorded calls are checked (``Recorder.problem``); where the model's forward is not "make the
 layers' arguments, then each layer on the output of the one before, one cache entry each", the
 prompt prefills chunk by chunk, as stock. The hidden states of a group's chunks are held between
 layers: chunks are grouped so that they stay under ``CacheTuning.prefill_hold_bytes``.
 
 ``wrap_generate_step`` puts this in front of ``mlx_lm.generate.generate_step`` (``generate``,
-``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands): the prompt but its
-last token is prefilled here, and the stock function takes the last token from there, with the
-logits processors given the whole prompt as stock's would see it.
+``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands, the server's requests
+served one at a time): the prompt but its last token is prefilled here, and the stock function takes
+the last token from there, with the logits processors given the whole prompt as stock's would see
+it. mlx-lm's prefills outside ``generate_step`` (``BatchGenerator``: the server's batched requests;
+``speculative_generate_step``) stay stock; a long prompt there says so once (``note_elsewhere``).
 """
 
 import functools
