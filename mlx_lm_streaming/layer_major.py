@@ -352,7 +352,7 @@ def _expert_major(items) -> None:
     if cache.recorder is not None:
         for ids in idx:
             cache.recorder.record(bank, ids)
-    experts = np.unique(np.concatenate(flats))
+    experts, uses = np.unique(np.concatenate(flats), return_counts=True)
     parts = [([], []) for _ in items]
     outs = []
 
@@ -367,8 +367,12 @@ def _expert_major(items) -> None:
                 outs.append(y)
 
     with bank.lock:
+        # resident experts first (no read), then the others from the least used by the prompt to
+        # the most used: the last waves stay in the slots, and the prompt's most used experts are
+        # the likeliest to be wanted next (the last token's step, decode)
         resident = bank.slot_of[experts] >= 0
-        experts = np.concatenate([experts[resident], experts[~resident]])
+        rest = experts[~resident][np.argsort(uses[~resident], kind="stable")]
+        experts = np.concatenate([experts[resident], rest])
         if not bank.direct:
             for start in range(0, len(experts), bank.slots):
                 wave = experts[start : start + bank.slots]
