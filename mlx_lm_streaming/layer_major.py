@@ -20,15 +20,21 @@ How, without knowing the architecture's forward (``prefill``):
 3. once a group's chunks went through layer 0, each later layer runs on each chunk in order: the
    recorded call, with the layer before's output as input.
 
+Each layer runs twice per chunk (``LayerPass``): once to route (its MoE answered with zeros), once
+with the experts' rows; the second time its attention and norms are given back their first outputs,
+so attention runs once per chunk and layer.
+
 The recorded calls are checked (``Recorder.problem``); where the model's forward is not "make the
 layers' arguments, then each layer on the output of the one before, one cache entry each", the
 prompt prefills chunk by chunk, as stock. The hidden states of a group's chunks are held between
 layers: chunks are grouped so that they stay under ``CacheTuning.prefill_hold_bytes``.
 
 ``wrap_generate_step`` puts this in front of ``mlx_lm.generate.generate_step`` (``generate``,
-``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands): the prompt but its
-last token is prefilled here, and the stock function takes the last token from there, with the
-logits processors given the whole prompt as stock's would see it.
+``stream_generate``, the ``generate``, ``chat`` and ``cache_prompt`` commands, the server's requests
+served one at a time): the prompt but its last token is prefilled here, and the stock function takes
+the last token from there, with the logits processors given the whole prompt as stock's would see
+it. mlx-lm's prefills outside ``generate_step`` (``BatchGenerator``: the server's batched requests;
+``speculative_generate_step``) stay stock; a long prompt there says so once (``note_elsewhere``).
 """
 
 import functools
@@ -346,7 +352,7 @@ def _expert_major(items) -> None:
     if cache.recorder is not None:
         for ids in idx:
             cache.recorder.record(bank, ids)
-    experts = np.unique(np.concatenate(flats))
+    experts, uses = np.unique(np.concatenate(flats), return_counts=True)
     parts = [([], []) for _ in items]
     outs = []
 
@@ -361,8 +367,12 @@ def _expert_major(items) -> None:
                 outs.append(y)
 
     with bank.lock:
+        # resident experts first (no read), then the others from the least used by the prompt to
+        # the most used: the last waves stay in the slots, and the prompt's most used experts are
+        # the likeliest to be wanted next (the last token's step, decode)
         resident = bank.slot_of[experts] >= 0
-        experts = np.concatenate([experts[resident], experts[~resident]])
+        rest = experts[~resident][np.argsort(uses[~resident], kind="stable")]
+        experts = np.concatenate([experts[resident], rest])
         if not bank.direct:
             for start in range(0, len(experts), bank.slots):
                 wave = experts[start : start + bank.slots]

@@ -245,8 +245,8 @@ class StreamingOptions:
         with GPU backends, where reads bound a streamed prefill (the H200's cold prefill ran at
         0.76 of its read limit) and layer-major reads each uncached expert about once per prompt
         (1.0x the routed experts' bytes against 4.2-5.9x for 16K tokens), and off on the CPU,
-        where compute bounds it and layer-major ran at 0.67-0.83x chunk by chunk's speed
-        (docs/benchmarks/prefill.md)."""
+        where compute bounds it and layer-major ran at 0.67-1.37x chunk by chunk's speed, 0.85 in
+        the median of paired rounds (docs/benchmarks/prefill.md)."""
         if self.layer_major_prefill is None:
             if tuning is not None:
                 return tuning.layer_major_prefill
