@@ -29,7 +29,9 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--stock-repeats", type=int, default=3, help="stock runs compared to the first")
     ap.add_argument("--overrides", default=None, help="JSON of build_checkpoint overrides")
-    ap.add_argument("--configs", default="all-on,all-off,all-on-sync,small-on,small-off,all-on-nofill")
+    ap.add_argument(
+        "--configs", default="all-on,all-off,all-on-sync,small-on,small-off,all-on-nofill"
+    )
     ap.add_argument("--quick", action="store_true", help="1 step, 1 stock repeat, 3 configurations")
     args = ap.parse_args()
     if args.quick:
@@ -38,19 +40,22 @@ def main():
     import mlx.core as mx
     import numpy as np
 
-    from mlx_lm_streaming import bank_io
+    from mlx_lm_streaming.bank import reads as bank_reads
     from mlx_lm_streaming.expert_cache import CacheTuning
     from mlx_lm_streaming.option_table import GB as BUDGET_GB
     from mlx_lm_streaming.synthetic import build_checkpoint
     from mlx_lm_streaming.parity import budget_of_slots, load_stock, load_streaming, prompts, run
 
     print("device", mx.default_device(), flush=True)
-    read_direct = bank_io.read_direct
+    direct_reads = bank_reads.DirectReads
 
-    def synced(bank, *args, **kwargs):
-        # whatever read_direct takes: a fixed signature here once broke every *-sync run
-        mx.synchronize()
-        return read_direct(bank, *args, **kwargs)
+    class SyncedReads(direct_reads):
+        """Direct reads issued after every pending MLX computation has ended."""
+
+        def __init__(self, *args, **kwargs):
+            # whatever DirectReads takes: a fixed signature here once broke every *-sync run
+            mx.synchronize()
+            super().__init__(*args, **kwargs)
 
     def equal(a, b):
         # finite and bit-identical: NaN on both sides is not a match
@@ -76,11 +81,14 @@ def main():
         for again in range(args.stock_repeats):
             got = run(stock, tokens, args.steps)
             same = [equal(a, b) for a, b in zip(expected, got)]
-            print(f"stock again ({again + 1}): equal to the first run {same}, "
-                  f"NaNs {[int(mx.isnan(a).sum()) for a in got]}", flush=True)
+            print(
+                f"stock again ({again + 1}): equal to the first run {same}, "
+                f"NaNs {[int(mx.isnan(a).sum()) for a in got]}",
+                flush=True,
+            )
         for name in args.configs.split(","):
             budget, direct, *extra = name.split("-")
-            bank_io.read_direct = synced if "sync" in extra else read_direct
+            bank_reads.DirectReads = SyncedReads if "sync" in extra else direct_reads
             probe, _ = load_streaming(path, expert_cache_gb=1e6)
             gb = (
                 (probe.expert_streaming.cache.total_expert_bytes + 0.5) / BUDGET_GB
@@ -115,8 +123,12 @@ def main():
                             cache.store.read_many([(ref, memoryview(want))])
                             checked += 1
                             if not np.array_equal(seen, want):
-                                bad_mlx.append((li, e, slot, spec.proj, spec.part, int((seen != want).sum())))
-                            if bank.views is not None and not np.array_equal(bank.views[i][slot], want):
+                                bad_mlx.append(
+                                    (li, e, slot, spec.proj, spec.part, int((seen != want).sum()))
+                                )
+                            if bank.views is not None and not np.array_equal(
+                                bank.views[i][slot], want
+                            ):
                                 bad_view.append((li, e, slot, spec.proj, spec.part))
             print(
                 f"{name}: {time.time() - t:.1f} s, direct={[b.direct for b in cache.banks][:1]}, "
@@ -125,7 +137,7 @@ def main():
                 flush=True,
             )
             del model, cache
-    bank_io.read_direct = read_direct
+    bank_reads.DirectReads = direct_reads
     if differ:
         sys.exit(f"logits differ from stock's in: {', '.join(differ)}")
 

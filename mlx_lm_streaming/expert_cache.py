@@ -85,7 +85,7 @@ class CacheTuning:
     derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the internal
     ``tuning`` entry of the streaming options, not a user option)."""
 
-    # demand reads straight into the banks (bank_io.py); off: through staging buffers
+    # demand reads straight into the banks (bank/reads.py); off: through staging buffers
     direct_reads: bool = True
     # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
@@ -195,7 +195,8 @@ class ExpertCache:
         return len(self._callers) > 1
 
     def note_caller(self) -> None:
-        """Record the calling thread (a layer call on a bank that is not complete)."""
+        """Record the calling thread (every layer call, before its schedule is chosen; a verified
+        step, before its forward)."""
         me = threading.get_ident()
         if me not in self._callers:
             with self._lock:

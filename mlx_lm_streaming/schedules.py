@@ -1,92 +1,81 @@
-"""The schedules of one MoE layer call, and ``choose``, the one place that picks among them.
+"""The schedules of one MoE layer call, and ``choose``, the one function that picks among them.
 
-A ``StreamingSwitchGLU`` call is ``with choose(layer, x, indices) as schedule: return
-schedule.run()``. Each schedule below is one way of computing the call's (token, expert) rows; each
-computes every row exactly once, by the same kernel, over the same slot bank, so each gives stock's
-bits. Each is kept for a measured reason (docs/benchmarks/README.md; docs/design.md's table lists
-them, with the figures).
+A ``StreamingSwitchGLU`` call is ``choose(layer, x, indices, step).run()``. ``choose`` is the whole
+dispatch condition and does nothing else: no host sync, no lock, no read. It picks the kernel once
+for the call, and a schedule class by the bank's state, the kernel, the call's row count and whether
+the model call is a verified step (``step``). Each schedule's ``run`` then does the call top to
+bottom: the host sync, the reads issued, the hits submitted, the read experts taken as they land
+(``LayerBank.reads``: a generator of landings, as ``concurrent.futures.as_completed``), the
+compute. Each computes every (token, expert) row exactly once, by the call's kernel, over the same
+slot bank, so each gives stock's bits. Each is kept for a measured reason (docs/benchmarks/README.md;
+docs/design.md's table lists them, with the figures).
 
 ``choose`` takes, in order: ``StockGraph`` (a complete identity bank), ``Verified`` (inside a
-verified step); otherwise the layer's one host sync reads the router's ids (with the next layer's
-lookahead guess), and under the bank's lock: with direct reads ``PrefillWaves``, ``ByProjection``,
-``AsTheyLand`` or ``PrefillAsTheyLand`` by the call's size and the experts' size; without,
-``OneCall`` where the call's experts fit the slots, else ``Waves``.
+verified step); otherwise a per-layer schedule (one host sync per call): with direct reads
+``PrefillWaves``, ``PrefillAsTheyLand``, ``ByProjection`` or ``AsTheyLand`` by the call's size, the
+experts' size and the kernel; without, ``OneCall`` where the call's experts surely fit the slots,
+else ``Waves``.
 """
 
 import mlx.core as mx
 import numpy as np
 
-from . import mlx_compat
-from .bank_io import install_finished
+from . import lookahead, mlx_compat
 from .mlx_compat import SORT_THRESHOLD
-from . import lookahead
 from .prefetch import WAVE
 
 
-def choose(layer, x: mx.array, indices: mx.array) -> "Schedule":
-    """The schedule of ``layer``'s call on ``x`` with the router's ``indices``: the whole dispatch
-    condition. A per-layer schedule comes back after the call's host sync, holding the bank's lock
-    where it runs under it (its ``with`` block lets it go)."""
+def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
+    """The schedule of ``layer``'s call on ``x`` with the router's ``indices``, inside the verified
+    step ``step`` (None: outside one): the whole dispatch condition."""
     bank = layer.bank
-    cache = bank.cache
-    cache.ensure_planned()
-    kernel = layer.selector.select(bank, indices.size)
-    if bank.complete and cache.tuning.skip_sync and not kernel.needs_host_slots:
-        return StockGraph(layer, x, indices, kernel)
-    step = cache.steps.current() if cache.steps is not None else None
-    if step is not None and bank.slots > 0 and not kernel.needs_host_slots:
-        return Verified(layer, x, indices, kernel, step)
-    call = HostSync(layer, x, indices)
-    rows = call.idx.size
-    bank.lock.acquire()
-    try:
-        if bank.direct:
-            if rows >= SORT_THRESHOLD and padded(layer, rows):
-                return PrefillWaves(call)
-            if rows >= SORT_THRESHOLD:
-                return PrefillAsTheyLand(call)
-            if phased(layer, rows):
-                return ByProjection(call)
-            return AsTheyLand(call)
-        if len(call.experts) <= bank.slots:
-            return OneCall(call)
-    except BaseException:
-        bank.lock.release()
-        raise
-    bank.lock.release()
-    return Waves(call)
+    selector = layer.selector
+    rows = indices.size
+    kernel = selector.select(bank, rows)
+    if not kernel.needs_host_slots:
+        if bank.complete and bank.cache.tuning.skip_sync:
+            return StockGraph(layer, x, indices, kernel)
+        if step is not None and bank.slots > 0:
+            return Verified(layer, x, indices, kernel, step)
+    if bank.direct:
+        exact_rows = kernel.subset_exact(selector.backend)
+        if rows >= SORT_THRESHOLD:
+            cls = PrefillAsTheyLand if exact_rows else PrefillWaves
+        elif exact_rows and phased(bank, kernel):
+            cls = ByProjection
+        else:
+            cls = AsTheyLand
+    elif min(rows, bank.num_experts) <= bank.slots:
+        cls = OneCall  # (a call's distinct experts are at most its rows)
+    else:
+        cls = Waves
+    return cls(layer, x, indices, kernel)
 
 
-def padded(layer, rows: int) -> bool:
-    """Whether partial calls of a call of ``rows`` rows are padded to all its rows (GPUs: the
-    kernel's per-row bits depend on the row count)."""
-    kernel = layer.selector.select(layer.bank, rows)
-    return not kernel.subset_exact(layer.selector.backend)
-
-
-def phased(layer, rows: int) -> bool:
+def phased(bank, kernel) -> bool:
     """Whether a decode-sized call's direct reads go a projection at a time (``ByProjection``):
-    experts of ``CacheTuning.phase_min_bytes`` and more, a kernel that runs the layer's own stock
-    ``SwitchGLU`` code, on a backend where a call over some rows gives those rows' stock bits
-    (partial calls not padded)."""
-    bank = layer.bank
+    experts of ``CacheTuning.phase_min_bytes`` and more, and a kernel that runs the layer's own
+    stock ``SwitchGLU`` code (on a backend where a call over some rows gives those rows' stock
+    bits: the caller's condition)."""
     least = bank.cache.tuning.phase_min_bytes
-    if least is None or bank.layer.expert_nbytes < least:
-        return False
-    kernel = layer.selector.select(bank, rows)
     return (
-        kernel.runs_switch_glu
-        and kernel.subset_exact(layer.selector.backend)
+        least is not None
+        and bank.layer.expert_nbytes >= least
+        and kernel.runs_switch_glu
         and mlx_compat.is_stock_switch_glu(bank.glu)
     )
 
 
 class Schedule:
-    """One layer call's way of computing its rows: ``run()`` gives the layer's output, inside a
-    ``with`` block (per-layer schedules finish the call's bookkeeping on leaving it). ``abstract``:
-    a base of schedules, never chosen itself."""
+    """One layer call's way of computing its rows: ``run()`` gives the layer's output. (A
+    ``with`` block may hold it: entering and leaving it do nothing.) ``abstract``: a base of
+    schedules, never chosen itself."""
 
     abstract = True
+
+    def __init__(self, layer, x, indices, kernel, step=None):
+        self.layer, self.bank, self.x, self.indices = layer, layer.bank, x, indices
+        self.kernel, self.step = kernel, step
 
     def __enter__(self):
         return self
@@ -105,11 +94,8 @@ class StockGraph(Schedule):
     Measured faster than the same call with the host sync on the GPU (``warm_sync``); on the CPU
     within noise."""
 
-    def __init__(self, layer, x, indices, kernel):
-        self.layer, self.x, self.indices, self.kernel = layer, x, indices, kernel
-
     def run(self):
-        return self.kernel(self.x, self.indices, None, self.layer.bank)
+        return self.kernel(self.x, self.indices, None, self.bank)
 
 
 class Verified(Schedule):
@@ -120,11 +106,8 @@ class Verified(Schedule):
     forward.
     Measured: the per-layer host sync costs more than the layer on a GPU."""
 
-    def __init__(self, layer, x, indices, kernel, step):
-        self.layer, self.x, self.indices, self.kernel, self.step = layer, x, indices, kernel, step
-
     def run(self):
-        bank = self.layer.bank
+        bank = self.bank
         tl = bank.cache.timeline
         start = tl.now() if tl else 0
         indices = mx.stop_gradient(self.indices)
@@ -132,7 +115,7 @@ class Verified(Schedule):
             if bank.identity and bank.staged:
                 # the fill's reads that landed: into slots no resident expert has, which no pending
                 # work reads but for rows a miss makes wrong anyway (dropped at the check)
-                install_finished(bank)
+                bank.install_finished()
                 bank.note_complete()
             slots, missing = bank.device_map()
             y = self.kernel(self.x, slots[indices], None, bank)
@@ -143,152 +126,130 @@ class Verified(Schedule):
         return y
 
 
-class HostSync:
-    """The layer's one host sync, which the per-layer schedules start from: the router's ids read
-    back (``idx``, with the next MoE layer's lookahead guess evaluated in the same sync:
-    ``ahead``), recorded, and the call's distinct ``experts``."""
-
-    def __init__(self, layer, x, indices):
-        bank = layer.bank
-        cache = bank.cache
-        cache.note_caller()
-        self.layer, self.bank, self.x = layer, bank, x
-        tl = cache.timeline
-        self.start = tl.now() if tl else 0
-        self.misses = cache.stats.misses
-        self.indices = indices = mx.stop_gradient(indices)
-        self.ahead = ahead = lookahead.guess(bank, x, indices)
-        if ahead is not None:
-            mx.eval(indices, *[g for _, g in ahead])  # one sync for the ids and the guesses
-        self.idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
-        if tl:
-            tl.span("host sync", self.start, "sync", layer=bank.path)
-        if cache.recorder is not None:
-            cache.recorder.record(bank, self.idx)
-        self.experts = np.unique(self.idx)
-
-
 class PerLayer(Schedule):
-    """A schedule after the layer's host sync (``HostSync``): the call's experts made resident on
-    the host's word. ``locked``: run under the bank's lock, which ``choose`` took to choose it."""
+    """A schedule that starts from the layer's one host sync: the call's experts made resident on
+    the host's word. ``run`` is the call top to bottom: the sync (``sync``), the call's work
+    (``compute``: under the bank's lock where ``locked``), the bookkeeping after it."""
 
     abstract = True
     locked = True
 
-    def __init__(self, call: HostSync):
-        self.call = call
-        self.layer, self.bank, self.x = call.layer, call.bank, call.x
-        self.idx, self.experts, self.ahead = call.idx, call.experts, call.ahead
-
-    def __exit__(self, *exc) -> bool:
-        call, bank = self.call, self.bank
+    def run(self):
+        bank = self.bank
+        cache = bank.cache
+        tl = cache.timeline
+        start = tl.now() if tl else 0
+        misses = cache.stats.misses
+        idx, experts, ahead = self.sync()
         if self.locked:
-            bank.lock.release()
-        bank.drop_staged()
-        tl = bank.cache.timeline
+            with bank.lock:
+                y = self.compute(idx, experts, ahead)
+        else:
+            y = self.compute(idx, experts, ahead)
+        if bank.staged and not bank.identity:
+            bank.drop_staged()  # staged experts the call did not use
         if tl:
-            idx = self.idx
-            tokens, read = idx.size // idx.shape[-1], bank.cache.stats.misses - call.misses
-            tl.layer(call.start, bank.path, tokens, experts=len(self.experts), misses=read)
-        return False
+            tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
+            tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
+        return y
 
-    def rows(self, rows):
-        """The kernel over the (token, expert) rows ``rows`` of the flattened call, ``(n, D)``.
+    def sync(self):
+        """The layer's one host sync: the router's ids read back, with the next MoE layer's
+        lookahead guess evaluated in the same sync, and recorded. ``(ids, the call's distinct
+        experts, the guess or None)``."""
+        bank = self.bank
+        cache = bank.cache
+        tl = cache.timeline
+        start = tl.now() if tl else 0
+        self.indices = indices = mx.stop_gradient(self.indices)
+        ahead = lookahead.guess(bank, self.x, indices)
+        if ahead is not None:
+            mx.eval(indices, *[g for _, g in ahead])  # one sync for the ids and the guesses
+        idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
+        if tl:
+            tl.span("host sync", start, "sync", layer=bank.path)
+        if cache.recorder is not None:
+            cache.recorder.record(bank, idx)
+        return idx, np.unique(idx), ahead
 
-        Where the kernel's per-row results depend on how many rows it is given (``subset_exact``),
-        the rows are padded to the whole call's count with copies of the first one (dropped after),
-        so that every partial call has stock's shapes."""
-        return kernel_rows(self.layer, self.x, self.idx, rows)
+    def compute(self, idx, experts, ahead) -> mx.array:
+        raise NotImplementedError
 
 
 class OneCall(PerLayer):
     """Chosen without direct reads (no host view of the bank, a second calling thread, or
-    ``direct_reads`` off) when the call's experts fit the bank's slots: load them (through staging
-    buffers), then one kernel call over all rows. Measured faster than the seed designs
-    (docs/benchmarks/README.md, "What won, what lost")."""
+    ``direct_reads`` off) when the call's experts surely fit the bank's slots (no more rows than
+    slots, or a slot for every expert): load them (through staging buffers), then one kernel call
+    over all rows. Measured faster than the seed designs (docs/benchmarks/README.md, "What won,
+    what lost")."""
 
-    def run(self):
-        bank, idx = self.bank, self.idx
-        bank.load(self.experts)
-        if self.ahead is not None:
-            lookahead.stage_all(self.ahead)
-        if bank.identity and not bank.complete:
-            bank.cache.request_fill(bank)
-        kernel = self.layer.selector.select(bank, idx.size)
+    def compute(self, idx, experts, ahead):
+        bank = self.bank
+        bank.load(experts)
+        if ahead is not None:
+            lookahead.stage_all(ahead)
         if bank.identity:
-            return kernel(self.x, self.call.indices, idx, bank)
+            if not bank.complete:
+                bank.cache.request_fill(bank)
+            return self.kernel(self.x, self.indices, idx, bank)
         slots_np = bank.slot_of[idx]
         slots = mx.array(slots_np.astype(np.uint32))
-        return kernel(self.x, slots, slots_np, bank)
+        return self.kernel(self.x, slots, slots_np, bank)
 
 
 class Waves(PerLayer):
-    """Chosen without direct reads when the call needs more experts than the bank has slots
-    (prefill with a small budget): waves of ``slots`` experts, each loaded (never evicting one the
-    wave uses), computed and evaluated before the next, whose experts are read in the background
+    """Chosen without direct reads when the call's experts may not fit the bank's slots (prefill
+    with a small budget): waves of ``slots`` experts, each loaded (never evicting one the wave
+    uses), computed and evaluated before the next, whose experts are read in the background
     meanwhile. Expert-major: each expert is read at most once per call. Runs outside the bank's
     lock but for each wave. Measured: CPU cold prefill near its I/O limit."""
 
     locked = False
 
-    def run(self):
-        bank, idx, experts = self.bank, self.idx, self.experts
+    def compute(self, idx, experts, ahead):
+        bank = self.bank
         flat = idx.reshape(-1)
         size = bank.slots
         waves = [experts[i : i + size] for i in range(0, len(experts), size)]
         outs, rows_done = [], []
         for w, wave in enumerate(waves):
             rows = np.nonzero(member(flat, wave, bank.num_experts))[0]
+            last = w + 1 == len(waves)
             with bank.lock:
                 bank.load(wave)
                 # read ahead while this wave computes: the next wave, or after the last one the
                 # next layer's guess
-                if w + 1 < len(waves):
+                if not last:
                     bank.stage(waves[w + 1], "wave", WAVE, fit=True)
-                elif self.ahead is not None:
-                    lookahead.stage_all(self.ahead)
-                yw = self.rows(rows)
-                # finish this wave before the next one reuses the slots
-                wait(bank, yw)
+                elif ahead is not None:
+                    lookahead.stage_all(ahead)
+                yw = kernel_rows(self.layer, self.x, idx, rows, self.kernel)
+                if not last:
+                    wait(bank, yw)  # finish this wave before the next one reuses the slots
             outs.append(yw)
             rows_done.append(rows)
-        order = np.argsort(np.concatenate(rows_done), kind="stable")
-        y = mx.concatenate(outs, axis=0)[mx.array(order)]
+        if len(outs) == 1:
+            y = outs[0]  # every row, in order
+        else:
+            order = np.argsort(np.concatenate(rows_done), kind="stable")
+            y = mx.concatenate(outs, axis=0)[mx.array(order)]
         return y.reshape(*idx.shape, y.shape[-1])
 
 
 class Direct(PerLayer):
-    """Direct reads (``LayerBank.direct``): the call's reads issued, the resident experts' rows
-    submitted while they are read, then the read experts' rows as ``landing`` says. With more
+    """Direct reads (``LayerBank.direct``): per wave, the reads issued, the resident experts' rows
+    submitted while they are read, then each landing taken as it comes (``landed``). With more
     experts than slots, waves of at most half the slots, so that a wave's reads go into the other
-    half while the wave before computes. The subclasses differ only in ``landing``."""
+    half while the wave before computes. The subclasses differ in what they do with a landing."""
 
     abstract = True
+    by_projection = False  # landings a projection at a time (``ByProjection``)
 
-    def landing(self, compute, landed, rows_done, outs):
-        """``(ready, part_ready)`` for ``LayerBank.load``: what is done as read experts land."""
-        raise NotImplementedError
-
-    def run(self):
-        bank, x, idx, experts = self.bank, self.x, self.idx, self.experts
-        flat = idx.reshape(-1)
-        rows_done, outs = [], []
-
-        def compute(ids):
-            rows = np.nonzero(member(flat, ids, bank.num_experts))[0]
-            y = self.rows(rows)
-            submit(bank, y)
-            rows_done.append(rows)
-            outs.append(y)
-
-        landed = []  # read experts whose rows wait for the end of their wave (``PrefillWaves``)
-        ready, part_ready = self.landing(compute, landed, rows_done, outs)
-
-        def rest():
-            if landed:
-                compute(np.array(landed))
-                landed.clear()
-
+    def compute(self, idx, experts, ahead):
+        bank = self.bank
+        self.flat = flat = idx.reshape(-1)
+        self.idx = idx
+        self.outs, self.rows_done = [], []
         if len(experts) <= bank.slots:
             waves, overlap = [experts], False
         else:
@@ -307,25 +268,31 @@ class Direct(PerLayer):
             # the wave whose slots this one may take has finished computing
             back = w - 2 if overlap else w - 1
             if back >= 0:
-                wait(bank, outs[: ends[back]])
+                wait(bank, self.outs[: ends[back]])
             keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
-            if w == 0:
-                take_staged(bank, wave, keep)
-            elif bank.staged:
-                # installing them now (an MLX update of a bank that pending work reads) would
-                # copy the whole bank: read them again directly instead
-                bank.discard_staged()
+            if bank.staged:
+                if w == 0:
+                    take_staged(bank, wave, keep)
+                else:
+                    # installing them now (an MLX update of a bank that pending work reads) would
+                    # copy the whole bank: read them again directly instead
+                    bank.discard_staged()
             hit = wave[bank.slot_of[wave] >= 0]
-            started = None
-            if len(hit):
-                started = lambda hit=hit: compute(hit)  # noqa: E731 (while they are read)
-            bank.load(wave, ready=ready, keep=keep, part_ready=part_ready, started=started)
-            rest()
-            ends.append(len(outs))
-        if self.ahead is not None:
-            lookahead.stage_all(self.ahead)
+            landings = bank.reads(wave, keep, by_projection=self.by_projection)  # issued
+            try:
+                if len(hit):
+                    self.rows(hit)  # while they are read
+                for ids, proj, slot in landings:
+                    self.landed(ids, proj, slot)
+            finally:
+                landings.close()  # (after an error: every read has ended)
+            self.wave_done()
+            ends.append(len(self.outs))
+        if ahead is not None:
+            lookahead.stage_all(ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
+        outs, rows_done = self.outs, self.rows_done
         if len(outs) == 1 and len(rows_done[0]) == flat.size:
             y = outs[0]  # every row, in order
         else:
@@ -338,14 +305,30 @@ class Direct(PerLayer):
         bank.last_stream = mx.default_stream(mx.default_device())
         return y
 
+    def rows(self, ids) -> None:
+        """The rows of experts ``ids`` computed and submitted."""
+        bank = self.bank
+        mask = np.zeros(bank.num_experts, dtype=bool)
+        mask[ids] = True
+        rows = np.nonzero(mask[self.flat])[0]
+        y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel)
+        submit(bank, y)
+        self.rows_done.append(rows)
+        self.outs.append(y)
+
+    def landed(self, ids, proj, slot) -> None:
+        """Experts ``ids`` landed (``proj`` None; else a projection of one: ``ByProjection``)."""
+        self.rows(ids)
+
+    def wave_done(self) -> None:
+        """A wave's landings have all been taken."""
+
 
 class AsTheyLand(Direct):
     """Chosen with direct reads for decode-sized calls (fewer than ``SORT_THRESHOLD`` rows): each
-    read expert's rows computed as soon as its bytes land, while the others are still read.
+    read expert's rows computed as soon as its bytes land, while the others are still read (those
+    installed together from staging in one call).
     Measured: cold decode faster than staged reads on the H200 and the CPU."""
-
-    def landing(self, compute, landed, rows_done, outs):
-        return compute, None  # those reported together (installed from staging) in one call
 
 
 class ByProjection(Direct):
@@ -357,37 +340,38 @@ class ByProjection(Direct):
     ``rows`` would give it, so the result is the same bits. Measured: CPU Mixtral-shape cold
     decode closer to its I/O limit than experts read whole."""
 
-    def landing(self, compute, landed, rows_done, outs):
-        bank, idx = self.bank, self.idx
-        glu = bank.glu
-        k = idx.shape[-1]
-        flat = idx.reshape(-1)
-        x2 = self.x.reshape(-1, self.x.shape[-1])
-        partial = {}  # expert -> (rows, slots, input rows, {proj: output})
+    by_projection = True
 
-        def part_ready(e, slot, proj):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.partial = {}  # expert -> (rows, slots, input rows, {proj: output})
+
+    def landed(self, ids, proj, slot):
+        partial = self.partial
+        bank = self.bank
+        glu = bank.glu
+        if proj is not None:  # a projection of expert ``ids[0]`` landed in ``slot``
+            e = ids[0]
             if e not in partial:
-                rows = np.nonzero(flat == e)[0]
+                rows = np.nonzero(self.flat == e)[0]
                 slots = mx.array(np.full((len(rows), 1), slot, dtype=np.uint32))
-                xe = mlx_compat.switch_glu_input(x2[mx.array(rows // k)])
+                x2 = self.x.reshape(-1, self.x.shape[-1])
+                xe = mlx_compat.switch_glu_input(x2[mx.array(rows // self.idx.shape[-1])])
                 partial[e] = (rows, slots, xe, {})
             _, slots, xe, done = partial[e]
             done[proj] = mlx_compat.switch_glu_projection(glu, proj, xe, slots)
             submit(bank, done[proj])
-
-        def ready(ids):
-            for e in ids:
-                if e not in partial:  # installed from staging: no projection landed on its own
-                    compute(np.array([e]))
-                    continue
-                rows, slots, _, done = partial.pop(e)
-                up, gate = done["up_proj"], done["gate_proj"]
-                y = mlx_compat.switch_glu_output(glu, up, gate, slots)[:, 0]
-                submit(bank, y)
-                rows_done.append(rows)
-                outs.append(y)
-
-        return ready, part_ready
+            return
+        for e in ids:
+            if e not in partial:  # installed from staging: no projection landed on its own
+                self.rows(np.array([e]))
+                continue
+            rows, slots, _, done = partial.pop(e)
+            up, gate = done["up_proj"], done["gate_proj"]
+            y = mlx_compat.switch_glu_output(glu, up, gate, slots)[:, 0]
+            submit(bank, y)
+            self.rows_done.append(rows)
+            self.outs.append(y)
 
 
 class PrefillAsTheyLand(Direct):
@@ -396,12 +380,9 @@ class PrefillAsTheyLand(Direct):
     lands, which keeps fewer and smaller temporaries than a call per wave (measured: lower peak
     RSS over the budget on the CPU)."""
 
-    def landing(self, compute, landed, rows_done, outs):
-        def ready(ids):
-            for e in ids:
-                compute(np.array([e]))
-
-        return ready, None
+    def landed(self, ids, proj, slot):
+        for e in ids:
+            self.rows(np.array([e]))
 
 
 class PrefillWaves(Direct):
@@ -410,22 +391,34 @@ class PrefillWaves(Direct):
     experts computed in one call once they all landed. Measured: H200 cold prefill much closer to
     its I/O limit than a call per landing."""
 
-    def landing(self, compute, landed, rows_done, outs):
-        return landed.extend, None
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.waiting = []  # the wave's experts that landed
+
+    def landed(self, ids, proj, slot):
+        self.waiting.extend(ids)
+
+    def wave_done(self):
+        if self.waiting:
+            self.rows(np.array(self.waiting))
+            self.waiting = []
 
 
-def kernel_rows(layer, x, idx, rows):
-    """``PerLayer.rows``: the selected kernel over some rows of the call, padded where needed."""
+def kernel_rows(layer, x, idx, rows, kernel=None):
+    """The call's kernel (``kernel``; None: the selector's for the call) over the (token, expert)
+    rows ``rows`` of the flattened call ``idx``, ``(n, D)``.
+
+    Where the kernel's per-row results depend on how many rows it is given (``subset_exact``),
+    the rows are padded to the whole call's count with copies of the first one (dropped after), so
+    that every partial call has stock's shapes."""
     bank = layer.bank
-    selector = layer.selector
     k = idx.shape[-1]
     flat = idx.reshape(-1)
     n = rows.size
-    kernel = selector.select(bank, flat.size)
-    if n < flat.size and not kernel.subset_exact(selector.backend):
+    if kernel is None:
+        kernel = layer.selector.select(bank, flat.size)
+    if n < flat.size and not kernel.subset_exact(layer.selector.backend):
         rows = np.concatenate([rows, np.full(flat.size - n, rows[0], dtype=rows.dtype)])
-    else:
-        kernel = selector.select(bank, n)
     slots_np = bank.slot_of[flat[rows]][:, None]
     slots = mx.array(slots_np.astype(np.uint32))
     xw = x.reshape(-1, x.shape[-1])[mx.array(rows // k)]
@@ -436,8 +429,8 @@ def kernel_rows(layer, x, idx, rows):
 def take_staged(bank, experts, keep) -> None:
     """Before any of this call's work is pending: write the experts read in the background into
     their slots (an MLX update, which would copy a bank that pending work reads)."""
-    if bank.identity and bank.staged:
-        install_finished(bank)
+    if bank.identity:
+        bank.install_finished()
     staged = [e for e in experts.tolist() if e in bank.staged]
     if staged:
         # counted once, as misses, by the call's own load of ``experts`` (not as a miss here
@@ -453,23 +446,24 @@ def member(ids: np.ndarray, of: np.ndarray, num_experts: int) -> np.ndarray:
     return mask[ids]
 
 
-def _timed(bank, run, y, name: str, cat: str) -> None:
-    """``run(y)``, recorded on the timeline as ``name`` if there is one."""
-    tl = bank.cache.timeline
-    start = tl.now() if tl else 0
-    run(y)
-    if tl:
-        tl.span(name, start, cat, layer=bank.path)
-
-
 def submit(bank, y) -> None:
-    """``mx.async_eval(y)``: the layer's compute handed to MLX."""
-    _timed(bank, mx.async_eval, y, "submit", "compute")
+    """``mx.async_eval(y)``: the layer's compute handed to MLX (a timeline span if recorded)."""
+    tl = bank.cache.timeline
+    if tl:
+        start = tl.now()
+        mx.async_eval(y)
+        tl.span("submit", start, "compute", layer=bank.path)
+    else:
+        mx.async_eval(y)
 
 
 def wait(bank, y) -> None:
-    """``mx.eval(y)`` where the layer waits for its own compute."""
-    _timed(bank, mx.eval, y, "wait compute", "wait")
+    """``mx.eval(y)`` where the layer waits for its own compute (a timeline span if recorded)."""
+    tl = bank.cache.timeline
+    start = tl.now() if tl else 0
+    mx.eval(y)
+    if tl:
+        tl.span("wait compute", start, "wait", layer=bank.path)
 
 
 def names() -> set:

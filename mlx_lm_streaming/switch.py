@@ -1,7 +1,8 @@
 """StreamingSwitchGLU: drop-in for mlx-lm's ``SwitchGLU`` whose experts live on disk.
 
 Same call, ``(x, indices) -> y``, so mlx-lm's routers, shared experts and mixing run unchanged. Each
-call is one schedule, picked by ``schedules.choose`` and run: the router's indices straight to the
+call is one schedule, picked by ``schedules.choose`` (from the bank's state, the call's size and the
+model call's verified step, if any) and run: the router's indices straight to the
 kernel where every expert is resident in its own slot (``StockGraph``), slot ids mapped on the device
 inside a verified step (``Verified``), or one host sync to read the router's expert ids and then all
 host work for the layer at once: make the experts resident in the layer's slot bank, map expert ids
@@ -42,5 +43,9 @@ class StreamingSwitchGLU(nn.Module):
         across = layer_major.current()
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
-        with schedules.choose(self, x, indices) as schedule:
-            return schedule.run()
+        cache = self._bank.cache
+        cache.ensure_planned()
+        cache.note_caller()  # before the choice: a second calling thread turns direct reads off
+        steps = cache.steps  # the verified step this thread's model call runs, if any
+        step = steps.current() if steps is not None else None
+        return schedules.choose(self, x, indices, step).run()

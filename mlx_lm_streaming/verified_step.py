@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import bank_io, mlx_compat
+from . import mlx_compat
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -171,8 +171,14 @@ class VerifiedStep:
         load_together([(bank, experts, {})] + guesses)
         self.loaded.add(id(bank))
         if tl:
-            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
-                    guessed=sum(len(g[1]) for g in guesses))
+            tl.span(
+                "verify load",
+                start,
+                "read",
+                layer=bank.path,
+                experts=len(experts),
+                guessed=sum(len(g[1]) for g in guesses),
+            )
         self.calls = []
         return layer
 
@@ -413,20 +419,14 @@ def load_together(loads) -> None:
     for bank in banks:
         bank.last_stream = None
     pool = banks[0].cache.bank_pool
-    futures = [pool.submit(_load_alone, *load) for load in loads]
+    # beside other banks' loads, a load's experts are never spread over the store's readers
+    futures = [
+        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
+    ]
     errors = [f.exception() for f in futures]  # waits for each
     for error in errors:
         if error is not None:
             raise error
-
-
-def _load_alone(bank, experts, options) -> None:
-    """``bank.load`` on a bank thread, beside other banks' loads: its experts never spread."""
-    bank_io.ALONE.on = True
-    try:
-        bank.load(experts, **options)
-    finally:
-        bank_io.ALONE.on = False
 
 
 def miss_counts(calls) -> mx.array:
