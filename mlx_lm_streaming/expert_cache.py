@@ -64,7 +64,10 @@ class CacheStats(Counters):
                     self.first_request = time.perf_counter()
 
     def add(self, hits: int, misses: int, evictions: int) -> None:
-        self.add_counts(hits=hits, misses=misses, evictions=evictions)
+        with self.lock:  # (``add_counts``, spelt out: once per layer call)
+            self.hits += hits
+            self.misses += misses
+            self.evictions += evictions
         self.last_request = time.perf_counter()
 
     @property
@@ -146,6 +149,8 @@ class ExpertCache:
         # verified_step.StepRunner of the model, whose ``current()`` step a layer call joins
         self.steps = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
+        # True once layers were called from more than one thread: direct reads are then off
+        self.shared = False
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._bank_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
@@ -189,11 +194,6 @@ class ExpertCache:
             return None
         return order[i + 1] if i + 1 < len(order) else None
 
-    @property
-    def shared(self) -> bool:
-        """True once layers were called from more than one thread: direct reads are then off."""
-        return len(self._callers) > 1
-
     def note_caller(self) -> None:
         """Record the calling thread (every layer call, before its schedule is chosen; a verified
         step, before its forward)."""
@@ -201,6 +201,7 @@ class ExpertCache:
         if me not in self._callers:
             with self._lock:
                 self._callers.add(me)
+                self.shared = len(self._callers) > 1
 
     @property
     def bank_pool(self) -> ThreadPoolExecutor:

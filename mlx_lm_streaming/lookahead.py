@@ -61,7 +61,7 @@ def predict(router, x: mx.array, k: int) -> Optional[mx.array]:
 
 
 def guess(bank, x, indices):
-    """((next MoE layer's bank, its predicted expert ids, lazy),), from its router applied to
+    """``(next MoE layer's bank, its predicted expert ids, lazy)``, from its router applied to
     this layer's input, or None."""
     cache = bank.cache
     if not cache.tuning.lookahead:
@@ -71,13 +71,7 @@ def guess(bank, x, indices):
     if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
         return None
     guess = predict(nxt.router, x, indices.shape[-1])
-    return None if guess is None else ((nxt, guess),)
-
-
-def stage_all(ahead) -> None:
-    """``stage`` for each (bank, guess) of a lookahead (``guess``)."""
-    for bank, guess in ahead:
-        stage(bank, guess)
+    return None if guess is None else (nxt, guess)
 
 
 def stage(bank, guess) -> None:

@@ -14,6 +14,7 @@ If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked
 supported range (``refusal``), instead of silently loading every expert into memory.
 """
 
+import functools
 import inspect
 import os
 import re
@@ -276,7 +277,7 @@ def wrap_call(module, around) -> None:
     cls = type(module)
 
     def __call__(self, *args, **kwargs):
-        return around(lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
+        return around(functools.partial(cls.__call__, self), args, kwargs)
 
     sub = type(
         cls.__name__,

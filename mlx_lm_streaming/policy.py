@@ -214,7 +214,7 @@ class SlotTable:
         The victims' slots are freed here (no slot names an evicted expert, even if the read that
         follows fails); ``place`` maps each missing expert once its bytes are in its slot."""
         experts = np.asarray(experts, dtype=np.int64)
-        if len(experts) > self.slots:
+        if len(experts) > len(self.expert_of):
             raise ValueError(
                 f"{len(experts)} experts asked for at once but only {self.slots} slots"
             )

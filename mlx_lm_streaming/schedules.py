@@ -39,9 +39,18 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
             return Verified(layer, x, indices, kernel, step)
     if bank.direct:
         exact_rows = kernel.subset_exact(selector.backend)
+        least = bank.cache.tuning.phase_min_bytes  # (``CacheTuning.phase_min_bytes``)
         if rows >= SORT_THRESHOLD:
             cls = PrefillAsTheyLand if exact_rows else PrefillWaves
-        elif exact_rows and phased(bank, kernel):
+        elif (
+            # read a projection at a time: big experts, a kernel that runs the layer's own stock
+            # ``SwitchGLU`` code, where a call over some rows gives those rows' stock bits
+            exact_rows
+            and least is not None
+            and bank.layer.expert_nbytes >= least
+            and kernel.runs_switch_glu
+            and mlx_compat.is_stock_switch_glu(bank.glu)
+        ):
             cls = ByProjection
         else:
             cls = AsTheyLand
@@ -50,20 +59,6 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
     else:
         cls = Waves
     return cls(layer, x, indices, kernel)
-
-
-def phased(bank, kernel) -> bool:
-    """Whether a decode-sized call's direct reads go a projection at a time (``ByProjection``):
-    experts of ``CacheTuning.phase_min_bytes`` and more, and a kernel that runs the layer's own
-    stock ``SwitchGLU`` code (on a backend where a call over some rows gives those rows' stock
-    bits: the caller's condition)."""
-    least = bank.cache.tuning.phase_min_bytes
-    return (
-        least is not None
-        and bank.layer.expert_nbytes >= least
-        and kernel.runs_switch_glu
-        and mlx_compat.is_stock_switch_glu(bank.glu)
-    )
 
 
 class Schedule:
@@ -164,7 +159,7 @@ class PerLayer(Schedule):
         self.indices = indices = mx.stop_gradient(self.indices)
         ahead = lookahead.guess(bank, self.x, indices)
         if ahead is not None:
-            mx.eval(indices, *[g for _, g in ahead])  # one sync for the ids and the guesses
+            mx.eval(indices, ahead[1])  # one sync for the ids and the guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
         if tl:
             tl.span("host sync", start, "sync", layer=bank.path)
@@ -187,7 +182,7 @@ class OneCall(PerLayer):
         bank = self.bank
         bank.load(experts)
         if ahead is not None:
-            lookahead.stage_all(ahead)
+            lookahead.stage(*ahead)
         if bank.identity:
             if not bank.complete:
                 bank.cache.request_fill(bank)
@@ -222,7 +217,7 @@ class Waves(PerLayer):
                 if not last:
                     bank.stage(waves[w + 1], "wave", WAVE, fit=True)
                 elif ahead is not None:
-                    lookahead.stage_all(ahead)
+                    lookahead.stage(*ahead)
                 yw = kernel_rows(self.layer, self.x, idx, rows, self.kernel)
                 if not last:
                     wait(bank, yw)  # finish this wave before the next one reuses the slots
@@ -250,6 +245,7 @@ class Direct(PerLayer):
         self.flat = flat = idx.reshape(-1)
         self.idx = idx
         self.outs, self.rows_done = [], []
+        self.waiting = []  # landed experts whose rows wait for the end of their wave
         if len(experts) <= bank.slots:
             waves, overlap = [experts], False
         else:
@@ -286,10 +282,12 @@ class Direct(PerLayer):
                     self.landed(ids, proj, slot)
             finally:
                 landings.close()  # (after an error: every read has ended)
-            self.wave_done()
+            if self.waiting:
+                self.rows(np.array(self.waiting))
+                self.waiting = []
             ends.append(len(self.outs))
         if ahead is not None:
-            lookahead.stage_all(ahead)
+            lookahead.stage(*ahead)
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         outs, rows_done = self.outs, self.rows_done
@@ -317,11 +315,9 @@ class Direct(PerLayer):
         self.outs.append(y)
 
     def landed(self, ids, proj, slot) -> None:
-        """Experts ``ids`` landed (``proj`` None; else a projection of one: ``ByProjection``)."""
+        """Experts ``ids`` landed (``proj`` None; else a projection of one: ``ByProjection``):
+        their rows computed now, or (``waiting``) at the end of the wave."""
         self.rows(ids)
-
-    def wave_done(self) -> None:
-        """A wave's landings have all been taken."""
 
 
 class AsTheyLand(Direct):
@@ -391,17 +387,8 @@ class PrefillWaves(Direct):
     experts computed in one call once they all landed. Measured: H200 cold prefill much closer to
     its I/O limit than a call per landing."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.waiting = []  # the wave's experts that landed
-
     def landed(self, ids, proj, slot):
         self.waiting.extend(ids)
-
-    def wave_done(self):
-        if self.waiting:
-            self.rows(np.array(self.waiting))
-            self.waiting = []
 
 
 def kernel_rows(layer, x, idx, rows, kernel=None):

@@ -24,28 +24,20 @@ class StreamingSwitchGLU(nn.Module):
     def __init__(self, bank, selector):
         super().__init__()
         # plain attributes, not parameters: the banks never appear in model.parameters()
-        object.__setattr__(self, "_bank", bank)
-        object.__setattr__(self, "_selector", selector)
-
-    @property
-    def bank(self):
-        return self._bank
-
-    @property
-    def selector(self):
-        return self._selector
+        object.__setattr__(self, "bank", bank)
+        object.__setattr__(self, "selector", selector)
 
     @property
     def num_experts(self) -> int:
-        return self._bank.num_experts
+        return self.bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         across = layer_major.current()
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
-        cache = self._bank.cache
+        cache = self.bank.cache
         cache.ensure_planned()
         cache.note_caller()  # before the choice: a second calling thread turns direct reads off
         steps = cache.steps  # the verified step this thread's model call runs, if any
-        step = steps.current() if steps is not None else None
+        step = steps.this_thread.step if steps is not None else None
         return schedules.choose(self, x, indices, step).run()

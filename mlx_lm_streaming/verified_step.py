@@ -257,12 +257,18 @@ class VerifiedStep:
         cache.stats.add(hits, misses, 0)
 
 
+class _ThisThread(threading.local):
+    step = None
+
+
 class StepRunner:
     """Runs each call of a streaming model as a verified step or with the per-layer schedule."""
 
     def __init__(self, state):  # loading.StreamingState
         self.state = state
-        self._local = threading.local()
+        # ``this_thread.step``: the verified step (or the layer-major prefill's ``Recorder``) this
+        # thread's model call runs, None outside one
+        self.this_thread = _ThisThread()
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         # running mean of the share of MoE layers that missed, per decode-sized call
         self.missed_share = 0.0
@@ -292,15 +298,15 @@ class StepRunner:
     def running(self, step):
         """Make ``step`` (whatever has a ``layer_call``: a ``VerifiedStep``, the layer-major
         prefill's ``Recorder``) the one this thread's decoder layers call."""
-        self._local.step = step
+        self.this_thread.step = step
         try:
             yield step
         finally:
-            self._local.step = None
+            self.this_thread.step = None
 
     def current(self) -> Optional[VerifiedStep]:
         """The verified step this thread is running, or None."""
-        return getattr(self._local, "step", None)
+        return self.this_thread.step
 
     def wrap_layers(self, model) -> None:
         """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
@@ -313,7 +319,7 @@ class StepRunner:
 
     def _layer_around(self, i: int):
         def around(call, args, kwargs):
-            step = self.current()
+            step = self.this_thread.step
             if step is None:
                 return call(*args, **kwargs)
             return step.layer_call(i, call, args, kwargs)
@@ -371,7 +377,7 @@ class StepRunner:
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
         cache.note_caller()
-        step = self._local.step = VerifiedStep(self, kv, tokens, self.every())
+        step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
         try:
             out = call(*args, **kwargs)
@@ -391,14 +397,14 @@ class StepRunner:
                 else:
                     self.pending = step  # its host work: while the next step computes
         except _Again:
-            self._local.step = None
+            self.this_thread.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
             # every entry the step wrote; all of them if no wrapped layer ran
             step.rewind(0, step.ran + 1 if step.ran >= 0 else len(kv or ()))
             out = call(*args, **kwargs)
         finally:
-            self._local.step = None
+            self.this_thread.step = None
         if missed is None:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)

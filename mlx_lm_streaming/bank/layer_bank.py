@@ -26,6 +26,9 @@ class LayerBank:
         self.slots = 0
         # which expert is in which slot, and the eviction policy (``policy.py``)
         self.table = SlotTable(layer.num_experts, cache.policy)
+        # ``slot_of[expert]``: the expert's slot, -1 if not resident; ``expert_of[slot]``: the
+        # slot's expert, -1 if free: the table's arrays (read-only here: see ``table``)
+        self.slot_of, self.expert_of = self.table.slot_of, self.table.expert_of
         self.lock = threading.RLock()
         # slots == num_experts: expert e lives in slot e; complete once all are resident
         self.identity = False
@@ -62,16 +65,6 @@ class LayerBank:
     def path(self) -> str:
         return self.layer.path
 
-    @property
-    def slot_of(self) -> np.ndarray:
-        """``slot_of[expert]``: the expert's slot, -1 if not resident (read-only: see ``table``)."""
-        return self.table.slot_of
-
-    @property
-    def expert_of(self) -> np.ndarray:
-        """``expert_of[slot]``: the slot's expert, -1 if free (read-only: see ``table``)."""
-        return self.table.expert_of
-
     def device_map(self):
         """``(slots, missing)``: the slot table as two device arrays indexed by expert id, the slot
         (``uint32``; 0 for a missing expert) and whether the expert is missing (``bool``). Made anew
@@ -103,6 +96,7 @@ class LayerBank:
         self.fill_requested = False
         self.table = SlotTable(self.num_experts, self.cache.policy)
         self.table.reset(slots)
+        self.slot_of, self.expert_of = self.table.slot_of, self.table.expert_of
         for spec in self.layer.parts:
             proj = self.glu[spec.proj]
             proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=mx_dtype(spec.dtype))
@@ -162,7 +156,9 @@ class LayerBank:
         stops early. The victims are freed before reading: if the read fails, no slot may still
         name an evicted expert (evicting that slot later would unmap the expert from wherever it
         lives by then). ``by_projection``, ``alone``: as for ``reads.landings``."""
-        self.cache.stats.start()
+        stats = self.cache.stats
+        if stats.first_request is None:
+            stats.start()
         if len(experts) > self.slots:
             raise ValueError(
                 f"{self.path}: {len(experts)} experts asked for at once but the bank has "
@@ -185,7 +181,7 @@ class LayerBank:
         if not len(missing):
             self.hits += hits
             self.misses += misses
-            self.cache.stats.add(hits, misses, evicted)
+            stats.add(hits, misses, evicted)
             if self.identity and not self.complete:
                 self.note_complete()
             return NOTHING_TO_READ
@@ -251,7 +247,8 @@ class LayerBank:
     @property
     def direct(self) -> bool:
         """Whether demand reads go straight into the banks' memory now (module docstring)."""
-        return self.views is not None and self.cache.tuning.direct_reads and not self.cache.shared
+        cache = self.cache
+        return self.views is not None and cache.tuning.direct_reads and not cache.shared
 
     def stage(
         self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False
