@@ -77,7 +77,9 @@ class CacheStats(Counters):
         return max(0.0, self.last_request - self.first_request)
 
     def add_time(self, io_wait: float, install: float) -> None:
-        self.add_counts(io_wait_seconds=io_wait, install_seconds=install)
+        with self.lock:  # (``add_counts``, spelt out: once per load)
+            self.io_wait_seconds += io_wait
+            self.install_seconds += install
 
 
 @dataclass(frozen=True)
@@ -194,9 +196,17 @@ class ExpertCache:
             return None
         return order[i + 1] if i + 1 < len(order) else None
 
+    def enter_call(self) -> None:
+        """Before a layer call's schedule is chosen: the banks planned (``ensure_planned``), the
+        calling thread noted (``note_caller``)."""
+        if not self._planned:
+            self.ensure_planned()
+        if threading.get_ident() not in self._callers:
+            self.note_caller()
+
     def note_caller(self) -> None:
-        """Record the calling thread (every layer call, before its schedule is chosen; a verified
-        step, before its forward)."""
+        """Record the calling thread (every layer call, before its schedule is chosen:
+        ``enter_call``; a verified step, before its forward)."""
         me = threading.get_ident()
         if me not in self._callers:
             with self._lock:
@@ -249,7 +259,8 @@ class ExpertCache:
 
     @property
     def prefetch_stats(self):
-        return self.prefetcher.stats
+        prefetcher = self._prefetcher
+        return (prefetcher if prefetcher is not None else self.prefetcher).stats
 
     def _staging_limit(self) -> int:
         if self.tuning.staging_bytes is not None:

@@ -84,7 +84,9 @@ def stage(bank, guess) -> None:
     else:
         ids = ids[np.argsort(-counts, kind="stable")]
     with bank.lock:
-        ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
+        ids = ids[bank.slot_of[ids] < 0].tolist()
+        if bank.staged:
+            ids = [e for e in ids if e not in bank.staged]
         bank.predicted = set(ids)
         good = bank.ahead_precision >= bank.cache.tuning.lookahead_min_precision
     if not ids or not good:

@@ -246,6 +246,7 @@ class Direct(PerLayer):
         self.idx = idx
         self.outs, self.rows_done = [], []
         self.waiting = []  # landed experts whose rows wait for the end of their wave
+        self.pad = not self.kernel.subset_exact(self.layer.selector.backend)
         if len(experts) <= bank.slots:
             waves, overlap = [experts], False
         else:
@@ -309,7 +310,7 @@ class Direct(PerLayer):
         mask = np.zeros(bank.num_experts, dtype=bool)
         mask[ids] = True
         rows = np.nonzero(mask[self.flat])[0]
-        y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel)
+        y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel, self.pad)
         submit(bank, y)
         self.rows_done.append(rows)
         self.outs.append(y)
@@ -391,20 +392,22 @@ class PrefillWaves(Direct):
         self.waiting.extend(ids)
 
 
-def kernel_rows(layer, x, idx, rows, kernel=None):
+def kernel_rows(layer, x, idx, rows, kernel=None, pad=None):
     """The call's kernel (``kernel``; None: the selector's for the call) over the (token, expert)
     rows ``rows`` of the flattened call ``idx``, ``(n, D)``.
 
-    Where the kernel's per-row results depend on how many rows it is given (``subset_exact``),
-    the rows are padded to the whole call's count with copies of the first one (dropped after), so
-    that every partial call has stock's shapes."""
+    Where the kernel's per-row results depend on how many rows it is given (``pad``; None: the
+    kernel's ``subset_exact`` says), the rows are padded to the whole call's count with copies of
+    the first one (dropped after), so that every partial call has stock's shapes."""
     bank = layer.bank
     k = idx.shape[-1]
     flat = idx.reshape(-1)
     n = rows.size
     if kernel is None:
         kernel = layer.selector.select(bank, flat.size)
-    if n < flat.size and not kernel.subset_exact(layer.selector.backend):
+    if pad is None:
+        pad = not kernel.subset_exact(layer.selector.backend)
+    if n < flat.size and pad:
         rows = np.concatenate([rows, np.full(flat.size - n, rows[0], dtype=rows.dtype)])
     slots_np = bank.slot_of[flat[rows]][:, None]
     slots = mx.array(slots_np.astype(np.uint32))

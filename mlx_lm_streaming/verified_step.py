@@ -337,7 +337,7 @@ class StepRunner:
             banks = self.state.cache.banks
             before = [b.misses for b in banks]
             out = call(*args, **kwargs)
-            missed = sum(b.misses > m for b, m in zip(banks, before))
+            missed = sum([b.misses > m for b, m in zip(banks, before)])
             self._missed(missed / max(1, len(banks)))
             return out
         return self._verified(call, args, kwargs, kv, tokens)

@@ -60,7 +60,6 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
     ``alone``: the load runs beside other banks' loads (``verified_step.load_together``): each
     expert read on one demand thread, never spread over the store's readers."""
     start = time.perf_counter()
-    stats = bank.cache.prefetch_stats
     tl = bank.cache.timeline
     by_batch: Dict[int, tuple] = {}
     popped: Dict[int, StagedBatch] = {}
@@ -69,6 +68,7 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
     for e, slot in zip(experts.tolist(), slots.tolist()):
         batch = bank.staged.pop(e, None) if bank.staged else None
         if batch is not None:
+            stats = bank.cache.prefetch_stats
             popped[id(batch)] = batch
             waited = time.perf_counter()
             good = batch.ok(wait=True)
@@ -99,7 +99,27 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
                 yield None  # issued
                 if installed:
                     yield installed, None, None
-                yield from reads.landed()
+                # each landing as it comes; the first read error raised once every read has
+                # ended (experts that landed before it stay resident)
+                events = reads.events
+                while reads.pending:
+                    t = time.perf_counter()
+                    pair, proj, exc = events.get()
+                    reads.waited += time.perf_counter() - t
+                    if tl:
+                        tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
+                    if proj is not None:
+                        if reads.error is None:
+                            yield [pair[0]], proj, pair[1]
+                        continue
+                    reads.pending -= 1
+                    if exc is not None:
+                        reads.error = reads.error or exc
+                    elif reads.error is None:
+                        bank.table.place([pair[0]], [pair[1]])
+                        yield [pair[0]], None, None
+                if reads.error is not None:
+                    raise reads.error
             finally:
                 io += reads.finish()
         else:
@@ -134,16 +154,18 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
             )
         raise
     finally:
-        still = {id(b) for b in bank.staged.values()}
-        for key, batch in popped.items():
-            if key not in still:
-                bank.cache.release(batch)
+        if popped:
+            still = {id(b) for b in bank.staged.values()}
+            for key, batch in popped.items():
+                if key not in still:
+                    bank.cache.release(batch)
         bank.cache.stats.add_time(io, install)
     hits, misses, evicted = counts
     bank.hits += hits
     bank.misses += misses
     bank.cache.stats.add(hits, misses, evicted)
-    bank.note_complete()
+    if bank.identity and not bank.complete:
+        bank.note_complete()
 
 
 def _write(bank, groups) -> float:
@@ -170,8 +192,9 @@ class DirectReads:
     """Direct reads of ``(expert, slot)`` pairs into the slots' memory, issued when made: each
     expert on its own demand thread, or (``by_projection``) a projection at a time, one expert
     after the other, so that the first expert's projections land first rather than share the disk
-    with the others' (the store still reads a projection's parts in parallel). ``landed()`` yields
-    the landings as they come (``landings``); ``finish()`` waits for the rest."""
+    with the others' (the store still reads a projection's parts in parallel). ``landings`` takes
+    their events as they come (``events``: ``((expert, slot), projection or None, error or
+    None)``, ``pending`` experts still read); ``finish()`` waits for the rest."""
 
     def __init__(self, bank, pairs, by_projection=False, alone=False):
         self.bank = bank
@@ -232,30 +255,6 @@ class DirectReads:
         pool = bank.cache.demand_pool
         for batch in batches:
             pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))
-
-    def landed(self):
-        """Each landing as it comes (``landings``); the first read error raised once every read
-        has ended (experts that landed before it stay resident)."""
-        bank, events = self.bank, self.events
-        tl = bank.cache.timeline
-        while self.pending:
-            t = time.perf_counter()
-            pair, proj, exc = events.get()
-            self.waited += time.perf_counter() - t
-            if tl:
-                tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
-            if proj is not None:
-                if self.error is None:
-                    yield [pair[0]], proj, pair[1]
-                continue
-            self.pending -= 1
-            if exc is not None:
-                self.error = self.error or exc
-            elif self.error is None:
-                bank.table.place([pair[0]], [pair[1]])
-                yield [pair[0]], None, None
-        if self.error is not None:
-            raise self.error
 
     def finish(self) -> float:
         """Wait for every read still in flight (landings not mapped: the caller stopped taking
