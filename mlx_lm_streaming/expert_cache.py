@@ -233,7 +233,9 @@ class ExpertCache:
                     raise ExpertIOError("the expert cache is closed (its model was released)")
                 pool = getattr(self, attr)
                 if pool is None:
-                    pool = ThreadPoolExecutor(threads, thread_name_prefix=f"mlx-lm-streaming-{name}")
+                    pool = ThreadPoolExecutor(
+                        threads, thread_name_prefix=f"mlx-lm-streaming-{name}"
+                    )
                     setattr(self, attr, pool)
         return pool
 
@@ -374,6 +376,8 @@ class ExpertCache:
         banks = self.banks
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
+        for bank, nxt in zip(banks, banks[1:] + [None]):
+            bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
 
     def layer_number(self, bank: LayerBank) -> int:

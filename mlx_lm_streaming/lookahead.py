@@ -66,7 +66,7 @@ def guess(bank, x, indices):
     cache = bank.cache
     if not cache.tuning.lookahead:
         return None
-    nxt = cache.next_bank(bank)
+    nxt = bank.next_bank
     # identity banks are filled in the background instead
     if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
         return None

@@ -110,9 +110,9 @@ class DecayPolicy(EvictionPolicy):
     def used(self, experts):
         super().used(experts)
         # ``scores(experts) + 1``, spelt out: once per layer call
-        self.score[experts] = self.score[experts] * self.factor ** (
-            self.clock - self.stamp[experts]
-        ) + 1.0
+        self.score[experts] = (
+            self.score[experts] * self.factor ** (self.clock - self.stamp[experts]) + 1.0
+        )
         self.stamp[experts] = self.clock
 
     def victims(self, candidates, count):

@@ -54,11 +54,10 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
             cls = ByProjection
         else:
             cls = AsTheyLand
-    elif min(rows, bank.num_experts) <= bank.slots:
-        cls = OneCall  # (a call's distinct experts are at most its rows)
-    else:
-        cls = Waves
-    return cls(layer, x, indices, kernel)
+        return cls(layer, x, indices, kernel, pad=not exact_rows)
+    if min(rows, bank.num_experts) <= bank.slots:  # (a call's distinct experts: at most its rows)
+        return OneCall(layer, x, indices, kernel)
+    return Waves(layer, x, indices, kernel)
 
 
 class Schedule:
@@ -68,9 +67,11 @@ class Schedule:
 
     abstract = True
 
-    def __init__(self, layer, x, indices, kernel, step=None):
+    def __init__(self, layer, x, indices, kernel, step=None, pad=None):
         self.layer, self.bank, self.x, self.indices = layer, layer.bank, x, indices
-        self.kernel, self.step = kernel, step
+        # ``pad``: partial calls padded to the call's rows (the kernel's rows are not
+        # ``subset_exact`` here; None: not known yet)
+        self.kernel, self.step, self.pad = kernel, step, pad
 
     def __enter__(self):
         return self
@@ -246,7 +247,6 @@ class Direct(PerLayer):
         self.idx = idx
         self.outs, self.rows_done = [], []
         self.waiting = []  # landed experts whose rows wait for the end of their wave
-        self.pad = not self.kernel.subset_exact(self.layer.selector.backend)
         if len(experts) <= bank.slots:
             waves, overlap = [experts], False
         else:
@@ -339,8 +339,8 @@ class ByProjection(Direct):
 
     by_projection = True
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.partial = {}  # expert -> (rows, slots, input rows, {proj: output})
 
     def landed(self, ids, proj, slot):
@@ -405,9 +405,9 @@ def kernel_rows(layer, x, idx, rows, kernel=None, pad=None):
     n = rows.size
     if kernel is None:
         kernel = layer.selector.select(bank, flat.size)
-    if pad is None:
-        pad = not kernel.subset_exact(layer.selector.backend)
-    if n < flat.size and pad:
+    if n < flat.size and (
+        pad if pad is not None else not kernel.subset_exact(layer.selector.backend)
+    ):
         rows = np.concatenate([rows, np.full(flat.size - n, rows[0], dtype=rows.dtype)])
     slots_np = bank.slot_of[flat[rows]][:, None]
     slots = mx.array(slots_np.astype(np.uint32))

@@ -35,8 +35,10 @@ class LayerBank:
         self.complete = False
         # expert -> StagedBatch read in the background, written into a slot by ``load``
         self.staged: Dict[int, StagedBatch] = {}
-        # x -> router logits of this layer (for lookahead from the layer before), or None
+        # x -> router logits of this layer (for lookahead from the layer before), or None; the
+        # next MoE layer's bank, in model order (set when the cache plans its banks)
         self.router = None
+        self.next_bank: Optional["LayerBank"] = None
         # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
         # addresses they were made for; None where MLX memory has none (see ``refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
