@@ -171,14 +171,8 @@ class VerifiedStep:
         load_together([(bank, experts, {})] + guesses)
         self.loaded.add(id(bank))
         if tl:
-            tl.span(
-                "verify load",
-                start,
-                "read",
-                layer=bank.path,
-                experts=len(experts),
-                guessed=sum(len(g[1]) for g in guesses),
-            )
+            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
+                    guessed=sum(len(g[1]) for g in guesses))
         self.calls = []
         return layer
 
@@ -266,8 +260,7 @@ class StepRunner:
 
     def __init__(self, state):  # loading.StreamingState
         self.state = state
-        # ``this_thread.step``: the verified step (or the layer-major prefill's ``Recorder``) this
-        # thread's model call runs, None outside one
+        # ``.step``: the step (``running``) this thread's model call runs, None outside one
         self.this_thread = _ThisThread()
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         # running mean of the share of MoE layers that missed, per decode-sized call
