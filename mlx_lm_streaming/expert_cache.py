@@ -148,7 +148,7 @@ class ExpertCache:
         self.recorder = None
         # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
         self.timeline = None
-        # verified_step.StepRunner of the model, whose ``current()`` step a layer call joins
+        # verified_step.StepRunner of the model, whose ``this_thread.step`` a layer call joins
         self.steps = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
         # True once layers were called from more than one thread: direct reads are then off

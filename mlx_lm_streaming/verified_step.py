@@ -297,10 +297,6 @@ class StepRunner:
         finally:
             self.this_thread.step = None
 
-    def current(self) -> Optional[VerifiedStep]:
-        """The verified step this thread is running, or None."""
-        return self.this_thread.step
-
     def wrap_layers(self, model) -> None:
         """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
         layers = getattr(model, "layers", None)
