@@ -45,17 +45,17 @@ class PerLayer(Schedule):
         start = tl.now() if tl else 0
         misses = cache.stats.misses
         idx, experts, ahead = self.sync()
-        if self.locked:
-            with bank.lock:
-                y = self.compute(idx, experts, ahead)
-        else:
-            y = self.compute(idx, experts, ahead)
-        if bank.staged and not bank.identity:
-            bank.drop_staged()  # staged experts the call did not use
-        if tl:
-            tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
-            tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
-        return y
+        try:
+            if self.locked:
+                with bank.lock:
+                    return self.compute(idx, experts, ahead)
+            return self.compute(idx, experts, ahead)
+        finally:  # (also after an error)
+            if bank.staged and not bank.identity:
+                bank.drop_staged()  # staged experts the call did not use
+            if tl:
+                tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
+                tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
 
     def sync(self):
         """The layer's one host sync: the router's ids read back, with the next MoE layer's
