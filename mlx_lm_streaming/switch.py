@@ -2,9 +2,9 @@
 
 Same call, ``(x, indices) -> y``, so mlx-lm's routers, shared experts and mixing run unchanged. Each
 call is one schedule, picked by ``schedules.choose`` (from the bank's state, the call's size and the
-model call's verified step, if any) and run: the router's indices straight to the
-kernel where every expert is resident in its own slot (``StockGraph``), slot ids mapped on the device
-inside a verified step (``Verified``), or one host sync to read the router's expert ids and then all
+model call's verified step, if any) and run: the router's indices straight to the kernel where every
+expert is resident in its own slot (``StockGraph``), slot ids mapped on the device inside a
+verified step (``Verified``), or one host sync to read the router's expert ids and then all
 host work for the layer at once: make the experts resident in the layer's slot bank, map expert ids
 to slot ids, and hand both to the kernel the selector picks (the other schedules). The host sync
 also evaluates the next MoE layer's router applied to this layer's input (lookahead): its predicted

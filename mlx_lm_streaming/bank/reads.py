@@ -1,4 +1,5 @@
-"""Writes of expert bytes into a layer's slots: reads issued, landed experts handed out as they land.
+"""Writes of expert bytes into a layer's slots: reads issued, landed experts handed out as they
+land.
 
 Two ways in. Direct reads: the store reads each missed expert straight into its slot's memory
 through a host view of the bank, on the cache's demand threads. Staged writes: bytes read in the
@@ -269,8 +270,8 @@ class DirectReads:
 
 
 def slot_reader(bank, spread: bool = True):
-    """``read(expert, slot, members)``: the bank parts ``members`` of ``expert`` read into ``slot``'s
-    memory through the bank's host views (as they are now), spread over the store's reader pool,
+    """``read(expert, slot, members)``: the bank parts ``members`` of ``expert`` read into
+    ``slot``'s memory through the bank's host views (as they are now), spread over the store's reader pool,
     or (``spread`` False) on the calling thread alone. For direct reads (``DirectReads``)."""
     store = bank.cache.store
     read_ranges = store.read_many if spread else store.read_on_this_thread

@@ -7,8 +7,8 @@ the model call is a verified step (``step``). Each schedule's ``run`` then does 
 bottom: the host sync, the reads issued, the hits submitted, the read experts taken as they land
 (``LayerBank.reads``: a generator of landings, as ``concurrent.futures.as_completed``), the
 compute. Each computes every (token, expert) row exactly once, by the call's kernel, over the same
-slot bank, so each gives stock's bits. Each is kept for a measured reason (docs/benchmarks/README.md;
-docs/design.md's table lists them, with the figures).
+slot bank, so each gives stock's bits. Each is kept for a measured reason
+(docs/benchmarks/README.md; docs/design.md's table lists them, with the figures).
 
 ``choose`` takes, in order: ``StockGraph`` (a complete identity bank), ``Verified`` (inside a
 verified step); otherwise a per-layer schedule (one host sync per call): with direct reads
