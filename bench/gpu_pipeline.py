@@ -654,11 +654,11 @@ RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe lo
 def ram_probe(path, files, ck, args):
     """GB/s (decimal) of the ram regime's read path, the page cache warm, as the store reads: the
     package's own store (``store.read_many`` of an expert's (ref, buffer) jobs), into one layer's
-    bank slots the package's way (``bank_io.slot_reader``: through their host views, or on mlx-cuda
+    bank slots the package's way (``bank.reads.slot_reader``: through their host views, or on mlx-cuda
     by device copies, ``cuda_copy.py``), timed up to the device's next read of those slots (where
     pages the host wrote migrate back), and into plain numpy host memory (``np.empty``: fresh each
     rep, or reused); one expert alone, and K experts in parallel, one per demand thread
-    (``bank_io.read_direct``'s way). Before each rep, one forward
+    (``bank.reads.DirectReads``'s way). Before each rep, one forward
     of the model and a device read of the slots about to be written: on a GPU (managed memory)
     their pages were last touched by the device, as in a decode step. At most ``--ram-probe-mb``
     and ``RAM_PROBE_REPS`` reps per figure. Model: ``default`` without lookahead (no background reads beside the probe) at the
@@ -666,7 +666,7 @@ def ram_probe(path, files, ck, args):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_lm_streaming import bank_io
+    from mlx_lm_streaming.bank import reads as bank_reads
 
     start_s = time.perf_counter()
     model = load_variant(
@@ -707,7 +707,7 @@ def ram_probe(path, files, ck, args):
             with bank.lock:
                 if where == "slots":  # the package's own way into the slots, and the device's
                     t = time.perf_counter()  # next read of them (managed pages come back)
-                    read = bank_io.slot_reader(bank, spread=spread or k == 1)
+                    read = bank_reads.slot_reader(bank, spread=spread or k == 1)
                     members = list(range(len(parts)))
                     pool = cache.demand_pool
                     for f in [pool.submit(read, e, s, members) for e, s in zip(experts, slots)]:

@@ -24,7 +24,7 @@ import sys
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 
-# names of the spans inside a layer call, on the calling thread (schedules.py, bank_io.py)
+# names of the spans inside a layer call, on the calling thread (schedules/, bank/reads.py)
 INSIDE = ("host sync", "wait read", "wait staged", "wait compute", "submit", "install")
 
 # the per-layer split's parts (``layer_split``), from the spans on the layer's calling thread

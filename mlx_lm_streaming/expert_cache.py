@@ -63,7 +63,10 @@ class CacheStats(Counters):
                     self.first_request = time.perf_counter()
 
     def add(self, hits: int, misses: int, evictions: int) -> None:
-        self.add_counts(hits=hits, misses=misses, evictions=evictions)
+        with self.lock:  # (``add_counts``, spelt out: once per layer call)
+            self.hits += hits
+            self.misses += misses
+            self.evictions += evictions
         self.last_request = time.perf_counter()
 
     @property
@@ -73,7 +76,9 @@ class CacheStats(Counters):
         return max(0.0, self.last_request - self.first_request)
 
     def add_time(self, io_wait: float, install: float) -> None:
-        self.add_counts(io_wait_seconds=io_wait, install_seconds=install)
+        with self.lock:  # (``add_counts``, spelt out: once per load)
+            self.io_wait_seconds += io_wait
+            self.install_seconds += install
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class CacheTuning:
     derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the internal
     ``tuning`` entry of the streaming options, not a user option)."""
 
-    # demand reads straight into the banks (bank_io.py); off: through staging buffers
+    # demand reads straight into the banks (bank/reads.py); off: through staging buffers
     direct_reads: bool = True
     # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
@@ -144,9 +149,11 @@ class ExpertCache:
         self.recorder = None
         # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
         self.timeline = None
-        # verified_step.StepRunner of the model, whose ``current()`` step a layer call joins
+        # verified_step.StepRunner of the model, whose ``this_thread.step`` a layer call joins
         self.steps = None
         self._callers: set = set()  # threads that called a layer; direct reads need just one
+        # True once layers were called from more than one thread: direct reads are then off
+        self.shared = False
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._bank_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
@@ -190,17 +197,22 @@ class ExpertCache:
             return None
         return order[i + 1] if i + 1 < len(order) else None
 
-    @property
-    def shared(self) -> bool:
-        """True once layers were called from more than one thread: direct reads are then off."""
-        return len(self._callers) > 1
+    def enter_call(self) -> None:
+        """Before a layer call's schedule is chosen: the banks planned (``ensure_planned``), the
+        calling thread noted (``note_caller``)."""
+        if not self._planned:
+            self.ensure_planned()
+        if threading.get_ident() not in self._callers:
+            self.note_caller()
 
     def note_caller(self) -> None:
-        """Record the calling thread (a layer call on a bank that is not complete)."""
+        """Record the calling thread (every layer call, before its schedule is chosen:
+        ``enter_call``; a verified step, before its forward)."""
         me = threading.get_ident()
         if me not in self._callers:
             with self._lock:
                 self._callers.add(me)
+                self.shared = len(self._callers) > 1
 
     @property
     def bank_pool(self) -> ThreadPoolExecutor:
@@ -222,7 +234,9 @@ class ExpertCache:
                     raise ExpertIOError("the expert cache is closed (its model was released)")
                 pool = getattr(self, attr)
                 if pool is None:
-                    pool = ThreadPoolExecutor(threads, thread_name_prefix=f"mlx-lm-streaming-{name}")
+                    pool = ThreadPoolExecutor(
+                        threads, thread_name_prefix=f"mlx-lm-streaming-{name}"
+                    )
                     setattr(self, attr, pool)
         return pool
 
@@ -246,7 +260,8 @@ class ExpertCache:
 
     @property
     def prefetch_stats(self):
-        return self.prefetcher.stats
+        prefetcher = self._prefetcher
+        return (prefetcher if prefetcher is not None else self.prefetcher).stats
 
     def _staging_limit(self) -> int:
         if self.tuning.staging_bytes is not None:
@@ -360,6 +375,8 @@ class ExpertCache:
         banks = self.banks
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
+        for bank, nxt in zip(banks, banks[1:] + [None]):
+            bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
 
     def layer_number(self, bank: LayerBank) -> int:

@@ -1,6 +1,6 @@
 """Host views of MLX arrays: numpy arrays over an MLX array's own memory, where MLX memory has one.
 
-Direct reads write an expert's bytes through these views into the bank's slots (bank_io.py), and on the
+Direct reads write an expert's bytes through these views into the bank's slots (bank/reads.py), and on the
 CPU backend staged experts are copied in through them; staging buffers are MLX arrays with such a view
 where there is one (``staging_buffer``). Each view is checked once by a write that MLX must then see.
 """
@@ -41,7 +41,7 @@ def host_bytes(arr: mx.array, address: Optional[int] = None) -> Optional[np.ndar
     MLX must then see).
 
     The view holds no reference to the MLX array (a held reference would stop MLX from updating the
-    array in place, see ``bank_io._install``), so it is valid only while the array keeps this
+    array in place, see ``bank.reads.install``), so it is valid only while the array keeps this
     buffer: ``host_address`` tells whether it still does (``address``: its result, if known)."""
     if _HOST_VIEWS is False or arr.size == 0:
         return None

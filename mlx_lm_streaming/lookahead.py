@@ -1,7 +1,7 @@
 """The next-layer lookahead, whole: find a layer's router, guess the next layer's experts, read
 them ahead, score the guesses.
 
-At layer L's host sync (``schedules.HostSync``) layer L+1's router (``find_router``, kept as
+At layer L's host sync (``PerLayer.sync``) layer L+1's router (``find_router``, kept as
 ``LayerBank.router``) is applied to layer L's input (``guess``), evaluated in the same sync as layer
 L's ids. Once layer L's own reads are issued, the guessed experts that layer L+1 does not hold are read
 into staging buffers in the background (``stage``: ``prefetch.ExpertPrefetcher``, priority
@@ -61,23 +61,17 @@ def predict(router, x: mx.array, k: int) -> Optional[mx.array]:
 
 
 def guess(bank, x, indices):
-    """((next MoE layer's bank, its predicted expert ids, lazy),), from its router applied to
+    """``(next MoE layer's bank, its predicted expert ids, lazy)``, from its router applied to
     this layer's input, or None."""
     cache = bank.cache
     if not cache.tuning.lookahead:
         return None
-    nxt = cache.next_bank(bank)
+    nxt = bank.next_bank
     # identity banks are filled in the background instead
     if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
         return None
     guess = predict(nxt.router, x, indices.shape[-1])
-    return None if guess is None else ((nxt, guess),)
-
-
-def stage_all(ahead) -> None:
-    """``stage`` for each (bank, guess) of a lookahead (``guess``)."""
-    for bank, guess in ahead:
-        stage(bank, guess)
+    return None if guess is None else (nxt, guess)
 
 
 def stage(bank, guess) -> None:
@@ -90,7 +84,9 @@ def stage(bank, guess) -> None:
     else:
         ids = ids[np.argsort(-counts, kind="stable")]
     with bank.lock:
-        ids = [e for e in ids.tolist() if bank.slot_of[e] < 0 and e not in bank.staged]
+        ids = ids[bank.slot_of[ids] < 0].tolist()
+        if bank.staged:
+            ids = [e for e in ids if e not in bank.staged]
         bank.predicted = set(ids)
         good = bank.ahead_precision >= bank.cache.tuning.lookahead_min_precision
     if not ids or not good:

@@ -6,8 +6,8 @@ by the startup hook, ``_bootstrap``, right after an mlx-lm module is imported) a
 
 1. the installed mlx-lm version is in ``SUPPORTED`` (the releases the test suite runs against);
 2. what it patches has the shape it expects (``load_model``'s parameters, the commands' ``main``,
-   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``schedules.py`` runs a projection
-   at a time through ``switch_glu_*`` below).
+   ``SwitchGLU``'s signature and the body of its ``__call__``, which ``schedules/direct.py`` runs a
+   projection at a time through ``switch_glu_*`` below).
 
 If either check fails it patches **nothing**: mlx-lm runs stock. Streaming asked for by flag or by
 ``MLX_LM_STREAMING_EXPERTS`` then fails in one line that names the mlx-lm version found and the
@@ -15,6 +15,7 @@ supported range (``refusal``), instead of silently loading every expert into mem
 """
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -277,7 +278,7 @@ def wrap_call(module, around) -> None:
     cls = type(module)
 
     def __call__(self, *args, **kwargs):
-        return around(lambda *a, **k: cls.__call__(self, *a, **k), args, kwargs)
+        return around(functools.partial(cls.__call__, self), args, kwargs)
 
     sub = type(
         cls.__name__,

@@ -171,7 +171,7 @@ class StreamingOptions:
     # say at load which budget was chosen, on stderr (the mlx-lm commands always do)
     verbose: bool = False
     store_options: Dict[str, Any] = field(default_factory=dict)
-    # demand reads straight into the slot banks (bank_io.py): None = where verified bit-exact, i.e.
+    # demand reads straight into the slot banks (bank/reads.py): None = where verified bit-exact, i.e.
     # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
     # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with GPU

@@ -109,7 +109,10 @@ class DecayPolicy(EvictionPolicy):
 
     def used(self, experts):
         super().used(experts)
-        self.score[experts] = self.scores(experts) + 1.0
+        # ``scores(experts) + 1``, spelt out: once per layer call
+        self.score[experts] = (
+            self.score[experts] * self.factor ** (self.clock - self.stamp[experts]) + 1.0
+        )
         self.stamp[experts] = self.clock
 
     def victims(self, candidates, count):
@@ -214,7 +217,7 @@ class SlotTable:
         The victims' slots are freed here (no slot names an evicted expert, even if the read that
         follows fails); ``place`` maps each missing expert once its bytes are in its slot."""
         experts = np.asarray(experts, dtype=np.int64)
-        if len(experts) > self.slots:
+        if len(experts) > len(self.expert_of):
             raise ValueError(
                 f"{len(experts)} experts asked for at once but only {self.slots} slots"
             )

@@ -57,7 +57,7 @@ class StagedBatch:
         self.arrays, self.buffers = [], []
         for p in layer.parts:
             # ``host``: for a bank that copies staged bytes in through its host views
-            # (``bank_io._copy_in``): numpy buffers, no MLX allocation and evaluation per part
+            # (``bank.reads.copy_in``): numpy buffers, no MLX allocation and evaluation per part
             if host:
                 arr, view = None, np.empty((n, p.nbytes), dtype=np.uint8)
             else:

@@ -1,9 +1,10 @@
 """StreamingSwitchGLU: drop-in for mlx-lm's ``SwitchGLU`` whose experts live on disk.
 
 Same call, ``(x, indices) -> y``, so mlx-lm's routers, shared experts and mixing run unchanged. Each
-call is one schedule, picked by ``schedules.choose`` and run: the router's indices straight to the
-kernel where every expert is resident in its own slot (``StockGraph``), slot ids mapped on the device
-inside a verified step (``Verified``), or one host sync to read the router's expert ids and then all
+call is one schedule, picked by ``schedules.choose`` (from the bank's state, the call's size and the
+model call's verified step, if any) and run: the router's indices straight to the kernel where every
+expert is resident in its own slot (``StockGraph``), slot ids mapped on the device inside a
+verified step (``Verified``), or one host sync to read the router's expert ids and then all
 host work for the layer at once: make the experts resident in the layer's slot bank, map expert ids
 to slot ids, and hand both to the kernel the selector picks (the other schedules). The host sync
 also evaluates the next MoE layer's router applied to this layer's input (lookahead): its predicted
@@ -23,24 +24,19 @@ class StreamingSwitchGLU(nn.Module):
     def __init__(self, bank, selector):
         super().__init__()
         # plain attributes, not parameters: the banks never appear in model.parameters()
-        object.__setattr__(self, "_bank", bank)
-        object.__setattr__(self, "_selector", selector)
-
-    @property
-    def bank(self):
-        return self._bank
-
-    @property
-    def selector(self):
-        return self._selector
+        object.__setattr__(self, "bank", bank)
+        object.__setattr__(self, "selector", selector)
 
     @property
     def num_experts(self) -> int:
-        return self._bank.num_experts
+        return self.bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         across = layer_major.current()
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
-        with schedules.choose(self, x, indices) as schedule:
-            return schedule.run()
+        cache = self.bank.cache
+        cache.enter_call()  # before the choice: a second calling thread turns direct reads off
+        steps = cache.steps  # the verified step this thread's model call runs, if any
+        step = steps.this_thread.step if steps is not None else None
+        return schedules.choose(self, x, indices, step).run()

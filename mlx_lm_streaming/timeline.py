@@ -14,7 +14,7 @@ writes the ``]``, so a finished file is plain JSON. The file is opened at the fi
 load passed; a write that fails (a full disk) gives the timeline up with one line on stderr, and the
 run goes on (``outputs.py``).
 
-Off by default: the hooks in ``switch``, ``bank_io`` and ``prefetch`` check ``cache.timeline`` for
+Off by default: the hooks in ``schedules``, ``bank`` and ``prefetch`` check ``cache.timeline`` for
 ``None`` and do nothing else. Recording never changes what is read or computed.
 """
 

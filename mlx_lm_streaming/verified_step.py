@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import bank_io, mlx_compat
+from . import mlx_compat
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -251,12 +251,17 @@ class VerifiedStep:
         cache.stats.add(hits, misses, 0)
 
 
+class _ThisThread(threading.local):
+    step = None
+
+
 class StepRunner:
     """Runs each call of a streaming model as a verified step or with the per-layer schedule."""
 
     def __init__(self, state):  # loading.StreamingState
         self.state = state
-        self._local = threading.local()
+        # ``.step``: the step (``running``) this thread's model call runs, None outside one
+        self.this_thread = _ThisThread()
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         # running mean of the share of MoE layers that missed, per decode-sized call
         self.missed_share = 0.0
@@ -286,15 +291,11 @@ class StepRunner:
     def running(self, step):
         """Make ``step`` (whatever has a ``layer_call``: a ``VerifiedStep``, the layer-major
         prefill's ``Recorder``) the one this thread's decoder layers call."""
-        self._local.step = step
+        self.this_thread.step = step
         try:
             yield step
         finally:
-            self._local.step = None
-
-    def current(self) -> Optional[VerifiedStep]:
-        """The verified step this thread is running, or None."""
-        return getattr(self._local, "step", None)
+            self.this_thread.step = None
 
     def wrap_layers(self, model) -> None:
         """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
@@ -307,7 +308,7 @@ class StepRunner:
 
     def _layer_around(self, i: int):
         def around(call, args, kwargs):
-            step = self.current()
+            step = self.this_thread.step
             if step is None:
                 return call(*args, **kwargs)
             return step.layer_call(i, call, args, kwargs)
@@ -325,7 +326,7 @@ class StepRunner:
             banks = self.state.cache.banks
             before = [b.misses for b in banks]
             out = call(*args, **kwargs)
-            missed = sum(b.misses > m for b, m in zip(banks, before))
+            missed = sum([b.misses > m for b, m in zip(banks, before)])
             self._missed(missed / max(1, len(banks)))
             return out
         return self._verified(call, args, kwargs, kv, tokens)
@@ -365,7 +366,7 @@ class StepRunner:
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
         cache.note_caller()
-        step = self._local.step = VerifiedStep(self, kv, tokens, self.every())
+        step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
         try:
             out = call(*args, **kwargs)
@@ -385,14 +386,14 @@ class StepRunner:
                 else:
                     self.pending = step  # its host work: while the next step computes
         except _Again:
-            self._local.step = None
+            self.this_thread.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
             # every entry the step wrote; all of them if no wrapped layer ran
             step.rewind(0, step.ran + 1 if step.ran >= 0 else len(kv or ()))
             out = call(*args, **kwargs)
         finally:
-            self._local.step = None
+            self.this_thread.step = None
         if missed is None:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
@@ -413,20 +414,14 @@ def load_together(loads) -> None:
     for bank in banks:
         bank.last_stream = None
     pool = banks[0].cache.bank_pool
-    futures = [pool.submit(_load_alone, *load) for load in loads]
+    # beside other banks' loads, a load's experts are never spread over the store's readers
+    futures = [
+        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
+    ]
     errors = [f.exception() for f in futures]  # waits for each
     for error in errors:
         if error is not None:
             raise error
-
-
-def _load_alone(bank, experts, options) -> None:
-    """``bank.load`` on a bank thread, beside other banks' loads: its experts never spread."""
-    bank_io.ALONE.on = True
-    try:
-        bank.load(experts, **options)
-    finally:
-        bank_io.ALONE.on = False
 
 
 def miss_counts(calls) -> mx.array:

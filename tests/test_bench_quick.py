@@ -154,3 +154,14 @@ def test_read_path_probe(tmp_path):
     figures = json.loads(out.read_text())["gbps"]
     assert "shared fd, 2 threads, 9 ranges" in figures and "own fd, 1 threads" in figures
     assert all(v > 0 for v in figures.values())
+
+
+def test_hot_path_calls():
+    """The call counts run, and are no more than the newest ones docs/benchmarks records (the
+    counts are deterministic: a change to the hot path that adds calls updates the page)."""
+    counts = json.loads(bench(BENCH / "hot_path_calls.py"))["per_moe_layer_call"]
+    page = json.loads((ROOT / "docs/benchmarks/hot-path-calls.json").read_text())
+    recorded = page.get("after", page["before"])["per_moe_layer_call"]
+    assert set(counts) == {"verified", "per_layer_hit", "per_layer_miss"}
+    for case, calls in counts.items():
+        assert 0 < calls <= recorded[case], (case, calls, recorded[case])

@@ -96,7 +96,7 @@ def test_mlx_lm_internals_are_reached_through_checks(monkeypatch):
 
 
 def test_switch_glu_body_is_checked():
-    # schedules.py runs SwitchGLU's call body a projection at a time (mlx_compat.switch_glu_*) and
+    # schedules/direct.py runs SwitchGLU's call body a projection at a time (mlx_compat.switch_glu_*) and
     # tells decode from prefill by its sort threshold: a SwitchGLU that no longer does what we
     # repeat must be refused at patch time, not silently give other bits
     from mlx_lm.models.switch_layers import SwitchGLU

@@ -133,12 +133,12 @@ def test_views_follow_a_bank_moved_by_mlx(q3):
     cache.ensure_planned()
     bank = cache.banks[0]
     spec = bank.layer.parts[0]
-    before = bank._addresses[0]
+    before = bank.view_addresses[0]
     # a new array for the bank, as an update that could not be done in place leaves it
     bank.glu[spec.proj][spec.part] = mx.array(np.array(bank.array(spec.proj, spec.part)))
     mx.eval(bank.array(spec.proj, spec.part))
     bank.refresh_views()
-    assert bank._addresses[0] != before
+    assert bank.view_addresses[0] != before
     bank.views[0][1, :4] = 7
     seen = np.array(bank.array(spec.proj, spec.part)[1].view(mx.uint8)).reshape(-1)[:4]
     assert (seen == 7).all()
@@ -165,7 +165,8 @@ def test_a_failed_direct_read_maps_no_slot_to_it(q3, injecting_store):
 
 def test_partial_calls_are_padded_where_row_counts_matter(q3, padded_gather):
     """A kernel whose per-row bits depend on the row count (gather_qmm on CUDA) always gets the whole
-    call's row count: partial calls (hits, landings, waves) are padded, and the result is unchanged."""
+    call's row count: partial calls (hits, landings, waves) are padded, and the result is unchanged.
+    """
     path, tokens, want = q3
     counts = padded_gather.counts
     for slots in (3, 8):
@@ -317,8 +318,9 @@ def test_a_load_of_several_experts_reads_each_on_its_own_thread(q3, upto):
 
 def test_a_load_beside_other_banks_never_spreads(q3):
     # a lone expert's ranges are spread over the store's readers; the same load on a bank thread of
-    # a verified step's misses read together (``_load_alone``) reads it on its demand thread alone
-    from mlx_lm_streaming.verified_step import _load_alone
+    # a verified step's misses read together (``load_together``: ``LayerBank.load(...,
+    # alone=True)``) reads it on its demand thread alone
+    from mlx_lm_streaming.verified_step import load_together
 
     path, tokens, want = q3
     with registered(CountingStorePlugin(), "counting-store-test"):
@@ -329,7 +331,7 @@ def test_a_load_beside_other_banks_never_spreads(q3):
         first, second = cache.banks[0], cache.banks[1]
         first.load(np.array([0]))
         assert (store.spread, store.alone) == (1, 0)
-        _load_alone(second, np.array([0]), {})
-        assert (store.spread, store.alone) == (1, 1)
-        assert first.slot_of[0] >= 0 and second.slot_of[0] >= 0
+        load_together([(first, np.array([1]), {}), (second, np.array([0]), {})])
+        assert (store.spread, store.alone) == (1, 2)
+        assert first.slot_of[0] >= 0 and first.slot_of[1] >= 0 and second.slot_of[0] >= 0
         model.expert_streaming.close()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support import KernelPlugin, decode, load_stock, registered, same, with_slots
 
-from mlx_lm_streaming import bank_io
+from mlx_lm_streaming.bank import reads as bank_reads
 from mlx_lm_streaming import lookahead
 from mlx_lm_streaming.expert_cache import CacheTuning
 from mlx_lm_streaming.kernels.gather import GatherKernel
@@ -103,22 +103,22 @@ def test_router_lookahead_is_exact_and_one_layer_ahead(q3, monkeypatch):
         events.append(("stage", cache.layer_number(bank)))
         return real_stage(bank, guess)
 
-    real_load = type(cache.banks[0]).load
+    real_reads = type(cache.banks[0]).reads  # (a bank's loads start with it)
 
-    def load(self, experts, *args, **kwargs):
+    def reads(self, experts, *args, **kwargs):
         events.append(("load", cache.layer_number(self)))
-        return real_load(self, experts, *args, **kwargs)
+        return real_reads(self, experts, *args, **kwargs)
 
     copied = []  # staged experts written into slots through the host views (direct reads)
-    real_copy = bank_io._copy_in
+    real_copy = bank_reads.copy_in
 
     def copy_in(bank, groups):
         copied.extend(len(rows) for _, rows, _ in groups)
         return real_copy(bank, groups)
 
     monkeypatch.setattr(lookahead, "stage", stage)
-    monkeypatch.setattr(type(cache.banks[0]), "load", load)
-    monkeypatch.setattr(bank_io, "_copy_in", copy_in)
+    monkeypatch.setattr(type(cache.banks[0]), "reads", reads)
+    monkeypatch.setattr(bank_reads, "copy_in", copy_in)
     assert same(want, decode(model, tokens))
     assert sum(copied) == cache.prefetch_stats.used["lookahead"] > 0
     # how many layers before the guessed one the next load is: staged after the calling layer's

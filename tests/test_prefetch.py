@@ -80,8 +80,8 @@ def test_staged_reads_are_exact(q3, monkeypatch):
     ran = []
     real = schedules.choose
 
-    def choose(layer, x, indices):
-        schedule = real(layer, x, indices)
+    def choose(*args):
+        schedule = real(*args)
         if isinstance(schedule, schedules.PerLayer):
             ran.append(type(schedule).__name__)
         return schedule
@@ -89,6 +89,30 @@ def test_staged_reads_are_exact(q3, monkeypatch):
     monkeypatch.setattr(schedules, "choose", choose)
     assert same(want, decode(model, tokens, steps=10))
     assert {"OneCall", "Waves"} == set(ran)
+
+
+def test_more_rows_than_slots_but_experts_that_fit_run_as_one_wave(q3, monkeypatch):
+    """Without direct reads, ``choose`` picks ``Waves`` for a call with more rows than slots (it
+    cannot know the call's distinct experts before the host sync); where they fit after all, the
+    call is one wave, over all rows: stock's bits."""
+    from mlx_lm_streaming.schedules import Waves
+
+    path, tokens, want = q3
+    model = with_slots(path, 3, direct_reads=False)
+    k = model.args.num_experts_per_tok
+    assert tokens.shape[0] * k > 3  # a batch-2 decode call has more rows than slots
+    waves = []  # (distinct experts, slots) of each Waves call
+    real = Waves.compute
+
+    def compute(self, idx, experts, ahead):
+        waves.append((len(experts), self.bank.slots))
+        return real(self, idx, experts, ahead)
+
+    monkeypatch.setattr(Waves, "compute", compute)
+    assert same(want, decode(model, tokens, steps=10))
+    assert any(n <= slots for n, slots in waves), waves  # one wave
+    assert any(n > slots for n, slots in waves), waves  # several
+    model.expert_streaming.close()
 
 
 def test_lookahead_off_is_exact(q3):

@@ -227,24 +227,29 @@ def check_call(model, stock, x) -> list:
     steps = model.expert_streaming.cache.steps
     verified, again = steps.verified, steps.replays + steps.recomputed
     loads = {}
-    for bank in banks:
-        loads[bank] = bank.load
+    for bank in banks:  # every load starts with ``reads`` (``load`` too); its landings end it
+        loads[bank] = bank.reads
 
-        def recording(experts, bank=bank, **kw):
+        def recording(experts, keep=(), bank=bank, **kw):
             sizes.append((len(experts), bank.slots))
-            pinned = list(experts.tolist()) + [int(e) for e in kw.get("keep", ())]
+            pinned = list(experts.tolist()) + [int(e) for e in keep]
             before = {e: int(bank.slot_of[e]) for e in pinned if bank.slot_of[e] >= 0}
-            loads[bank](experts, **kw)
-            for e, slot in before.items():
-                assert bank.slot_of[e] == slot, "pinned or kept expert moved"
-            assert (bank.slot_of[experts] >= 0).all()
+            landings = loads[bank](experts, keep, **kw)
 
-        bank.load = recording
+            def checked():
+                yield from landings
+                for e, slot in before.items():
+                    assert bank.slot_of[e] == slot, "pinned or kept expert moved"
+                assert (bank.slot_of[experts] >= 0).all()
+
+            return checked()
+
+        bank.reads = recording
     try:
         got = model(x)
     finally:
         for bank in banks:
-            del bank.load
+            del bank.reads
     # a call loads nothing only where its layers skip the host sync: banks holding every expert
     # (complete), or a verified step that found every expert it used resident (no layer run again)
     clean_step = steps.verified > verified and steps.replays + steps.recomputed == again

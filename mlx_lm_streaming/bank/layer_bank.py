@@ -1,26 +1,4 @@
-"""Slot bank of one MoE layer: the layer's expert arrays, made ``slots`` experts deep.
-
-Each MoE layer owns a ``LayerBank``: for every tensor of an expert (``gate_proj.weight``,
-``gate_proj.scales``, ...) one array of shape ``(slots, *expert_shape)``. The stock mlx-lm
-``SwitchGLU`` of the layer keeps its own code, activation and quantization settings; only its arrays
-are swapped for the banks. The router's expert ids become slot ids (``slot_of[expert]``, from the
-bank's ``SlotTable``) passed to ``gather_qmm`` as data, so nothing is stacked or rebuilt per token.
-
-``load`` makes a call's experts resident: it never evicts an expert the call pins (the experts it is
-about to compute) and reads the others into their slots (bank_io.py). A bank with a slot per expert
-(``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity): once every expert of the layer
-is resident the bank is ``complete``, and the layer passes the router's indices straight to the kernel
-with no host sync, the same graph as stock. ``stage`` starts background reads (lookahead, next wave,
-fill) into staging buffers; only ``load`` writes them into the bank, on the thread that calls the layer.
-
-Demand reads go straight into the banks (direct reads) through host views of the bank's memory.
-Writing bank memory behind MLX's back is safe only when no pending MLX work reads the slot being
-written: the victims are never slots the call uses, and every call that used the bank was submitted
-(``mx.async_eval``) on the same stream before this call's host sync, which waits for it (a call on
-another stream first synchronizes that one). Where that cannot be known (a second thread uses the
-model) or MLX memory has no host view, reads go through staging buffers and MLX's own copy-on-write
-slice updates.
-"""
+"""``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.bank``)."""
 
 import threading
 from typing import Dict, List, Optional
@@ -28,13 +6,13 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_copy, lookahead
-from .bank_io import install_finished, read_into_slots
-from .index import LayerExperts
-from .policy import SlotTable
-from .host_views import host_address, host_bytes
-from .prefetch import StagedBatch
-from .safetensors_header import mx_dtype
+from .. import cuda_copy, lookahead
+from ..host_views import host_address, host_bytes
+from ..index import LayerExperts
+from ..policy import SlotTable
+from ..prefetch import StagedBatch
+from ..safetensors_header import mx_dtype
+from .reads import NOTHING_TO_READ, install_finished, landings
 
 
 class LayerBank:
@@ -48,18 +26,23 @@ class LayerBank:
         self.slots = 0
         # which expert is in which slot, and the eviction policy (``policy.py``)
         self.table = SlotTable(layer.num_experts, cache.policy)
+        # ``slot_of[expert]``: the expert's slot, -1 if not resident; ``expert_of[slot]``: the
+        # slot's expert, -1 if free: the table's arrays (read-only here: see ``table``)
+        self.slot_of, self.expert_of = self.table.slot_of, self.table.expert_of
         self.lock = threading.RLock()
         # slots == num_experts: expert e lives in slot e; complete once all are resident
         self.identity = False
         self.complete = False
         # expert -> StagedBatch read in the background, written into a slot by ``load``
         self.staged: Dict[int, StagedBatch] = {}
-        # x -> router logits of this layer (for lookahead from the layer before), or None
+        # x -> router logits of this layer (for lookahead from the layer before), or None; the
+        # next MoE layer's bank, in model order (set when the cache plans its banks)
         self.router = None
+        self.next_bank: Optional["LayerBank"] = None
         # writable host views of the banks' memory, one (slots, bytes) uint8 array per part, and the
         # addresses they were made for; None where MLX memory has none (see ``refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
-        self._addresses: Optional[List[int]] = None
+        self.view_addresses: Optional[List[int]] = None
         # on mlx-cuda: the writer of direct reads into the views' memory by device copies
         # (``cuda_copy``), or None (host writes through the views)
         self.copier = None
@@ -86,16 +69,6 @@ class LayerBank:
     @property
     def path(self) -> str:
         return self.layer.path
-
-    @property
-    def slot_of(self) -> np.ndarray:
-        """``slot_of[expert]``: the expert's slot, -1 if not resident (read-only: see ``table``)."""
-        return self.table.slot_of
-
-    @property
-    def expert_of(self) -> np.ndarray:
-        """``expert_of[slot]``: the slot's expert, -1 if free (read-only: see ``table``)."""
-        return self.table.expert_of
 
     def device_map(self):
         """``(slots, missing)``: the slot table as two device arrays indexed by expert id, the slot
@@ -128,11 +101,12 @@ class LayerBank:
         self.fill_requested = False
         self.table = SlotTable(self.num_experts, self.cache.policy)
         self.table.reset(slots)
+        self.slot_of, self.expert_of = self.table.slot_of, self.table.expert_of
         for spec in self.layer.parts:
             proj = self.glu[spec.proj]
             proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=mx_dtype(spec.dtype))
         mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
-        self.views = self._addresses = None
+        self.views = self.view_addresses = None
         self.last_stream = None
         self.refresh_views()
 
@@ -141,11 +115,11 @@ class LayerBank:
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
         if self.slots == 0 or not self.cache.tuning.direct_reads:
-            self.views = self._addresses = self.copier = None
+            self.views = self.view_addresses = self.copier = None
             return
         arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
         addresses = [host_address(a) for a in arrays]
-        if self.views is not None and addresses == self._addresses:
+        if self.views is not None and addresses == self.view_addresses:
             return
         views = (
             [host_bytes(a, at) for a, at in zip(arrays, addresses)]
@@ -153,9 +127,9 @@ class LayerBank:
             else None
         )
         if views is None or any(v is None for v in views):
-            self.views = self._addresses = self.copier = None
+            self.views = self.view_addresses = self.copier = None
             return
-        self.views, self._addresses = views, addresses
+        self.views, self.view_addresses = views, addresses
         self.copier = cuda_copy.copier_for(addresses) if self.cache.tuning.device_copies else None
 
     def array(self, proj: str, part: str) -> mx.array:
@@ -165,73 +139,65 @@ class LayerBank:
     def resident_bytes(self) -> int:
         return self.slots * self.layer.expert_nbytes
 
-    def load(
-        self,
-        experts: np.ndarray,
-        ready=None,
-        keep=(),
-        part_ready=None,
-        guessed=False,
-        started=None,
-    ) -> None:
-        """Make every expert in ``experts`` (unique ids, at most ``slots``) resident.
-
-        ``ready(ids)``: called (on this thread) with the experts that were read, as they become
-        resident (with direct reads, one expert or a few at a time while the others are still being
-        read; else all at once). ``keep``: expert ids that must not be evicted either (the experts of
-        a wave still computing). ``part_ready(expert, slot, proj)``: with direct reads, experts are
-        read one projection at a time and this is called as each but the last lands (before the
-        expert is resident: its slot holds that projection's bytes only). ``started()``: called
-        (on this thread, once) when the reads have been handed to the readers, before any is
-        waited for; at once where nothing is read."""
+    def load(self, experts: np.ndarray, keep=(), guessed=False, alone=False) -> None:
+        """Make every expert in ``experts`` (unique ids, at most ``slots``) resident, and wait for
+        it: ``reads``, every landing taken. ``guessed``: experts read ahead on a guess for the
+        call that is starting (``_load_guessed``)."""
         self.cache.ensure_planned()
-        self.cache.stats.start()
+        with self.lock:
+            if self.identity and self.staged:
+                install_finished(self)
+            if guessed:
+                self._load_guessed(experts, keep, alone)
+                return
+            for _ in self.reads(experts, keep, alone=alone):
+                pass
+
+    def reads(self, experts: np.ndarray, keep=(), by_projection=False, alone=False):
+        """Start making every expert in ``experts`` (unique ids, at most ``slots``) resident, under
+        ``lock``: the policy told of the call's use, a slot for each missing expert (free ones
+        first, then the policy's victims; never a slot of ``experts`` or ``keep``, the experts of
+        a wave still computing: pinned), and their reads issued. Returns the landings
+        (``reads.landings``): iterate it to take each as it lands, ``close()`` it if the caller
+        stops early. The victims are freed before reading: if the read fails, no slot may still
+        name an evicted expert (evicting that slot later would unmap the expert from wherever it
+        lives by then). ``by_projection``, ``alone``: as for ``reads.landings``."""
+        stats = self.cache.stats
+        if stats.first_request is None:
+            stats.start()
         if len(experts) > self.slots:
             raise ValueError(
                 f"{self.path}: {len(experts)} experts asked for at once but the bank has "
                 f"{self.slots} slots"
             )
-        with self.lock:
-            if self.identity and self.staged and ready is None:
-                # (a caller passing ``ready`` has work pending on the bank: it did this before)
-                install_finished(self)
-            if guessed:
-                self._load_guessed(experts, keep)
-                return
-            resident = self.slot_of[experts] >= 0
-            # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read
-            # for it, so counted as its misses (and as misses guessed)
-            used = self._take_ahead_used(experts)
-            if self.predicted is not None:
-                missed = experts[~resident]
-                if len(used):
-                    missed = np.union1d(missed, used).astype(np.int64)
-                lookahead.score(self, missed)
-            # slots for the missing experts: free ones first, then the policy's victims, never
-            # a slot of ``experts`` or ``keep`` (pinned). The victims are freed before reading:
-            # if the read fails, no slot may still name an evicted expert (evicting that slot
-            # later would unmap the expert from wherever it lives by then)
-            try:
-                missing, victims, evicted = self.table.admit(experts, keep)
-            except ValueError as e:
-                raise ValueError(f"{self.path}: {e}") from None
-            if len(missing):
-                read_into_slots(
-                    self, missing, victims, ready=ready, part_ready=part_ready, started=started
-                )
-            elif started is not None:
-                started()
-            hits = len(experts) - len(missing) - len(used)
+        # guesses read ahead (staged, and loaded with ``guessed``) that this call uses: read for
+        # it, so counted as its misses (and as misses guessed)
+        used = self._take_ahead_used(experts) if self._ahead_used else ()
+        if self.predicted is not None:
+            missed = experts[self.slot_of[experts] < 0]
+            if len(used):
+                missed = np.union1d(missed, used).astype(np.int64)
+            lookahead.score(self, missed)
+        try:
+            missing, victims, evicted = self.table.admit(experts, keep)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
+        misses = len(missing) + len(used)
+        hits = len(experts) - misses
+        if not len(missing):
             self.hits += hits
-            self.misses += len(missing) + len(used)
-            self.cache.stats.add(hits, len(missing) + len(used), evicted)
-            self.note_complete()
+            self.misses += misses
+            stats.add(hits, misses, evicted)
+            if self.identity and not self.complete:
+                self.note_complete()
+            return NOTHING_TO_READ
+        landed = landings(self, missing, victims, (hits, misses, evicted), by_projection, alone)
+        next(landed)  # the reads issued
+        return landed
 
     def _take_ahead_used(self, experts: np.ndarray) -> np.ndarray:
         """The experts of ``experts`` read ahead on a guess for this call (``load(...,
         guessed=True)``), no longer counted as such."""
-        if not self._ahead_used:
-            return np.zeros(0, dtype=np.int64)
         used = np.intersect1d(self._ahead_used, experts).astype(np.int64)
         taken = set(used.tolist())
         self._ahead_used = [e for e in self._ahead_used if e not in taken]
@@ -261,16 +227,16 @@ class LayerBank:
         if self.identity and not self.complete:
             self.complete = bool((self.slot_of >= 0).all())
 
-    def _load_guessed(self, experts: np.ndarray, keep) -> None:
+    def _load_guessed(self, experts: np.ndarray, keep, alone) -> None:
         """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting
         (staged), made resident before its own ``load``: slots as for a read ahead (not a use of the
         policy, so the call is one call to it; nothing but ``keep`` pinned), not counted here; the
         call's own load counts them as its misses, and as misses guessed."""
         missing, victims, evicted = self.table.prefetch(experts, keep)
         if len(missing):
-            read_into_slots(self, missing, victims)
+            for _ in landings(self, missing, victims, (0, 0, evicted), alone=alone):
+                pass
         self._ahead_used.extend(missing.tolist())
-        self.cache.stats.add(0, 0, evicted)
 
     def summary(self) -> dict:
         """This layer's counters: hits, misses, and the GB (decimal) of the experts it missed."""
@@ -287,7 +253,8 @@ class LayerBank:
     @property
     def direct(self) -> bool:
         """Whether demand reads go straight into the banks' memory now (module docstring)."""
-        return self.views is not None and self.cache.tuning.direct_reads and not self.cache.shared
+        cache = self.cache
+        return self.views is not None and cache.tuning.direct_reads and not cache.shared
 
     def stage(
         self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False
@@ -311,8 +278,8 @@ class LayerBank:
             if not want:
                 return 0
         # on the CPU backend a bank with direct reads copies staged bytes in through its host
-        # views (``bank_io._copy_in``): host buffers (should it lose them before the load,
-        # ``_install`` copies from those buffers instead). On a GPU an MLX update was faster
+        # views (``reads.copy_in``): host buffers (should it lose them before the load,
+        # ``reads.install`` copies from those buffers instead). On a GPU an MLX update was faster
         host = self.direct and not self.identity and mx.default_device().type == mx.cpu
         batch = prefetcher.submit(
             self.layer, np.array(want), kind, priority, block=block, start=False, host=host
@@ -330,6 +297,11 @@ class LayerBank:
         if not prefetcher.start(batch, priority):
             return 0
         return len(want) - len(batch.skip)
+
+    def install_finished(self) -> None:
+        """Identity banks: every finished staged expert written into its own slot (under
+        ``lock``)."""
+        install_finished(self)
 
     def drop_staged(self) -> None:
         """End of a call: staged experts it did not use are dropped (identity banks keep them)."""

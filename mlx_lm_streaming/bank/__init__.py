@@ -1,0 +1,36 @@
+"""The slot banks: one MoE layer's expert arrays, made ``slots`` experts deep, and the writes of
+expert bytes into them. A unit: other modules use ``LayerBank``'s public methods and attributes,
+never its modules' insides.
+
+Each MoE layer owns a ``LayerBank`` (layer_bank.py): for every tensor of an expert
+(``gate_proj.weight``, ``gate_proj.scales``, ...) one array of shape ``(slots, *expert_shape)``.
+The stock mlx-lm ``SwitchGLU`` of the layer keeps its own code, activation and quantization
+settings; only its arrays are swapped for the banks. The router's expert ids become slot ids
+(``slot_of[expert]``, from the bank's ``policy.SlotTable``) passed to ``gather_qmm`` as data, so
+nothing is stacked or rebuilt per token.
+
+``LayerBank.reads`` starts making a call's experts resident: it never evicts an expert the call
+pins (the experts it is about to compute), issues the reads of the others into their slots, and
+returns their landings, which the caller takes as they land (reads.py: ``landings``, a generator,
+as ``concurrent.futures.as_completed``); ``load`` does the same and waits. A bank with a slot per
+expert (``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity): once every expert of
+the layer is resident the bank is ``complete``, and the layer passes the router's indices straight
+to the kernel with no host sync, the same graph as stock. ``stage`` starts background reads
+(lookahead, next wave, fill) into staging buffers (prefetch.py); only a load writes them into the
+bank, on the thread that calls the layer.
+
+Demand reads go straight into the banks (direct reads) through host views of the bank's memory
+(host_views.py). Writing bank memory behind MLX's back is safe only when no pending MLX work reads
+the slot being written: the victims are never slots the call uses, and every call that used the
+bank was submitted (``mx.async_eval``) on the same stream before this call's host sync, which waits
+for it (a call on another stream first synchronizes that one). Where that cannot be known (a second
+thread uses the model) or MLX memory has no host view, reads go through staging buffers and MLX's
+own copy-on-write slice updates.
+
+Imports: the store interface through the cache, ``policy``, ``prefetch``, ``host_views``,
+``lookahead`` (scoring guesses), ``index``; nothing of the schedules or the model.
+"""
+
+from .layer_bank import LayerBank
+
+__all__ = ["LayerBank"]
