@@ -341,7 +341,8 @@ def _expert_major(items) -> None:
     where partial calls are exact (the CPU), else a wave's rows once it landed (partial calls
     padded: GPUs). Without, waves of the bank's slots, each loaded, then computed and evaluated
     before the next takes the slots."""
-    from .schedules import kernel_rows, member, padded, submit, take_staged, wait
+    from .schedules import kernel_rows, member, submit, wait
+    from .schedules.direct import take_staged
 
     module = items[0][0]
     bank = module.bank
@@ -380,7 +381,9 @@ def _expert_major(items) -> None:
                 rows_of(wave)
                 wait(bank, outs)  # before the next wave takes the slots
         else:
-            each = not padded(module, max(f.size for f in flats))
+            # each landed expert's rows alone where a partial call gives those rows' stock bits
+            kernel = module.selector.select(bank, max(f.size for f in flats))
+            each = kernel.subset_exact(module.selector.backend)
             if len(experts) <= bank.slots:
                 size, overlap = len(experts), False
             else:
@@ -399,16 +402,18 @@ def _expert_major(items) -> None:
                     bank.discard_staged()  # (installing them would copy the bank: read again)
                 landed = []
                 hit = wave[bank.slot_of[wave] >= 0]
-                started = (lambda hit=hit: rows_of(hit)) if len(hit) else None
-                if each:
-
-                    def ready(ids):
-                        for e in ids:
-                            rows_of(np.array([e]))
-
-                else:
-                    ready = landed.extend
-                bank.load(wave, ready=ready, keep=keep, started=started)
+                landings = bank.reads(wave, keep)  # issued
+                try:
+                    if len(hit):
+                        rows_of(hit)  # while they are read
+                    for ids, _, _ in landings:
+                        if each:
+                            for e in ids:
+                                rows_of(np.array([e]))
+                        else:
+                            landed.extend(ids)
+                finally:
+                    landings.close()  # (after an error: every read has ended)
                 if landed:
                     rows_of(np.array(landed))
                 ends.append(len(outs))
