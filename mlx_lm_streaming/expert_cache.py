@@ -104,10 +104,6 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
-    # after the check of a verified step found misses, the loads land while the forward runs
-    # again: each layer waits for its own bank's load only (``verified_step``); off: every load
-    # ends before the forward runs again
-    land_while_replaying: bool = True
     # verified steps while recent tokens missed in at most this share of the MoE layers; None:
     # ``verified_step``'s per-backend default
     verify_max_missed_share: Optional[float] = None

@@ -194,8 +194,7 @@ class VerifiedStep:
         guesses = self.named_after(first) if self.runner.together else []
         # reads what is missing (counts the call's hits and misses): after the forward, each bank's
         # load lands while the forward runs again (``ready``); inside it, before the next layer
-        wait = out is None or not bank.cache.tuning.land_while_replaying
-        self.landing = load_together([(bank, experts, {})] + guesses, wait=wait)
+        self.landing = load_together([(bank, experts, {})] + guesses, wait=out is None)
         self.loaded.add(id(bank))
         if tl:
             tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
