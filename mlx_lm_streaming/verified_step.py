@@ -35,7 +35,6 @@ rewound, on one calling thread, outside pipeline stages, while recent tokens mis
 
 import contextlib
 import threading
-from concurrent.futures import Future
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -105,10 +104,6 @@ class VerifiedStep:
         # word of a pass that ran beyond a miss (``load_together``)
         self.counts: Optional[np.ndarray] = None
         self.guessed: Dict[int, set] = {}
-        # id(bank) -> the future of its load, issued by the check after the forward and waited
-        # for by the bank's own call in the forward run again (``ready``): a layer computes once
-        # its experts landed, while later layers' are still read
-        self.landing: Dict[int, Future] = {}
 
     def add(self, bank, indices: mx.array, missing: mx.array) -> None:
         self.calls.append((self.layer, bank, indices, missing))
@@ -127,29 +122,9 @@ class VerifiedStep:
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         self.outputs[i] = call(*args, **kwargs)
-        if self.landing:  # handed to MLX now: it computes while later layers' experts are read
-            mx.async_eval(self.outputs[i])
         if len(self.calls) >= self.every and i < self.layers - 1:
             self.settle(i)
         return self.outputs[i]
-
-    def ready(self, bank) -> None:
-        """Before ``bank``'s call in a forward run again: its load has ended (its error raised)."""
-        future = self.landing.pop(id(bank), None)
-        if future is not None:
-            tl = bank.cache.timeline
-            start = tl.now() if tl else 0
-            future.result()
-            if tl:
-                tl.span("wait load", start, "wait", layer=bank.path)
-
-    def land_all(self, raise_error: bool = True) -> None:
-        """Wait for every load still landing; the first error is raised once all ended."""
-        landing, self.landing = self.landing, {}
-        errors = [f.exception() for f in landing.values()]
-        for error in errors:
-            if error is not None and raise_error:
-                raise error
 
     def settle(self, upto: int) -> None:
         """Check the MoE calls so far (one host sync); while one has a missing expert, read its
@@ -192,9 +167,8 @@ class VerifiedStep:
         tl = bank.cache.timeline
         start = tl.now() if tl else 0
         guesses = self.named_after(first) if self.runner.together else []
-        # reads what is missing (counts the call's hits and misses): after the forward, each bank's
-        # load lands while the forward runs again (``ready``); inside it, before the next layer
-        self.landing = load_together([(bank, experts, {})] + guesses, wait=out is None)
+        # reads what is missing; counts the call's hits and misses
+        load_together([(bank, experts, {})] + guesses)
         self.loaded.add(id(bank))
         if tl:
             tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
@@ -399,7 +373,6 @@ class StepRunner:
             if step.kept:
                 self.verified += 1
                 while True:  # the check after the forward: a miss runs it again from its layer
-                    step.land_all()
                     layer = step.read_missing(out)
                     if layer is None:
                         break
@@ -413,7 +386,6 @@ class StepRunner:
                 else:
                     self.pending = step  # its host work: while the next step computes
         except _Again:
-            step.land_all()
             self.this_thread.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
@@ -422,42 +394,34 @@ class StepRunner:
             out = call(*args, **kwargs)
         finally:
             self.this_thread.step = None
-            step.land_all(raise_error=False)  # (on an error: no load left writing a bank)
         if missed is None:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
         return out
 
 
-def load_together(loads, wait: bool = True) -> Dict[int, Future]:
+def load_together(loads) -> None:
     """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
     threads where every bank reads directly into its slots and has no staged reads to install (an
     MLX update, which must run on the calling thread); else one after another. All pending work
-    was evaluated by the caller, so no bank need wait for its stream (``last_stream``).
-
-    ``wait``: every load has ended when this returns (the first error raised then), and it returns
-    ``{}``; else, for loads on the bank threads, ``{id(bank): future}`` of each (loads one after
-    another have ended: ``{}``)."""
+    was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
+    has ended when this returns; the first error is raised then."""
     banks = [bank for bank, _, _ in loads]
     if len(loads) == 1 or not all(b.direct and not b.staged for b in banks):
         for bank, experts, options in loads:
             bank.load(experts, **options)
-        return {}
+        return
     for bank in banks:
         bank.last_stream = None
     pool = banks[0].cache.bank_pool
     # beside other banks' loads, a load's experts are never spread over the store's readers
-    futures = {
-        id(bank): pool.submit(bank.load, experts, alone=True, **options)
-        for bank, experts, options in loads
-    }
-    if not wait:
-        return futures
-    errors = [f.exception() for f in futures.values()]  # waits for each
+    futures = [
+        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
+    ]
+    errors = [f.exception() for f in futures]  # waits for each
     for error in errors:
         if error is not None:
             raise error
-    return {}
 
 
 def miss_counts(calls) -> mx.array:

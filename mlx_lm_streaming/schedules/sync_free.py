@@ -26,7 +26,6 @@ class Verified(Schedule):
 
     def run(self):
         bank = self.bank
-        self.step.ready(bank)  # (in a forward run again after a miss: its experts have landed)
         tl = bank.cache.timeline
         start = tl.now() if tl else 0
         indices = mx.stop_gradient(self.indices)
