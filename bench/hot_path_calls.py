@@ -34,7 +34,7 @@ import mlx_lm_streaming  # noqa: E402
 from mlx_lm_streaming.expert_cache import CacheTuning  # noqa: E402
 from mlx_lm_streaming.integration import install  # noqa: E402
 from mlx_lm_streaming.option_table import GB  # noqa: E402
-from mlx_lm_streaming.synthetic import build_checkpoint  # noqa: E402
+from synthetic import build_checkpoint  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(mlx_lm_streaming.__file__)) + os.sep
 PROMPT = mx.array([[3, 17, 42, 5, 9, 101, 7, 64]])
