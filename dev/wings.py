@@ -258,6 +258,31 @@ def rewrite_text(text: str, moves: dict, patterns) -> str:
     return path.sub(lambda m: f"{PKG}/{moves[m.group(1)]}/{m.group(1)}", text)
 
 
+FROM_PKG = re.compile(rf"from {PKG} import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)")
+
+
+def rewrite_string_imports(text: str, moves: dict) -> str:
+    """``from mlx_lm_streaming import a, b`` that no parser sees: in a script a test writes out, a
+    ``python -c`` string, a docs snippet. Split by where each name lives: on lines of their own at a
+    line's start, joined by "; " inside a line. (Real statements were rewritten before: what is left
+    names no moved module.)"""
+
+    def split(m):
+        names = [n.strip() for n in m.group(1).split(",")]
+        groups = {}
+        for n in names:
+            base = n.split(" as ")[0]
+            groups.setdefault(f"{PKG}.{moves[base]}" if base in moves else PKG, []).append(n)
+        if list(groups) == [PKG]:
+            return m.group(0)
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        lead = text[line_start : m.start()]
+        joiner = "\n" + lead if not lead.strip() else "; "
+        return joiner.join(f"from {mod} import {', '.join(ns)}" for mod, ns in sorted(groups.items()))
+
+    return FROM_PKG.sub(split, text)
+
+
 def relative(target: str, importer_pkg: str) -> str:
     """``from <this> import ...`` for absolute module ``target``, seen from package ``importer_pkg``."""
     t, p = target.split("."), importer_pkg.split(".")
@@ -553,6 +578,7 @@ def main() -> None:
             old_of = module_name(rel) if rel in new_path else None
             new_of = module_name(new_path[rel]) if rel in new_path else None
             new = rewrite_imports(new, rel, old_of, new_of, modules_old, moves, notes)
+        new = rewrite_string_imports(new, moves)
         if rel in SHADOW_FILES:
             for n in sorted(moves):
                 if entries[n] == "module" and f'"{n}.py"' in new:
@@ -611,6 +637,11 @@ def main() -> None:
             follow = rf"\.(?!({inside})\b)\w" if n in WINGS else r"(?![\w])"
             for m in re.finditer(rf"(?<![\w.]){PKG}\.{n}{follow}", text):
                 notes.append(f"{rel}: still names {PKG}.{n} (line {text.count(chr(10), 0, m.start()) + 1})")
+        for m in FROM_PKG.finditer(text):
+            left = [n.strip() for n in m.group(1).split(",") if n.strip().split(" as ")[0] in moves]
+            if left:
+                notes.append(f"{rel}: still imports {', '.join(left)} from {PKG} (line {text.count(chr(10), 0, m.start()) + 1})")
+        for n, w in moves.items():
             if f.suffix == ".py" and rel.startswith(("tests/", "bench/")) and rel not in SHADOW_FILES:
                 if entries[n] == "module" and re.search(rf"[\"']{n}\.py[\"']", text):
                     notes.append(f"{rel}: the string \"{n}.py\": a basename, or a path into the package? check by hand")
