@@ -1,0 +1,193 @@
+"""The package's wings (issue 31): imports run one way between them, no circle among modules, at most 8
+modules loose at the package's top.
+
+Reads the imports with ``ast``; imports nothing from the package. A *unit* is a wing (``runtime/``,
+``files/``, ``integration/``, ``tools/``), a plugin-facing folder (``architectures/``, ``kernels/``,
+``stores/``) or one loose module at the top.
+
+- Direction counts every import, at module level or inside a function: a late import is still a
+  dependency (it is how a wrong-way one hides), so the units form a DAG whatever is imported late.
+- Circles count module-level imports only: those run at import time, and a circle among them makes
+  the import order matter. A function-level import runs after every module is loaded; within one unit
+  it may close a circle (``switch`` and ``layer_major`` call each other), across units the direction
+  test already forbids it. ``if TYPE_CHECKING:`` blocks are skipped; the implicit import of a
+  module's parent package is not an edge (each wing's ``__init__`` imports nothing).
+"""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mlx_lm_streaming"
+NAME = "mlx_lm_streaming"
+
+# unit -> the units it may import besides itself, bottom to top. The wings' docstrings say the same
+# in their "May import:" line (checked below).
+ALLOWED = {
+    "errors": set(),
+    "hookspecs": set(),
+    "option_table": set(),
+    "runtime": {"errors", "option_table"},
+    "files": {"errors", "runtime"},
+    "plugins": {"errors", "hookspecs", "option_table"},
+    "architectures": {"errors", "hookspecs"},
+    "kernels": {"errors", "hookspecs", "plugins", "runtime"},
+    "stores": {"errors", "hookspecs", "runtime", "files"},
+    "integration": {"errors", "option_table", "plugins", "runtime", "files", "kernels"},
+    "tools": {"errors", "option_table", "runtime", "files", "integration"},
+    "_bootstrap": {"option_table", "integration"},
+    "pipeline_generate": {"errors", "integration"},
+    "__init__": {"errors", "runtime", "integration"},
+    "__main__": {
+        "__init__", "errors", "option_table", "plugins", "runtime", "files", "integration", "tools",
+    },
+}
+WINGS = ("runtime", "files", "integration", "tools")
+MAX_LOOSE = 8
+
+# (importer, imported) module pairs allowed against ALLOWED, each with its reason. Keep it short: an
+# entry no import needs any more fails below (dev/wings.py drops those it finds stale when it installs
+# this test).
+EXCEPTIONS = {
+    # issue 31's loading <-> report circle (report.budget_how imports loading.budget_base late), which
+    # the branch adding memory.py removes (dev/wings.py drops this entry on a tree without the import)
+    ("mlx_lm_streaming.runtime.report", "mlx_lm_streaming.integration.loading"): "issue 31 circle",
+}
+
+
+def modules() -> dict:
+    """dotted name -> (path, is_package) for every module of the package."""
+    found = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if "__pycache__" in parts:
+            continue
+        is_pkg = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+    return found
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def imports(module: str, path: Path, is_pkg: bool, known: dict):
+    """(imported module, at module level?) for each import of a package module in ``module``."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def target(source: str, names):
+        for alias in names:
+            sub = f"{source}.{alias.name}"
+            yield sub if sub in known else source
+
+    def visit(node, top: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name == NAME or alias.name.startswith(NAME + "."):
+                        found.append((alias.name, top))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = module.split(".") if is_pkg else module.split(".")[:-1]
+                    base = base[: len(base) - (child.level - 1)]
+                    source = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    source = child.module or ""
+                if source == NAME or source.startswith(NAME + "."):
+                    found.extend((t, top) for t in target(source, child.names))
+            visit(child, inner)
+
+    visit(tree, True)
+    return [(t, top) for t, top in found if t in known and t != module]
+
+
+def graph():
+    known = modules()
+    edges = {m: imports(m, p, is_pkg, known) for m, (p, is_pkg) in known.items()}
+    return known, edges
+
+
+def test_every_module_is_in_a_known_unit():
+    known, _ = graph()
+    strays = sorted({unit(m) for m in known} - set(ALLOWED))
+    assert not strays, (
+        f"{strays}: not a wing nor an allowed top-level module of tests/test_wings.py; move it into "
+        "a wing (runtime/, files/, integration/, tools/) or, if users import it there, add it to ALLOWED"
+    )
+
+
+def test_at_most_8_modules_loose_at_the_top():
+    # every .py at the top counts, __init__ and __main__ too; folders do not
+    loose = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE, f"{len(loose)} modules loose at the top (at most {MAX_LOOSE}): {loose}"
+
+
+def test_the_allowed_table_runs_one_way():
+    # the table itself has no circle: a topological order exists
+    left, order = dict(ALLOWED), []
+    while left:
+        ready = [u for u, deps in left.items() if deps <= set(order)]
+        assert ready, f"ALLOWED has a circle among {sorted(left)}"
+        order += sorted(ready)
+        for u in ready:
+            del left[u]
+
+
+def test_wing_docstrings_match_the_table():
+    for wing in WINGS:
+        init = PKG / wing / "__init__.py"
+        assert init.is_file(), f"{wing}/__init__.py missing"
+        tree = ast.parse(init.read_text())
+        doc = ast.get_docstring(tree) or ""
+        line = re.search(r"^May import: (.*)$", doc, re.M)
+        assert line, f"{wing}/__init__.py: its docstring does not say which wings it may import"
+        said = {w.strip() for w in line.group(1).split(",") if w.strip() and w.strip() != "nothing"}
+        assert said == ALLOWED[wing], f"{wing}/__init__.py says {sorted(said)}, the test {sorted(ALLOWED[wing])}"
+        # a wing's __init__ is its docstring: it imports nothing, so a wing costs nothing to enter
+        assert all(isinstance(n, ast.Expr) for n in tree.body), f"{wing}/__init__.py does more than say"
+
+
+def test_imports_run_one_way_between_units():
+    _, edges = graph()
+    wrong = []
+    for m, targets in edges.items():
+        for t, top in targets:
+            a, b = unit(m), unit(t)
+            if a != b and b not in ALLOWED.get(a, set()) and (m, t) not in EXCEPTIONS:
+                wrong.append(f"{m} -> {t} ({a} may not import {b}{'' if top else '; inside a function'})")
+    assert not wrong, "imports against the wings' direction:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_no_circle_among_modules_at_module_level():
+    _, edges = graph()
+    adjacency = {m: sorted({t for t, top in ts if top}) for m, ts in edges.items()}
+    state, stack, circles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in adjacency.get(m, ()):
+            if state.get(t) == "open":
+                circles.append(" -> ".join(stack[stack.index(t) :] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(adjacency):
+        if m not in state:
+            visit(m)
+    assert not circles, "import circles at module level:\n" + "\n".join(circles)
+
+
+def test_every_exception_is_still_needed():
+    _, edges = graph()
+    found = {(m, t) for m, ts in edges.items() for t, _ in ts}
+    stale = [f"{m} -> {t}" for m, t in EXCEPTIONS if (m, t) not in found or unit(t) in ALLOWED[unit(m)]]
+    assert not stale, "EXCEPTIONS no import needs any more (delete them):\n" + "\n".join(stale)
