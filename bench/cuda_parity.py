@@ -2,7 +2,7 @@
 
     python bench/cuda_parity.py [--out FILE.json]
 
-``mlx_lm_streaming/parity.py``, as tests/test_parity.py runs it (prompt + 8 decode steps with a KV
+``mlx_lm_streaming/tools/parity.py``, as tests/test_parity.py runs it (prompt + 8 decode steps with a KV
 cache, batch 1 and 2, a budget of 3 experts per layer (evictions, waves, lookahead) and one holding every expert (background
 fill, then the no-sync path)) on a small table of architectures, variants and activation dtypes, on the
 default device. Prints one line per case and writes a JSON summary.
@@ -61,10 +61,10 @@ def main():
         ap.error(f"--direct: {args.direct!r}: each of auto, on, off")
     import mlx.core as mx
 
-    from mlx_lm_streaming.devices import backend
-    from mlx_lm_streaming.options import StreamingOptions
+    from mlx_lm_streaming.runtime.devices import backend
+    from mlx_lm_streaming.runtime.options import StreamingOptions
     from synthetic import build_checkpoint
-    from mlx_lm_streaming.parity import (
+    from mlx_lm_streaming.tools.parity import (
         DECODE_STEPS,
         GB,
         budget_of_slots,

@@ -48,7 +48,7 @@ def routing_arg(value: str) -> str:
         if one in ("uniform", "model"):
             continue
         if one.startswith("trace:"):
-            from mlx_lm_streaming.routing_trace import TraceError, read_trace
+            from mlx_lm_streaming.files.routing_trace import TraceError, read_trace
 
             try:
                 read_trace(one[len("trace:") :])
@@ -276,7 +276,7 @@ def run_arch(name, path, args, device):
     # exactness across configurations: identical greedy tokens
     ref = configs["stock"].tokens
     res["same_tokens"] = {k: cfg.tokens == ref[: len(cfg.tokens)] for k, cfg in configs.items()}
-    from mlx_lm_streaming import host_views
+    from mlx_lm_streaming.runtime import host_views
 
     # whether staging buffers are MLX memory written through host views (else numpy + a copy)
     res["staging_host_views"] = host_views._HOST_VIEWS
@@ -328,7 +328,7 @@ def layer_major_figures(args) -> None:
     import numpy as np
 
     from mlx_lm_streaming import _bootstrap
-    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     # what the installed startup hook does (a checkout on PYTHONPATH, as on the device, has none):
     # mlx-lm's modules patched, generate_step given layer-major prefill
@@ -697,7 +697,7 @@ def main():
         "exact_check": "sha1 of every step's log-probabilities, compared with stock",
         "archs": [],
     }
-    from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.files.routing_trace import read_trace
 
     routings = args.routing.split(",")
     folded = {a for a in args.trace_fold.split(",") if a}

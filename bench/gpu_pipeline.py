@@ -67,7 +67,7 @@ ram, to the limit for cold, to stock for stock configurations), exact steps, hit
 per token, seconds per token in I/O waits, installs, the store's reads and the expert modules'
 calls; the disk's best bandwidth by the probe (random reads of one expert's size, ``--probe-threads``,
 buffered and O_DIRECT); limit = 1 / max(stock step time, bytes read per token / best bandwidth); for
-trace routing (ram, cold), the hit rates a replay of the same rows gives (``mlx_lm_streaming.replay``:
+trace routing (ram, cold), the hit rates a replay of the same rows gives (``mlx_lm_streaming.tools.replay``:
 LRU, decay, Belady) with the same slots. Variants with the word ``tl`` record a timeline, summarized
 (``bench/timeline_summary.py``) into a per-layer split of a token's time: waiting for the router's
 ids, host work from then to the layer's compute submission, reads, installs, compute, the rest, and
@@ -136,7 +136,7 @@ def tuning_variant(spec: str):
     ``CacheTuning``'s (checked here, before anything is built)."""
     import dataclasses
 
-    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     name, sep, body = spec.partition(":")
     name = name.strip()
@@ -197,7 +197,7 @@ def load_variant(path, name: str, timeline=None, **opts):
     """A streaming model configured as the variant ``name`` (``timeline``: its file, for "tl")."""
     from harness import load_streaming
 
-    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     more, tuning = variant_options(name)
     opts.update(more)
@@ -544,8 +544,9 @@ def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
     """Decode hit rates of a replay of the rows the benchmark used, with ``slots`` per layer."""
     from dataclasses import replace
 
-    from mlx_lm_streaming import policy, replay
-    from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.runtime import policy
+    from mlx_lm_streaming.tools import replay
+    from mlx_lm_streaming.files.routing_trace import read_trace
 
     trace = read_trace(trace_spec.split(":", 1)[1])
     rows = trace.rows[: prompt_rows + warmup + measured]
@@ -609,7 +610,7 @@ def open_checkpoint(path, args, variants, first_routing):
     ``model:DIR`` routing: not routed)."""
     files = harness.shards(path)
     if any(variant_options(v)[0].get("store") == "packed" for v in variants):
-        from mlx_lm_streaming.pack import pack_checkpoint
+        from mlx_lm_streaming.tools.pack import pack_checkpoint
 
         start = time.time()
         pack_checkpoint(path, progress=False)
@@ -666,7 +667,7 @@ def ram_probe(path, files, ck, args):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_lm_streaming.bank import reads as bank_reads
+    from mlx_lm_streaming.runtime.bank import reads as bank_reads
 
     start_s = time.perf_counter()
     model = load_variant(

@@ -365,7 +365,7 @@ def replay_figures(log: CallLog, decode_from: int, slots, num_experts: int, poli
     slot tables with its own policy, LRU and Belady's offline optimum, at its slots per layer."""
     from routing_replay import trace_of_calls
 
-    from mlx_lm_streaming import replay as rp
+    from mlx_lm_streaming.tools import replay as rp
 
     trace = trace_of_calls(log.calls, num_experts, decode_from)
     rows = len(trace.rows)
@@ -428,7 +428,7 @@ def delta(a, b):
 
 def reset_banks(model):
     """Empty every slot bank (as after load) and zero the counters, keeping the model."""
-    from mlx_lm_streaming.expert_cache import CacheStats
+    from mlx_lm_streaming.runtime.expert_cache import CacheStats
 
     cache = model.expert_streaming.cache
     cache.ensure_planned()
@@ -507,7 +507,7 @@ def decode_block(cfg, n):
 def load_stock(path):
     import mlx_lm.utils
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     model, config = mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": False})
@@ -521,7 +521,7 @@ DIRECT_READS = "auto"  # experts.py --direct-reads: the option for every streami
 def load_streaming(path, **options):
     import mlx_lm.utils
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     if DIRECT_READS != "auto":
@@ -585,7 +585,7 @@ def rss_child(path, which, prefill_tokens, decode_tokens, routing):
     import mlx_lm.generate  # noqa: F401  (imports are the interpreter's, not the model's memory)
     import mlx_lm.utils  # noqa: F401
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     base = peak_rss()

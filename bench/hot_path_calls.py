@@ -31,8 +31,8 @@ import mlx_lm.utils  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import mlx_lm_streaming  # noqa: E402
-from mlx_lm_streaming.expert_cache import CacheTuning  # noqa: E402
-from mlx_lm_streaming.integration import install  # noqa: E402
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning  # noqa: E402
+from mlx_lm_streaming.integration.integration import install  # noqa: E402
 from mlx_lm_streaming.option_table import GB  # noqa: E402
 from synthetic import build_checkpoint  # noqa: E402
 

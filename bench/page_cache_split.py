@@ -9,7 +9,7 @@ a copy from RAM (``t_ram``), any other a disk read (``t_disk``).
 
 The model:
 
-- expert cache: the rule of ``mlx_lm_streaming.replay`` (and of the traces' reference figures): one
+- expert cache: the rule of ``mlx_lm_streaming.tools.replay`` (and of the traces' reference figures): one
   ``policy.SlotTable`` per MoE layer, the same slots in every layer (floor(s * M * experts per
   layer)), the whole trace in order from a cold start, prefill rows warming the cache; figures are
   per decode token, the misses taken from ``replay.replay`` itself (``miss_stream``);
@@ -49,10 +49,10 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from mlx_lm_streaming.memory import DEFAULT_CACHE_SHARE
-from mlx_lm_streaming.policy import DEFAULT_POLICY
-from mlx_lm_streaming.replay import ReplayResult, replay
-from mlx_lm_streaming.routing_trace import RoutingTrace, check_decode_tokens, read_trace
+from mlx_lm_streaming.runtime.memory import DEFAULT_CACHE_SHARE
+from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY
+from mlx_lm_streaming.tools.replay import ReplayResult, replay
+from mlx_lm_streaming.files.routing_trace import RoutingTrace, check_decode_tokens, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = [

@@ -107,7 +107,7 @@ def main(argv=None):
     try:
         import mlx.core as mx
 
-        from mlx_lm_streaming.host_views import host_address, host_bytes
+        from mlx_lm_streaming.runtime.host_views import host_address, host_bytes
 
         slots = mx.zeros((64, EXPERT), dtype=mx.uint8)
         mx.eval(slots)

@@ -76,7 +76,7 @@ def routing_summary(report):
         "rate: the cold configuration's own (cache stats, measured steps). Beside it, its very rows "
         "(the ids its layers were called with, recorded from its cold start: the short prompt's "
         "rows and the warm-up steps warm the tables and are not counted, then every measured step) "
-        "replayed through `mlx_lm_streaming.replay` with its slots per layer: the cache's own "
+        "replayed through `mlx_lm_streaming.tools.replay` with its slots per layer: the cache's own "
         "policy, LRU, Belady (offline optimum), and slots / experts (what random choices hit). The "
         "replay takes a prompt row by row where the model took it in one call. Limit tok/s = 1 / "
         "max(stock s per token, miss bytes per token / probe best GB/s), from the run's totals; "

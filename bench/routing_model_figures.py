@@ -29,7 +29,7 @@ sampled (temperature ``--temp``, seeded). Writes
 
 ``--compare TRACE...`` (no model; the CPU is enough) compares traces instead: per layer, the decode hit
 rate of per-layer caches of 12.5%, 25% and 50% of the experts under LRU and Belady's offline optimum
-(``mlx_lm_streaming.replay``, cold start, the whole trace in order), the share of a token's experts
+(``mlx_lm_streaming.tools.replay``, cold start, the whole trace in order), the share of a token's experts
 that the previous token of its sequence used in the same layer, and the skew of expert load (the
 share of a layer's decode picks that go to its 10% most used experts; 0.10 is uniform), written to
 ``--out``/routing-compare.json:
@@ -134,8 +134,8 @@ class Score:
 
 def compare(paths, out: Path) -> dict:
     """Hit curves, reuse and skew of each trace (``--compare``)."""
-    from mlx_lm_streaming.replay import belady, replay
-    from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.tools.replay import belady, replay
+    from mlx_lm_streaming.files.routing_trace import read_trace
 
     figures = {}
     for path in paths:

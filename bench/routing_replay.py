@@ -2,7 +2,7 @@
 
 A random-weight checkpoint routes almost every token to the same few experts, and uniform random
 experts (``harness.ForcedRouting``) have no temporal locality at all. A routing trace
-(``mlx_lm_streaming.routing_trace``, ``tests/data/routing/*.jsonl``) holds what a real model picked,
+(``mlx_lm_streaming.files.routing_trace``, ``tests/data/routing/*.jsonl``) holds what a real model picked,
 token by token, layer by layer. ``TraceRouting.wrap(model)`` puts a small module in front of every
 MoE block's expert module (stock ``SwitchGLU``, our ``StreamingSwitchGLU``) that passes the trace's experts instead of the router's ``indices``; the router
 still runs and its gate weights are used as stock uses them. The choice depends only on (layer,
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mlx_lm_streaming.routing_trace import RoutingTrace, TraceError, TraceRow, read_trace
+from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError, TraceRow, read_trace
 
 
 class TraceRouting:
@@ -125,14 +125,14 @@ class TraceRouting:
 def expert_kinds():
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlx_lm_streaming.switch import StreamingSwitchGLU
+    from mlx_lm_streaming.runtime.switch import StreamingSwitchGLU
 
     return (SwitchGLU, StreamingSwitchGLU)
 
 
 def expert_modules(model):
     """``(parent, name, module)`` of every MoE expert module of ``model``, in layer order."""
-    from mlx_lm_streaming.index import natural_key
+    from mlx_lm_streaming.runtime.index import natural_key
 
     kinds = expert_kinds()
     found = sorted(
@@ -188,7 +188,7 @@ def taken(routing, layer_no: int, rows: int) -> None:
 
 def unwind_on_rewind() -> None:
     """Patch ``mlx_compat.rewind`` (bench only) to take back the rewound forward's routing calls."""
-    from mlx_lm_streaming import mlx_compat
+    from mlx_lm_streaming.runtime import mlx_compat
 
     if getattr(mlx_compat.rewind, "unwinds", False):
         return

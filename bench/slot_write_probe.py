@@ -90,7 +90,7 @@ def remote_reads(lib, reps: int) -> dict:
     the host (pages fault back on the read)."""
     import mlx.core as mx
 
-    from mlx_lm_streaming.host_views import host_address
+    from mlx_lm_streaming.runtime.host_views import host_address
 
     fn = getattr(lib, "cudaMemAdvise_v2", None) or lib.cudaMemAdvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, Location]
@@ -149,7 +149,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import mlx.core as mx
 
-    from mlx_lm_streaming.host_views import host_address, host_bytes
+    from mlx_lm_streaming.runtime.host_views import host_address, host_bytes
 
     path = Path(args.dir) / "read_path_probe.bin"
     make_file(path, int(args.file_gb * 1e9))

@@ -27,8 +27,8 @@ def load(path_or_hf_repo, **kwargs):
     import mlx_lm.utils
 
     from .errors import ConfigurationError
-    from .integration import install
-    from .options import CONFIG_KEY, StreamingOptions
+    from .integration.integration import install
+    from .runtime.options import CONFIG_KEY, StreamingOptions
 
     install()
     names = {f.name for f in fields(StreamingOptions)}

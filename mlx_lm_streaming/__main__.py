@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
-from .options import check_budget_gb, decimal_gb, gb_at_least, missing_local_path
+from .runtime.options import check_budget_gb, decimal_gb, gb_at_least, missing_local_path
 
 
 def _hook_files():
@@ -57,7 +57,7 @@ def run_info(args) -> int:
         import mlx.core as mx
         import mlx_lm
 
-        from .integration import install
+        from .integration.integration import install
 
         install()
         print(
@@ -129,8 +129,8 @@ def _positive_gbps(value: str) -> float:
 def run_plan(args) -> int:
     import mlx_lm.utils
 
-    from . import mlx_compat
-    from .integration import install
+    from .integration.integration import install
+    from .runtime import mlx_compat
 
     install()
     _check_plan_flags(args)
@@ -152,10 +152,10 @@ def run_plan(args) -> int:
             )
     trace = None
     if args.routing_trace is not None:
-        from .routing_trace import read_trace
+        from .files.routing_trace import read_trace
 
         trace = read_trace(args.routing_trace)  # a bad file fails before the model loads
-    from .options import StreamingOptions
+    from .runtime.options import StreamingOptions
 
     # the plan's own flags only (a StreamingOptions is taken as given, without the environment)
     options = StreamingOptions(expert_cache_gb=args.expert_cache_gb)
@@ -183,21 +183,21 @@ def _check_plan_flags(args) -> None:
         if value is not None and args.routing_trace is None:
             raise ConfigurationError(f"{flag} needs --routing-trace FILE (a recorded routing)")
     if args.plot is not None:
-        from .budget_table import check_plotting, plot_path
+        from .tools.budget_table import check_plotting, plot_path
 
         args.plot = plot_path(args.plot)
         check_plotting()
 
 
 def _print_plan(args, state, trace) -> None:
-    from .budget_table import slots_text
-    from .loading import check_budget_fits, default_budget
-    from .report import budget_how, cache_bytes
+    from .integration.loading import check_budget_fits, default_budget
+    from .runtime.report import budget_how, cache_bytes
+    from .tools.budget_table import slots_text
 
     cache = state.cache
     banks = cache.banks
     if trace is not None:  # a trace that cannot give figures fails before anything is printed
-        from .routing_trace import check_decode_tokens
+        from .files.routing_trace import check_decode_tokens
 
         counts = {b.num_experts for b in banks}
         trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
@@ -238,7 +238,7 @@ def _print_plan(args, state, trace) -> None:
         )
         return
     print(_replay_line(trace, cache, plan))
-    from .budget_table import budget_rows, format_table, measure_disk, plot
+    from .tools.budget_table import budget_rows, format_table, measure_disk, plot
 
     if args.disk_gbps is not None:
         gbps = args.disk_gbps
@@ -255,7 +255,7 @@ def _print_plan(args, state, trace) -> None:
 
 def _replay_line(trace, cache, plan) -> str:
     """The trace replayed through slot tables with ``plan``'s slots and the cache's policy."""
-    from .replay import replay
+    from .tools.replay import replay
 
     banks = cache.banks
     counts = {b.num_experts for b in banks}
@@ -276,25 +276,25 @@ def _percent(rate: float) -> str:
 
 
 def add_pack_arguments(parser):
-    from .pack import add_arguments
+    from .tools.pack import add_arguments
 
     add_arguments(parser)
 
 
 def run_pack(args) -> int:
-    from .pack import run
+    from .tools.pack import run
 
     return run(args)
 
 
 def add_verify_arguments(parser):
-    from .parity import add_arguments
+    from .tools.parity import add_arguments
 
     add_arguments(parser)
 
 
 def run_verify(args) -> int:
-    from .parity import run_verify
+    from .tools.parity import run_verify
 
     return run_verify(args)
 

@@ -4,7 +4,7 @@
 site-packages call ``install()`` at interpreter start. It puts ``MlxLmFinder`` first on
 ``sys.meta_path``; nothing else happens until a module in ``PATCHED`` is imported. The finder lets the
 other finders find the real module, runs it through its own loader, and once it has executed, hands it
-to ``mlx_lm_streaming.integration.patch_module``, which asks ``mlx_compat`` about the mlx-lm
+to ``mlx_lm_streaming.integration.integration.patch_module``, which asks ``mlx_compat`` about the mlx-lm
 version and the shape of what it patches before it patches anything.
 
 This module is stdlib only and imports nothing beyond ``sys``, ``os`` and our ``option_table`` (the
@@ -68,7 +68,7 @@ def startup_problem(environ=os.environ, argv=None, orig_argv=None):
             return (
                 f"{EXPERTS_ENV}={asked} asks for streaming experts, but {HOOK_ENV}=0 turned the "
                 "startup hook off: mlx-lm will load every expert into memory; unset "
-                f"{HOOK_ENV} (or call mlx_lm_streaming.integration.install() before loading)"
+                f"{HOOK_ENV} (or call mlx_lm_streaming.integration.integration.install() before loading)"
             )
         if flags:
             return (
@@ -116,7 +116,7 @@ def warn(exc: BaseException) -> None:
 def apply(module) -> None:
     """Patch a freshly imported mlx-lm module; on any error leave it stock."""
     try:
-        from mlx_lm_streaming.integration import patch_module
+        from mlx_lm_streaming.integration.integration import patch_module
 
         patch_module(module)
     except Exception as e:

@@ -27,7 +27,7 @@ import sys
 
 import mlx.core as mx
 
-from .integration import add_streaming_arguments, export_streaming_arguments, install
+from .integration.integration import add_streaming_arguments, export_streaming_arguments, install
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -114,7 +114,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm import utils as mlx_utils
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from mlx_lm_streaming import mlx_compat
+from mlx_lm_streaming.runtime import mlx_compat
 
 from .configs import (
     _DTYPES,

@@ -21,8 +21,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_streaming import plugins
 from mlx_lm_streaming.hookspecs import hookimpl
-from mlx_lm_streaming.integration import install
-from mlx_lm_streaming.options import ENV
+from mlx_lm_streaming.integration.integration import install
+from mlx_lm_streaming.runtime.options import ENV
 
 from mlx_lm_streaming.option_table import GB  # noqa: E402
 

@@ -21,9 +21,9 @@ from support import (
     run_cli,
 )
 
-from mlx_lm_streaming.policy import DEFAULT_POLICY
-from mlx_lm_streaming.replay import replay
-from mlx_lm_streaming.routing_trace import TraceWriter, read_trace
+from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY
+from mlx_lm_streaming.tools.replay import replay
+from mlx_lm_streaming.files.routing_trace import TraceWriter, read_trace
 
 pytestmark = pytest.mark.usefixtures("require_hook")
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlx_lm_streaming import mlx_compat
+from mlx_lm_streaming.runtime import mlx_compat
 from mlx_lm_streaming.errors import IncompatibleMlxLmError
 
 from support import BIN, clean_env, generate_cmd, generated_text, run
@@ -21,7 +21,7 @@ UNTESTED = "0.99.0"
 # import, after this monkeypatch)
 AS_IF_UNTESTED = f"""
 import sys
-import mlx_lm_streaming.mlx_compat as compat
+import mlx_lm_streaming.runtime.mlx_compat as compat
 compat.mlx_lm_version = lambda: {UNTESTED!r}
 import mlx_lm.utils, mlx_lm.generate
 assert not getattr(mlx_lm.utils.load_model, "mlx_lm_streaming", False), "load_model was patched"
@@ -125,7 +125,7 @@ def test_install_refuses_an_unsupported_mlx_lm(monkeypatch):
     stock = utils.load_model
     monkeypatch.setattr(mlx_compat, "_checked", True)
     monkeypatch.setattr(mlx_compat, "_problem", mlx_compat.version_problem(UNTESTED))
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     with pytest.raises(IncompatibleMlxLmError, match=UNTESTED):
         install(utils)
@@ -175,7 +175,7 @@ def test_untested_mlx_lm_runs_stock_and_refuses_streaming(checkpoint, tmp_path):
 
 def test_untested_mlx_lm_env_route_warns_in_scripts(checkpoint, tmp_path):
     code = (
-        "import mlx_lm_streaming.mlx_compat as c\n"
+        "import mlx_lm_streaming.runtime.mlx_compat as c\n"
         f"c.mlx_lm_version = lambda: {UNTESTED!r}\n"
         "import mlx_lm\n"
         "print(hasattr(mlx_lm.utils.load_model, 'mlx_lm_streaming'))\n"

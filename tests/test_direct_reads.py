@@ -18,7 +18,7 @@ import pytest
 from support import decode, load_stock, load_streaming, per_slot, registered, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
@@ -188,7 +188,7 @@ def test_partial_calls_are_padded_where_row_counts_matter(q3, padded_gather):
 
 def test_the_option_turns_direct_reads_on_and_off(q3, monkeypatch):
     from mlx_lm_streaming.errors import ConfigurationError
-    from mlx_lm_streaming.options import StreamingOptions
+    from mlx_lm_streaming.runtime.options import StreamingOptions
 
     path, tokens, want = q3
     for value, direct in ((None, True), (False, False), ("0", False), ("auto", True), (True, True)):
@@ -320,7 +320,7 @@ def test_a_load_beside_other_banks_never_spreads(q3):
     # a lone expert's ranges are spread over the store's readers; the same load on a bank thread of
     # a verified step's misses read together (``load_together``: ``LayerBank.load(...,
     # alone=True)``) reads it on its demand thread alone
-    from mlx_lm_streaming.verified_step import load_together
+    from mlx_lm_streaming.runtime.verified_step import load_together
 
     path, tokens, want = q3
     with registered(CountingStorePlugin(), "counting-store-test"):

@@ -438,7 +438,7 @@ def test_rank_loads_with_only_its_own_shards(arch, ckpt, tmp_path, monkeypatch):
     from mlx_lm.utils import sharded_load
 
     from mlx_lm_streaming.errors import CheckpointError
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     path = ckpt(arch)
     rank, (start, end) = PARTIAL[arch]
@@ -590,7 +590,7 @@ def test_server_pipeline_answers_like_a_stock_server(ckpt, tmp_path):
 def test_tensor_parallel_sharded_load_is_refused(ckpt, monkeypatch):
     from mlx_lm.utils import sharded_load
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")

@@ -14,9 +14,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_lm_streaming import hookspecs, integration, plugins
+from mlx_lm_streaming import hookspecs, plugins
 from mlx_lm_streaming import option_table
-from mlx_lm_streaming.options import ENV, StreamingOptions
+from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.runtime.options import ENV, StreamingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS_MD = (ROOT / "docs" / "plugins.md").read_text()

@@ -9,8 +9,8 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 from support import build_dense_checkpoint
 
 from mlx_lm_streaming.errors import UnsupportedModelError
-from mlx_lm_streaming.integration import _wrap_load_model, install
-from mlx_lm_streaming.options import ENV
+from mlx_lm_streaming.integration.integration import _wrap_load_model, install
+from mlx_lm_streaming.runtime.options import ENV
 
 PROMPTS = ["Tell me a story", "Why is the sky blue? Explain in detail please", "Hi"]
 

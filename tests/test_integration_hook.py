@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from support import BIN, clean_env, generate_cmd, generated_text
 
-from mlx_lm_streaming import _bootstrap, integration
-from mlx_lm_streaming.options import ENV
+from mlx_lm_streaming import _bootstrap
+from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.runtime.options import ENV
 
 # the startup hook must be installed (tests/run.sh installs the package non-editable)
 pytestmark = pytest.mark.usefixtures("require_hook")
@@ -114,7 +115,7 @@ print(getattr(gen.main, "mlx_lm_streaming", False))
 print(getattr(mlx_lm.server.main, "mlx_lm_streaming", False))
 importlib.reload(u)
 print(getattr(u.load_model, "mlx_lm_streaming", False))
-print("mlx_lm_streaming.loading" in sys.modules)
+print("mlx_lm_streaming.integration.loading" in sys.modules)
 """
 
 
@@ -156,6 +157,7 @@ def shadow_package(root: Path, files: dict) -> Path:
     pkg = root / "mlx_lm_streaming"
     pkg.mkdir(parents=True)
     for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         if text is None:
             shutil.copy(ROOT / "mlx_lm_streaming" / name, pkg / name)
         else:
@@ -171,13 +173,15 @@ BROKEN = {
         "__init__.py": None,
         "_bootstrap.py": None,
         "option_table.py": None,
-        "integration.py": "raise ImportError('broken on purpose')\n",
+        "integration/__init__.py": None,
+        "integration/integration.py": "raise ImportError('broken on purpose')\n",
     },
     "patch raises": {
         "__init__.py": None,
         "_bootstrap.py": None,
         "option_table.py": None,
-        "integration.py": "def patch_module(module):\n    raise ValueError('broken on purpose')\n",
+        "integration/__init__.py": None,
+        "integration/integration.py": "def patch_module(module):\n    raise ValueError('broken on purpose')\n",
     },
 }
 

@@ -45,7 +45,7 @@ def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):
 RSS_SCRIPT = textwrap.dedent(
     """
     import sys, mlx_lm.utils
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
     def rss():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS:"):
@@ -163,7 +163,7 @@ def test_bad_options_are_named(checkpoint, options, match):
 def test_streaming_off_is_stock(checkpoint, monkeypatch):
     import mlx_lm.utils
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")
@@ -177,7 +177,7 @@ def test_streaming_off_is_stock(checkpoint, monkeypatch):
 @pytest.mark.parametrize("failure", ["raises", "unsupported"])
 def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
     """The default budget assumed 16 GB without a word where the OS does not give the RAM size."""
-    from mlx_lm_streaming import memory
+    from mlx_lm_streaming.runtime import memory
 
     def sysconf(name):
         if failure == "raises":
@@ -203,7 +203,8 @@ def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeyp
     elsewhere half of the machine's RAM. Both after the resident weights."""
     from types import SimpleNamespace
 
-    from mlx_lm_streaming import loading, memory
+    from mlx_lm_streaming.integration import loading
+    from mlx_lm_streaming.runtime import memory
 
     bank = SimpleNamespace(layer=SimpleNamespace(expert_nbytes=10**6))
     cache = SimpleNamespace(banks=[bank, bank], total_expert_bytes=10**15)
@@ -219,6 +220,6 @@ def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeyp
 
 
 def test_no_cuda_memory_off_cuda():
-    from mlx_lm_streaming import memory
+    from mlx_lm_streaming.runtime import memory
 
     assert memory.cuda_memory_bytes() is None  # this CPU box: the machine's RAM

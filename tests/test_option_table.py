@@ -18,9 +18,11 @@ import pytest
 from support import held_out_env
 
 import mlx_lm_streaming
-from mlx_lm_streaming import _bootstrap, integration, mlx_compat, option_table, plugins, report
+from mlx_lm_streaming import _bootstrap, option_table, plugins
+from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.runtime import mlx_compat, report
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.options import ENV, StreamingOptions, requested
+from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, requested
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIONS = [o for o in option_table.OPTIONS if o.name != "enabled"]
@@ -76,7 +78,7 @@ def test_options_flags_keys_and_keywords_are_the_tables():
 
 @pytest.fixture(scope="module")
 def pack_of_q3(q3_path, tmp_path_factory):
-    from mlx_lm_streaming.pack import pack_checkpoint
+    from mlx_lm_streaming.tools.pack import pack_checkpoint
 
     return pack_checkpoint(q3_path, tmp_path_factory.mktemp("pack") / "q3.pack", progress=False)
 

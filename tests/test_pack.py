@@ -12,11 +12,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, ExpertIOError
-from mlx_lm_streaming.pack import index_checkpoint, pack_checkpoint
-from mlx_lm_streaming.packfile import ALIGN, PACK_NAME, PREFIX
+from mlx_lm_streaming.tools.pack import index_checkpoint, pack_checkpoint
+from mlx_lm_streaming.files.packfile import ALIGN, PACK_NAME, PREFIX
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
 from synthetic import build_checkpoint
@@ -287,7 +287,7 @@ def test_interrupted_pack_leaves_no_pack(packed, tmp_path, monkeypatch):
     for f in path.iterdir():
         if f.is_file() and f.name != PACK_NAME:
             os.link(f, dst / f.name)
-    import mlx_lm_streaming.packfile as pack_mod
+    import mlx_lm_streaming.files.packfile as pack_mod
 
     real = pack_mod.zlib.crc32
     calls = []

@@ -19,8 +19,8 @@ from support import (
 )
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.options import ENV, StreamingOptions, decimal_gb
-from mlx_lm_streaming.packfile import PACK_NAME
+from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, decimal_gb
+from mlx_lm_streaming.files.packfile import PACK_NAME
 
 
 @pytest.fixture(scope="module")

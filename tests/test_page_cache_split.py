@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_lm_streaming.replay import replay
-from mlx_lm_streaming.routing_trace import RoutingTrace, TraceRow, read_trace
+from mlx_lm_streaming.tools.replay import replay
+from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceRow, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "page_cache_split.py"

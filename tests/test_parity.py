@@ -14,9 +14,9 @@ import pytest
 from mlx.utils import tree_flatten
 from support import held_out_env, load_streaming
 
-from mlx_lm_streaming import schedules
-from mlx_lm_streaming.expert_cache import PHASE_MIN_BYTES
-from mlx_lm_streaming.parity import GB, budget_of_slots, compare, difference
+from mlx_lm_streaming.runtime import schedules
+from mlx_lm_streaming.runtime.expert_cache import PHASE_MIN_BYTES
+from mlx_lm_streaming.tools.parity import GB, budget_of_slots, compare, difference
 from synthetic import build_checkpoint
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
@@ -191,7 +191,7 @@ def test_verify_command(checkpoint, tmp_path):
 def test_verify_fails_on_a_difference(checkpoint, monkeypatch, capsys):
     from argparse import Namespace
 
-    from mlx_lm_streaming import parity
+    from mlx_lm_streaming.tools import parity
 
     real = parity.run
 
@@ -302,7 +302,7 @@ def test_layer_major_prefill_reads_each_expert_once(checkpoint):
     # reads the uncached experts several times over, layer-major about once
     from dataclasses import replace
 
-    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
@@ -333,7 +333,7 @@ def test_layer_major_prefill_falls_back_in_one_line(checkpoint, tmp_path):
     probe.expert_streaming.close()
     code = (
         "import sys, mlx.core as mx, mlx_lm.generate\n"
-        "from pathlib import Path\nfrom mlx_lm_streaming.parity import load_streaming\n"
+        "from pathlib import Path\nfrom mlx_lm_streaming.tools.parity import load_streaming\n"
         "g = sys.modules['mlx_lm.generate']\n"
         f"m, _ = load_streaming(Path({str(path)!r}), stats=True, expert_cache_gb={budget!r},\n"
         "                      layer_major_prefill=True)\n"
@@ -356,7 +356,7 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
     # the rest chunk by chunk, and the result stock's bits, with the reason said once
     from support import load_stock
 
-    from mlx_lm_streaming import layer_major
+    from mlx_lm_streaming.runtime import layer_major
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
@@ -390,7 +390,7 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
 def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch):
     # where a part's arguments differ from those routed, it runs again: the attention then writes
     # the same KV entries again, at the chunk's own offset
-    from mlx_lm_streaming import layer_major
+    from mlx_lm_streaming.runtime import layer_major
 
     monkeypatch.setattr(layer_major, "_same", lambda a, b: False)
     path = checkpoint("qwen3_moe")
@@ -463,8 +463,8 @@ def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
     # asked for, as asked; a benchmark's or test's tuning, as it says
     from dataclasses import replace
 
-    from mlx_lm_streaming.expert_cache import CacheTuning
-    from mlx_lm_streaming.options import StreamingOptions
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.options import StreamingOptions
 
     auto = StreamingOptions()
     assert [auto.use_layer_major_prefill(None, b) for b in ("cpu", "cuda", "metal")] == [
@@ -483,7 +483,7 @@ def test_parity_layer_major_prefill_in_groups(checkpoint):
 
     from support import load_stock
 
-    from mlx_lm_streaming.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()

@@ -14,8 +14,8 @@ import pytest
 from support import GB, decode, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.expert_cache import CacheTuning
-from mlx_lm_streaming.lookahead import find_router
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.lookahead import find_router
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -73,7 +73,7 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
 def test_staged_reads_are_exact(q3, monkeypatch):
     """Without direct reads: a call loads its experts through staging buffers, then computes in one
     kernel call, or in waves when it needs more experts than the bank has slots."""
-    from mlx_lm_streaming import schedules
+    from mlx_lm_streaming.runtime import schedules
 
     path, tokens, want = q3
     model = with_slots(path, 4, direct_reads=False)
@@ -95,7 +95,7 @@ def test_more_rows_than_slots_but_experts_that_fit_run_as_one_wave(q3, monkeypat
     """Without direct reads, ``choose`` picks ``Waves`` for a call with more rows than slots (it
     cannot know the call's distinct experts before the host sync); where they fit after all, the
     call is one wave, over all rows: stock's bits."""
-    from mlx_lm_streaming.schedules import Waves
+    from mlx_lm_streaming.runtime.schedules import Waves
 
     path, tokens, want = q3
     model = with_slots(path, 3, direct_reads=False)

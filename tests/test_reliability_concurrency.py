@@ -177,7 +177,7 @@ WRITER = textwrap.dedent(
     import sys
     import mlx.core as mx
     import mlx_lm.utils
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
     install()
     options = {"record_routing": sys.argv[2], "trace": sys.argv[3]}
     from pathlib import Path
@@ -197,7 +197,7 @@ def test_a_second_process_is_refused_the_trace_and_timeline_the_first_writes(che
     """Two runs given one --streaming-trace left invalid JSON (both runs' events interleaved), and
     one --record-routing lost a run's record. The second run is refused while the first writes."""
     from mlx_lm_streaming.errors import ConfigurationError
-    from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.files.routing_trace import read_trace
 
     path = checkpoint("qwen3_moe", "affine4")
     trace, timeline = tmp_path / "r.jsonl", tmp_path / "t.json"
@@ -272,8 +272,8 @@ def test_a_run_that_meets_another_writer_at_its_first_write_leaves_the_file(
 SLOW_PACK = textwrap.dedent(
     """
     import sys, zlib
-    import mlx_lm_streaming.packfile as pack_mod
-    from mlx_lm_streaming.pack import pack_checkpoint
+    import mlx_lm_streaming.files.packfile as pack_mod
+    from mlx_lm_streaming.tools.pack import pack_checkpoint
     real = zlib.crc32
     def held(*a):
         if not held.said:
@@ -292,7 +292,7 @@ def test_a_second_pack_into_one_directory_is_refused(checkpoint, tmp_path):
     """Two `pack` runs into one directory: the second removed the first's temporary file, and the
     first failed with `[Errno 2] ... experts.pack.tmp-NNN -> experts.pack`. Now the second is
     refused in one line and the first finishes a pack that streams exactly."""
-    from mlx_lm_streaming.packfile import PACK_NAME
+    from mlx_lm_streaming.files.packfile import PACK_NAME
 
     src = checkpoint("qwen3_moe", "affine4")
     ckpt = tmp_path / "ckpt"

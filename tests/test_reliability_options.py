@@ -19,11 +19,12 @@ import mlx_lm.utils
 import pytest
 from support import load_streaming
 
-from mlx_lm_streaming import integration, report
+from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.options import StreamingOptions, decimal_gb
-from mlx_lm_streaming.routing_trace import TraceWriter
+from mlx_lm_streaming.runtime.options import StreamingOptions, decimal_gb
+from mlx_lm_streaming.files.routing_trace import TraceWriter
 from synthetic import build_checkpoint
 
 OTHER_UNITS = re.compile(r"\d ?(B|KB|MB|KiB|MiB|GiB)\b|2\*\*30|GiB")
@@ -180,7 +181,7 @@ def test_plan_says_a_trace_has_no_decode_tokens(ckpt, tmp_path, capsys, phases):
 
 
 def test_a_pack_of_another_model_is_named_as_such(ckpt, tmp_path):
-    from mlx_lm_streaming.pack import pack_checkpoint
+    from mlx_lm_streaming.tools.pack import pack_checkpoint
 
     other = build_checkpoint(tmp_path / "other", "qwen3_moe", num_layers=3)
     pack = pack_checkpoint(other, tmp_path / "other.pack", progress=False)
@@ -227,7 +228,7 @@ def test_a_budget_above_every_expert_means_every_expert(ckpt, capsys):
 
 
 def test_a_budget_that_cannot_fit_is_refused_at_load_with_both_figures(ckpt, monkeypatch, capsys):
-    from mlx_lm_streaming import memory
+    from mlx_lm_streaming.runtime import memory
 
     model, _ = load_streaming(ckpt)
     state = model.expert_streaming
@@ -309,7 +310,7 @@ def test_an_option_variable_without_streaming_is_an_error_like_the_flag(ckpt, en
     status, err = flags(["--model", "m"], environ=dict(environ), capsys=capsys)
     assert status == 2 and len(err) == 1, err
     assert "MLX_LM_STREAMING_STATS needs MLX_LM_STREAMING_EXPERTS=1" in err[0]
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     with pytest.raises(ConfigurationError, match="MLX_LM_STREAMING_STATS needs"):
@@ -352,7 +353,7 @@ def test_hook_values_are_validated_at_start(tmp_path):
 
 
 def test_pack_progress_reaches_100_percent(ckpt, tmp_path, monkeypatch, capsys):
-    from mlx_lm_streaming.pack import pack_checkpoint
+    from mlx_lm_streaming.tools.pack import pack_checkpoint
 
     capsys.readouterr()
     pack_checkpoint(ckpt, tmp_path / "p.pack", progress=True, force=True)
@@ -470,9 +471,9 @@ def test_good_store_option_values_pass():
 def test_an_unknown_variable_is_named_once_when_mlx_lm_loads_without_streaming(
     ckpt, environ, capsys, monkeypatch
 ):
-    from mlx_lm_streaming import options
-    from mlx_lm_streaming.integration import install
-    from mlx_lm_streaming.options import requested
+    from mlx_lm_streaming.runtime import options
+    from mlx_lm_streaming.integration.integration import install
+    from mlx_lm_streaming.runtime.options import requested
 
     install()
     monkeypatch.setattr(options, "_unknown_warned", False)

@@ -81,11 +81,11 @@ def write_output(kind: str, path: str, ckpt: Path):
         model, _ = load_streaming(ckpt, **{kind: path})
         model.expert_streaming.close()
     elif kind == "pack":
-        from mlx_lm_streaming.pack import pack_checkpoint
+        from mlx_lm_streaming.tools.pack import pack_checkpoint
 
         pack_checkpoint(ckpt, path, progress=False)
     else:
-        from mlx_lm_streaming.budget_table import plot_path
+        from mlx_lm_streaming.tools.budget_table import plot_path
 
         plot_path(path)
 
@@ -151,7 +151,7 @@ def test_outputs_are_opened_only_after_every_check_passed(own_ckpt, tmp_path):
 
     import mlx.core as mx
 
-    from mlx_lm_streaming.routing_trace import read_trace
+    from mlx_lm_streaming.files.routing_trace import read_trace
 
     empty = tmp_path / "empty.json"
     empty.touch()
@@ -189,7 +189,7 @@ def test_a_full_disk_stops_the_output_not_the_generation(
 ):
     import builtins
 
-    from mlx_lm_streaming import timeline
+    from mlx_lm_streaming.files import timeline
 
     path, tokens, stock = q3
     out = tmp_path / "out"
@@ -326,7 +326,7 @@ def test_a_plot_replaces_only_a_plot_that_plot_wrote(tmp_path, ext):
     """The "same kind" check looked only at the PNG signature: any PNG (a photo) was overwritten.
     Our plots carry ``PLOT_MARK`` in their metadata (for a PDF, near the end)."""
     pytest.importorskip("matplotlib")
-    from mlx_lm_streaming.budget_table import BudgetRow, plot, plot_path
+    from mlx_lm_streaming.tools.budget_table import BudgetRow, plot, plot_path
 
     photo = tmp_path / f"photo{ext}"
     before = foreign_plot(photo)
@@ -347,7 +347,7 @@ def test_a_plot_replaces_only_a_plot_that_plot_wrote(tmp_path, ext):
 def test_plan_plot_over_a_photo_is_refused_untouched(own_ckpt, tmp_path):
     """The command of the issue: `plan MODEL --routing-trace r.jsonl --plot photo.png`."""
     pytest.importorskip("matplotlib")
-    from mlx_lm_streaming.routing_trace import TraceWriter
+    from mlx_lm_streaming.files.routing_trace import TraceWriter
 
     photo = tmp_path / "photo.png"
     before = foreign_plot(photo)

@@ -15,10 +15,10 @@ import mlx.core as mx
 import pytest
 from support import BIN, load_stock, load_streaming, one_error_line, run_cli
 
-import mlx_lm_streaming.packfile as pack_mod
+import mlx_lm_streaming.files.packfile as pack_mod
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, ExpertIOError
-from mlx_lm_streaming.pack import pack_checkpoint
-from mlx_lm_streaming.packfile import PACK_NAME
+from mlx_lm_streaming.tools.pack import pack_checkpoint
+from mlx_lm_streaming.files.packfile import PACK_NAME
 
 
 def digest(path):
@@ -71,8 +71,8 @@ def test_enospc_while_packing_names_the_file_and_leaves_nothing(ckpt, monkeypatc
 KILLED_PACK = textwrap.dedent(
     """
     import sys, time, zlib
-    import mlx_lm_streaming.packfile as pack_mod
-    from mlx_lm_streaming.pack import pack_checkpoint
+    import mlx_lm_streaming.files.packfile as pack_mod
+    from mlx_lm_streaming.tools.pack import pack_checkpoint
     real = zlib.crc32
     def slow(*a):
         print("writing", flush=True)

@@ -19,7 +19,7 @@ import pytest
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.errors import CheckpointChangedError, CheckpointError, UnsupportedModelError
-from mlx_lm_streaming.index import CheckpointFiles
+from mlx_lm_streaming.runtime.index import CheckpointFiles
 
 PROMPT = mx.array([[5, 17, 99, 3, 250, 41, 7]])
 
@@ -53,7 +53,7 @@ def test_model_file_is_never_executed_by_streaming(model_dir, tmp_path, trust_re
     (model_dir / "config.json").write_text(json.dumps(config))
     import mlx_lm.utils
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
     from support import held_out_env
 
     install()
@@ -78,7 +78,7 @@ def test_model_file_only_through_mlx_lms_own_trust_remote_code(model_dir, tmp_pa
     (model_dir / "config.json").write_text(json.dumps(config))
     import mlx_lm.utils
 
-    from mlx_lm_streaming.integration import install
+    from mlx_lm_streaming.integration.integration import install
 
     install()
     monkeypatch.setenv("MLX_LM_STREAMING_EXPERTS", "1")

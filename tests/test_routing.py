@@ -23,7 +23,7 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.policy import (
+from mlx_lm_streaming.runtime.policy import (
     DEFAULT_POLICY,
     POLICIES,
     DecayPolicy,
@@ -31,8 +31,8 @@ from mlx_lm_streaming.policy import (
     SlotTable,
     make_policy,
 )
-from mlx_lm_streaming.replay import belady, replay
-from mlx_lm_streaming.routing_trace import TraceError, TraceWriter, read_trace
+from mlx_lm_streaming.tools.replay import belady, replay
+from mlx_lm_streaming.files.routing_trace import TraceError, TraceWriter, read_trace
 
 DATA = Path(__file__).parent / "data" / "routing"
 QWEN = DATA / "qwen3-30b-a3b.jsonl"
@@ -320,7 +320,7 @@ def test_every_policy_streams_the_stock_logits(checkpoint, policy):
 
 
 def test_an_unknown_cache_policy_is_refused():
-    from mlx_lm_streaming.options import StreamingOptions
+    from mlx_lm_streaming.runtime.options import StreamingOptions
 
     with pytest.raises(ConfigurationError, match="cache_policy 'fifo' is unknown"):
         StreamingOptions(cache_policy="fifo")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from support import decode, load_stock, load_streaming, per_slot, same
 
-from mlx_lm_streaming.routing_trace import TraceError, read_trace
+from mlx_lm_streaming.files.routing_trace import TraceError, read_trace
 from synthetic import build_checkpoint
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -17,7 +17,7 @@ TRACE = Path(__file__).resolve().parent / "data" / "routing" / "qwen3-30b-a3b.js
 
 @pytest.fixture(scope="module")
 def rr():
-    from mlx_lm_streaming import mlx_compat
+    from mlx_lm_streaming.runtime import mlx_compat
 
     sys.path.insert(0, str(BENCH))
     rewind = mlx_compat.rewind
@@ -137,7 +137,7 @@ def test_a_folded_trace_keeps_the_first_distinct_ids_in_rank_order(rr):
 
 
 def test_recorded_calls_replay_as_the_trace_they_came_from(rr):
-    from mlx_lm_streaming import replay
+    from mlx_lm_streaming.tools import replay
 
     trace = read_trace(TRACE)
     routing = rr.TraceRouting(trace, layers=2)

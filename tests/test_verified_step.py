@@ -12,8 +12,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from support import load_stock, with_slots
 
-from mlx_lm_streaming import mlx_compat
-from mlx_lm_streaming.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime import mlx_compat
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
@@ -204,7 +204,7 @@ def test_reading_together_lets_gpus_verify_whatever_the_misses(q3_path):
 
 
 def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monkeypatch):
-    from mlx_lm_streaming import verified_step
+    from mlx_lm_streaming.runtime import verified_step
 
     seen = []
     real = verified_step.load_together

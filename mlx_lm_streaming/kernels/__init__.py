@@ -1,6 +1,6 @@
 """Expert kernels and the selector that chooses among them."""
 
-from ..devices import backend
+from ..runtime.devices import backend
 from .base import ExpertKernel
 
 __all__ = ["ExpertKernel", "backend"]

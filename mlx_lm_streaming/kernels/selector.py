@@ -11,8 +11,8 @@ import warnings
 import weakref
 
 from .. import plugins
-from ..devices import backend
 from ..errors import ConfigurationError
+from ..runtime.devices import backend
 
 # row counts whose choice is remembered per bank: decode repeats a few, prompts of every length
 # would otherwise grow the memo without bound

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from ..counters import Counters
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
-from ..index import CheckpointFiles
-from ..safetensors_header import TensorRef
+from ..runtime.counters import Counters
+from ..runtime.index import CheckpointFiles
+from ..runtime.safetensors_header import TensorRef
 
 
 # the most reader threads a store option may ask for (a typo such as threads=80 still works,
@@ -36,7 +36,7 @@ def thread_count(value, name: str = "threads") -> int:
 
 def switch_option(value, name: str) -> bool:
     """A yes/no store option (``direct``): a bool, 0 or 1, or true/false, yes/no, on/off."""
-    from ..options import parse_switch
+    from ..runtime.options import parse_switch
 
     try:
         return parse_switch(value, name)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict
 
 from ..errors import CheckpointChangedError
-from ..safetensors_header import TensorRef
+from ..runtime.safetensors_header import TensorRef
 from .base import ExpertStore, shard_error
 
 

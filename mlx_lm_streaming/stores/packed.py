@@ -22,10 +22,10 @@ import time
 import zlib
 from typing import Dict, List, Tuple
 
-from ..devices import backend
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
-from ..packfile import HINT, PackFile, align_up, pack_path
-from ..safetensors_header import FileIdentity, TensorRef
+from ..files.packfile import HINT, PackFile, align_up, pack_path
+from ..runtime.devices import backend
+from ..runtime.safetensors_header import FileIdentity, TensorRef
 from .base import ExpertStore, switch_option, thread_count
 from .safetensors import SafetensorsStore
 

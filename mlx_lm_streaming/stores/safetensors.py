@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, ExpertIOError
-from ..safetensors_header import TensorRef
+from ..runtime.safetensors_header import TensorRef
 from .base import ExpertStore, shard_error, thread_count
 
 # reads in flight: a fast disk serves several readers faster than one, and more than 8 gained nothing

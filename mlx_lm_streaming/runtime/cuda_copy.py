@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .errors import ExpertIOError
+from ..errors import ExpertIOError
 
 # bytes of each reading thread's page-locked buffer: an expert of Qwen3-30B-A3B's shape (2.65 MB) in
 # one go; bigger experts in pieces of this size

@@ -36,15 +36,15 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .errors import (
+from ..errors import (
     CheckpointChangedError,
     CheckpointError,
     ConfigurationError,
     ExpertIOError,
     StreamingError,
 )
+from ..runtime.safetensors_header import FileIdentity
 from .outputs import PACK_MAGIC
-from .safetensors_header import FileIdentity
 
 MAGIC = PACK_MAGIC
 VERSION = 1
@@ -90,7 +90,7 @@ def check_free_space(out: Path, need: int) -> None:
     not count as free."""
     free = shutil.disk_usage(out.parent).free
     if need > free:
-        from .options import decimal_gb
+        from ..runtime.options import decimal_gb
 
         raise ExpertIOError(
             f"{out.parent}: not enough free space for {out.name}: it needs {decimal_gb(need)}, "
@@ -312,7 +312,7 @@ def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool)
         except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
             reason = str(e).replace(f"; {HINT}", "")
             print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
-    from .index import natural_key
+    from ..runtime.index import natural_key
 
     index = index() if callable(index) else index
     layers = sorted(index.layers.values(), key=lambda l: natural_key(l.path))

@@ -12,7 +12,7 @@ futures: a generator that the bank primes (its first step issues every read and 
 yields each landing as it comes, and whose end (or ``close()``) waits for every read still in
 flight. Its caller computes between landings; control never comes back up through a callback.
 
-Part of the bank unit (``mlx_lm_streaming.bank``): called by ``LayerBank`` under its lock, on the
+Part of the bank unit (``mlx_lm_streaming.runtime.bank``): called by ``LayerBank`` under its lock, on the
 thread that calls the layer.
 """
 
@@ -23,7 +23,7 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ExpertIOError, StreamingError
+from ...errors import ExpertIOError, StreamingError
 from ..index import PROJECTIONS
 from ..prefetch import StagedBatch
 from ..safetensors_header import mx_dtype

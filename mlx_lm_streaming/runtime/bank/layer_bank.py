@@ -1,4 +1,4 @@
-"""``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.bank``)."""
+"""``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
 import threading
 from typing import Dict, List, Optional

@@ -23,7 +23,7 @@ import sys
 from typing import Optional, Tuple
 
 # the command-line modules whose main() takes our flags (listed once, with the startup hook)
-from .option_table import CLI_MODULES
+from ..option_table import CLI_MODULES
 
 # mlx-lm releases we test (tests/run.sh runs the newest, .ci/run the oldest too): >= LOW, < HIGH
 SUPPORTED = ((0, 30, 0), (0, 33, 0))

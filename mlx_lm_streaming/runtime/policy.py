@@ -30,7 +30,7 @@ from typing import Dict, Sequence, Tuple, Type
 
 import numpy as np
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 # calls of a layer after which a use counts half (``decay``); 8-32 all beat LRU on the traces
 HALF_LIFE = 16.0

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .errors import ConfigurationError
-from .options import decimal_gb
+from ..errors import ConfigurationError
+from ..runtime.options import decimal_gb
 from .replay import replay
 
 # the disk probe reads at most this much, or for about this long, whichever comes first
@@ -61,7 +61,7 @@ def budget_rows(state, trace, default_bytes: int, gbps: float, given: bool) -> L
     cache = state.cache
     banks = cache.banks
     per_slot = sum(b.layer.expert_nbytes for b in banks)
-    from .report import cache_bytes  # a budget above every expert's bytes means every expert
+    from ..runtime.report import cache_bytes  # a budget above every expert's bytes means every expert
 
     budgets = [("default", cache_bytes(cache, default_bytes))]
     if given:
@@ -201,7 +201,7 @@ def check_plotting() -> None:
 def plot_path(path) -> Path:
     """Where ``--plot PATH`` writes: checked before anything loads (``outputs.check_output``).
     Without an extension, ``PATH.png``; an extension other than .png, .svg, .pdf is refused."""
-    from .outputs import PLOT, PLOT_MAGIC, check_output
+    from ..files.outputs import PLOT, PLOT_MAGIC, check_output
 
     if path is None or not str(path).strip():
         raise ConfigurationError("--plot: an empty path; give a file name such as budget.png")
@@ -225,7 +225,7 @@ def plot(rows: List[BudgetRow], path, title: str) -> Path:
     """Decode hit rate and disk-bound tok/s against budget (GB), with the default and the given
     budget marked, one image at ``plot_path(path)``, written beside it and renamed over it (with
     ``PLOT_MARK`` in its metadata: a later --plot may replace it); returns that path."""
-    from .outputs import PLOT, PLOT_MARK, replace_whole
+    from ..files.outputs import PLOT, PLOT_MARK, replace_whole
 
     path = plot_path(path)
     import matplotlib

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .errors import CheckpointError, open_output
+from ..errors import CheckpointError, open_output
 from .outputs import (
     ROUTING_TRACE,
     TRACE_FORMAT,

@@ -16,7 +16,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # safetensors dtype name -> (mlx dtype, bytes per element)
 DTYPES = {

@@ -10,16 +10,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .options import decimal_gb
-from .packfile import PACK_NAME, pack_path, write_pack
+from ..files.packfile import PACK_NAME, pack_path, write_pack
+from ..runtime.options import decimal_gb
 
 
 def index_checkpoint(model_path: Path):
     """The ``ExpertIndex`` of a checkpoint, built the way loading builds it (no expert bytes read)."""
     import mlx_lm.utils
 
-    from .integration import install
-    from .options import StreamingOptions
+    from ..integration.integration import install
+    from ..runtime.options import StreamingOptions
 
     install()
     model, _ = mlx_lm.utils.load_model(

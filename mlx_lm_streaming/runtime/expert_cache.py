@@ -19,9 +19,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..errors import ConfigurationError, ExpertIOError
 from .bank import LayerBank
 from .counters import Counters
-from .errors import ConfigurationError, ExpertIOError
 from .index import LayerExperts, natural_key
 from .options import format_size, gb_at_least
 from .policy import DEFAULT_POLICY

@@ -31,7 +31,7 @@ try:
 except ImportError:  # no advisory locks (Windows): one writer per file is then the user's care
     fcntl = None
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 ROUTING_TRACE = "routing trace"
 TIMELINE = "timeline"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import CheckpointChangedError, CheckpointError
+from ..errors import CheckpointChangedError, CheckpointError
 from .safetensors_header import (
     DTYPES,
     FileIdentity,

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .option_table import GB
+from ..option_table import GB
 
 DECODE_STEPS = 8
 
@@ -19,7 +19,7 @@ def load_stock(path):
     """The stock model, whatever the environment asks for."""
     import mlx_lm.utils
 
-    from .integration import install
+    from ..integration.integration import install
 
     install()
     return mlx_lm.utils.load_model(path, model_config={"streaming_experts": False})
@@ -28,7 +28,7 @@ def load_stock(path):
 def load_streaming(path, **options):
     import mlx_lm.utils
 
-    from .integration import install
+    from ..integration.integration import install
 
     install()
     return mlx_lm.utils.load_model(path, model_config={"streaming_experts": options})
@@ -123,8 +123,8 @@ def compare(
 def _budget_gb(value: str) -> float:
     import argparse
 
-    from .errors import ConfigurationError
-    from .options import check_budget_gb
+    from ..errors import ConfigurationError
+    from ..runtime.options import check_budget_gb
 
     try:
         return check_budget_gb(value)

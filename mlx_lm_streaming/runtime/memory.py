@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from .option_table import GB
+from ..option_table import GB
 
 # Of the memory the resident weights leave free, this share goes to the expert cache by default.
 # Where the expert cache is in the machine's RAM (CPU, Metal's unified memory) the rest holds the

@@ -49,11 +49,7 @@ MAX_LOOSE = 8
 # (importer, imported) module pairs allowed against ALLOWED, each with its reason. Keep it short: an
 # entry no import needs any more fails below (dev/wings.py drops those it finds stale when it installs
 # this test).
-EXCEPTIONS = {
-    # issue 31's loading <-> report circle (report.budget_how imports loading.budget_base late), which
-    # the branch adding memory.py removes (dev/wings.py drops this entry on a tree without the import)
-    ("mlx_lm_streaming.runtime.report", "mlx_lm_streaming.integration.loading"): "issue 31 circle",
-}
+EXCEPTIONS = {}
 
 
 def modules() -> dict:
@@ -149,8 +145,12 @@ def test_wing_docstrings_match_the_table():
         assert line, f"{wing}/__init__.py: its docstring does not say which wings it may import"
         said = {w.strip() for w in line.group(1).split(",") if w.strip() and w.strip() != "nothing"}
         assert said == ALLOWED[wing], f"{wing}/__init__.py says {sorted(said)}, the test {sorted(ALLOWED[wing])}"
-        # a wing's __init__ is its docstring: it imports nothing, so a wing costs nothing to enter
-        assert all(isinstance(n, ast.Expr) for n in tree.body), f"{wing}/__init__.py does more than say"
+        # a wing's __init__ is its docstring (and at most a lazy ``__getattr__`` for names that
+        # lived there before the wings): it imports nothing, so a wing costs nothing to enter
+        assert all(
+            isinstance(n, ast.Expr) or (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")
+            for n in tree.body
+        ), f"{wing}/__init__.py does more than say"
 
 
 def test_imports_run_one_way_between_units():

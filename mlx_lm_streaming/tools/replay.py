@@ -11,8 +11,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .policy import DEFAULT_POLICY, SlotTable
-from .routing_trace import RoutingTrace
+from ..files.routing_trace import RoutingTrace
+from ..runtime.policy import DEFAULT_POLICY, SlotTable
 
 
 @dataclass

@@ -17,8 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
-from .errors import ConfigurationError
-from .option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREFIX
+from ..errors import ConfigurationError
+from ..option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREFIX
 from .policy import DEFAULT_POLICY, POLICIES
 
 CONFIG_KEY = "streaming_experts"

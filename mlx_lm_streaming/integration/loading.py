@@ -16,24 +16,25 @@ from typing import Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import memory, mlx_compat, plugins, report
-from .expert_cache import CacheTuning, ExpertCache, close_all
-from .errors import CheckpointError, ConfigurationError, UnsupportedModelError
-from .index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
-from .kernels.selector import KernelSelector
-from .layer_major import PrefillStats
-from .lookahead import find_router
-from .options import (
+from .. import plugins
+from ..errors import CheckpointError, ConfigurationError, UnsupportedModelError
+from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
+from ..files.routing_trace import RoutingRecorder
+from ..files.timeline import Timeline, open_timeline
+from ..kernels.selector import KernelSelector
+from ..runtime import memory, mlx_compat, report
+from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
+from ..runtime.index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
+from ..runtime.layer_major import PrefillStats
+from ..runtime.lookahead import find_router
+from ..runtime.options import (
     CONFIG_KEY,
     StreamingOptions,
     budget_bytes,
     decimal_gb,
 )
-from .outputs import ROUTING_TRACE, TIMELINE, check_output
-from .routing_trace import RoutingRecorder
-from .switch import StreamingSwitchGLU
-from .verified_step import StepRunner
-from .timeline import Timeline, open_timeline
+from ..runtime.switch import StreamingSwitchGLU
+from ..runtime.verified_step import StepRunner
 
 
 def default_budget(state: "StreamingState"):

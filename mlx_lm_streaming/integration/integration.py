@@ -25,8 +25,9 @@ import signal
 import sys
 import threading
 
-from . import report
-from .mlx_compat import (
+from ..option_table import OPTIONS
+from ..runtime import report
+from ..runtime.mlx_compat import (
     CLI_MODULES,
     load_model_problem,
     problem,
@@ -34,8 +35,7 @@ from .mlx_compat import (
     say_refusal,
     streaming_in_environment,
 )
-from .option_table import OPTIONS
-from .options import (
+from ..runtime.options import (
     CONFIG_KEY,
     ENV,
     StreamingOptions,
@@ -82,7 +82,7 @@ def install(utils=None) -> None:
 
     Raises ``IncompatibleMlxLmError`` (and patches nothing) where ``mlx_compat`` finds an mlx-lm
     it cannot patch."""
-    from .errors import IncompatibleMlxLmError
+    from ..errors import IncompatibleMlxLmError
 
     if utils is None:
         import mlx_lm.utils as utils
@@ -115,7 +115,7 @@ def _wrap_load_model(stock_load_model):
         if options is None:
             warn_unknown_variables()
             return stock_load_model(*bound.args, **bound.kwargs)
-        from .errors import UnsupportedModelError
+        from ..errors import UnsupportedModelError
         from .loading import load_streaming_model
 
         try:
@@ -146,8 +146,8 @@ def wrap_generate_step(generate) -> None:
     where ``mlx_compat.generate_step_problem`` finds it as expected; else leave it stock and keep
     the reason for ``--streaming-stats``. Modules that import ``generate_step`` by name
     (``cache_prompt``) do so after this runs, and get the wrapper."""
-    from . import layer_major
-    from .mlx_compat import generate_step_problem
+    from ..runtime import layer_major
+    from ..runtime.mlx_compat import generate_step_problem
 
     stock = getattr(generate, "generate_step", None)
     if stock is None or getattr(stock, "mlx_lm_streaming", False):
@@ -165,8 +165,8 @@ def wrap_other_prefills(generate) -> None:
     ``BatchGenerator``, ``speculative_generate_step``): layer-major prefill does not apply there,
     and a long prompt's stats line says so (``layer_major.note_elsewhere``). Each only where
     ``mlx_compat``'s check finds it as expected; else left stock, silent."""
-    from . import layer_major
-    from .mlx_compat import (
+    from ..runtime import layer_major
+    from ..runtime.mlx_compat import (
         batch_insert_problem,
         speculative_problem,
         wrap_batch_insert,
@@ -229,7 +229,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
 
     When streaming is asked for (flag or environment), the options are checked here, before
     anything loads: an error is one line naming the flag or variable at fault."""
-    from .errors import StreamingError
+    from ..errors import StreamingError
 
     given = {}
     for dest in FLAG_ENV:
@@ -283,7 +283,7 @@ def _local_model(model):
 
 def _check_outputs(options, model) -> None:
     """The files the run writes: checked, never opened (``outputs.check_output``)."""
-    from .outputs import ROUTING_TRACE, TIMELINE, check_output
+    from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 
     for path, kind in ((options.record_routing, ROUTING_TRACE), (options.trace, TIMELINE)):
         if path:
@@ -292,8 +292,8 @@ def _check_outputs(options, model) -> None:
 
 def _check_store_options(options, from_environment: bool, environ) -> None:
     """The store's options by name and value; those of the variable name it."""
-    from . import plugins
-    from .errors import ConfigurationError
+    from .. import plugins
+    from ..errors import ConfigurationError
 
     try:
         plugins.check_store_options(options.store, options.store_options)
@@ -306,9 +306,9 @@ def _check_store_options(options, from_environment: bool, environ) -> None:
 
 def _check_flags(parser, given: dict, model=None, environ=os.environ) -> None:
     """Each flag's value on its own, so that the error names the flag (the budget as a float)."""
-    from . import plugins
-    from .errors import ConfigurationError, StreamingError
-    from .outputs import ROUTING_TRACE, TIMELINE, check_output
+    from .. import plugins
+    from ..errors import ConfigurationError, StreamingError
+    from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 
     for dest, value in given.items():
         if isinstance(value, str) and not value.strip():
@@ -363,7 +363,7 @@ def _check_flags(parser, given: dict, model=None, environ=os.environ) -> None:
 
 
 def _check_pack_flag(parser, given: dict) -> None:
-    from .packfile import pack_path
+    from ..files.packfile import pack_path
 
     store = given.get("expert_store", "packed")
     if store != "packed":
@@ -448,7 +448,7 @@ def wrap_cli_main(module) -> None:
 
     @functools.wraps(stock_main)
     def main(*args, **kwargs):
-        from .errors import StreamingError, exit_with
+        from ..errors import StreamingError, exit_with
 
         first = _FirstParser()
         said = report.cli_streaming
