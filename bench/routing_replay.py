@@ -172,7 +172,7 @@ def _first(obj, names):
 
 
 # A forward that the streaming model runs again (a verified step that found a miss: the KV caches
-# are rewound, ``mlx_compat.rewind``, and the call repeated) must see the same ids again, as a
+# are rewound, ``mlx_shims.rewind``, and the call repeated) must see the same ids again, as a
 # router given the same input would. Routing sources count calls, so the repeat would take the next
 # ones: ``unwind_on_rewind`` makes every rewind also take back the forward's calls of the routing
 # last used (single-threaded benchmarks: the forward that was just rewound).
@@ -187,12 +187,12 @@ def taken(routing, layer_no: int, rows: int) -> None:
 
 
 def unwind_on_rewind() -> None:
-    """Patch ``mlx_compat.rewind`` (bench only) to take back the rewound forward's routing calls."""
-    from mlx_lm_streaming.runtime import mlx_compat
+    """Patch ``mlx_shims.rewind`` (bench only) to take back the rewound forward's routing calls."""
+    from mlx_lm_streaming.runtime import mlx_shims
 
-    if getattr(mlx_compat.rewind, "unwinds", False):
+    if getattr(mlx_shims.rewind, "unwinds", False):
         return
-    rewind = mlx_compat.rewind
+    rewind = mlx_shims.rewind
 
     def rewind_and_unwind(cache, tokens):
         # the rewound entries are the model's last ones: in the benchmarks' models every decoder
@@ -203,7 +203,7 @@ def unwind_on_rewind() -> None:
             routing.unwind(layer_no, rows)
 
     rewind_and_unwind.unwinds = True
-    mlx_compat.rewind = rewind_and_unwind
+    mlx_shims.rewind = rewind_and_unwind
 
 
 def _routed_class():

@@ -150,7 +150,7 @@ ENV = {o.name: o.env for o in OPTIONS}
 FLAGS = tuple(o.flag for o in OPTIONS if o.flag)
 
 
-# the command-line modules whose main() takes our flags (integration.wrap_cli_main)
+# the command-line modules whose main() takes our flags (integration/cli.py: wrap_cli_main)
 CLI_MODULES = (
     "mlx_lm.generate",
     "mlx_lm.chat",

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_lm_streaming import hookspecs, plugins
 from mlx_lm_streaming import option_table
-from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.integration import cli
 from mlx_lm_streaming.runtime.options import ENV, StreamingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_every_flag_variable_and_key_is_documented():
     import argparse
 
     parser = argparse.ArgumentParser()
-    integration.add_streaming_arguments(parser)
+    cli.add_streaming_arguments(parser)
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     flags.remove("--help")
     assert flags == list(option_table.FLAGS)
@@ -61,7 +61,7 @@ def test_every_flag_variable_and_key_is_documented():
     public = [f.name for f in fields(StreamingOptions) if not f.metadata.get("internal")]
     for key in public + ["enabled"]:
         assert f"`{key}`" in USAGE_MD, f"docs/usage.md does not document the key {key}"
-    for module in integration.CLI_MODULES:
+    for module in option_table.CLI_MODULES:
         assert f"`{module}`" in USAGE_MD, f"docs/usage.md does not list {module}"
 
 

@@ -19,7 +19,7 @@ from support import held_out_env
 
 import mlx_lm_streaming
 from mlx_lm_streaming import _bootstrap, option_table, plugins
-from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.integration import cli
 from mlx_lm_streaming.runtime import mlx_compat, report
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, requested
@@ -65,7 +65,7 @@ def test_options_flags_keys_and_keywords_are_the_tables():
     assert sorted(public) == sorted(names)
     assert ENV == {o.name: o.env for o in option_table.OPTIONS}
     parser = argparse.ArgumentParser()
-    integration.add_streaming_arguments(parser)
+    cli.add_streaming_arguments(parser)
     flags = [s for a in parser._actions for s in a.option_strings if s != "-h" and s != "--help"]
     assert flags == list(option_table.FLAGS)
     for option in option_table.OPTIONS:
@@ -109,14 +109,14 @@ def _flag_to_environment(option, text, model):
     """What a command does with the flag: parse it, check it, export it as the variable."""
     parser = argparse.ArgumentParser(prog="cmd")
     parser.add_argument("--model")
-    integration.add_streaming_arguments(parser)
+    cli.add_streaming_arguments(parser)
     argv = ["--model", str(model), "--streaming-experts", option.flag]
     argv += [] if option.metavar == "?" and text in ("1", True) else [text]
     namespace = parser.parse_args(argv)
     environ = {}
     said, sigterm = report.cli_streaming, signal.getsignal(signal.SIGTERM)
     try:
-        integration.export_streaming_arguments(parser, namespace, environ)
+        cli.export_streaming_arguments(parser, namespace, environ)
     finally:
         report.cli_streaming = said
         signal.signal(signal.SIGTERM, sigterm)
@@ -213,10 +213,10 @@ def test_unknown_names_are_one_line_errors(q3_path, environ):
 
 def test_an_unknown_store_option_flag_is_one_line(q3_path, capsys):
     parser = argparse.ArgumentParser(prog="cmd")
-    integration.add_streaming_arguments(parser)
+    cli.add_streaming_arguments(parser)
     namespace = parser.parse_args(["--streaming-experts", "--expert-store-options", "treads=2"])
     with pytest.raises(SystemExit) as exit:
-        integration.export_streaming_arguments(parser, namespace, {})
+        cli.export_streaming_arguments(parser, namespace, {})
     assert exit.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("cmd: error: argument --expert-store-options: ") and "'treads'" in line

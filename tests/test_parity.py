@@ -390,9 +390,9 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
 def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch):
     # where a part's arguments differ from those routed, it runs again: the attention then writes
     # the same KV entries again, at the chunk's own offset
-    from mlx_lm_streaming.runtime import layer_major
+    from mlx_lm_streaming.runtime import layer_pass
 
-    monkeypatch.setattr(layer_major, "_same", lambda a, b: False)
+    monkeypatch.setattr(layer_pass, "_same", lambda a, b: False)
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
     prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])

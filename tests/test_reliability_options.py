@@ -19,7 +19,7 @@ import mlx_lm.utils
 import pytest
 from support import load_streaming
 
-from mlx_lm_streaming.integration import integration
+from mlx_lm_streaming.integration import cli as command_line
 from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
@@ -45,11 +45,11 @@ def flags(argv, environ=None, capsys=None):
     stderr lines)."""
     parser = argparse.ArgumentParser(prog="cmd")
     parser.add_argument("--model")
-    integration.add_streaming_arguments(parser)
+    command_line.add_streaming_arguments(parser)
     namespace = parser.parse_args(argv)
     said, sigterm = report.cli_streaming, signal.getsignal(signal.SIGTERM)
     try:
-        integration.export_streaming_arguments(parser, namespace, environ or {})
+        command_line.export_streaming_arguments(parser, namespace, environ or {})
         status = None
     except SystemExit as e:
         status = e.code
@@ -406,7 +406,7 @@ def test_plan_and_help_say_decimal_gb_only(ckpt, capsys):
     assert status == 0, err
     assert not OTHER_UNITS.search(out), out
     parser = argparse.ArgumentParser()
-    integration.add_streaming_arguments(parser)
+    command_line.add_streaming_arguments(parser)
     help_text = " ".join(parser.format_help().split())
     assert "Expert cache budget in decimal GB (10**9 bytes)" in help_text
     assert not OTHER_UNITS.search(help_text)

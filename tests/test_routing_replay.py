@@ -17,10 +17,10 @@ TRACE = Path(__file__).resolve().parent / "data" / "routing" / "qwen3-30b-a3b.js
 
 @pytest.fixture(scope="module")
 def rr():
-    from mlx_lm_streaming.runtime import mlx_compat
+    from mlx_lm_streaming.runtime import mlx_shims
 
     sys.path.insert(0, str(BENCH))
-    rewind = mlx_compat.rewind
+    rewind = mlx_shims.rewind
     try:
         import routing_replay
 
@@ -29,7 +29,7 @@ def rr():
         routing_replay.unwind_on_rewind()
         yield routing_replay
     finally:
-        mlx_compat.rewind = rewind
+        mlx_shims.rewind = rewind
         sys.path.remove(str(BENCH))
 
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from support import load_stock, with_slots
 
-from mlx_lm_streaming.runtime import mlx_compat
+from mlx_lm_streaming.runtime import mlx_shims
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
@@ -138,17 +138,17 @@ def test_off_means_a_host_sync_in_every_layer(q3_path, expected):
 
 
 def test_rewindable_caches():
-    assert mlx_compat.rewindable(None, 1)
-    assert mlx_compat.rewindable([KVCache(), KVCache()], 4)
+    assert mlx_shims.rewindable(None, 1)
+    assert mlx_shims.rewindable([KVCache(), KVCache()], 4)
     rotating = RotatingKVCache(max_size=8)
-    assert mlx_compat.rewindable([rotating], 4)
+    assert mlx_shims.rewindable([rotating], 4)
     rotating.offset = 6
-    assert not mlx_compat.rewindable([rotating], 4)  # the write would wrap over kept entries
+    assert not mlx_shims.rewindable([rotating], 4)  # the write would wrap over kept entries
 
     class Other:
         offset = 0
 
-    assert not mlx_compat.rewindable([KVCache(), Other()], 1)
+    assert not mlx_shims.rewindable([KVCache(), Other()], 1)
 
 
 def test_a_cache_that_cannot_be_rewound_runs_per_layer(q3_path):

@@ -22,7 +22,7 @@ from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 from ..files.routing_trace import RoutingRecorder
 from ..files.timeline import Timeline, open_timeline
 from ..kernels.selector import KernelSelector
-from ..runtime import memory, mlx_compat, report
+from ..runtime import memory, mlx_compat, mlx_shims, report
 from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
 from ..runtime.index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from ..runtime.layer_major import PrefillStats
@@ -324,7 +324,7 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
         del model.sanitize
     model.expert_streaming = state
     state.steps = state.cache.steps = StepRunner(state)
-    mlx_compat.wrap_call(model, state.steps)
+    mlx_shims.wrap_call(model, state.steps)
     state.steps.wrap_layers(model)
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported

@@ -15,7 +15,7 @@ row is computed exactly once, by the same kernel, so each schedule gives stock's
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import layer_major, schedules
+from . import layer_pass, schedules
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -32,7 +32,7 @@ class StreamingSwitchGLU(nn.Module):
         return self.bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        across = layer_major.current()
+        across = layer_pass.current()
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
         cache = self.bank.cache

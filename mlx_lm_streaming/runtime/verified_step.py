@@ -14,7 +14,7 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
 - some missing: the first MoE layer with a miss computed rows from the wrong slot, and every layer
   after it took a wrong input; the layers before it are right. Its ids are right (its input is), so
   its missing experts are read, the KV-cache entries written from that decoder layer on are taken
-  back (``mlx_compat.rewind``), and the forward runs again, each decoder layer before that one
+  back (``mlx_shims.rewind``), and the forward runs again, each decoder layer before that one
   giving back its recorded output (``layer_call``) instead of computing. Repeated until nothing is
   missing: one host sync per token plus one per layer that missed, instead of one per layer.
 - read together (``CacheTuning.read_misses_together``): the layers after the first miss ran on a
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import mlx_compat
+from . import mlx_shims
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -110,7 +110,7 @@ class VerifiedStep:
         self.kept[id(bank)] = (bank, indices)
 
     def layer_call(self, i: int, call, args, kwargs):
-        """Decoder layer ``i`` of the model (``mlx_compat.wrap_call``): run, recorded, and checked
+        """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
         every ``every`` MoE calls and at the last layer."""
         cache = args[2] if len(args) > 2 else kwargs.get("cache")
         if self.kv is not None and (i >= len(self.kv) or cache is not self.kv[i]):
@@ -195,7 +195,7 @@ class VerifiedStep:
     def rewind(self, first: int, end: int) -> None:
         """Take back this step's tokens from the cache entries of decoder layers ``first`` to
         ``end - 1`` (no cache: nothing to take back)."""
-        mlx_compat.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
+        mlx_shims.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -303,7 +303,7 @@ class StepRunner:
         if not isinstance(layers, list):
             return
         for i, layer in enumerate(layers):
-            mlx_compat.wrap_call(layer, self._layer_around(i))
+            mlx_shims.wrap_call(layer, self._layer_around(i))
         self.layers = len(layers)
 
     def _layer_around(self, i: int):
@@ -316,7 +316,7 @@ class StepRunner:
         return around
 
     def __call__(self, call, args, kwargs):
-        inputs, kv = mlx_compat.call_inputs(args, kwargs)
+        inputs, kv = mlx_shims.call_inputs(args, kwargs)
         tokens = _tokens(inputs)
         if tokens is None or tokens > VERIFY_MAX_TOKENS:
             self.flush()
@@ -351,7 +351,7 @@ class StepRunner:
             and cache.tuning.verified_steps
             and self.state.pipeline is None
             and not cache.shared
-            and mlx_compat.rewindable(kv, tokens)
+            and mlx_shims.rewindable(kv, tokens)
         )
 
     def every(self) -> int:

@@ -23,7 +23,7 @@ they land); what they share, ``base.py``.
 
 import mlx.core as mx
 
-from .. import mlx_compat
+from .. import mlx_shims
 from ..mlx_compat import SORT_THRESHOLD
 from .base import PerLayer, Schedule, kernel_rows, member, submit, wait
 from .direct import AsTheyLand, ByProjection, Direct, PrefillAsTheyLand, PrefillWaves
@@ -61,7 +61,7 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
             and least is not None
             and bank.layer.expert_nbytes >= least
             and kernel.runs_switch_glu
-            and mlx_compat.is_stock_switch_glu(bank.glu)
+            and mlx_shims.is_stock_switch_glu(bank.glu)
         ):
             cls = ByProjection
         else:

@@ -4,7 +4,7 @@ they are read, then each read expert taken as it lands (``LayerBank.reads``), it
 import mlx.core as mx
 import numpy as np
 
-from .. import lookahead, mlx_compat
+from .. import lookahead, mlx_shims
 from .base import PerLayer, kernel_rows, submit, wait
 
 
@@ -129,10 +129,10 @@ class ByProjection(Direct):
                 rows = np.nonzero(self.flat == e)[0]
                 slots = mx.array(np.full((len(rows), 1), slot, dtype=np.uint32))
                 x2 = self.x.reshape(-1, self.x.shape[-1])
-                xe = mlx_compat.switch_glu_input(x2[mx.array(rows // self.idx.shape[-1])])
+                xe = mlx_shims.switch_glu_input(x2[mx.array(rows // self.idx.shape[-1])])
                 partial[e] = (rows, slots, xe, {})
             _, slots, xe, done = partial[e]
-            done[proj] = mlx_compat.switch_glu_projection(glu, proj, xe, slots)
+            done[proj] = mlx_shims.switch_glu_projection(glu, proj, xe, slots)
             submit(bank, done[proj])
             return
         for e in ids:
@@ -141,7 +141,7 @@ class ByProjection(Direct):
                 continue
             rows, slots, _, done = partial.pop(e)
             up, gate = done["up_proj"], done["gate_proj"]
-            y = mlx_compat.switch_glu_output(glu, up, gate, slots)[:, 0]
+            y = mlx_shims.switch_glu_output(glu, up, gate, slots)[:, 0]
             submit(bank, y)
             self.rows_done.append(rows)
             self.outs.append(y)

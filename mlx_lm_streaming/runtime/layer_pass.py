@@ -1,0 +1,299 @@
+"""One decoder layer over a group of a long prompt's chunks, its experts read once for all of them
+(``LayerPass``): the expert-major half of layer-major prefill (``layer_major.py`` drives it)."""
+
+import threading
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import mlx_shims
+
+
+class Chunk:
+    """One chunk of the prompt: its recorded layer calls and its hidden states so far."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.h = calls[0][2][0]  # the embeddings, as layer 0 gets them
+
+    @property
+    def tokens(self) -> int:
+        return self.h.shape[1]
+
+
+_local = threading.local()
+
+
+def current() -> Optional["LayerPass"]:
+    """The layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None."""
+    return getattr(_local, "layer", None)
+
+
+class LayerPass:
+    """One decoder layer over a group of chunks, its experts read once for all of them.
+
+    ``route``: each chunk through the layer with its MoE calls recorded (their input and the
+    router's ids) and answered with zeros: the layer's KV entries are right (they do not depend on
+    the MoE's output), its output is not. The calls of the layer's other parts (attention, norms:
+    its direct child modules holding no streamed experts) are recorded with their outputs.
+    ``compute``: every chunk's MoE rows, expert-major: each expert read once, each chunk's rows
+    of an expert by the same kernel over the same bank as a per-layer schedule
+    (``schedules.kernel_rows``: a partial call, padded to the chunk's rows where the backend needs
+    it), waves of half the slots read while the wave before computes. ``give``: each chunk
+    through the layer again, its KV entry put back at the chunk's first token, every recorded
+    call given with the very same arguments answered with its recorded output (attention does
+    not run twice: its KV entries are already written, and its reads see the chunks before this
+    one), the MoE calls answered with the rows computed where the call's input and ids are those
+    routed; a call whose arguments differ runs as usual (an attention writes the same entries
+    again, at the same place)."""
+
+    def __init__(self, entry, layer=None):
+        self.entry = entry  # the layer's KV cache entry
+        self.routing = True
+        self.chunks: List[Chunk] = []
+        self.moe: List[list] = []  # per chunk: [module, x, indices, y] per MoE call
+        self.parts: List[list] = []  # per chunk: (module, args, kwargs, output) per part call
+        self.starts: List[int] = []  # per chunk: the KV entry's offset before it
+        self.at = 0
+        self.given = 0  # the part calls given back so far in this chunk
+        self.top_k = 8  # until a call says
+        self.replayed = 0  # part calls given back their recorded output
+        self.rerun = 0  # part calls given the layer's KV entry run again (attention)
+        self.layer = layer
+        self.thread = threading.get_ident()
+        self.own = []
+        if layer is not None:
+            from .switch import StreamingSwitchGLU
+
+            self.own = [
+                m
+                for m in mlx_shims.child_modules(layer)
+                if not any(isinstance(n, StreamingSwitchGLU) for n in m.modules())
+            ]
+
+    def moe_call(self, module, x, indices):
+        if self.routing:
+            self.moe[-1].append([module, x, indices, None])
+            self.top_k = indices.shape[-1]
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
+        calls = self.moe[self.at]
+        for item in calls:
+            got, x0, idx0, y = item
+            if got is module and y is not None:
+                item[3] = None
+                if mx.array_equal(x0, x).item() and mx.array_equal(idx0, indices).item():
+                    return y
+                break
+        from . import schedules
+
+        with schedules.choose(module, x, indices) as schedule:
+            return schedule.run()
+
+    def part_call(self, module, call, args, kwargs):
+        """A call of one of the layer's parts: recorded while routing, answered with its recorded
+        output when given the same arguments again (``_same``). Another thread's calls of the
+        same modules run stock."""
+        if threading.get_ident() != self.thread:
+            return call(*args, **kwargs)
+        if self.routing:
+            out = call(*args, **kwargs)
+            self.parts[-1].append((module, args, kwargs, out))
+            return out
+        calls = self.parts[self.at]
+        if self.given < len(calls):
+            got, args0, kwargs0, out = calls[self.given]
+            self.given += 1
+            if got is module and _same(args, args0) and _same(kwargs, kwargs0):
+                self.replayed += 1
+                return out
+            self.given = len(calls)  # not the routed sequence: nothing more is given back
+        if any(a is self.entry for a in (*args, *kwargs.values())):
+            self.rerun += 1  # an attention, run again
+        return call(*args, **kwargs)
+
+    def route(self, chunk: Chunk, i: int) -> None:
+        _, call, args, kwargs = chunk.calls[i]
+        self.chunks.append(chunk)
+        self.moe.append([])
+        self.parts.append([])
+        self.starts.append(self.entry.offset)
+        _local.layer = self
+        try:
+            with mlx_shims.calls_through(self.own, self.part_call):
+                h = call(chunk.h, *args[1:], **kwargs)
+        finally:
+            _local.layer = None
+        if h.shape != chunk.h.shape:
+            raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
+        if self.moe[-1]:
+            mx.eval(
+                [(x, idx) for _, x, idx, _ in self.moe[-1]],
+                [out for *_, out in self.parts[-1]],
+                mlx_shims.kv_state(self.entry),
+            )
+        else:  # no MoE call in this layer: its output is right
+            mx.eval(h, mlx_shims.kv_state(self.entry))
+            chunk.out = h
+            self.parts[-1] = []
+
+    def finish(self, i: int) -> int:
+        """The group's MoE rows, then each chunk through layer ``i`` again; the bytes held."""
+        if not any(self.moe):
+            for chunk in self.chunks:
+                chunk.h = chunk.out
+            return sum(ch.h.nbytes for ch in self.chunks)
+        self.compute()
+        held = (
+            sum(ch.h.nbytes for ch in self.chunks)
+            + sum(x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls)
+            + sum(_nbytes(out) for calls in self.parts for *_, out in calls)
+        )
+        end = self.entry.offset
+        self.routing = False
+        _local.layer = self
+        try:
+            with mlx_shims.calls_through(self.own, self.part_call):
+                for at, chunk in enumerate(self.chunks):
+                    self.at, self.given = at, 0
+                    mlx_shims.kv_seek(self.entry, self.starts[at])
+                    _, call, args, kwargs = chunk.calls[i]
+                    h = call(chunk.h, *args[1:], **kwargs)
+                    mlx_shims.kv_seek(self.entry, self.starts[at] + chunk.tokens)
+                    mx.eval(h, mlx_shims.kv_state(self.entry))
+                    chunk.h = h
+                    self.moe[at] = []
+                    self.parts[at] = []
+        finally:
+            _local.layer = None
+        if self.entry.offset != end:
+            raise RuntimeError(f"decoder layer {i}'s KV cache ends at {self.entry.offset}, not {end}")
+        return held
+
+    def compute(self) -> None:
+        by_module = {}
+        for calls in self.moe:
+            for item in calls:
+                by_module.setdefault(id(item[0]), []).append(item)
+        for items in by_module.values():
+            _expert_major(items)
+
+
+def _expert_major(items) -> None:
+    """The rows of one MoE module's calls ``items`` (``[module, x, indices, None]``, one per
+    chunk), expert-major, each expert read once: ``item[3]`` set to the call's output.
+
+    With direct reads (``LayerBank.direct``), as the ``Direct`` schedules do it within one call:
+    resident experts first (computed while the others are read), then waves of at most half the
+    slots, each read into the slots the wave two back used once it finished computing, so a
+    wave's reads overlap the wave before's compute; each read expert's rows computed as it lands
+    where partial calls are exact (the CPU), else a wave's rows once it landed (partial calls
+    padded: GPUs). Without, waves of the bank's slots, each loaded, then computed and evaluated
+    before the next takes the slots."""
+    from .schedules import kernel_rows, member, submit, wait
+    from .schedules.direct import take_staged
+
+    module = items[0][0]
+    bank = module.bank
+    cache = bank.cache
+    cache.ensure_planned()
+    idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
+    flats = [ids.reshape(-1) for ids in idx]
+    if cache.recorder is not None:
+        for ids in idx:
+            cache.recorder.record(bank, ids)
+    experts, uses = np.unique(np.concatenate(flats), return_counts=True)
+    parts = [([], []) for _ in items]
+    outs = []
+
+    def rows_of(ids) -> None:
+        for (_, x, _, _), call_ids, flat, (rows_done, ys) in zip(items, idx, flats, parts):
+            rows = np.nonzero(member(flat, ids, bank.num_experts))[0]
+            if len(rows):
+                y = kernel_rows(module, x, call_ids, rows)
+                submit(bank, y)
+                rows_done.append(rows)
+                ys.append(y)
+                outs.append(y)
+
+    with bank.lock:
+        # resident experts first (no read), then the others from the least used by the prompt to
+        # the most used: the last waves stay in the slots, and the prompt's most used experts are
+        # the likeliest to be wanted next (the last token's step, decode)
+        resident = bank.slot_of[experts] >= 0
+        rest = experts[~resident][np.argsort(uses[~resident], kind="stable")]
+        experts = np.concatenate([experts[resident], rest])
+        if not bank.direct:
+            for start in range(0, len(experts), bank.slots):
+                wave = experts[start : start + bank.slots]
+                bank.load(wave)
+                rows_of(wave)
+                wait(bank, outs)  # before the next wave takes the slots
+        else:
+            # each landed expert's rows alone where a partial call gives those rows' stock bits
+            kernel = module.selector.select(bank, max(f.size for f in flats))
+            each = kernel.subset_exact(module.selector.backend)
+            if len(experts) <= bank.slots:
+                size, overlap = len(experts), False
+            else:
+                size = max(1, bank.slots // 2)
+                overlap = 2 * size <= bank.slots
+            waves = [experts[i : i + size] for i in range(0, len(experts), size)]
+            ends = []
+            for w, wave in enumerate(waves):
+                back = w - 2 if overlap else w - 1
+                if back >= 0:  # the wave whose slots this one may take has finished
+                    wait(bank, outs[: ends[back]])
+                keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
+                if w == 0:
+                    take_staged(bank, wave, keep)
+                elif bank.staged:
+                    bank.discard_staged()  # (installing them would copy the bank: read again)
+                landed = []
+                hit = wave[bank.slot_of[wave] >= 0]
+                landings = bank.reads(wave, keep)  # issued
+                try:
+                    if len(hit):
+                        rows_of(hit)  # while they are read
+                    for ids, _, _ in landings:
+                        if each:
+                            for e in ids:
+                                rows_of(np.array([e]))
+                        else:
+                            landed.extend(ids)
+                finally:
+                    landings.close()  # (after an error: every read has ended)
+                if landed:
+                    rows_of(np.array(landed))
+                ends.append(len(outs))
+            wait(bank, outs)
+    for item, ids, (rows_done, ys) in zip(items, idx, parts):
+        order = np.argsort(np.concatenate(rows_done), kind="stable")
+        y = mx.concatenate(ys, axis=0)[mx.array(order)]
+        item[3] = y.reshape(*ids.shape, y.shape[-1])
+        mx.eval(item[3])
+
+
+def _same(a, b) -> bool:
+    """Whether two argument tuples (or keyword dicts) of a call are the very same: the same
+    objects, or equal numbers, strings and None."""
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return False
+        a, b = list(a.values()), [b[k] for k in a]
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if type(x) is not type(y) or not isinstance(x, (int, float, str, bool)) or x != y:
+            return False
+    return True
+
+
+def _nbytes(out) -> int:
+    if isinstance(out, mx.array):
+        return out.nbytes
+    if isinstance(out, (tuple, list)):
+        return sum(_nbytes(o) for o in out)
+    return 0

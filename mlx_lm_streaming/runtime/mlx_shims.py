@@ -1,0 +1,170 @@
+"""The runtime's shims over mlx-lm internals: the few places where the hot path repeats or reaches
+into mlx-lm's own code (``SwitchGLU.__call__`` a step at a time, a decoder layer's call wrapped, a
+KV cache entry taken back or put at an offset).
+
+Each is used only where ``mlx_compat`` (the gate) found mlx-lm as expected at patch time: the
+version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``generate_step``'s
+(``generate_step_problem``); the KV-cache reach-ins check the entry they touch
+(``rewindable``, ``plain_kv_cache_problem``) and decline where it differs.
+"""
+
+import contextlib
+import functools
+from typing import Optional
+
+def is_stock_switch_glu(module) -> bool:
+    """Whether ``module`` is mlx-lm's own ``SwitchGLU`` (a subclass may call differently)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return type(module) is SwitchGLU
+
+
+def switch_glu_input(x):
+    """``x`` as SwitchGLU.__call__ hands it to its projections."""
+    import mlx.core as mx
+
+    return mx.expand_dims(x, (-2, -3))
+
+
+def switch_glu_projection(glu, proj: str, x, indices):
+    """``gate_proj`` or ``up_proj`` of ``switch_glu_input(x)``, unsorted."""
+    return getattr(glu, proj)(x, indices, sorted_indices=False)
+
+
+def switch_glu_output(glu, up, gate, indices):
+    """The rest of the call: activation, ``down_proj``, the squeeze."""
+    return glu.down_proj(glu.activation(up, gate), indices, sorted_indices=False).squeeze(-2)
+
+
+def wrap_call(module, around) -> None:
+    """Route calls of ``module`` (the ``Model``: ``model(inputs, cache=...)``, or one of its decoder
+    layers: ``layer(x, mask, cache)``) through ``around(call, args, kwargs)``, where
+    ``call(*args, **kwargs)`` is the stock call. The module gets a subclass of its own class, of the
+    same name and module, with that one method: its parameters, attributes and every other method
+    are untouched."""
+    cls = type(module)
+
+    def __call__(self, *args, **kwargs):
+        return around(functools.partial(cls.__call__, self), args, kwargs)
+
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": __call__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_mlx_lm_streaming_wrapped": True,
+        },
+    )
+    module.__class__ = sub
+
+
+def call_inputs(args, kwargs):
+    """``(inputs, cache)`` of a model call ``model(inputs, cache=None, ...)``."""
+    inputs = args[0] if args else kwargs.get("inputs")
+    cache = args[1] if len(args) > 1 else kwargs.get("cache")
+    return inputs, cache
+
+
+def rewindable(cache, tokens: int) -> bool:
+    """Whether a forward of ``tokens`` tokens over ``cache`` (a model's list of mlx-lm caches,
+    or None) can be undone exactly by ``rewind``: every entry a ``KVCache`` or
+    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), or a
+    ``RotatingKVCache`` that stays short of its window (it then overwrites nothing kept). Any other
+    cache (state space models' ``ArraysCache``, batches, chunked caches) is not rewound."""
+    if cache is None:
+        return True
+    from mlx_lm.models import cache as mc
+
+    plain = tuple(getattr(mc, n) for n in ("KVCache", "QuantizedKVCache") if hasattr(mc, n))
+    rotating = getattr(mc, "RotatingKVCache", None)
+    for c in cache:
+        if type(c) in plain:
+            continue
+        if rotating is not None and type(c) is rotating and c.offset + tokens < c.max_size:
+            continue
+        return False
+    return True
+
+
+def rewind(cache, tokens: int) -> None:
+    """Take back the last ``tokens`` tokens of every entry of ``cache`` (see ``rewindable``)."""
+    if cache is None:
+        return
+    for c in cache:
+        c.trim(tokens)
+
+
+def stock_call(module, *args, **kwargs):
+    """Call ``module`` with its own class's ``__call__``, past a ``wrap_call`` wrapper."""
+    cls = type(module)
+    if getattr(cls, "_mlx_lm_streaming_wrapped", False):
+        cls = cls.__mro__[1]
+    return cls.__call__(module, *args, **kwargs)
+
+
+def layer_cache(args, kwargs):
+    """The cache entry of a decoder layer's call ``layer(x, mask, cache)`` (or ``cache=``)."""
+    return args[2] if len(args) > 2 else kwargs.get("cache")
+
+
+def make_prompt_cache(model, max_kv_size=None):
+    """mlx-lm's own cache for ``model``, as ``generate_step`` makes it."""
+    from mlx_lm.models.cache import make_prompt_cache as make
+
+    return make(model, max_kv_size=max_kv_size)
+
+
+def plain_kv_cache_problem(cache) -> Optional[str]:
+    """None if every entry of ``cache`` is exactly mlx-lm's ``KVCache`` (a write appends; its mask
+    and offsets depend on its own length only), else the first other kind, in words."""
+    from mlx_lm.models import cache as mc
+
+    plain = getattr(mc, "KVCache", None)
+    if not isinstance(cache, list) or not cache:
+        return "no list of KV caches"
+    for c in cache:
+        if plain is None or type(c) is not plain:
+            return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
+        if not all(hasattr(c, a) for a in ("offset", "keys", "trim")):
+            return "mlx-lm's KVCache has no offset, keys or trim"
+    return None
+
+
+def kv_seek(entry, offset: int) -> None:
+    """Put ``entry`` (a ``KVCache``, ``plain_kv_cache_problem``) at ``offset`` tokens, back or
+    forward within what it holds: its next write goes there, and its reads see the tokens before
+    it (``trim`` only goes back)."""
+    held = 0 if entry.keys is None else entry.keys.shape[2]
+    if not 0 <= offset <= held:
+        raise ValueError(f"a KVCache holding {held} tokens cannot be put at token {offset}")
+    entry.offset = offset
+
+
+def child_modules(module) -> list:
+    """The modules that are direct attributes of ``module`` (a decoder layer's attention, norms,
+    MLP), not those in lists or dicts."""
+    import mlx.nn as nn
+
+    return [m for m in module.children().values() if isinstance(m, nn.Module)]
+
+
+@contextlib.contextmanager
+def calls_through(modules, around):
+    """While the block runs, route calls of each of ``modules`` through ``around(module, call,
+    args, kwargs)`` (``call(*args, **kwargs)``: the stock call); their classes are put back
+    after it (``wrap_call``, undone)."""
+    classes = [(m, type(m)) for m in modules]
+    try:
+        for m, _ in classes:
+            wrap_call(m, lambda call, args, kwargs, m=m: around(m, call, args, kwargs))
+        yield
+    finally:
+        for m, cls in classes:
+            m.__class__ = cls
+
+
+def kv_state(entry):
+    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``)."""
+    return entry.state
