@@ -27,7 +27,8 @@ import sys
 
 import mlx.core as mx
 
-from .integration.integration import add_streaming_arguments, export_streaming_arguments, install
+from .integration.cli import add_streaming_arguments, export_streaming_arguments
+from .integration.integration import install
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
