@@ -98,8 +98,8 @@ OPTIONS = (
         "--layer-major-prefill",
         "auto|on|off",
         "Prefill a prompt of several chunks layer by layer, each uncached expert read about once "
-        "per prompt. Default: auto (on with GPU backends, where reads bound a prefill; off on the "
-        "CPU, where compute does)",
+        "per prompt. Default: auto (on with CUDA; off on the CPU, where compute bounds a prefill, "
+        "and on Metal, where it is unchecked)",
     ),
     Option(
         "stats",

@@ -172,11 +172,11 @@ class StreamingOptions:
     verbose: bool = False
     store_options: Dict[str, Any] = field(default_factory=dict)
     # demand reads straight into the slot banks (bank/reads.py): None = where verified bit-exact, i.e.
-    # MLX's CPU backend; on CUDA and Metal off unless asked for (docs/usage.md says why)
+    # MLX's CPU and CUDA backends; on Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
-    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with GPU
-    # backends (reads bound a streamed prefill there), off on the CPU (compute bounds it: measured
-    # slower there; docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md)
+    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with CUDA
+    # (checked there), off on the CPU (compute bounds it: measured slower) and on Metal (unchecked);
+    # docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md
     layer_major_prefill: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
@@ -242,15 +242,14 @@ class StreamingOptions:
     def use_layer_major_prefill(self, tuning, backend: str) -> bool:
         """Whether long prompts prefill layer by layer on ``backend`` (cpu, cuda, metal): as asked;
         auto: as the internal ``tuning`` of benchmarks and tests says where one was given, else on
-        with GPU backends, where reads bound a streamed prefill (the H200's cold prefill ran at
-        0.76 of its read limit) and layer-major reads each uncached expert about once per prompt
-        (1.0x the routed experts' bytes against 4.2-5.9x for 16K tokens), and off on the CPU,
-        where compute bounds it and layer-major ran at 0.67-1.37x chunk by chunk's speed, 0.85 in
-        the median of paired rounds (docs/benchmarks/prefill.md)."""
+        with CUDA, where it reads each uncached expert about once per prompt (1.00-1.02x the bytes
+        a prompt must read against 1.3-3.9x chunk by chunk on the H200) with the same tokens; off on
+        the CPU, where compute bounds it (0.85x chunk by chunk's speed in the median), and on Metal,
+        where it was never run (no Mac here): opt-in there (docs/benchmarks/prefill.md)."""
         if self.layer_major_prefill is None:
             if tuning is not None:
                 return tuning.layer_major_prefill
-            return backend != "cpu"
+            return backend == "cuda"
         return self.layer_major_prefill
 
     def use_direct_reads(self, backend: str) -> bool:
