@@ -280,7 +280,7 @@ def slot_reader(bank, spread: bool = True):
     views, refs = bank.views, bank.layer.refs
     copier = bank.copier
     if copier is not None:
-        starts = [view.ctypes.data for view in views]
+        starts = bank.view_addresses  # (the views' own addresses)
         rows = [view.shape[1] for view in views]
 
         def read(expert, slot, members):
