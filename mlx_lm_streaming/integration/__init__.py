@@ -2,7 +2,8 @@
 
 ``loading`` builds a streaming model inside mlx-lm's own ``load_model`` (the routed ``SwitchGLU``
 modules swapped for streaming ones over an expert cache); ``integration`` patches mlx-lm's ``load``
-and command-line entry points, through ``runtime.mlx_compat``'s version and shape guard. The
+and command-line entry points (``cli``: their flags), through ``runtime.mlx_compat``'s version and
+shape guard. The
 startup hook (``_bootstrap``), the public ``load`` and the distributed ``pipeline_generate`` stay at
 the package's top and call in here.
 
