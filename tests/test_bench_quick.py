@@ -127,35 +127,6 @@ def test_device_scripts_parse():
         subprocess.run(["bash", "-n", BENCH / script], check=True)
 
 
-def test_routing_model_figures(tmp_path):
-    """The routing model's figures script on the trained demo model: a valid trace (prefill then
-    decode rows, every layer's top-k ids) and precision / recall in 0..1 for every predictor."""
-    prompts = tmp_path / "p.json"
-    prompts.write_text(json.dumps({"prompts": ["def add(a, b):\n    return a + b\n" * 4]}))
-    out = tmp_path / "fig"
-    bench(BENCH / "routing_model_figures.py", "--model", ROOT / "docs/demo-model",
-          "--prompts", prompts, "--out", out, "--seqs", 1, "--decode", 8)
-    lines = (out / "routing-model.jsonl").read_text().splitlines()
-    header = json.loads(lines[0])
-    rows = [json.loads(x) for x in lines[1:]]
-    assert header["num_layers"] == 4 and header["top_k"] == 2
-    assert [r["phase"] for r in rows].count("decode") == 8
-    assert all(len(r["experts"]) == 4 and all(len(e) == 2 for e in r["experts"]) for r in rows)
-    figures = json.loads((out / "routing-model-figures.json").read_text())
-    pooled = figures["predictors"]["next_router_on_moe_input top-k"]
-    assert 0 <= pooled["precision"] <= 1 and pooled["n"] == 8 * 3 * 2
-    assert 0 <= figures["pass_without_one_expert"]["every later layer"]["recall"] <= 1
-
-
-def test_read_path_probe(tmp_path):
-    out = tmp_path / "probe.json"
-    bench(BENCH / "read_path_probe.py", "--dir", tmp_path, "--file-gb", 0.05, "--experts", 4,
-          "--threads", "1,2", "--out", out)
-    figures = json.loads(out.read_text())["gbps"]
-    assert "shared fd, 2 threads, 9 ranges" in figures and "own fd, 1 threads" in figures
-    assert all(v > 0 for v in figures.values())
-
-
 def test_hot_path_calls():
     """The call counts run, and are no more than the newest ones docs/benchmarks records (the
     counts are deterministic: a change to the hot path that adds calls updates the page)."""

@@ -1,7 +1,7 @@
 """Slot writes by device copies (``cuda_copy.py``), the path mlx-cuda takes: tested here with a
 runtime whose copies are host ``memmove``s, so that the reads into the page-locked buffer, their
 grouping and splitting, and the addresses of the slots are checked on the CPU, bit for bit.
-The real runtime is only on CUDA machines (bench/slot_write_probe.py measures it there)."""
+The real runtime is only on CUDA machines (bench/slot_write_probe.py, in git at bc42dd5, measured it there)."""
 
 import ctypes
 

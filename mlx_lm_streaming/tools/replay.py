@@ -52,7 +52,7 @@ def replay(
     """``slots``: per MoE layer (or one count for all). A token that uses more experts in a layer
     than it has slots goes in waves of ``slots`` experts, lowest ids first, as the layer does it.
     ``misses(layer, experts, phase)``: told each call's missing experts, in the order they are
-    read (``bench/page_cache_split.py`` runs them through a page cache)."""
+    read (``bench/page_cache_split.py`` (retired, in git at bc42dd5) ran them through a page cache)."""
     plan = _slots(trace, slots)
     tables = []
     for n in plan:
