@@ -82,8 +82,9 @@ def test_experts(tmp_path):
 
 def test_gpu_pipeline(tmp_path):
     bench(
-        BENCH / "gpu_pipeline.py", "--shape", "tiny", "--layers", "2", "--budgets", "0.25",
-        "--variants", "default", "--rounds", "1", "--block", "1", "--probe-mb", "8",
+        BENCH / "gpu_pipeline.py", "--shape", "tiny", "--layers", "2", "--regimes", "cold",
+        "--budgets", "0.25", "--variants", "default", "--rounds", "1", "--block", "1",
+        "--probe-mb", "8",
         "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path, "--tag", "quick",
     )  # fmt: skip
     report = json.loads((tmp_path / "quick.json").read_text())
