@@ -49,50 +49,42 @@ TRACE = "trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
 # Words defined on the command line (``--tuning-variant NAME:field=value,...``): NAME sets those
 # ``CacheTuning`` fields, alone or "_"-joined with other words ("nolk_tl").
 TUNING_VARIANTS = {}
+WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
 def _tuning_value(text: str):
-    low = text.strip().lower()
-    words = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
-    if low in words or low == "none":
-        return words.get(low)
+    text = text.strip()
+    if text.lower() in WORDS or text.lower() == "none":
+        return WORDS.get(text.lower())
     for kind in (int, float):
         try:
             return kind(text)
         except ValueError:
             pass
-    return text.strip()
+    return text
 
 
 def tuning_variant(spec: str):
-    """``NAME:field=value,field=value`` -> ``(NAME, {field: value})``; the fields must be
-    ``CacheTuning``'s (checked here, before anything is built)."""
+    """``NAME:field=value,...`` -> ``(NAME, {field: value})``, checked before anything is built."""
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
-    name, sep, body = spec.partition(":")
-    name = name.strip()
-    if not sep or not name or "_" in name or not name.isidentifier():
-        raise SystemExit(
-            f"--tuning-variant {spec!r}: use NAME:field=value,... (NAME a word without '_')"
-        )
     known = {f.name for f in dataclasses.fields(CacheTuning)}
-    fields = {}
-    for item in filter(None, (x.strip() for x in body.split(","))):
-        field, eq, value = item.partition("=")
-        field = field.strip()
-        if not eq or field not in known:
-            raise SystemExit(
-                f"--tuning-variant {spec!r}: {item!r} is not field=value of a CacheTuning field "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        fields[field] = _tuning_value(value)
-    if not fields:
-        raise SystemExit(f"--tuning-variant {spec!r}: no field=value")
+    name, _, body = spec.partition(":")
+    name = name.strip()
+    items = [item.partition("=") for item in body.split(",") if item.strip()]
+    fields = {field.strip(): _tuning_value(value) for field, _, value in items}
+    well_formed = items and all(eq for _, eq, _ in items) and set(fields) <= known
+    if not (well_formed and name.isidentifier() and "_" not in name):
+        raise SystemExit(
+            f"--tuning-variant {spec!r}: use NAME:field=value,... (NAME a word without '_', "
+            f"each field one of CacheTuning's: {', '.join(sorted(known))})"
+        )
     return name, fields
 
 
 def variant_tuning(name: str):
-    """``(records a timeline, CacheTuning fields)`` of a variant name."""
+    """``(records a timeline, CacheTuning fields)`` of a variant: "_"-joined words, "default",
+    "tl" and ``TUNING_VARIANTS``'."""
     timeline, tuning = False, {}
     for word in name.split("_"):
         if word in TUNING_VARIANTS:
@@ -114,8 +106,7 @@ def load_variant(path, name: str, timeline: Path, **opts):
         opts["trace"] = str(timeline)
     if tuning:
         opts["tuning"] = CacheTuning(**tuning)
-    model, _ = harness.load_streaming(path, **opts)
-    return model
+    return harness.load_streaming(path, **opts)[0]
 
 
 # -- routing --------------------------------------------------------------------------------------
@@ -144,7 +135,7 @@ def _graph_routed_class():
 
 
 def wrap(model, routing):
-    """Route ``model`` through ``routing`` (its ``call_seconds``: host time in the expert modules)."""
+    """Route ``model`` through ``routing`` (``routing.call_seconds``: host time in its modules)."""
     found = routing_replay.expert_modules(model)
     if hasattr(routing, "check"):
         routing.check(len(found), *routing_replay._expert_counts(model))
@@ -319,26 +310,16 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     ref = configs["stock"].tokens
     for key, cfg in configs.items():
         entry = config_figures(cfg, ref, rounds)
-        if regime == "hit" and cfg.cache is not None and entry["hit_rate"] != 1.0:
-            msg = (
-                f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
-                f"{entry['hit_rate']} (not 1.0; slots {min(entry['slots'])}-"
-                f"{max(entry['slots'])} per layer)"
-            )
+        if regime == "hit" and entry.get("hit_rate", 1.0) != 1.0:
+            slots = f"{min(entry['slots'])}-{max(entry['slots'])}"
+            msg = f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
+            msg += f"{entry['hit_rate']} (not 1.0; slots {slots} per layer)"
             log(msg)
             out.setdefault("warnings", []).append(msg)
         if cfg.cache is not None and cfg.cache.timeline is not None:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
-    # warm-up decode rows of the trace: 3 (generate_step computes one ahead), the warm pass's
-    # (hit: replayed by the rounds; ram: before them), then the measured ones
-    measured = len(ref)
-    out["decode_rows"] = {
-        "warmup": 3 + (measured if mode["warm_pass"] == "fill" else 0),
-        "measured": measured,
-        "replayed": mode["warm_pass"] == "replay",
-    }
     for cfg in configs.values():
         if cfg.name not in stocks:
             del cfg.model
@@ -352,36 +333,29 @@ def config_figures(cfg, ref, rounds):
     n = len(cfg.decode_s)
     c = harness.delta(cfg.stats0, counters(cfg))
     same = [a == b for a, b in zip(cfg.tokens, ref)]
-    entry = {
-        "tokens": n,
-        "tok_s": n / sum(cfg.decode_s),
-        "s_per_token": sum(cfg.decode_s) / n,
-        "same_as_stock": same,
-        "exact_steps": sum(same),
-        "total_steps": len(ref),
-        "exact": len(cfg.tokens) == len(ref) and all(same),
-        "call_s_per_token": c["call_seconds"] / n,
-        "ratio_to_stock": statistics.median(r["stock"] / r[cfg.name] for r in rounds),
-    }
+    entry = dict(
+        tokens=n, tok_s=n / sum(cfg.decode_s), s_per_token=sum(cfg.decode_s) / n,
+        same_as_stock=same, exact_steps=sum(same), total_steps=len(ref),
+        exact=len(cfg.tokens) == len(ref) and all(same), call_s_per_token=c["call_seconds"] / n,
+        ratio_to_stock=statistics.median(r["stock"] / r[cfg.name] for r in rounds),
+    )
     if cfg.cache is None:
         return entry
     asked = c["hits"] + c["misses"]
     named = c.get("verified_named")
+    banks = cfg.cache.banks
     entry.update(
-        hit_rate=c["hits"] / asked if asked else None,
-        misses_per_token=c["misses"] / n,
-        bytes_per_token=c["bytes_read"] / n,
-        io_wait_s_per_token=c["io_wait_seconds"] / n,
+        hit_rate=c["hits"] / asked if asked else None, misses_per_token=c["misses"] / n,
+        bytes_per_token=c["bytes_read"] / n, io_wait_s_per_token=c["io_wait_seconds"] / n,
         install_s_per_token=c["install_seconds"] / n,
-        store_s_per_token=c["store_read_seconds"] / n,
-        store_reads_per_token=c["store_reads"] / n,
-        slots=[b.slots for b in cfg.cache.banks],
-        direct=all(b.direct for b in cfg.cache.banks),
+        store_s_per_token=c["store_read_seconds"] / n, store_reads_per_token=c["store_reads"] / n,
+        slots=[b.slots for b in banks], direct=all(b.direct for b in banks),
         policy=getattr(cfg.cache, "policy", None),
         prefetch=harness.precision_recall(c.get("prefetch")),
+        # verified steps: their share, the layers they ran again, the experts read on a pass's
+        # word and the share of those used
         verified_share=c.get("verified_steps", 0) / n,
-        replays_per_token=c.get("verified_replays", 0) / n,
-        named_per_token=c.get("verified_named", 0) / n,
+        replays_per_token=c.get("verified_replays", 0) / n, named_per_token=(named or 0) / n,
         named_used=c["verified_named_used"] / named if named else None,
     )
     return entry
@@ -402,25 +376,6 @@ def timeline_figures(entry, cfg, path) -> None:
         token_ms = entry["s_per_token"] * 1e3
         per_token["outside"] = round(token_ms - entry["timeline"]["step ms"], 4)
         per_token["token"] = round(token_ms, 4)
-
-
-def replay_figures(trace_spec, layers, slots, prompt_rows, warmup, measured):
-    """Decode hit rates of a replay of the rows the benchmark used, with ``slots`` per layer."""
-    from mlx_lm_streaming.files.routing_trace import read_trace
-    from mlx_lm_streaming.runtime import policy
-    from mlx_lm_streaming.tools import replay
-
-    trace = read_trace(trace_spec.split(":", 1)[1])
-    used = []
-    for i, row in enumerate(trace.rows[: prompt_rows + warmup + measured]):
-        phase = "decode" if i >= prompt_rows + warmup else "prefill"
-        used.append(dataclasses.replace(row, phase=phase, experts=row.experts[:layers]))
-    header = dict(trace.header, num_layers=layers)
-    sub = type(trace)(header=header, rows=used, path=trace.path)
-    out = {name: replay.replay(sub, slots, name).hit_rate("decode") for name in ("lru", "decay")}
-    out["belady"] = replay.belady(sub, slots).hit_rate("decode")
-    out["default_policy"] = policy.DEFAULT_POLICY
-    return out
 
 
 # the text a model:DIR routing decodes (its tokens by that checkpoint's tokenizer): the prompt, then
@@ -473,14 +428,13 @@ def open_checkpoint(path, args, first_routing):
     files = harness.shards(path)
     probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
     cache = probe.expert_streaming.cache
+    bank = cache.banks[0]
     ck = dict(
-        path=str(path),
-        total_expert_bytes=cache.total_expert_bytes,
-        expert_bytes=cache.banks[0].layer.expert_nbytes,
-        moe_layers=len(cache.banks),
-        experts=cache.banks[0].num_experts,
+        path=str(path), total_expert_bytes=cache.total_expert_bytes,
+        expert_bytes=bank.layer.expert_nbytes, moe_layers=len(cache.banks),
+        experts=bank.num_experts,
     )
-    del probe, cache
+    del probe, cache, bank
     gc.collect()
     threads = [int(t) for t in args.probe_threads.split(",")]
     bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, threads)
@@ -489,6 +443,7 @@ def open_checkpoint(path, args, first_routing):
     log(f"{path}: disk GB/s: {bw}")
     if "ram" in args.regimes and args.ram_probe_mb > 0:
         ck["ram_probe"] = ram_probe(path, files, ck, args)
+        gc.collect()  # the probe's model
         log(f"{path}: ram probe GB/s: {ck['ram_probe']['gbps']}")
     stocks = {}
     for name in ("stock", "stock_again") + (FLOORS if args.floors else ()):
@@ -510,95 +465,60 @@ RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe lo
 
 
 def ram_probe(path, files, ck, args):
-    """GB/s (decimal) of the ram regime's read path, page cache warm: the package's own store,
-    into one layer's bank slots the package's way (``bank.reads.slot_reader``) up to the device's
-    next read of them, and into plain numpy memory (fresh, reused); one expert alone and K in
-    parallel on the demand threads. Before each rep one forward and a device read of the slots
-    about to be written (on a GPU their pages were last touched by the device). The model:
-    ``default`` without lookahead (no background reads beside the probe) at the ram budget."""
+    """GB/s (decimal) of the ram regime's read path, page cache warm: the package's own store into
+    one layer's bank slots, the package's way (``bank.reads.slot_reader``), up to the device's
+    next read of them; one expert alone and K in parallel on the demand threads (each expert's
+    ranges on its thread alone, or spread over the store's readers). Before each rep one forward
+    and a device read of the slots about to be written (on a GPU their pages were last touched by
+    the device). The model: ``default`` without lookahead at the first ram budget."""
     import mlx.core as mx
-    import numpy as np
 
     from mlx_lm_streaming.runtime.bank import reads as bank_reads
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     start_s = time.perf_counter()
     gb = args.ram_budgets[0] * ck["total_expert_bytes"] / harness.BUDGET_GB
-    model, _ = harness.load_streaming(
-        path, expert_cache_gb=gb, tuning=CacheTuning(lookahead=False)
-    )
+    model, _ = harness.load_streaming(path, expert_cache_gb=gb, tuning=CacheTuning(lookahead=False))
     cache = model.expert_streaming.cache
     cache.ensure_planned()
     bank = cache.banks[0]
-    layer = bank.layer
-    parts, nbytes = layer.parts, layer.expert_nbytes
-    offsets = np.cumsum([0] + [p.nbytes for p in parts])
-    ks = [k for k in args.ram_probe_k if k <= bank.slots]
+    parts, nbytes = bank.layer.parts, bank.layer.expert_nbytes
+    members = list(range(len(parts)))
     token = mx.array([[1]])
     warm_page_cache(files)
     mx.eval(model(token))  # the banks filled as far as one token fills them
 
-    def touch(slots):
-        mx.eval(model(token))
-        idx = mx.array(slots)
-        mx.eval([bank.array(p.proj, p.part)[idx] for p in parts])
-
-    def jobs(where, experts, reused):
-        bufs = reused if where == "host reused" else [np.empty(nbytes, np.uint8) for _ in experts]
-        return [
-            [(r, memoryview(b[offsets[i] : offsets[i + 1]])) for i, r in enumerate(layer.refs(e))]
-            for e, b in zip(experts, bufs)
-        ]
-
-    def figure(where, k, spread=False):
+    def figure(k, spread):
         reps = min(RAM_PROBE_REPS, max(2, args.ram_probe_mb * 1_000_000 // (k * nbytes)))
-        reused = [np.zeros(nbytes, np.uint8) for _ in range(k)]
-        pool = cache.demand_pool
+        read = bank_reads.slot_reader(bank, spread=spread)
+        slots = list(range(k))
+        idx = mx.array(slots)
         seconds = 0.0
         for rep in range(reps):
             experts = [(rep * k + j) % bank.num_experts for j in range(k)]
-            slots = list(range(k))
-            touch(slots)
+            mx.eval(model(token))
+            mx.eval([bank.array(p.proj, p.part)[idx] for p in parts])
             with bank.lock:
-                if where == "slots":  # the package's own way into the slots, and the device's
-                    t = time.perf_counter()  # next read of them (managed pages come back)
-                    read = bank_reads.slot_reader(bank, spread=spread or k == 1)
-                    members = list(range(len(parts)))
-                    for f in [pool.submit(read, e, s, members) for e, s in zip(experts, slots)]:
-                        f.result()
-                    idx = mx.array(slots)
-                    mx.eval([bank.array(p.proj, p.part)[idx].sum() for p in parts])
-                    seconds += time.perf_counter() - t
-                    continue
-                todo = jobs(where, experts, reused)
                 t = time.perf_counter()
-                if k == 1:
-                    cache.store.read_many(todo[0])
-                else:
-                    # as a load of k experts is read: each on its own demand thread, its ranges
-                    # on that thread alone (``spread_reads_upto``), or spread ("spread")
-                    read = cache.store.read_many if spread else cache.store.read_on_this_thread
-                    for f in [pool.submit(read, j) for j in todo]:
-                        f.result()
+                pool = cache.demand_pool
+                for job in [pool.submit(read, e, s, members) for e, s in zip(experts, slots)]:
+                    job.result()
+                # the device's next read of the slots (managed pages come back)
+                mx.eval([bank.array(p.proj, p.part)[idx].sum() for p in parts])
                 seconds += time.perf_counter() - t
         return reps * k * nbytes / seconds / 1e9
 
-    wheres = ("slots", "host fresh", "host reused")
-    if bank.views is None:
-        wheres = wheres[1:]  # no host views of the banks here: direct reads are off
+    ks = [k for k in args.ram_probe_k if k <= bank.slots]
     gbps = {}
-    for k in [1] + ks:
-        for where in wheres:
-            gbps[f"{where} {'alone' if k == 1 else f'k{k}'}"] = figure(where, k)
-        if k > 1 and "slots" in wheres:
-            gbps[f"slots k{k} spread"] = figure("slots", k, spread=True)
-    out = dict(
+    if bank.views is not None:  # (none where direct reads are off: no figures, no ram limit)
+        gbps["slots alone"] = figure(1, spread=True)
+        for k in ks:
+            gbps[f"slots k{k}"] = figure(k, spread=False)
+            gbps[f"slots k{k} spread"] = figure(k, spread=True)
+    return dict(
         layer=bank.path, slots=bank.slots, expert_bytes=nbytes, k=ks, mb=args.ram_probe_mb,
         gbps=gbps, seconds=time.perf_counter() - start_s,
     )
-    del model, cache, bank
-    gc.collect()
-    return out
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -612,69 +532,42 @@ QUICK = dict(
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    ap.add_argument("--tag", default="gpu-trace")
-    ap.add_argument("--shape", default="qwen3", choices=SHAPES)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    ap.add_argument("--regimes", default="hit,ram,cold", help="comma list of hit, ram, cold")
-    ap.add_argument("--budgets", default="0.25,0.5", help="the cold regime's budgets")
-    ap.add_argument("--hit-budget", type=float, default=0.99)
-    ap.add_argument("--ram-budget", default="0.90", help="the ram regime's budgets (comma list; "
-                    "the probe runs at the first)")
-    ap.add_argument(
-        "--floors",
-        action="store_true",
-        help="also time stock_synclayer (one np.array(indices) per MoE layer) and stock_synctoken "
-        "(one mx.eval(logits) per token) in the same rounds",
-    )
-    ap.add_argument("--routings", default="uniform," + TRACE)
-    ap.add_argument("--variants", default="default")
-    ap.add_argument(
-        "--tuning-variant",
-        action="append",
-        default=[],
-        metavar="NAME:field=value,...",
-        help="define variant word NAME setting those CacheTuning fields (bool/int/float/None/str "
-        "values), usable in --variants alone or with other words; repeatable",
-    )
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--block", type=int, default=6)
-    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: a trace's "
-                    "prefill rows, 28 for uniform)")
-    ap.add_argument("--probe-mb", type=int, default=768)
-    ap.add_argument("--probe-threads", default="1,2,4,8,16")
-    ap.add_argument(
-        "--ram-probe-mb",
-        type=int,
-        default=256,
-        help="the ram regime's read-path probe: MB (decimal) read per figure (0: no probe)",
-    )
-    ap.add_argument(
-        "--ram-probe-k",
-        default="2,4,8",
-        help="the ram probe's parallel reads: experts read at once (a layer call's misses)",
-    )
-    ap.add_argument("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="a CPU try of everything in well under a minute: "
-        + ", ".join(f"{k}={v}" for k, v in QUICK.items())
-        + " (flags given explicitly still win)",
-    )
+    add = ap.add_argument
+    add("--ckpt-dir", default="/tmp/bench_ckpt")
+    add("--out", default=str(ROOT / "docs" / "benchmarks"))
+    add("--tag", default="gpu-trace")
+    add("--shape", default="qwen3", choices=SHAPES)
+    add("--layers", type=int, default=16)
+    add("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    add("--regimes", default="hit,ram,cold", help="comma list of hit, ram, cold")
+    add("--budgets", default="0.25,0.5", help="the cold regime's budgets")
+    add("--hit-budget", type=float, default=0.99)
+    add("--ram-budget", default="0.90", help="the ram regime's budgets (the probe: the first)")
+    add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
+    add("--routings", default="uniform," + TRACE, help="uniform, trace:FILE, model:DIR")
+    add("--variants", default="default", help="comma list of variants (the docstring)")
+    add("--tuning-variant", action="append", default=[], metavar="NAME:field=value,...",
+        help="define variant word NAME setting those CacheTuning fields; repeatable")
+    add("--rounds", type=int, default=4)
+    add("--block", type=int, default=6)
+    add("--prompt", type=int, default=None, help="default: a trace's prefill rows, else 28")
+    add("--probe-mb", type=int, default=768, help="the disk probe's MB")
+    add("--probe-threads", default="1,2,4,8,16")
+    add("--ram-probe-mb", type=int, default=256, help="MB (decimal) per figure (0: no probe)")
+    add("--ram-probe-k", default="2,4,8", help="experts read at once (a layer call's misses)")
+    add("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
+    add("--quick", action="store_true", help="a CPU try of everything in well under a minute: "
+        + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags given still win)")
     args = ap.parse_args(argv)
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
     args.budget_list = [float(b) for b in args.budgets.split(",") if b]
-    args.ram_budgets = [float(b) for b in str(args.ram_budget).split(",") if b]
+    args.ram_budgets = [float(b) for b in args.ram_budget.split(",") if b]
     args.ram_probe_k = sorted({int(k) for k in args.ram_probe_k.split(",") if k})
     args.regimes = [r for r in args.regimes.split(",") if r]
-    for r in args.regimes:
-        if r not in REGIMES:
-            raise SystemExit(f"--regimes: unknown {r!r} (known: {', '.join(REGIMES)})")
+    if set(args.regimes) - set(REGIMES):
+        raise SystemExit(f"--regimes {args.regimes}: known: {', '.join(REGIMES)}")
     for spec in args.tuning_variant:
         name, fields = tuning_variant(spec)
         TUNING_VARIANTS[name] = fields
@@ -703,31 +596,23 @@ def main(argv=None):
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
     routings = [r for r in args.routings.split(",") if r]
-    res = {
-        "command": " ".join([Path(sys.argv[0]).name] + list(argv)),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "machine": platform.node(),
-        "shape": args.shape,
-        "layers": args.layers,
-        "dtype": dtype,
-        "rounds": args.rounds,
-        "block": args.block,
-        "tuning_variants": TUNING_VARIANTS,
-        "checkpoints": {},
-        "groups": [],
-    }
+    res = dict(
+        command=" ".join([Path(sys.argv[0]).name] + list(argv)),
+        date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
+        machine=platform.node(), shape=args.shape, layers=args.layers, dtype=dtype,
+        rounds=args.rounds, block=args.block, tuning_variants=TUNING_VARIANTS, checkpoints={},
+        groups=[],
+    )
     # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
     synthetic = [r for r in routings if not r.startswith("model:")]
     runs = [(None, synthetic)] if synthetic else []
     runs += [(r, [r]) for r in routings if r.startswith("model:")]
     rng = random.Random(1)
+    bad = []  # configurations not exact
     for model_spec, specs in runs:
         if model_spec is None:
-            path = harness.checkpoint(
-                Path(args.ckpt_dir), args.shape, dtype, layers=args.layers, top_k=6
-            )
+            ckpt_dir = Path(args.ckpt_dir)
+            path = harness.checkpoint(ckpt_dir, args.shape, dtype, layers=args.layers, top_k=6)
         else:
             path = Path(model_spec[len("model:") :])
         ck, files, stocks = open_checkpoint(path, args, specs[0])
@@ -750,22 +635,14 @@ def main(argv=None):
             prompt = prompts[spec]
             g = run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream)
             g.update(routing=spec, budget=budget, prompt_tokens=len(prompt), checkpoint=name)
-            if spec.startswith("trace:") and args.variant_list and regime != "hit":
-                slots = g["configs"][args.variant_list[0]]["slots"]
-                rows = g["decode_rows"]
-                g["replay"] = replay_figures(
-                    spec, ck["moe_layers"], slots, len(prompt), rows["warmup"], rows["measured"]
-                )
             summarize(g, ck)
+            where = f"{routing_cell(spec)} {budget}"
+            bad += [f"{regime} {where} {k}" for k, c in g["configs"].items() if not c["exact"]]
             res["groups"].append(g)
             # regime -> "routing budget" -> config -> its ratio
-            where = f"{routing_cell(spec)} {budget}"
             res.setdefault("summary", {}).setdefault(regime, {})[where] = {
-                k: {
-                    "ratio": round(c["ratio"], 4),
-                    "exact": f"{c['exact_steps']}/{c['total_steps']}",
-                    "hit_rate": c.get("hit_rate"),
-                }
+                k: {"ratio": round(c["ratio"], 4), "hit_rate": c.get("hit_rate"),
+                    "exact": f"{c['exact_steps']}/{c['total_steps']}"}
                 for k, c in g["configs"].items()
             }
             save(res, args)  # after every group: a run cut short keeps what it measured
@@ -773,12 +650,6 @@ def main(argv=None):
         del stocks
         gc.collect()
     print(regime_tables(res), flush=True)
-    bad = [
-        f"{g['regime']} {g['routing']} {g['budget']} {k}"
-        for g in res["groups"]
-        for k, c in g["configs"].items()
-        if not c["exact"]
-    ]
     if bad:
         log("NOT EXACT: " + "; ".join(bad))
     return res
@@ -802,7 +673,6 @@ def summarize(g, ck):
     (``open_checkpoint``); with its ram probe, ram rows get ``ram_limit``."""
     disk = ck["disk_best_gbps"] * GB
     stock = g["configs"]["stock"]["s_per_token"]
-    base = "default" if "default" in g["rounds"][0] else None
     for key, c in g["configs"].items():
         c["ratio"] = c["ratio_to_stock"]
         if "bytes_per_token" not in c:
@@ -818,14 +688,6 @@ def summarize(g, ck):
             c["ratio"] = c["ratio_to_limit_median"]
         if g["regime"] == "ram" and ck.get("ram_probe"):
             ram_limit(c, stock, ck)
-        wait_s = c["io_wait_s_per_token"]
-        c["read_gbps_in_waits"] = c["bytes_per_token"] / wait_s / GB if wait_s else None
-        c["read_gbps_wall"] = c["bytes_per_token"] / c["s_per_token"] / GB
-        # median over rounds of (default's s per token / this one's), > 1 is faster
-        c["vs_base"] = base
-        c["vs_base_paired"] = (
-            statistics.median(r[base] / r[key] for r in g["rounds"]) if base else None
-        )
 
 
 def ram_limit(c, stock_s, ck) -> None:
@@ -841,35 +703,22 @@ def ram_limit(c, stock_s, ck) -> None:
     k = min(figures, key=lambda k: (abs(k - per_call), k))
     missed = c["misses_per_token"] * ck["expert_bytes"]
     limit_s = stock_s + missed / (figures[k] * 1e9)
-    c["ram_limit"] = {
-        "tok_s": 1 / limit_s,
-        "of_limit": c["tok_s"] * limit_s,
-        "k": k,
-        "gbps": figures[k],
-        "missed_bytes_per_token": missed,
-        "misses_per_layer_call": per_call,
-    }
+    c["ram_limit"] = dict(
+        tok_s=1 / limit_s, of_limit=c["tok_s"] * limit_s, k=k, gbps=figures[k],
+        missed_bytes_per_token=missed, misses_per_layer_call=per_call,
+    )
 
 
 # -- the report -----------------------------------------------------------------------------------
 
-SPLIT_SHORT = (
-    ("ids wait", "ids"),
-    ("host to submit", "host"),
-    ("reads", "reads"),
-    ("installs", "inst"),
-    ("compute", "comp"),
-    ("rest", "rest"),
-    ("between layers", "between"),
-)
+# the timeline's split (bench/timeline_summary.py), as the tables name its parts
+SPLIT = {"ids wait": "ids", "host to submit": "host", "reads": "reads", "installs": "inst",
+         "compute": "comp", "rest": "rest", "between layers": "between"}
 
 
-def _split_cell(c, per):
+def _split_cell(c, per, more=()):
     ms = ((c.get("timeline") or {}).get("split") or {}).get(per)
-    if not ms:
-        return ""
-    keys = [k for k, _ in SPLIT_SHORT] + (["outside", "token"] if per == "ms per token" else [])
-    return " / ".join(f"{ms.get(k, 0):.3f}" for k in keys)
+    return " / ".join(f"{ms.get(k, 0):.3f}" for k in [*SPLIT, *more]) if ms else ""
 
 
 def regime_tables(res):
@@ -879,36 +728,28 @@ def regime_tables(res):
         groups = [g for g in res["groups"] if g["regime"] == regime]
         if not groups:
             continue
-        against = "limit" if regime == "cold" else "stock"
         ram = regime == "ram"
-        lines += [
-            "",
-            f"### {regime}",
-            "",
-            f"| routing | budget | config | tok/s | ratio to {against} | "
-            + ("ram limit tok/s (K) | of ram limit | " if ram else "")
-            + "stock/stock | exact | hit "
-            + "| ms per layer: " + " / ".join(s for _, s in SPLIT_SHORT)
-            + " | ms per token: same / outside / token |",
-            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if ram else ""),
-        ]
+        against = "limit" if regime == "cold" else "stock"
+        head = ["routing", "budget", "config", "tok/s", f"ratio to {against}"]
+        head += ["ram limit tok/s (K)", "of ram limit"] if ram else []
+        head += ["stock/stock", "exact", "hit", "ms per layer: " + " / ".join(SPLIT.values()),
+                 "ms per token: same / outside / token"]
+        lines += ["", f"### {regime}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for g in groups:
-            routing = routing_cell(g["routing"])
             for key, c in g["configs"].items():
-                hit = "" if c.get("hit_rate") is None else f"{c['hit_rate']:.3f}"
                 lim = c.get("ram_limit")
-                cells = " | | " if ram else ""
-                if lim:
-                    cells = f"{lim['tok_s']:.2f} ({lim['k']}) | {lim['of_limit']:.3f} | "
-                lines.append(
-                    f"| {routing} | {g['budget']} | {key} | {c['tok_s']:.2f} | {c['ratio']:.3f} | "
-                    f"{cells}{g['stock_vs_stock']:.3f} | {c['exact_steps']}/{c['total_steps']} | "
-                    f"{hit} | {_split_cell(c, 'ms per layer')} | {_split_cell(c, 'ms per token')} |"
-                )
-            if "replay" in g:
-                lines.append(f"\nreplay ({g['routing']}, {g['budget']}): {g['replay']}\n")
-            for w in g.get("warnings", []):
-                lines.append(f"\n{w}\n")
+                hit = c.get("hit_rate")
+                cells = [routing_cell(g["routing"]), g["budget"], key, f"{c['tok_s']:.2f}",
+                         f"{c['ratio']:.3f}"]
+                if ram and lim:
+                    cells += [f"{lim['tok_s']:.2f} ({lim['k']})", f"{lim['of_limit']:.3f}"]
+                elif ram:
+                    cells += ["", ""]
+                cells += [f"{g['stock_vs_stock']:.3f}", f"{c['exact_steps']}/{c['total_steps']}",
+                          "" if hit is None else f"{hit:.3f}", _split_cell(c, "ms per layer"),
+                          _split_cell(c, "ms per token", ("outside", "token"))]
+                lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines += [f"\n{w}\n" for w in g.get("warnings", [])]
     return "\n".join(lines).lstrip("\n")
 
 
