@@ -49,19 +49,17 @@ TRACE = "trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
 # Words defined on the command line (``--tuning-variant NAME:field=value,...``): NAME sets those
 # ``CacheTuning`` fields, alone or "_"-joined with other words ("nolk_tl").
 TUNING_VARIANTS = {}
-WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
 def _tuning_value(text: str):
+    """A field's value: "8" -> 8, "0.5" -> 0.5, "false" ("off", "no") -> False, "true" ("on",
+    "yes") -> True, "none" -> None; anything else stays text."""
     text = text.strip()
-    if text.lower() in WORDS or text.lower() == "none":
-        return WORDS.get(text.lower())
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    words = {"on": "true", "yes": "true", "off": "false", "no": "false", "none": "null"}
+    try:
+        return json.loads(words.get(text.lower(), text.lower()))
+    except ValueError:
+        return text
 
 
 def tuning_variant(spec: str):
@@ -151,16 +149,6 @@ def set_routing(model, routing):
             object.__setattr__(module, "_routing", routing)
 
 
-def routing_state(routing):
-    """A copy of the routing's position (``ForcedRouting.calls``, ``TraceRouting.cursor``)."""
-    return {k: dict(getattr(routing, k)) for k in ("calls", "cursor") if hasattr(routing, k)}
-
-
-def set_routing_state(routing, state) -> None:
-    for k, v in state.items():
-        setattr(routing, k, dict(v))
-
-
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
 
 FLOORS = ("stock_synclayer", "stock_synctoken")
@@ -247,13 +235,12 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     ``open_checkpoint``)."""
     mode = REGIMES[regime]
     configs = {name: Config(name, model) for name, model in stocks.items()}
-    kind = spec.split(":")[0]
-    if kind in ("model", "trace"):
-        kind += "-" + Path(spec[len(kind) + 1 :]).stem
-    group = f"{regime}-{kind}-{int(round(budget * 100))}"
+    kind, _, where = spec.partition(":")
+    group = f"{regime}-{kind}{'-' + Path(where).stem if where else ''}-{int(round(budget * 100))}"
     timelines = {}
-    for v in args.variant_list:
+    for v in args.variants:
         timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
+        timelines[v].parent.mkdir(parents=True, exist_ok=True)
         timelines[v].unlink(missing_ok=True)
         gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
         model = load_variant(path, v, timelines[v], expert_cache_gb=gb)
@@ -283,14 +270,16 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             # the rounds' steps once, untimed: "replay" then rewinds the routing, so the rounds
             # ask for exactly the experts this pass made resident (the model's own router: the
             # same tokens again from the prompt on, a new KV cache)
-            state = routing_state(cfg.routing) if cfg.routing is not None else None
+            routing = cfg.routing  # its position: ForcedRouting.calls, TraceRouting.cursor
+            state = {k: dict(getattr(routing, k)) for k in ("calls", "cursor")
+                     if hasattr(routing, k)}
             for _ in range(args.rounds):
                 decode_block(cfg, args.block)
-            if mode["warm_pass"] == "replay":
-                if state is None:
-                    start(cfg)
-                else:
-                    set_routing_state(cfg.routing, state)
+            if mode["warm_pass"] == "replay" and routing is None:
+                start(cfg)
+            elif mode["warm_pass"] == "replay":
+                for k, v in state.items():
+                    setattr(routing, k, dict(v))
         cfg.tokens = []
         cfg.decode_s = []
         cfg.stats0 = counters(cfg)
@@ -320,11 +309,6 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
-    for cfg in configs.values():
-        if cfg.name not in stocks:
-            del cfg.model
-    del configs
-    gc.collect()
     return out
 
 
@@ -436,8 +420,7 @@ def open_checkpoint(path, args, first_routing):
     )
     del probe, cache, bank
     gc.collect()
-    threads = [int(t) for t in args.probe_threads.split(",")]
-    bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, threads)
+    bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, args.probe_threads)
     ck["disk_gbps"] = bw
     ck["disk_best_gbps"] = max(v for v in bw.values() if v)
     log(f"{path}: disk GB/s: {bw}")
@@ -477,7 +460,7 @@ def ram_probe(path, files, ck, args):
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     start_s = time.perf_counter()
-    gb = args.ram_budgets[0] * ck["total_expert_bytes"] / harness.BUDGET_GB
+    gb = args.ram_budget[0] * ck["total_expert_bytes"] / harness.BUDGET_GB
     model, _ = harness.load_streaming(path, expert_cache_gb=gb, tuning=CacheTuning(lookahead=False))
     cache = model.expert_streaming.cache
     cache.ensure_planned()
@@ -508,7 +491,7 @@ def ram_probe(path, files, ck, args):
                 seconds += time.perf_counter() - t
         return reps * k * nbytes / seconds / 1e9
 
-    ks = [k for k in args.ram_probe_k if k <= bank.slots]
+    ks = [k for k in sorted(set(args.ram_probe_k)) if k <= bank.slots]
     gbps = {}
     if bank.views is not None:  # (none where direct reads are off: no figures, no ram limit)
         gbps["slots alone"] = figure(1, spread=True)
@@ -530,6 +513,10 @@ QUICK = dict(
 )
 
 
+def _list(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = ap.add_argument
@@ -539,22 +526,24 @@ def parse_args(argv):
     add("--shape", default="qwen3", choices=SHAPES)
     add("--layers", type=int, default=16)
     add("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
-    add("--regimes", default="hit,ram,cold", help="comma list of hit, ram, cold")
-    add("--budgets", default="0.25,0.5", help="the cold regime's budgets")
+    add("--regimes", type=_list(str), default="hit,ram,cold", help="of hit, ram, cold")
+    add("--budgets", type=_list(float), default="0.25,0.5", help="the cold regime's budgets")
     add("--hit-budget", type=float, default=0.99)
-    add("--ram-budget", default="0.90", help="the ram regime's budgets (the probe: the first)")
+    add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
     add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
-    add("--routings", default="uniform," + TRACE, help="uniform, trace:FILE, model:DIR")
-    add("--variants", default="default", help="comma list of variants (the docstring)")
-    add("--tuning-variant", action="append", default=[], metavar="NAME:field=value,...",
-        help="define variant word NAME setting those CacheTuning fields; repeatable")
+    add("--routings", type=_list(str), default="uniform," + TRACE, help="uniform, trace:FILE, "
+        "model:DIR")
+    add("--variants", type=_list(str), default="default", help="(the module's docstring)")
+    add("--tuning-variant", type=tuning_variant, action="append", default=[],
+        metavar="NAME:field=value,...", help="a variant word NAME setting those CacheTuning "
+        "fields; repeatable")
     add("--rounds", type=int, default=4)
     add("--block", type=int, default=6)
     add("--prompt", type=int, default=None, help="default: a trace's prefill rows, else 28")
     add("--probe-mb", type=int, default=768, help="the disk probe's MB")
-    add("--probe-threads", default="1,2,4,8,16")
+    add("--probe-threads", type=_list(int), default="1,2,4,8,16")
     add("--ram-probe-mb", type=int, default=256, help="MB (decimal) per figure (0: no probe)")
-    add("--ram-probe-k", default="2,4,8", help="experts read at once (a layer call's misses)")
+    add("--ram-probe-k", type=_list(int), default="2,4,8", help="experts read at once")
     add("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
     add("--quick", action="store_true", help="a CPU try of everything in well under a minute: "
         + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags given still win)")
@@ -562,24 +551,17 @@ def parse_args(argv):
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
-    args.budget_list = [float(b) for b in args.budgets.split(",") if b]
-    args.ram_budgets = [float(b) for b in args.ram_budget.split(",") if b]
-    args.ram_probe_k = sorted({int(k) for k in args.ram_probe_k.split(",") if k})
-    args.regimes = [r for r in args.regimes.split(",") if r]
     if set(args.regimes) - set(REGIMES):
         raise SystemExit(f"--regimes {args.regimes}: known: {', '.join(REGIMES)}")
-    for spec in args.tuning_variant:
-        name, fields = tuning_variant(spec)
-        TUNING_VARIANTS[name] = fields
-    args.variant_list = [v for v in args.variants.split(",") if v]
-    for v in args.variant_list:
+    TUNING_VARIANTS.update(args.tuning_variant)
+    for v in args.variants:
         variant_tuning(v)  # an unknown word fails before anything is built
     return args
 
 
 def plan(args, routings):
     """``(regime, routing, budget)`` of every group, in run order."""
-    budgets = {"hit": [args.hit_budget], "ram": args.ram_budgets, "cold": args.budget_list}
+    budgets = {"hit": [args.hit_budget], "ram": args.ram_budget, "cold": args.budgets}
     return [(regime, r, b) for regime in args.regimes for r in routings for b in budgets[regime]]
 
 
@@ -590,12 +572,7 @@ def main(argv=None):
 
     import mlx.core as mx
 
-    gpu = mx.default_device().type == mx.gpu
-    dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    for d in (args.out, args.timeline_dir):
-        if d:
-            Path(d).mkdir(parents=True, exist_ok=True)
-    routings = [r for r in args.routings.split(",") if r]
+    dtype = args.dtype or ("bfloat16" if mx.default_device().type == mx.gpu else "float32")
     res = dict(
         command=" ".join([Path(sys.argv[0]).name] + list(argv)),
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
@@ -604,9 +581,9 @@ def main(argv=None):
         groups=[],
     )
     # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
-    synthetic = [r for r in routings if not r.startswith("model:")]
+    synthetic = [r for r in args.routings if not r.startswith("model:")]
     runs = [(None, synthetic)] if synthetic else []
-    runs += [(r, [r]) for r in routings if r.startswith("model:")]
+    runs += [(r, [r]) for r in args.routings if r.startswith("model:")]
     rng = random.Random(1)
     bad = []  # configurations not exact
     for model_spec, specs in runs:
@@ -634,6 +611,7 @@ def main(argv=None):
         for regime, spec, budget in plan(args, specs):
             prompt = prompts[spec]
             g = run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream)
+            gc.collect()  # the group's streaming models
             g.update(routing=spec, budget=budget, prompt_tokens=len(prompt), checkpoint=name)
             summarize(g, ck)
             where = f"{routing_cell(spec)} {budget}"
@@ -667,10 +645,9 @@ def save(res, args):
 
 
 def summarize(g, ck):
-    """The limit, ratios to it (also the median of per-round ratios), read GB/s, paired ratios to
-    ``default``; the regime's headline ratio per configuration (``ratio``): to stock for hit and
-    ram, to the limit for cold (stock configurations: to stock). ``ck``: the checkpoint's figures
-    (``open_checkpoint``); with its ram probe, ram rows get ``ram_limit``."""
+    """The limit and ratios to it (also the median of per-round ratios); the regime's headline
+    ratio per configuration (``ratio``): to stock for hit and ram, to the limit for cold (stock
+    configurations: to stock). With the checkpoint's ram probe, ram rows get ``ram_limit``."""
     disk = ck["disk_best_gbps"] * GB
     stock = g["configs"]["stock"]["s_per_token"]
     for key, c in g["configs"].items():
@@ -697,7 +674,7 @@ def ram_limit(c, stock_s, ck) -> None:
     probe = ck["ram_probe"]
     per_call = c["misses_per_token"] / ck["moe_layers"]
     figures = {k: probe["gbps"].get(f"slots k{k}") for k in probe["k"]}
-    figures = {k: v for k, v in figures.items() if v}
+    figures = {k: gbps for k, gbps in figures.items() if gbps}
     if not figures:
         return
     k = min(figures, key=lambda k: (abs(k - per_call), k))
