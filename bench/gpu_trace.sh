@@ -11,9 +11,9 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 start=$(date +%s)
 timeout ${BENCH_TIMEOUT:-300} python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out "$OUT" \
-  --layers 16 --rounds 3 --block 6 --probe-mb 512 --variants staged,direct,default "$@" 2>&1 \
+  --layers 16 --rounds 3 --block 6 --probe-mb 512 --regimes cold --variants default "$@" 2>&1 \
   | tee "$OUT/gpu_pipeline.log" | grep -v '^{' | grep -v '^|'
-grep '^|\|^replay\|^disk' "$OUT/gpu_pipeline.log" | tail -40
+grep '^|\|^###\|disk GB/s' "$OUT/gpu_pipeline.log" | tail -40
 echo "bench: $(( $(date +%s) - start )) s"
 if [ "${PARITY_TIMEOUT:-320}" != 0 ]; then
   timeout ${PARITY_TIMEOUT:-320} python3 bench/cuda_parity.py --out "$OUT/cuda_parity.json" --cases 1 \
