@@ -133,20 +133,19 @@ def _graph_routed_class():
 
 
 def wrap(model, routing):
-    """Route ``model`` through ``routing`` (``routing.call_seconds``: host time in its modules)."""
+    """Route ``model`` through ``routing`` (``routing.call_seconds``: host time in its modules); a
+    model routed before (a stock, kept from group to group) is pointed at it."""
+    cls = _graph_routed_class()
+    routed = [module for _, module in model.named_modules() if isinstance(module, cls)]
+    for module in routed:
+        object.__setattr__(module, "_routing", routing)
+    if routed:
+        return
     found = routing_replay.expert_modules(model)
     if hasattr(routing, "check"):
         routing.check(len(found), *routing_replay._expert_counts(model))
     for layer_no, (parent, name, module) in enumerate(found):
-        parent[name] = _graph_routed_class()(module, routing, layer_no)
-
-
-def set_routing(model, routing):
-    """Point a wrapped stock model at ``routing``."""
-    cls = _graph_routed_class()
-    for _, module in model.named_modules():
-        if isinstance(module, cls):
-            object.__setattr__(module, "_routing", routing)
+        parent[name] = cls(module, routing, layer_no)
 
 
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
@@ -163,7 +162,7 @@ def sync_per_layer(places) -> None:
     class SyncLayer(nn.Module):
         def __init__(self, inner):
             super().__init__()
-            self.inner = inner  # a child, so ``set_routing`` still finds the routed module
+            self.inner = inner  # a child, so ``wrap`` still finds the routed module
 
         def __call__(self, x, indices):
             np.array(indices)
@@ -213,15 +212,6 @@ def warm_page_cache(files) -> float:
     return time.perf_counter() - start
 
 
-def prompt_by_token(cfg, prompt):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cfg.kv = make_prompt_cache(cfg.model)
-    for tok in prompt:
-        mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
-
-
 def counters(cfg):
     c = cfg.counters()
     if cfg.cache is not None:
@@ -233,13 +223,16 @@ def counters(cfg):
 def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream):
     """The variants and the stocks in interleaved rounds (``ck``: the checkpoint's figures,
     ``open_checkpoint``)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
     mode = REGIMES[regime]
     configs = {name: Config(name, model) for name, model in stocks.items()}
     kind, _, where = spec.partition(":")
     group = f"{regime}-{kind}{'-' + Path(where).stem if where else ''}-{int(round(budget * 100))}"
     timelines = {}
     for v in args.variants:
-        timelines[v] = Path(args.timeline_dir or args.out) / f"{args.tag}-{group}-{v}.trace.json"
+        timelines[v] = Path(args.out) / f"{args.tag}-{group}-{v}.trace.json"
         timelines[v].parent.mkdir(parents=True, exist_ok=True)
         timelines[v].unlink(missing_ok=True)
         gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
@@ -247,16 +240,14 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         cfg.routing = harness.make_routing(spec, ck["experts"], ck["moe_layers"])
-        if cfg.routing is None:
-            continue  # model:DIR, its own router
-        if cfg.name in stocks:
-            set_routing(cfg.model, cfg.routing)
-        else:
+        if cfg.routing is not None:  # (None: model:DIR, its own router)
             wrap(cfg.model, cfg.routing)
     warm_s = 0.0 if mode["cold"] else warm_page_cache(files)
 
-    def start(cfg):
-        prompt_by_token(cfg, prompt)
+    def start(cfg):  # the prompt one token at a time, into a new KV cache
+        cfg.kv = make_prompt_cache(cfg.model)
+        for tok in prompt:
+            mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
         cfg.stream, cfg.pos = stream, 1
         decode_block(cfg, 2)  # warm-up: allocations, kernels
 
@@ -296,9 +287,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         speeds = ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items())
         log(f"[{regime} {spec} {budget}] round {r}: {speeds}")
     out = {"regime": regime, "rounds": rounds, "configs": {}, "page_cache_warm_s": warm_s}
-    ref = configs["stock"].tokens
     for key, cfg in configs.items():
-        entry = config_figures(cfg, ref, rounds)
+        entry = config_figures(cfg, configs["stock"], rounds, regime, ck)
         if regime == "hit" and entry.get("hit_rate", 1.0) != 1.0:
             slots = f"{min(entry['slots'])}-{max(entry['slots'])}"
             msg = f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
@@ -312,10 +302,13 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     return out
 
 
-def config_figures(cfg, ref, rounds):
-    """One configuration's figures over the rounds (``ref``: the first stock's token hashes)."""
+def config_figures(cfg, stock, rounds, regime, ck):
+    """One configuration's figures over the rounds, against ``stock`` (the first stock model) and
+    the limit. Its headline ``ratio``: to stock for hit and ram, to the limit for cold (stock
+    configurations: to stock); ram rows get the ram limit where the checkpoint has a ram probe."""
     n = len(cfg.decode_s)
     c = harness.delta(cfg.stats0, counters(cfg))
+    ref = stock.tokens
     same = [a == b for a, b in zip(cfg.tokens, ref)]
     entry = dict(
         tokens=n, tok_s=n / sum(cfg.decode_s), s_per_token=sum(cfg.decode_s) / n,
@@ -323,6 +316,7 @@ def config_figures(cfg, ref, rounds):
         exact=len(cfg.tokens) == len(ref) and all(same), call_s_per_token=c["call_seconds"] / n,
         ratio_to_stock=statistics.median(r["stock"] / r[cfg.name] for r in rounds),
     )
+    entry["ratio"] = entry["ratio_to_stock"]
     if cfg.cache is None:
         return entry
     asked = c["hits"] + c["misses"]
@@ -342,7 +336,41 @@ def config_figures(cfg, ref, rounds):
         replays_per_token=c.get("verified_replays", 0) / n, named_per_token=(named or 0) / n,
         named_used=c["verified_named_used"] / named if named else None,
     )
+    # the limit: 1 / max(stock's step, bytes read per token / the disk's best bandwidth); the
+    # median of per-round ratios takes each round's stock time
+    stock_s = sum(stock.decode_s) / len(stock.decode_s)
+    read_s = entry["bytes_per_token"] / (ck["disk_best_gbps"] * GB)
+    limit_s = max(stock_s, read_s)
+    entry.update(
+        limit_tok_s=1 / limit_s, ratio_to_limit=entry["tok_s"] * limit_s,
+        ratio_to_limit_median=statistics.median(
+            max(r["stock"], read_s) / r[cfg.name] for r in rounds
+        ),
+    )
+    if regime == "cold":
+        entry["ratio"] = entry["ratio_to_limit_median"]
+    if regime == "ram" and ck.get("ram_probe"):
+        ram_limit(entry, stock_s, ck)
     return entry
+
+
+def ram_limit(c, stock_s, ck) -> None:
+    """``c["ram_limit"]``: 1 / (stock's step + missed bytes per token / the ram probe's parallel
+    reads into slots, at the probed K nearest this row's misses per layer call), and this row's
+    tok/s as a fraction of it."""
+    probe = ck["ram_probe"]
+    per_call = c["misses_per_token"] / ck["moe_layers"]
+    figures = {k: probe["gbps"].get(f"slots k{k}") for k in probe["k"]}
+    figures = {k: gbps for k, gbps in figures.items() if gbps}
+    if not figures:
+        return
+    k = min(figures, key=lambda k: (abs(k - per_call), k))
+    missed = c["misses_per_token"] * ck["expert_bytes"]
+    limit_s = stock_s + missed / (figures[k] * 1e9)
+    c["ram_limit"] = dict(
+        tok_s=1 / limit_s, of_limit=c["tok_s"] * limit_s, k=k, gbps=figures[k],
+        missed_bytes_per_token=missed, misses_per_layer_call=per_call,
+    )
 
 
 def timeline_figures(entry, cfg, path) -> None:
@@ -393,22 +421,12 @@ def text_tokens(path, prompt_len: int):
     return tokens[:prompt_len], tokens[prompt_len:]
 
 
-def routing_cell(spec: str) -> str:
-    """A routing as the tables name it ("trace NAME" by the trace file's stem, "uniform", "model
-    NAME (its own router)")."""
-    if spec.startswith("trace:"):
-        return "trace " + Path(spec[len("trace:") :]).stem
-    return harness.routing_label(spec)
-
-
 # -- a checkpoint: its figures, probes and stock models -------------------------------------------
 
 
 def open_checkpoint(path, args, first_routing):
     """``(figures, shard files, stock models)`` of one checkpoint: its expert bytes, layers and
-    experts, the disk probe at its expert size, the ram probe (with the ram regime), and the
-    stocks (routed through ``first_routing`` now, pointed at each group's later; a ``model:DIR``
-    routing: not routed)."""
+    experts, the disk and ram probes, and the stocks (routed through ``first_routing``)."""
     files = harness.shards(path)
     probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
     cache = probe.expert_streaming.cache
@@ -448,12 +466,8 @@ RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe lo
 
 
 def ram_probe(path, files, ck, args):
-    """GB/s (decimal) of the ram regime's read path, page cache warm: the package's own store into
-    one layer's bank slots, the package's way (``bank.reads.slot_reader``), up to the device's
-    next read of them; one expert alone and K in parallel on the demand threads (each expert's
-    ranges on its thread alone, or spread over the store's readers). Before each rep one forward
-    and a device read of the slots about to be written (on a GPU their pages were last touched by
-    the device). The model: ``default`` without lookahead at the first ram budget."""
+    """GB/s (decimal) of the ram regime's read path into one layer's bank slots, page cache warm,
+    one expert alone and K in parallel (docs/benchmarks/methods/gpu_pipeline.md)."""
     import mlx.core as mx
 
     from mlx_lm_streaming.runtime.bank import reads as bank_reads
@@ -544,7 +558,6 @@ def parse_args(argv):
     add("--probe-threads", type=_list(int), default="1,2,4,8,16")
     add("--ram-probe-mb", type=int, default=256, help="MB (decimal) per figure (0: no probe)")
     add("--ram-probe-k", type=_list(int), default="2,4,8", help="experts read at once")
-    add("--timeline-dir", default=None, help="where variants with 'tl' write (--out)")
     add("--quick", action="store_true", help="a CPU try of everything in well under a minute: "
         + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags given still win)")
     args = ap.parse_args(argv)
@@ -613,16 +626,9 @@ def main(argv=None):
             g = run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream)
             gc.collect()  # the group's streaming models
             g.update(routing=spec, budget=budget, prompt_tokens=len(prompt), checkpoint=name)
-            summarize(g, ck)
-            where = f"{routing_cell(spec)} {budget}"
+            where = f"{harness.routing_label(spec)} {budget}"
             bad += [f"{regime} {where} {k}" for k, c in g["configs"].items() if not c["exact"]]
             res["groups"].append(g)
-            # regime -> "routing budget" -> config -> its ratio
-            res.setdefault("summary", {}).setdefault(regime, {})[where] = {
-                k: {"ratio": round(c["ratio"], 4), "hit_rate": c.get("hit_rate"),
-                    "exact": f"{c['exact_steps']}/{c['total_steps']}"}
-                for k, c in g["configs"].items()
-            }
             save(res, args)  # after every group: a run cut short keeps what it measured
             log(regime_tables(dict(res, groups=[g])))
         del stocks
@@ -639,51 +645,6 @@ def save(res, args):
     (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
     if res.get("groups"):
         (out / f"{args.tag}.md").write_text(markdown(res))
-
-
-# -- figures from the measurements ----------------------------------------------------------------
-
-
-def summarize(g, ck):
-    """The limit and ratios to it (also the median of per-round ratios); the regime's headline
-    ratio per configuration (``ratio``): to stock for hit and ram, to the limit for cold (stock
-    configurations: to stock). With the checkpoint's ram probe, ram rows get ``ram_limit``."""
-    disk = ck["disk_best_gbps"] * GB
-    stock = g["configs"]["stock"]["s_per_token"]
-    for key, c in g["configs"].items():
-        c["ratio"] = c["ratio_to_stock"]
-        if "bytes_per_token" not in c:
-            continue
-        limit_s = max(stock, c["bytes_per_token"] / disk)
-        c["limit_tok_s"] = 1 / limit_s
-        c["ratio_to_limit"] = c["tok_s"] * limit_s
-        # per round: the limit with that round's stock time, over this one's
-        c["ratio_to_limit_median"] = statistics.median(
-            max(r["stock"], c["bytes_per_token"] / disk) / r[key] for r in g["rounds"]
-        )
-        if g["regime"] == "cold":
-            c["ratio"] = c["ratio_to_limit_median"]
-        if g["regime"] == "ram" and ck.get("ram_probe"):
-            ram_limit(c, stock, ck)
-
-
-def ram_limit(c, stock_s, ck) -> None:
-    """``c["ram_limit"]``: 1 / (stock's step + missed bytes per token / the ram probe's parallel
-    reads into slots, at the probed K nearest this row's misses per layer call), and this row's
-    tok/s as a fraction of it."""
-    probe = ck["ram_probe"]
-    per_call = c["misses_per_token"] / ck["moe_layers"]
-    figures = {k: probe["gbps"].get(f"slots k{k}") for k in probe["k"]}
-    figures = {k: gbps for k, gbps in figures.items() if gbps}
-    if not figures:
-        return
-    k = min(figures, key=lambda k: (abs(k - per_call), k))
-    missed = c["misses_per_token"] * ck["expert_bytes"]
-    limit_s = stock_s + missed / (figures[k] * 1e9)
-    c["ram_limit"] = dict(
-        tok_s=1 / limit_s, of_limit=c["tok_s"] * limit_s, k=k, gbps=figures[k],
-        missed_bytes_per_token=missed, misses_per_layer_call=per_call,
-    )
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -716,7 +677,7 @@ def regime_tables(res):
             for key, c in g["configs"].items():
                 lim = c.get("ram_limit")
                 hit = c.get("hit_rate")
-                cells = [routing_cell(g["routing"]), g["budget"], key, f"{c['tok_s']:.2f}",
+                cells = [harness.routing_label(g["routing"]), g["budget"], key, f"{c['tok_s']:.2f}",
                          f"{c['ratio']:.3f}"]
                 if ram and lim:
                     cells += [f"{lim['tok_s']:.2f} ({lim['k']})", f"{lim['of_limit']:.3f}"]
