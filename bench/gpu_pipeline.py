@@ -81,8 +81,10 @@ def tuning_variant(spec: str):
 
 
 def variant_tuning(name: str):
-    """``(records a timeline, CacheTuning fields)`` of a variant: "_"-joined words, "default",
+    """``(records a timeline, CacheTuning or None)`` of a variant: "_"-joined words, "default",
     "tl" and ``TUNING_VARIANTS``'."""
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
     timeline, tuning = False, {}
     for word in name.split("_"):
         if word in TUNING_VARIANTS:
@@ -92,19 +94,7 @@ def variant_tuning(name: str):
         elif word != "default":
             known = ", ".join(["default", "tl", *TUNING_VARIANTS])
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {known})")
-    return timeline, tuning
-
-
-def load_variant(path, name: str, timeline: Path, **opts):
-    """A streaming model configured as the variant ``name`` (``timeline``: its file, for "tl")."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-
-    traced, tuning = variant_tuning(name)
-    if traced:
-        opts["trace"] = str(timeline)
-    if tuning:
-        opts["tuning"] = CacheTuning(**tuning)
-    return harness.load_streaming(path, **opts)[0]
+    return timeline, CacheTuning(**tuning) if tuning else None
 
 
 # -- routing --------------------------------------------------------------------------------------
@@ -120,13 +110,11 @@ def _graph_routed_class():
         router, as with a trained model."""
 
         def __call__(self, x, indices):
-            start = time.perf_counter()
-            ids = self._routing.indices(self._layer_no, indices.shape)
+            routing, start = self._routing, time.perf_counter()
+            ids = routing.indices(self._layer_no, indices.shape)
             out = self._inner(x, ids + (indices * 0).astype(ids.dtype))
-            routing = self._routing
-            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + (
-                time.perf_counter() - start
-            )
+            seconds = time.perf_counter() - start
+            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + seconds
             return out
 
     return GraphRouted
@@ -194,11 +182,8 @@ def sync_per_token(model) -> None:
 # regime -> (the page cache dropped before every token, a pass over the measured steps before the
 # rounds: "replay" replays the same routing after it (every expert the rounds use is resident
 # where the budget holds them), "fill" goes on after it (the cache in its steady state))
-REGIMES = {
-    "hit": dict(cold=False, warm_pass="replay"),
-    "ram": dict(cold=False, warm_pass="fill"),
-    "cold": dict(cold=True, warm_pass=None),
-}
+REGIMES = {"hit": dict(cold=False, warm_pass="replay"), "ram": dict(cold=False, warm_pass="fill"),
+           "cold": dict(cold=True, warm_pass=None)}
 
 
 def warm_page_cache(files) -> float:
@@ -221,8 +206,7 @@ def counters(cfg):
 
 
 def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream):
-    """The variants and the stocks in interleaved rounds (``ck``: the checkpoint's figures,
-    ``open_checkpoint``)."""
+    """One group: the variants and the stocks in interleaved rounds (``ck``: open_checkpoint's)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -233,10 +217,11 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     timelines = {}
     for v in args.variants:
         timelines[v] = Path(args.out) / f"{args.tag}-{group}-{v}.trace.json"
-        timelines[v].parent.mkdir(parents=True, exist_ok=True)
         timelines[v].unlink(missing_ok=True)
+        traced, tuning = variant_tuning(v)
         gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
-        model = load_variant(path, v, timelines[v], expert_cache_gb=gb)
+        trace = str(timelines[v]) if traced else None
+        model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning)
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         cfg.routing = harness.make_routing(spec, ck["experts"], ck["moe_layers"])
@@ -271,8 +256,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             elif mode["warm_pass"] == "replay":
                 for k, v in state.items():
                     setattr(routing, k, dict(v))
-        cfg.tokens = []
-        cfg.decode_s = []
+        cfg.tokens, cfg.decode_s = [], []
         cfg.stats0 = counters(cfg)
     if not mode["cold"]:
         warm_s += warm_page_cache(files)
@@ -291,10 +275,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         entry = config_figures(cfg, configs["stock"], rounds, regime, ck)
         if regime == "hit" and entry.get("hit_rate", 1.0) != 1.0:
             slots = f"{min(entry['slots'])}-{max(entry['slots'])}"
-            msg = f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
-            msg += f"{entry['hit_rate']} (not 1.0; slots {slots} per layer)"
-            log(msg)
-            out.setdefault("warnings", []).append(msg)
+            warning = (f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
+                       f"{entry['hit_rate']} (not 1.0; slots {slots} per layer)")
+            log(warning)
+            out.setdefault("warnings", []).append(warning)
         if cfg.cache is not None and cfg.cache.timeline is not None:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
@@ -360,8 +344,7 @@ def ram_limit(c, stock_s, ck) -> None:
     tok/s as a fraction of it."""
     probe = ck["ram_probe"]
     per_call = c["misses_per_token"] / ck["moe_layers"]
-    figures = {k: probe["gbps"].get(f"slots k{k}") for k in probe["k"]}
-    figures = {k: gbps for k, gbps in figures.items() if gbps}
+    figures = {k: gbps for k in probe["k"] if (gbps := probe["gbps"].get(f"slots k{k}"))}
     if not figures:
         return
     k = min(figures, key=lambda k: (abs(k - per_call), k))
@@ -390,9 +373,8 @@ def timeline_figures(entry, cfg, path) -> None:
         per_token["token"] = round(token_ms, 4)
 
 
-# the text a model:DIR routing decodes (its tokens by that checkpoint's tokenizer): the prompt, then
-# the stream fed in place of sampling, the same for every configuration (cycled if the run is
-# longer)
+# the text a model:DIR routing decodes (its tokens by that checkpoint's tokenizer): the prompt,
+# then the stream fed in place of sampling, the same for every configuration
 TEXT = (
     "Return a new list of the items of the sequence, sorted by the key function. The sort is "
     "stable: items that compare equal keep their order. If the key is None, the items are "
@@ -439,8 +421,7 @@ def open_checkpoint(path, args, first_routing):
     del probe, cache, bank
     gc.collect()
     bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, args.probe_threads)
-    ck["disk_gbps"] = bw
-    ck["disk_best_gbps"] = max(v for v in bw.values() if v)
+    ck.update(disk_gbps=bw, disk_best_gbps=max(v for v in bw.values() if v))
     log(f"{path}: disk GB/s: {bw}")
     if "ram" in args.regimes and args.ram_probe_mb > 0:
         ck["ram_probe"] = ram_probe(path, files, ck, args)
@@ -481,6 +462,7 @@ def ram_probe(path, files, ck, args):
     bank = cache.banks[0]
     parts, nbytes = bank.layer.parts, bank.layer.expert_nbytes
     members = list(range(len(parts)))
+    pool = cache.demand_pool
     token = mx.array([[1]])
     warm_page_cache(files)
     mx.eval(model(token))  # the banks filled as far as one token fills them
@@ -497,7 +479,6 @@ def ram_probe(path, files, ck, args):
             mx.eval([bank.array(p.proj, p.part)[idx] for p in parts])
             with bank.lock:
                 t = time.perf_counter()
-                pool = cache.demand_pool
                 for job in [pool.submit(read, e, s, members) for e, s in zip(experts, slots)]:
                     job.result()
                 # the device's next read of the slots (managed pages come back)
@@ -545,12 +526,11 @@ def parse_args(argv):
     add("--hit-budget", type=float, default=0.99)
     add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
     add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
-    add("--routings", type=_list(str), default="uniform," + TRACE, help="uniform, trace:FILE, "
-        "model:DIR")
+    add("--routings", type=_list(str), default="uniform," + TRACE,
+        help="uniform, trace:FILE, model:DIR")
     add("--variants", type=_list(str), default="default", help="(the module's docstring)")
     add("--tuning-variant", type=tuning_variant, action="append", default=[],
-        metavar="NAME:field=value,...", help="a variant word NAME setting those CacheTuning "
-        "fields; repeatable")
+        metavar="NAME:field=value,...", help="a variant word setting CacheTuning fields")
     add("--rounds", type=int, default=4)
     add("--block", type=int, default=6)
     add("--prompt", type=int, default=None, help="default: a trace's prefill rows, else 28")
@@ -586,6 +566,7 @@ def main(argv=None):
     import mlx.core as mx
 
     dtype = args.dtype or ("bfloat16" if mx.default_device().type == mx.gpu else "float32")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     res = dict(
         command=" ".join([Path(sys.argv[0]).name] + list(argv)),
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
@@ -641,10 +622,8 @@ def main(argv=None):
 
 def save(res, args):
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
-    if res.get("groups"):
-        (out / f"{args.tag}.md").write_text(markdown(res))
+    (out / f"{args.tag}.md").write_text(markdown(res))
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -703,12 +682,9 @@ def markdown(res):
         "",
     ]
     for name, ck in res["checkpoints"].items():
-        head += [
-            f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "
-            f"{ck['expert_bytes'] / 1e6:.3f} MB per expert; disk best {ck['disk_best_gbps']:.2f} "
-            "GB/s.",
-            "",
-        ]
+        head += [f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "
+                 f"{ck['expert_bytes'] / 1e6:.3f} MB per expert; disk best "
+                 f"{ck['disk_best_gbps']:.2f} GB/s.", ""]
         probe = ck.get("ram_probe")
         if probe:
             gbps = ", ".join(f"{k} {v:.2f}" for k, v in probe["gbps"].items())
