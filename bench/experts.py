@@ -352,8 +352,8 @@ def layer_major_figures(args) -> None:
     stock, config = load_stock(path)
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     stream = [random.Random(7).randrange(vocab) for _ in range(args.decode_tokens + 4)]
-    sizes = expert_sizes(path)
-    total, expert_nbytes = sizes["total_expert_bytes"], sizes["expert_bytes"]
+    expert = expert_sizes(path)
+    total, expert_nbytes = expert["total_expert_bytes"], expert["expert_bytes"]
     os.sync()  # a checkpoint just built: dirty pages would stay in the page cache
     bw = probe_disk(files, expert_nbytes, min(256 * MB, sum(os.path.getsize(f) for f in files)))
     disk = max(v for v in bw.values() if v) * GB  # bytes/s

@@ -281,38 +281,27 @@ class ForcedRouting:
         return pick.astype(np.uint32).reshape(shape)
 
 
-def make_routing(routing: str, num_experts: int, layers: int, fold=None):
-    """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
-    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones; ``fold`` =
-    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None (also
-    for ``model:DIR``: that checkpoint's own router)."""
+def make_routing(routing: str, num_experts: int, layers: int):
+    """The routing a configuration replays: ``uniform`` (``ForcedRouting``), ``trace:FILE``
+    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones), or None
+    (``model:DIR``: that checkpoint's own router)."""
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
-        from routing_replay import TraceRouting, fold_trace, read_trace
+        from routing_replay import TraceRouting, read_trace
 
         trace = read_trace(routing[len("trace:") :])
-        if fold is not None:
-            trace = fold_trace(trace, *fold)
         return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
     return None
 
 
-def routing_label(routing: str, fold=None, layers=None) -> str:
+def routing_label(routing: str) -> str:
     """How a run's routing is named in its report."""
     if routing.startswith("model:"):
         return f"model {Path(routing[len('model:') :]).name} (its own router)"
-    if not routing.startswith("trace:"):
-        return routing
-    label = f"trace {Path(routing[len('trace:') :]).name}"
-    if layers:
-        label += f", its first {layers} MoE layers"
-    if fold:
-        label += (
-            f", folded onto {fold[0]} experts, top {fold[1]} (id % {fold[0]}, the first "
-            f"{fold[1]} distinct ids in rank order): a real trace's reuse, not this model's routing"
-        )
-    return label
+    if routing.startswith("trace:"):
+        return f"trace {Path(routing[len('trace:') :]).name}"
+    return routing
 
 
 class CallLog:

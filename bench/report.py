@@ -60,59 +60,35 @@ def _gbps(v):
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def cold_summary(report):
-    """One row per shape: the cold configuration's hit rate beside its own rows replayed through its
-    policy, LRU and Belady at the same slots, tok/s against the limit, and the GB/s its reads
-    achieved beside the disk probe's best."""
-    runs = [res for res in report["archs"] if "replay" in res and "cold" in res["decode"]]
-    if not runs:
+def cold_lines(res):
+    """The cold configuration's rows replayed offline beside its hit rate, its limit, the GB/s its
+    reads achieved beside the disk probe's best, its lookahead's precision and recall."""
+    rp, cold, r = res.get("replay"), res["decode"].get("cold"), res["ratios"]
+    if not rp or not cold:
         return []
-    lines = [
-        "## Cold decode",
+    slots = "/".join(map(str, sorted(set(rp["slots"]))))
+    p = cold.get("prefetch") or {}
+    ahead = (f" Lookahead: precision {fmt(p.get('lookahead_precision'))}, recall "
+             f"{fmt(p.get('lookahead_recall'))}." if p else "")  # fmt: skip
+    return [
         "",
-        "`cold`: budget 25% of the expert bytes, page cache dropped before every decode step; its "
-        "rows replayed offline; limit = max(stock, miss bytes / disk). How each column is "
-        "computed: docs/benchmarks/methods/experts.md.",
-        "",
-        "| shape | layers x experts, top-k, slots | hit rate | replay: own policy | LRU | "
-        "Belady | slots / experts | cold tok/s | stock tok/s | limit tok/s | cold / limit | "
-        "MB read / token | read GB/s in flight (store s; I/O wait) | probe best GB/s | "
-        "bit-exact logits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"Cold, replayed ({rp['rows_decode']} measured rows per layer after {rp['rows_warm']} "
+        f"warm-up rows, {slots} slots of {rp['num_experts']} experts, top {rp['top_k']}): hit rate "
+        f"{_pct(cold['hit_rate'])}; its policy {_pct(rp['policy_hit_rate'])} ({rp['policy']}), "
+        f"LRU {_pct(rp['lru_hit_rate'])}, Belady {_pct(rp['belady_hit_rate'])}, slots / experts "
+        f"{_pct(rp['random_hit_rate'])}. Limit {r['cold_limit_tok_s']:.2f} tok/s, cold / limit "
+        f"{r['cold_vs_limit_totals']:.3f} from the totals. Read GB/s: "
+        f"{_gbps(cold.get('read_gbps_in_flight'))} in flight "
+        f"({_gbps(cold.get('read_gbps_store_seconds'))} over the store's read seconds, "
+        f"{_gbps(cold.get('read_gbps_io_wait'))} over the I/O wait); probe best "
+        f"{res['disk_best_gbps']:.2f}.{ahead}",
     ]
-    for res in runs:
-        rp, d, r = res["replay"], res["decode"], res["ratios"]
-        cold = d["cold"]
-        slots = "/".join(map(str, sorted(set(rp["slots"]))))
-        bad = [k for k, v in res["same_tokens"].items() if not v]
-        exact = f"all ({', '.join(res['same_tokens'])})" if not bad else "NOT " + ", ".join(bad)
-        lines.append(
-            f"| {res['label']} | {res['layers']} x {res['experts']}, top {rp['top_k']}, {slots} | "
-            f"{_pct(cold['hit_rate'])} | {_pct(rp['policy_hit_rate'])} ({rp['policy']}) | "
-            f"{_pct(rp['lru_hit_rate'])} | {_pct(rp['belady_hit_rate'])} | "
-            f"{_pct(rp['random_hit_rate'])} | {cold['tok_s']:.2f} | {d['stock']['tok_s']:.2f} | "
-            f"{r['cold_limit_tok_s']:.2f} | {r['cold_vs_limit_totals']:.3f} "
-            f"({fmt(r['cold_vs_limit'])}) | {cold['bytes_per_token'] / MB:.1f} | "
-            f"{_gbps(cold.get('read_gbps_in_flight'))} "
-            f"({_gbps(cold.get('read_gbps_store_seconds'))}; "
-            f"{_gbps(cold.get('read_gbps_io_wait'))}) | {res['disk_best_gbps']:.2f} | {exact} |"
-        )
-    lines.append("")
-    for res in runs:
-        rp = res["replay"]
-        lines.append(
-            f"- {res['label']}: {rp['rows_decode']} measured rows per layer replayed after "
-            f"{rp['rows_warm']} warm-up rows; {res['decode']['cold']['tokens']} cold decode steps "
-            "timed."
-        )
-    return lines + [""]
 
 
 def markdown(report):
     lines = [f"# Expert streaming benchmark: {report['tag']}", ""]
     m = report["machine"]
     lines += [f"Machine: {m['summary']}. Command: `{report['command']}`. {report['when']}.", ""]
-    lines += cold_summary(report)
     for res in report["archs"]:
         r = res["ratios"]
         lines += [
@@ -144,13 +120,7 @@ def markdown(report):
                 f"{d['io_wait_s_per_token'] * 1e3:.0f} | {d['install_s_per_token'] * 1e3:.0f} | "
                 f"{res['same_tokens'].get(key, 'n/a')} |"
             )
-        p = res["decode"].get("cold", {}).get("prefetch") or {}
-        if p:
-            lines += [
-                "",
-                f"Lookahead (cold): precision {fmt(p.get('lookahead_precision'))}, recall "
-                f"{fmt(p.get('lookahead_recall'))}.",
-            ]
+        lines += cold_lines(res)
         if r.get("stock_again_vs_stock") is not None:
             lines += [
                 "",

@@ -5,7 +5,7 @@
 (``mlx_lm_streaming.files.routing_trace``, ``tests/data/routing/*.jsonl``) instead of the router's
 ``indices``; the router still runs and its gate weights are used as stock uses them. The choice
 depends only on (layer, rows consumed so far), so stock and streaming compute the same thing and
-their logits stay comparable bit for bit. The rules (layers, top-k, cursors, folding):
+their logits stay comparable bit for bit. The rules (layers, top-k, cursors):
 docs/benchmarks/methods/harness.md.
 """
 
@@ -222,38 +222,6 @@ def routed(inner, routing, layer_no):
     if _ROUTED is None:
         _ROUTED = _routed_class()
     return _ROUTED(inner, routing, layer_no)
-
-
-def fold_trace(trace: RoutingTrace, num_experts: int, top_k: int) -> RoutingTrace:
-    """``trace`` folded onto ``num_experts`` experts per layer and ``top_k`` per token, for a shape
-    whose expert count is not the trace's (Mixtral's 8 experts, where a layer of 128 such experts
-    would be 13 GB): each row and layer takes ``id % num_experts`` of the trace's ids and keeps the
-    first ``top_k`` distinct ones in rank order; where fewer are distinct, the lowest ids not yet
-    chosen fill the row (empty rows stay empty). It keeps the trace's reuse from token to token,
-    folded, but it is not the folded shape's own routing: say so wherever it is reported."""
-    if not 0 < top_k <= num_experts:
-        raise TraceError(f"{trace.path}: cannot fold onto top {top_k} of {num_experts} experts")
-    rows = []
-    for row in trace.rows:
-        experts = []
-        for ids in row.experts:
-            picked: List[int] = []
-            for e in ids:
-                if e % num_experts not in picked:
-                    picked.append(e % num_experts)
-            picked = picked[:top_k]
-            spare = (e for e in range(num_experts) if e not in picked)
-            while ids and len(picked) < top_k:
-                picked.append(next(spare))
-            experts.append(picked)
-        rows.append(TraceRow(row.seq, row.phase, experts))
-    header = dict(trace.header)
-    header.update(
-        num_experts=num_experts,
-        top_k=top_k,
-        folded_from={"num_experts": trace.num_experts, "top_k": trace.top_k},
-    )
-    return RoutingTrace(header, rows, path=trace.path)
 
 
 def trace_of_calls(calls: Dict[int, List[np.ndarray]], num_experts: int, decode_from: int):
