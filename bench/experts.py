@@ -346,7 +346,7 @@ def layer_major_figures(args) -> None:
     name = (args.archs or ("tiny" if args.quick else "small")).split(",")[0]
     path = checkpoint(Path(args.ckpt_dir), name, dtype)
     files = shards(path)
-    sizes = [int(n) for n in str(args.prefill_tokens or "4096,16384").split(",")]
+    prompt_sizes = [int(n) for n in str(args.prefill_tokens or "4096,16384").split(",")]
     shares = [float(x) for x in args.shares.split(",")]
     step = args.prefill_step
     stock, config = load_stock(path)
@@ -424,50 +424,52 @@ def layer_major_figures(args) -> None:
             state.cache.recorder = None
         return out
 
+    def run_streaming(prompt, share, mode):
+        """``run`` cold on a model loaded with ``share`` of the expert bytes, prefilling by ``mode``."""
+        tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
+        model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning)
+        r = run(model, prompt, cold=True)
+        r["hold_limit"] = model.expert_streaming.cache.tuning.prefill_hold_bytes
+        model.expert_streaming.close()
+        return r
+
+    def same(r, ref):
+        """How many of the tokens after the prompt are ``ref``'s, and its first logprobs' bits."""
+        equal = sum(a == b for a, b in zip(r["argmax"], ref["argmax"]))
+        return equal, bool(mx.array_equal(r["first"], ref["first"]))
+
     # a warm-up of every kind of run first (on CUDA the first prefill compiles its kernels: the
     # H200's first stock prefill of 4096 tokens took 178 s where the second took under 2)
     warm = mx.array([random.Random(i).randrange(vocab) for i in range(2 * step + 2)])
     run(stock, warm, cold=False)
     for mode in ("chunked", "layer_major"):
-        tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
-        model, _ = load_streaming(path, expert_cache_gb=shares[0] * total / BUDGET_GB,
-                                  tuning=tuning)  # fmt: skip
-        run(model, warm, cold=True)
-        model.expert_streaming.close()
-        del model
-    for tokens in sizes:
+        run_streaming(warm, shares[0], mode)
+    for tokens in prompt_sizes:
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
         ref = run(stock, prompt, cold=False)
-        # stock's own run-to-run (on CUDA a long prompt's logits vary from run to run)
-        again = run(stock, prompt, cold=False) if args.device_kind == "gpu" else None
         stock_s = ref["ttft_s"]
         base = {"tokens": tokens, "stock_ttft_s": stock_s}
-        res["runs"].append({
-            **base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s, "prefill_tok_s": tokens / stock_s,
-            "peak_prefill_gb": ref["peak_prefill_gb"],
-        })  # fmt: skip
-        if again is not None:
-            res["runs"][-1].update({
-                "stock_again_ttft_s": again["ttft_s"],
-                "stock_run_to_run_same_tokens": again["argmax"] == ref["argmax"],
-                "stock_run_to_run_tokens_equal": sum(
-                    a == b for a, b in zip(again["argmax"], ref["argmax"])),
-                "stock_run_to_run_same_first_logprobs": bool(
-                    mx.array_equal(again["first"], ref["first"])),
-            })  # fmt: skip
-        log(json.dumps(res["runs"][-1]))
+        row = {**base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s,
+               "prefill_tok_s": tokens / stock_s, "peak_prefill_gb": ref["peak_prefill_gb"]}  # fmt: skip
+        if args.device_kind == "gpu":
+            # stock's own run-to-run (on CUDA a long prompt's logits vary from run to run)
+            again = run(stock, prompt, cold=False)
+            equal, first = same(again, ref)
+            row.update(stock_again_ttft_s=again["ttft_s"],
+                       stock_run_to_run_same_tokens=again["argmax"] == ref["argmax"],
+                       stock_run_to_run_tokens_equal=equal,
+                       stock_run_to_run_same_first_logprobs=first)  # fmt: skip
+        res["runs"].append(row)
+        log(json.dumps(row))
         for share in shares:
             budget = share * total
             modes = ("chunked", "layer_major")
             rounds = [modes if r % 2 == 0 else modes[::-1] for r in range(args.rounds or 1)]
             for r_index, mode in ((r, m) for r, order in enumerate(rounds) for m in order):
-                tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
-                model, _ = load_streaming(path, expert_cache_gb=budget / BUDGET_GB, tuning=tuning)
-                r = run(model, prompt, cold=True)
-                model.expert_streaming.close()
-                del model
+                r = run_streaming(prompt, share, mode)
                 must = r["must_read_gb"] * 1e9
                 limit = max(stock_s, must / disk)
+                equal, first = same(r, ref)
                 row = {
                     **base, "share": share, "mode": mode, "round": r_index,
                     "budget_gb": budget / 1e9,
@@ -489,9 +491,8 @@ def layer_major_figures(args) -> None:
                     "decode_hit_rate": r["decode_hit_rate"],
                     "layer_major_prompts": r["layer_major_prompts"], "fallbacks": r["fallbacks"],
                     "same_tokens_as_stock": r["argmax"] == ref["argmax"],
-                    "tokens_equal_to_stock": sum(a == b for a, b in zip(r["argmax"], ref["argmax"])),
-                    "tokens_compared": len(ref["argmax"]),
-                    "same_first_logprobs_as_stock": bool(mx.array_equal(r["first"], ref["first"])),
+                    "tokens_equal_to_stock": equal, "tokens_compared": len(ref["argmax"]),
+                    "same_first_logprobs_as_stock": first,
                 }  # fmt: skip
                 res["runs"].append(row)
                 log(json.dumps(row))
@@ -499,12 +500,8 @@ def layer_major_figures(args) -> None:
     if args.hold_tokens:
         tokens = args.hold_tokens
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
-        model, _ = load_streaming(path, expert_cache_gb=shares[0] * total / BUDGET_GB,
-                                  layer_major_prefill=True)  # fmt: skip
-        limit = model.expert_streaming.cache.tuning.prefill_hold_bytes
-        r = run(model, prompt, cold=True)
-        model.expert_streaming.close()
-        del model
+        r = run_streaming(prompt, shares[0], "layer_major")
+        limit = r["hold_limit"]
         res["hold"] = {
             "tokens": tokens, "share": shares[0], "hold_limit_gb": limit / 1e9 if limit else None,
             "held_gb": r["held_gb"], "groups": r["groups"], "peak_prefill_gb": r["peak_prefill_gb"],
