@@ -168,12 +168,9 @@ def run_arch(name, path, args):
     res["warm_fill"] = fill_warm(configs["warm"], short)
     log(f"[{name}] warm filled: {res['warm_fill']}")
 
-    def same_routing_from_here():
-        for cfg in configs.values():
-            cfg.routing.reset()
-
     # prefill: stock, warm; cold from empty banks and a cold page cache
-    same_routing_from_here()
+    for cfg in configs.values():
+        cfg.routing.reset()  # the same routing from here on in every configuration
     res["prefill_s"], res["prefill_stats"] = {}, {}
     for key in ("stock", "warm", "cold"):
         cfg = configs[key]
@@ -189,8 +186,8 @@ def run_arch(name, path, args):
 
     # decode: each configuration prefills a short prompt and decodes a warm-up block, then rounds
     stream = [rng.randrange(vocab) for _ in range(4096)]
-    same_routing_from_here()
     for cfg in configs.values():
+        cfg.routing.reset()
         if cfg.cold:
             reset_banks(cfg.model)
         if cfg.calls is not None:
@@ -214,7 +211,7 @@ def run_arch(name, path, args):
             configs[key].decode_s.extend(times)
             row[key] = sum(times) / len(times)
         rounds.append(row)
-        log(f"[{name}] round {r}: " + ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items()), "tok/s")
+        log(f"[{name}] round {r}:", ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items()), "tok/s")
     res["rounds"] = rounds
     res["decode"] = {k: decode_figures(cfg, res["expert_bytes"]) for k, cfg in configs.items()}
     slots = [b.slots for b in cold.cache.banks]
@@ -237,7 +234,7 @@ def run_arch(name, path, args):
 
 
 def peak_rss() -> int:
-    """This process's peak RSS in bytes (VmHWM: ru_maxrss would include the parent's, kept over exec)."""
+    """This process's peak RSS in bytes (VmHWM: ru_maxrss counts the parent's, kept over exec)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -266,7 +263,8 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
         model, config = load_streaming(path, expert_cache_gb=budget_gb)
         cache = model.expert_streaming.cache
         cache.ensure_planned()
-        out.update(budget=cache.resident_bytes, resident_bytes=model.expert_streaming.resident_bytes)
+        out["budget"] = cache.resident_bytes
+        out["resident_bytes"] = model.expert_streaming.resident_bytes
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     rng = random.Random(1)
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
@@ -316,7 +314,8 @@ class RoutedExperts:
     def record(self, bank, ids):
         import numpy as np
 
-        self.used.setdefault(id(bank), (bank, set()))[1].update(np.asarray(ids).reshape(-1).tolist())
+        used = self.used.setdefault(id(bank), (bank, set()))[1]
+        used.update(np.asarray(ids).reshape(-1).tolist())
 
     def bytes(self) -> int:
         return sum(len(s) * b.layer.expert_nbytes for b, s in self.used.values())
@@ -425,7 +424,7 @@ def layer_major_figures(args) -> None:
         return out
 
     def run_streaming(prompt, share, mode):
-        """``run`` cold on a model loaded with ``share`` of the expert bytes, prefilling by ``mode``."""
+        """``run`` cold, a model loaded with ``share`` of the expert bytes, prefill by ``mode``."""
         tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
         model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning)
         r = run(model, prompt, cold=True)
@@ -449,8 +448,10 @@ def layer_major_figures(args) -> None:
         ref = run(stock, prompt, cold=False)
         stock_s = ref["ttft_s"]
         base = {"tokens": tokens, "stock_ttft_s": stock_s}
-        row = {**base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s,
-               "prefill_tok_s": tokens / stock_s, "peak_prefill_gb": ref["peak_prefill_gb"]}  # fmt: skip
+        row = {
+            **base, "mode": "stock", "tokens_compared": len(ref["argmax"]), "ttft_s": stock_s,
+            "prefill_tok_s": tokens / stock_s, "peak_prefill_gb": ref["peak_prefill_gb"],
+        }  # fmt: skip
         if args.device_kind == "gpu":
             # stock's own run-to-run (on CUDA a long prompt's logits vary from run to run)
             again = run(stock, prompt, cold=False)
@@ -530,7 +531,8 @@ def prefill_table(res) -> str:
     for r in res["runs"]:
         if r["mode"] == "stock":
             lines.append(
-                f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} | - "
+                f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} "
+                f"| - "
                 f"| {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
                 + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
                    if "stock_run_to_run_tokens_equal" in r else "| - |")
@@ -558,14 +560,16 @@ def prefill_table(res) -> str:
                 p["chunked"]["ttft_s"] / p["layer_major"]["ttft_s"])
     for (tokens, share), ratios_ in sorted(by.items()):
         lines.append(
-            f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, per round: "
+            f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, per "
+            "round: "
             + ", ".join(f"{x:.2f}" for x in ratios_)
         )
     h = res.get("hold")
     if h:
         lines.append(
             f"\n{h['tokens']} tokens, layer-major at {h['share']:.0%}: {h['held_gb']:.3f} GB of "
-            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, {h['groups']} groups), "
+            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, "
+            f"{h['groups']} groups), "
             f"MLX peak {h['peak_prefill_gb']:.2f} GB, {h['prefill_tok_s']:.1f} tok/s, "
             f"{h['gb_read']:.3f} GB read ({h['must_read_gb']:.3f} must be read)"
         )
@@ -580,8 +584,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the tiny shape, fewer rounds (seconds)")
     ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--archs", default=None, help="comma-separated of " + ",".join(ARCHS))
-    default_ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
-    ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", default_ckpt))
+    ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
+    ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--rounds", type=int, default=None)

@@ -83,7 +83,9 @@ def checkpoint(
 
     log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()
-    build_checkpoint(path, spec["arch"], "affine4", num_layers=layers, overrides=overrides, dtype=dtype)
+    build_checkpoint(
+        path, spec["arch"], "affine4", num_layers=layers, overrides=overrides, dtype=dtype
+    )
     (path / ".complete").write_text("ok")
     log(f"built in {time.time() - start:.0f} s")
     return path
@@ -238,7 +240,7 @@ def precision_recall(p):
 
 
 class ForcedRouting:
-    """Replaces a layer's router choice by uniformly random experts, the same in every configuration:
+    """Replaces a layer's router choice by uniformly random experts, alike in every configuration:
     the choice depends only on (layer, call number), so logits stay comparable. Why uniform
     (a random-weight model's own router picks the same few experts): methods/harness.md."""
 

@@ -28,8 +28,8 @@ def fmt(v, pct=False):
 
 
 def _spread(res):
-    """min-max over rounds of the paired decode ratios, and the ratio of each configuration's fastest
-    round (on a shared machine other load only slows a round down), as text."""
+    """min-max over rounds of the paired decode ratios, and the ratio of each configuration's
+    fastest round (on a shared machine other load only slows a round down), as text."""
     rounds = res.get("rounds") or []
     out = {}
 
@@ -151,7 +151,8 @@ def markdown(report):
                 want = (v.get("resident_bytes") or 0) + v.get("budget", 0)
                 want = want if k != "stock" else res["checkpoint_bytes"]
                 net = v["peak_rss"] - v["rss_after_imports"]
-                lines.append(f"| {k} | {v['peak_rss'] / GB:.2f} | {net / GB:.2f} | {want / GB:.2f} |")
+                peak = v["peak_rss"] / GB
+                lines.append(f"| {k} | {peak:.2f} | {net / GB:.2f} | {want / GB:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
