@@ -1,19 +1,16 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
-probe, routing and decode timing, loading stock and streaming models, paired results, peak RSS.
+probe, forced routing and decode timing, loading stock and streaming models, paired ratios.
 
 Imported by ``experts.py``, ``gpu_pipeline.py``, ``timeline_png.py`` and ``distributed.py``
-(bench/README.md); it imports only the standard library at import time.
+(bench/README.md); it imports only the standard library at import time. Why the routing and the
+token stream are forced, how decode is timed: docs/benchmarks/methods/harness.md.
 """
 
-import gc
 import hashlib
-import json
 import mmap
 import os
 import random
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +25,6 @@ GB = 1 << 30
 from mlx_lm_streaming.option_table import GB as BUDGET_GB  # noqa: E402
 MB = 1 << 20
 COLD_SHARE = 0.25
-PREFILL_TOKENS = 512
 
 
 def _shape(label, arch, layers, **overrides):
@@ -88,12 +84,7 @@ def checkpoint(
     log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()
     build_checkpoint(
-        path,
-        spec["arch"],
-        "affine4",
-        num_layers=layers,
-        overrides=overrides,
-        dtype=dtype,
+        path, spec["arch"], "affine4", num_layers=layers, overrides=overrides, dtype=dtype
     )
     (path / ".complete").write_text("ok")
     log(f"built in {time.time() - start:.0f} s")
@@ -102,6 +93,10 @@ def checkpoint(
 
 def shards(path: Path):
     return sorted(Path(path).glob("model*.safetensors"))
+
+
+def pack_files(path):
+    return sorted(Path(path).glob("*.pack"))
 
 
 def drop_page_cache(files) -> float:
@@ -245,13 +240,9 @@ def precision_recall(p):
 
 
 class ForcedRouting:
-    """Replaces a layer's router choice by uniformly random experts, the same in every configuration.
-
-    A random-weight model routes almost every token to the same few experts (measured: Mixtral-shaped,
-    2 experts for every token; Qwen3-shaped, ~35 distinct experts of 128 over 64 tokens past layer 0),
-    which would leave nothing to stream. Uniform routing is the hard case instead: a 25% budget hits
-    25% of the time, and no router predicts the next layer. The choice depends only on (layer, call
-    number), so every configuration computes the same thing and logits stay comparable."""
+    """Replaces a layer's router choice by uniformly random experts, alike in every configuration:
+    the choice depends only on (layer, call number), so logits stay comparable. Why uniform
+    (a random-weight model's own router picks the same few experts): methods/harness.md."""
 
     def __init__(self, num_experts: int, seed: int = 0):
         self.num_experts = num_experts
@@ -292,38 +283,27 @@ class ForcedRouting:
         return pick.astype(np.uint32).reshape(shape)
 
 
-def make_routing(routing: str, num_experts: int, layers: int, fold=None):
-    """The routing a configuration replays (``--routing``): ``ForcedRouting``, a trace's
-    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones; ``fold`` =
-    (experts, top_k): the trace folded onto them, ``routing_replay.fold_trace``), or None (also
-    for ``model:DIR``: that checkpoint's own router)."""
+def make_routing(routing: str, num_experts: int, layers: int):
+    """The routing a configuration replays: ``uniform`` (``ForcedRouting``), ``trace:FILE``
+    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones), or None
+    (``model:DIR``: that checkpoint's own router)."""
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
-        from routing_replay import TraceRouting, fold_trace, read_trace
+        from routing_replay import TraceRouting, read_trace
 
         trace = read_trace(routing[len("trace:") :])
-        if fold is not None:
-            trace = fold_trace(trace, *fold)
         return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
     return None
 
 
-def routing_label(routing: str, fold=None, layers=None) -> str:
+def routing_label(routing: str) -> str:
     """How a run's routing is named in its report."""
     if routing.startswith("model:"):
         return f"model {Path(routing[len('model:') :]).name} (its own router)"
-    if not routing.startswith("trace:"):
-        return routing
-    label = f"trace {Path(routing[len('trace:') :]).name}"
-    if layers:
-        label += f", its first {layers} MoE layers"
-    if fold:
-        label += (
-            f", folded onto {fold[0]} experts, top {fold[1]} (id % {fold[0]}, the first "
-            f"{fold[1]} distinct ids in rank order): a real trace's reuse, not this model's routing"
-        )
-    return label
+    if routing.startswith("trace:"):
+        return f"trace {Path(routing[len('trace:') :]).name}"
+    return routing
 
 
 class CallLog:
@@ -437,24 +417,10 @@ def reset_banks(model):
     cache.stats = CacheStats()
 
 
-def prefill(cfg, tokens):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    kv = make_prompt_cache(cfg.model)
-    start = time.perf_counter()
-    logits = cfg.model(tokens[None], cache=kv)
-    mx.eval(logits)
-    return time.perf_counter() - start, kv, logits
-
-
 class ForcedSampler:
-    """Feeds a fixed random token stream (the same for every configuration) instead of sampling.
-
-    Greedy decoding of a random-weight model soon repeats one token, hence one routing, and every
-    expert would be a hit; a random stream routes like varied text (worse than real text, which
-    reuses experts more). Each step's log-probabilities are recorded (hashed bit for bit) to check
-    that every configuration computes exactly what stock mlx-lm computes."""
+    """Feeds a fixed random token stream (the same for every configuration) instead of sampling,
+    and keeps each step's log-probabilities (hashed bit for bit after the block, to compare with
+    stock). Why not greedy decoding: docs/benchmarks/methods/harness.md."""
 
     def __init__(self, stream, start):
         self.stream = stream
@@ -515,17 +481,12 @@ def load_stock(path):
     return model, config
 
 
-DIRECT_READS = "auto"  # experts.py --direct-reads: the option for every streaming configuration
-
-
 def load_streaming(path, **options):
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration.integration import install
 
     install()
-    if DIRECT_READS != "auto":
-        options.setdefault("direct_reads", DIRECT_READS == "on")
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
 
 
@@ -564,108 +525,3 @@ def ratios(res, rounds):
     if "warm" in pre:
         out["prefill_warm_vs_stock"] = pre["stock"] / pre["warm"]
     return out
-
-
-# -- peak RSS, one process per configuration ------------------------------------------------------
-
-
-def peak_rss() -> int:
-    """This process's peak RSS in bytes (VmHWM: ru_maxrss would include the parent's, kept over exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_child(path, which, prefill_tokens, decode_tokens, routing):
-    import mlx.core as mx
-    import mlx_lm.generate  # noqa: F401  (imports are the interpreter's, not the model's memory)
-    import mlx_lm.utils  # noqa: F401
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    base = peak_rss()
-    if which == "stock":
-        model, config = load_stock(path)
-        budget = 0
-        resident = None
-    else:
-        probe, config = load_streaming(path, expert_cache_gb=1e6)
-        total = probe.expert_streaming.cache.total_expert_bytes
-        del probe
-        gc.collect()
-        gb = total / BUDGET_GB * (1.001 if which == "warm" else COLD_SHARE)
-        drop_page_cache(shards(path))
-        model, config = load_streaming(path, expert_cache_gb=gb)
-        cache = model.expert_streaming.cache
-        cache.ensure_planned()
-        budget = cache.resident_bytes
-        resident = model.expert_streaming.resident_bytes
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    rng = random.Random(1)
-    tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
-    from mlx_lm.generate import generate_step
-
-    from routing_replay import _expert_counts, read_trace
-
-    experts, top_k = _expert_counts(model)
-    fold = None
-    if routing.startswith("trace:") and read_trace(routing[len("trace:") :]).num_experts != experts:
-        fold = (experts, top_k)  # as the run's --trace-fold
-    forced = make_routing(routing, experts, len(model.layers), fold=fold)
-    if forced is not None:
-        forced.wrap(model)
-
-    for _ in generate_step(tokens, model, max_tokens=decode_tokens):
-        pass
-    peak = peak_rss()
-    out = {
-        "which": which,
-        "peak_rss": peak,
-        "rss_after_imports": base,
-        "budget": budget,
-        "resident_bytes": resident,
-        "mlx_peak": mx.get_peak_memory(),
-    }
-    if which != "stock":
-        out["staging_limit"] = model.expert_streaming.cache.prefetcher.max_bytes
-    print("RSS_JSON " + json.dumps(out), flush=True)
-
-
-def measure_rss(path, args):
-    out = {}
-    for which in ("stock", "warm", "cold"):
-        cmd = [
-            sys.executable,
-            str(ROOT / "bench" / "experts.py"),
-            "--rss-child",
-            which,
-            "--rss-path",
-            str(path),
-            "--rss-prefill",
-            str(min(args.prefill_tokens, 64) if args.device_kind == "cpu" else args.prefill_tokens),
-            "--rss-decode",
-            str(8),
-            "--routing",
-            args.routing,
-            "--direct-reads",
-            args.direct_reads,
-        ]
-        if args.device_kind == "gpu":
-            cmd += ["--device-kind", "gpu"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
-        if p.returncode or not line:
-            log(f"rss child {which} failed: {p.stderr[-2000:]}")
-            continue
-        out[which] = json.loads(line[-1][9:])
-        log(f"rss {which}: {out[which]['peak_rss'] / GB:.2f} GB")
-    return out
-
-
-def pack_files(path):
-    return sorted(Path(path).glob("*.pack"))

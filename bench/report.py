@@ -1,4 +1,5 @@
-"""The reports of ``experts.py``: the markdown tables against the targets, the plot, the machine."""
+"""The reports of ``experts.py``: the markdown tables against the targets, the plot, the machine.
+What each figure means and how it is computed: docs/benchmarks/methods/experts.md."""
 
 import json
 import math
@@ -12,11 +13,8 @@ from harness import GB, MB, log
 TARGETS = [
     ("warm decode vs stock resident", "warm_vs_stock", ">= 0.95 (GPU: >= 0.9)"),
     ("cold decode vs max(stock compute, miss bytes / disk bandwidth)", "cold_vs_limit", ">= 0.87"),
-    (
-        "prefill (cold) vs max(stock prefill, reading each expert once)",
-        "prefill_cold_vs_limit",
-        ">= 0.75",
-    ),
+    ("prefill (cold) vs max(stock prefill, reading each expert once)", "prefill_cold_vs_limit",
+     ">= 0.75"),
     ("peak RSS (cold) vs resident weights + cache budget", "rss_cold_over_budget", "<= +15%"),
 ]
 
@@ -30,8 +28,8 @@ def fmt(v, pct=False):
 
 
 def _spread(res):
-    """min-max over rounds of the paired decode ratios, and the ratio of each configuration's fastest
-    round (on a shared machine other load only slows a round down), as text."""
+    """min-max over rounds of the paired decode ratios, and the ratio of each configuration's
+    fastest round (on a shared machine other load only slows a round down), as text."""
     rounds = res.get("rounds") or []
     out = {}
 
@@ -62,88 +60,41 @@ def _gbps(v):
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def routing_summary(report):
-    """Per shape, one row per routing: the cold configuration's hit rate beside the replay's LRU and
-    Belady at the same slots, tok/s against the limit, and the GB/s its reads achieved beside the
-    disk probe's best (runs with ``res["replay"]``, written since 2026-12-01)."""
-    runs = [res for res in report["archs"] if "replay" in res and "cold" in res["decode"]]
-    if not runs:
+def cold_lines(res):
+    """The cold configuration's rows replayed offline beside its hit rate, its limit, the GB/s its
+    reads achieved beside the disk probe's best, its lookahead's precision and recall."""
+    rp, cold, r = res.get("replay"), res["decode"].get("cold"), res["ratios"]
+    if not rp or not cold:
         return []
-    lines = [
-        "## Cold decode by shape and routing",
+    slots = "/".join(map(str, sorted(set(rp["slots"]))))
+    p = cold.get("prefetch") or {}
+    ahead = (f" Lookahead: precision {fmt(p.get('lookahead_precision'))}, recall "
+             f"{fmt(p.get('lookahead_recall'))}." if p else "")  # fmt: skip
+    return [
         "",
-        "`cold`: budget 25% of the expert bytes, page cache dropped before every decode step. Hit "
-        "rate: the cold configuration's own (cache stats, measured steps). Beside it, its very rows "
-        "(the ids its layers were called with, recorded from its cold start: the short prompt's "
-        "rows and the warm-up steps warm the tables and are not counted, then every measured step) "
-        "replayed through `mlx_lm_streaming.tools.replay` with its slots per layer: the cache's own "
-        "policy, LRU, Belady (offline optimum), and slots / experts (what random choices hit). The "
-        "replay takes a prompt row by row where the model took it in one call. Limit tok/s = 1 / "
-        "max(stock s per token, miss bytes per token / probe best GB/s), from the run's totals; "
-        "cold / limit = cold tok/s / limit tok/s (the paired median of per-round ratios in "
-        "brackets). Read GB/s (GB = 2^30): bytes the store read over the wall time at least one "
-        "read was in flight (union of the reads' spans); in brackets over the store's own read "
-        "seconds (`store.stats.seconds`, summed over reads that overlap on its threads) and over "
-        "the calling thread's I/O wait (`cache.stats.io_wait_seconds`).",
-        "",
+        f"Cold, replayed ({rp['rows_decode']} measured rows per layer after {rp['rows_warm']} "
+        f"warm-up rows, {slots} slots of {rp['num_experts']} experts, top {rp['top_k']}): hit rate "
+        f"{_pct(cold['hit_rate'])}; its policy {_pct(rp['policy_hit_rate'])} ({rp['policy']}), "
+        f"LRU {_pct(rp['lru_hit_rate'])}, Belady {_pct(rp['belady_hit_rate'])}, slots / experts "
+        f"{_pct(rp['random_hit_rate'])}. Limit {r['cold_limit_tok_s']:.2f} tok/s, cold / limit "
+        f"{r['cold_vs_limit_totals']:.3f} from the totals. Read GB/s: "
+        f"{_gbps(cold.get('read_gbps_in_flight'))} in flight "
+        f"({_gbps(cold.get('read_gbps_store_seconds'))} over the store's read seconds, "
+        f"{_gbps(cold.get('read_gbps_io_wait'))} over the I/O wait); probe best "
+        f"{res['disk_best_gbps']:.2f}.{ahead}",
     ]
-    by_shape = {}
-    for res in runs:
-        by_shape.setdefault(res["label"], []).append(res)
-    for label, group in by_shape.items():
-        lines += [
-            f"### {label}",
-            "",
-            "| routing | layers x experts, top-k, slots | hit rate | replay: own policy | LRU | "
-            "Belady | slots / experts | cold tok/s | stock tok/s | limit tok/s | cold / limit | "
-            "MB read / token | read GB/s in flight (store s; I/O wait) | probe best GB/s | "
-            "bit-exact logits |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for res in group:
-            rp, d, r = res["replay"], res["decode"], res["ratios"]
-            slots = sorted(set(rp["slots"]))
-            exact = res["same_tokens"]
-            bad = [k for k, v in exact.items() if not v]
-            lines.append(
-                f"| {res.get('routing_label', res['routing'])} | {res['layers']} x "
-                f"{res['experts']}, top {rp['top_k']}, {'/'.join(map(str, slots))} | "
-                f"{_pct(d['cold']['hit_rate'])} | {_pct(rp['policy_hit_rate'])} "
-                f"({rp['policy']}) | {_pct(rp['lru_hit_rate'])} | {_pct(rp['belady_hit_rate'])} | "
-                f"{_pct(rp['random_hit_rate'])} | {d['cold']['tok_s']:.2f} | "
-                f"{d['stock']['tok_s']:.2f} | {r['cold_limit_tok_s']:.2f} | "
-                f"{r['cold_vs_limit_totals']:.3f} ({fmt(r['cold_vs_limit'])}) | "
-                f"{d['cold']['bytes_per_token'] / MB:.1f} | "
-                f"{_gbps(d['cold'].get('read_gbps_in_flight'))} "
-                f"({_gbps(d['cold'].get('read_gbps_store_seconds'))}; "
-                f"{_gbps(d['cold'].get('read_gbps_io_wait'))}) | {res['disk_best_gbps']:.2f} | "
-                f"{'all (' + ', '.join(exact) + ')' if not bad else 'NOT ' + ', '.join(bad)} |"
-            )
-        lines.append("")
-        for res in group:
-            rp = res["replay"]
-            lines.append(
-                f"- {res.get('routing_label', res['routing'])}: {rp['rows_decode']} measured rows "
-                f"per layer replayed after {rp['rows_warm']} warm-up rows; "
-                f"{res['decode']['cold']['tokens']} cold decode steps timed."
-            )
-        lines.append("")
-    return lines
 
 
 def markdown(report):
     lines = [f"# Expert streaming benchmark: {report['tag']}", ""]
     m = report["machine"]
     lines += [f"Machine: {m['summary']}. Command: `{report['command']}`. {report['when']}.", ""]
-    lines += routing_summary(report)
     for res in report["archs"]:
         r = res["ratios"]
-        routing = res.get("routing_label") or res.get("routing")
         lines += [
             f"## {res['label']} experts ({res['layers']} layers, {res['experts']} experts of "
             f"{res['expert_bytes'] / MB:.2f} MB, {res['total_expert_bytes'] / GB:.2f} GB of experts"
-            + (f"; routing: {routing}" if routing and "routing_label" in res else "")
-            + ")",
+            f"; routing: {res['routing']})",
             "",
             "| target | measured | goal |",
             "|---|---|---|",
@@ -154,32 +105,22 @@ def markdown(report):
             lines.append(
                 f"| {label} | {fmt(r.get(key), pct=key.startswith('rss'))}{extra} | {goal} |"
             )
-        for seed in ("seed_loop", "seed_stack"):  # runs from before bench/seeds.py was removed
-            if f"cold_vs_{seed}" in r:
-                lines.append(f"| cold decode vs {seed} (same budget, same disk) | "
-                             f"{fmt(r[f'cold_vs_{seed}'])} | > 1 |")
         lines += [
             "",
             "| configuration | tok/s | vs stock (paired) | hit rate | MB read / token | "
-            "I/O wait ms / token | install ms / token | "
-            + ("bit-exact logits |" if report.get("exact_check") else "same greedy argmax |"),
+            "I/O wait ms / token | install ms / token | bit-exact logits |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for key, d in res["decode"].items():
             hr = d["hit_rate"]
+            paired = fmt(r.get(f"{key}_vs_stock")) if key != "stock" else "1"
             lines.append(
-                f"| {key} | {d['tok_s']:.2f} | {fmt(r.get(f'{key}_vs_stock')) if key != 'stock' else '1'} | "
+                f"| {key} | {d['tok_s']:.2f} | {paired} | "
                 f"{'' if hr is None else f'{hr:.1%}'} | {d['bytes_per_token'] / MB:.1f} | "
                 f"{d['io_wait_s_per_token'] * 1e3:.0f} | {d['install_s_per_token'] * 1e3:.0f} | "
                 f"{res['same_tokens'].get(key, 'n/a')} |"
             )
-        p = res["decode"].get("cold", {}).get("prefetch") or {}
-        if p:
-            lines += [
-                "",
-                f"Lookahead (cold): precision {fmt(p.get('lookahead_precision'))}, recall "
-                f"{fmt(p.get('lookahead_recall'))}.",
-            ]
+        lines += cold_lines(res)
         if r.get("stock_again_vs_stock") is not None:
             lines += [
                 "",
@@ -208,10 +149,10 @@ def markdown(report):
             ]
             for k, v in rss.items():
                 want = (v.get("resident_bytes") or 0) + v.get("budget", 0)
-                lines.append(
-                    f"| {k} | {v['peak_rss'] / GB:.2f} | {(v['peak_rss'] - v['rss_after_imports']) / GB:.2f} | "
-                    f"{want / GB if k != 'stock' else res['checkpoint_bytes'] / GB:.2f} |"
-                )
+                want = want if k != "stock" else res["checkpoint_bytes"]
+                net = v["peak_rss"] - v["rss_after_imports"]
+                peak = v["peak_rss"] / GB
+                lines.append(f"| {k} | {peak:.2f} | {net / GB:.2f} | {want / GB:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -233,14 +174,9 @@ def plot(report, path):
     for ax, res in zip(axes.flat, archs):
         keys = list(res["decode"])
         vals = [res["decode"][k]["tok_s"] for k in keys]
-        ax.bar(
-            range(len(keys)),
-            vals,
-            color=[
-                "#555" if k == "stock" else "#2a7" if k.startswith(("warm", "cold")) else "#c53"
-                for k in keys
-            ],
-        )
+        colors = ["#555" if k == "stock" else "#2a7" if k.startswith(("warm", "cold")) else "#c53"
+                  for k in keys]
+        ax.bar(range(len(keys)), vals, color=colors)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels(keys, rotation=45, ha="right", fontsize=8)
         ax.set_yscale("log")
@@ -254,12 +190,8 @@ def plot(report, path):
         drawn = vals + ([limit] if limit else [])
         ax.set_ylim(bottom=min(drawn) * 0.5, top=max(drawn) * 1.25)
         ax.set_ylabel("decode tok/s (log scale)")
-        routing = res.get("routing", "uniform")
-        routing = "trace" if routing.startswith("trace:") else routing
-        routing += ", folded" if res.get("routing_fold") else ""
-        ax.set_title(
-            f"{res['label']} ({res['layers']} layers, {report['device']}, {routing})", fontsize=9
-        )
+        title = f"{res['label']} ({res['layers']} layers, {report['device']}, {res['routing']})"
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
@@ -268,11 +200,7 @@ def plot(report, path):
 def machine(device):
     import mlx.core as mx
 
-    info = {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
+    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
     try:
         import importlib.metadata as md
 
@@ -287,11 +215,8 @@ def machine(device):
     info["device"] = str(mx.default_device())
     if device == "gpu":
         try:
-            info["gpu"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
+            query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+            info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
         except OSError:
             pass
     info["summary"] = (
@@ -312,19 +237,9 @@ def write(report, out: Path, tag: str) -> None:
         log(note)
 
 
-def render(files, out: Path, tag=None) -> str:
-    """``experts.py --render``: the .md and .png of a results JSON again, next to it; several JSONs
-    merged into ``<out>/<tag>``: one report, every run's sections."""
-    report = json.loads(files[0].read_text())
-    if len(files) > 1:
-        for f in files[1:]:
-            more = json.loads(f.read_text())
-            report["archs"] += more["archs"]
-            report["command"] += f"`; `{more['command']}"
-        report["tag"] = tag or report["tag"]
-        write(report, out, report["tag"])
-        return f"wrote {out}/{report['tag']}.json, .md and .png"
-    src = files[0]
+def render(src: Path) -> str:
+    """``experts.py --render FILE.json``: the .md and .png of a results JSON again, next to it."""
+    report = json.loads(src.read_text())
     src.with_suffix(".md").write_text(markdown(report))
     note = plot(report, src.with_suffix(".png"))
     return note or f"wrote {src.with_suffix('.md')} and {src.with_suffix('.png')}"

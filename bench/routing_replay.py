@@ -1,24 +1,12 @@
 """Trace routing for the benchmarks: each MoE layer's router choice replaced by a real trace's experts.
 
-A random-weight checkpoint routes almost every token to the same few experts, and uniform random
-experts (``harness.ForcedRouting``) have no temporal locality at all. A routing trace
-(``mlx_lm_streaming.files.routing_trace``, ``tests/data/routing/*.jsonl``) holds what a real model picked,
-token by token, layer by layer. ``TraceRouting.wrap(model)`` puts a small module in front of every
-MoE block's expert module (stock ``SwitchGLU``, our ``StreamingSwitchGLU``) that passes the trace's experts instead of the router's ``indices``; the router
-still runs and its gate weights are used as stock uses them. The choice depends only on (layer,
-rows consumed so far), so stock and streaming compute the same thing and their logits stay
-comparable bit for bit.
-
-Rules:
-
-- the i-th wrapped module takes the trace's i-th MoE layer; a checkpoint with fewer MoE layers than
-  the trace replays the trace's first layers (``layers``), one with more is an error;
-- the checkpoint's experts per layer must be the trace's, and its top-k the trace's (build it with
-  ``top_k`` = the trace's: ids are never padded, truncated or repeated);
-- each layer keeps a cursor into the trace's rows: a call with R rows (a prompt of R tokens, or one
-  decode token) takes the next R rows in the trace's order (prefill rows, then decode rows), wrapping
-  around at the end; rows where the trace has no ids for that layer (an engine that skipped it) are
-  passed over for that layer. ``reset()`` rewinds every cursor.
+``TraceRouting.wrap(model)`` puts a small module in front of every MoE block's expert module (stock
+``SwitchGLU``, our ``StreamingSwitchGLU``) that passes the trace's experts
+(``mlx_lm_streaming.files.routing_trace``, ``tests/data/routing/*.jsonl``) instead of the router's
+``indices``; the router still runs and its gate weights are used as stock uses them. The choice
+depends only on (layer, rows consumed so far), so stock and streaming compute the same thing and
+their logits stay comparable bit for bit. The rules (layers, top-k, cursors):
+docs/benchmarks/methods/harness.md.
 """
 
 import time
@@ -122,19 +110,14 @@ class TraceRouting:
         return len(self.trace.rows)
 
 
-def expert_kinds():
-    from mlx_lm.models.switch_layers import SwitchGLU
-
-    from mlx_lm_streaming.runtime.switch import StreamingSwitchGLU
-
-    return (SwitchGLU, StreamingSwitchGLU)
-
-
 def expert_modules(model):
     """``(parent, name, module)`` of every MoE expert module of ``model``, in layer order."""
-    from mlx_lm_streaming.runtime.index import natural_key
+    from mlx_lm.models.switch_layers import SwitchGLU
 
-    kinds = expert_kinds()
+    from mlx_lm_streaming.runtime.index import natural_key
+    from mlx_lm_streaming.runtime.switch import StreamingSwitchGLU
+
+    kinds = (SwitchGLU, StreamingSwitchGLU)
     found = sorted(
         ((path, m) for path, m in model.named_modules() if isinstance(m, kinds)),
         key=lambda pm: natural_key(pm[0]),
@@ -239,38 +222,6 @@ def routed(inner, routing, layer_no):
     if _ROUTED is None:
         _ROUTED = _routed_class()
     return _ROUTED(inner, routing, layer_no)
-
-
-def fold_trace(trace: RoutingTrace, num_experts: int, top_k: int) -> RoutingTrace:
-    """``trace`` folded onto ``num_experts`` experts per layer and ``top_k`` per token, for a shape
-    whose expert count is not the trace's (Mixtral's 8 experts, where a layer of 128 such experts
-    would be 13 GB): each row and layer takes ``id % num_experts`` of the trace's ids and keeps the
-    first ``top_k`` distinct ones in rank order; where fewer are distinct, the lowest ids not yet
-    chosen fill the row (empty rows stay empty). It keeps the trace's reuse from token to token,
-    folded, but it is not the folded shape's own routing: say so wherever it is reported."""
-    if not 0 < top_k <= num_experts:
-        raise TraceError(f"{trace.path}: cannot fold onto top {top_k} of {num_experts} experts")
-    rows = []
-    for row in trace.rows:
-        experts = []
-        for ids in row.experts:
-            picked: List[int] = []
-            for e in ids:
-                if e % num_experts not in picked:
-                    picked.append(e % num_experts)
-            picked = picked[:top_k]
-            spare = (e for e in range(num_experts) if e not in picked)
-            while ids and len(picked) < top_k:
-                picked.append(next(spare))
-            experts.append(picked)
-        rows.append(TraceRow(row.seq, row.phase, experts))
-    header = dict(trace.header)
-    header.update(
-        num_experts=num_experts,
-        top_k=top_k,
-        folded_from={"num_experts": trace.num_experts, "top_k": trace.top_k},
-    )
-    return RoutingTrace(header, rows, path=trace.path)
 
 
 def trace_of_calls(calls: Dict[int, List[np.ndarray]], num_experts: int, decode_from: int):

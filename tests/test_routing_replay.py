@@ -109,33 +109,6 @@ def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
         rr.TraceRouting.from_file(TRACE, layers=2).wrap(few)
 
 
-def test_a_folded_trace_keeps_the_first_distinct_ids_in_rank_order(rr):
-    trace = read_trace(TRACE)
-    folded = rr.fold_trace(trace, 8, 2)
-    assert (folded.num_experts, folded.top_k, folded.num_layers) == (8, 2, trace.num_layers)
-    assert folded.header["folded_from"] == {"num_experts": 128, "top_k": 6}
-    for row, out in zip(trace.rows, folded.rows):
-        assert (out.seq, out.phase) == (row.seq, row.phase)
-        for ids, got in zip(row.experts, out.experts):
-            if not ids:
-                assert got == []  # a layer that did not run stays so
-                continue
-            want = []
-            for e in ids:
-                if e % 8 not in want:
-                    want.append(e % 8)
-            assert got == want[:2]
-    # fewer distinct ids than top-k: the lowest ones not chosen fill the row
-    row = read_trace(TRACE).rows[0]
-    row.experts[0] = [3, 11, 19, 27, 35, 43]
-    one = type(trace)(dict(trace.header), [row])
-    assert rr.fold_trace(one, 8, 3).rows[0].experts[0] == [3, 0, 1]
-    routing = rr.TraceRouting(folded, layers=2)
-    assert np.array(routing.indices(0, (1, 1, 2))).reshape(-1).tolist() == (
-        folded.rows[0].experts[0]
-    )
-
-
 def test_recorded_calls_replay_as_the_trace_they_came_from(rr):
     from mlx_lm_streaming.tools import replay
 
