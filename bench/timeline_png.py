@@ -1,19 +1,16 @@
 """Draw one step of a ``--streaming-trace`` timeline as a PNG: a lane per thread, time across.
 
-    python bench/timeline_png.py TRACE.json [--step N] [--out FILE.png]
-    python bench/timeline_png.py --capture [--arch qwen3] [--out docs/benchmarks/timeline-cpu.png]
+    python bench/timeline_png.py TRACE.json [--out FILE.png]
+    python bench/timeline_png.py --capture [--out docs/benchmarks/timeline-cpu.png]
     python bench/timeline_png.py --capture --quick --out /tmp/timeline.png   # seconds: tiny experts
 
-The first form renders a trace file (finished, or cut short: an unterminated file is read too). The
-step drawn is ``--step`` or, by default, the decode step that read the most bytes. The second form
-makes a trace first, of a cold decode: ``harness.checkpoint`` of that shape, a budget of
-25% of the experts, uniform routing, the page cache dropped before every token; it keeps the trace
-next to the PNG (``.json``); with ``--quick`` the checkpoint is the tiny shape's, 2 layers (the
-same steps in seconds, for CI). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
+The first form draws a trace file's decode step that read the most bytes (a file cut short is read
+too). ``--capture`` makes the trace first, of a cold decode on the CPU (Qwen3 shape; ``--quick``:
+the tiny shape) and keeps it next to the PNG (``.json``). How the trace is made:
+docs/benchmarks/methods/timeline_png.md. Needs matplotlib (``pip install matplotlib``).
 """
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,43 +19,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-# category -> colour; a thread's lane has one row per group of categories
-COLOURS = {
-    "layer": "#d9d9d9",
-    "sync": "#d62728",
-    "read": "#1f77b4",
-    "install": "#9467bd",
-    "compute": "#2ca02c",
-    "wait": "#ff7f0e",
+from timeline_summary import load_events  # noqa: E402
+
+# category -> (colour, legend); a thread's lane has one row per group of categories
+CATEGORIES = {
+    "layer": ("#d9d9d9", "MoE layer call"),
+    "sync": ("#d62728", "host sync (router ids to the host)"),
+    "read": ("#1f77b4", "expert read"),
+    "install": ("#9467bd", "install (staged bytes into slots)"),
+    "compute": ("#2ca02c", "compute submitted (the mx.async_eval call)"),
+    "wait": ("#ff7f0e", "wait (for reads or compute)"),
 }
-LABELS = {
-    "layer": "MoE layer call",
-    "sync": "host sync (router ids to the host)",
-    "read": "expert read",
-    "install": "install (staged bytes into slots)",
-    "compute": "compute submitted (the mx.async_eval call)",
-    "wait": "wait (for reads or compute)",
-}
+CALLER_NAMES = {"sync": "host sync", "wait": "waiting", "compute": "submitting"}
 
 
-def load_events(path):
-    """The events of a trace file; a file cut short (no closing ``]``) is read too."""
-    text = Path(path).read_text().rstrip()
-    if not text.endswith("]"):
-        text = text.rstrip(",") + "]"
-    return json.loads(text)
-
-
-def pick_step(events, step=None):
-    """The ``step`` span to draw: the one numbered ``step``, else the decode step with most reads."""
+def pick_step(events):
+    """The decode step that read the most bytes (any step where none is a decode step)."""
     steps = [e for e in events if e.get("cat") == "step"]
     if not steps:
         raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
-    if step is not None:
-        found = [s for s in steps if s["args"]["step"] == step]
-        if not found:
-            raise SystemExit(f"no step {step}; the trace has 0..{len(steps) - 1}")
-        return found[0]
 
     def read_bytes(s):
         end = s["ts"] + s["dur"]
@@ -79,17 +58,14 @@ def lanes(events, step):
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     by_tid = defaultdict(list)
     for e in events:
-        if (
-            e.get("ph") == "X"
-            and e["cat"] != "step"
-            and e["ts"] <= end
-            and e["ts"] + e["dur"] >= start
-        ):
+        overlaps = e.get("ph") == "X" and e["ts"] <= end and e["ts"] + e["dur"] >= start
+        if overlaps and e["cat"] != "step":
             by_tid[e["tid"]].append(e)
     main = step["tid"]
+    caller = by_tid.pop(main, [])
     out = [
-        (f"{names.get(main, main)}: layers", [e for e in by_tid[main] if e["cat"] == "layer"]),
-        (names.get(main, str(main)), [e for e in by_tid.pop(main, []) if e["cat"] != "layer"]),
+        (f"{names.get(main, main)}: layers", [e for e in caller if e["cat"] == "layer"]),
+        (names.get(main, str(main)), [e for e in caller if e["cat"] != "layer"]),
     ]
     for tid in sorted(by_tid, key=lambda t: names.get(t, str(t))):
         out.append((names.get(tid, str(tid)), by_tid[tid]))
@@ -110,9 +86,9 @@ def render(events, step, out, title=""):
         for e in sorted(evs, key=lambda e: -e["dur"]):  # short ones on top
             x, w = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.02)
             h = 0.8 if e["cat"] != "wait" else 0.4
-            colour = COLOURS.get(e["cat"], "#777")
+            colour = CATEGORIES.get(e["cat"], ("#777",))[0]
             ax.broken_barh([(x, w)], (y - h / 2, h), color=colour, edgecolor="white", linewidth=0.5)
-            label = _label(e)
+            label = bar_label(e)
             if label and w > 0.03 * step["dur"] / 1e3:
                 ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(rows)))
@@ -129,13 +105,9 @@ def render(events, step, out, title=""):
         f"{len(reads)} expert reads ({mb:.1f} MB)\ncalling thread: {spent}",
         fontsize=9,
     )
-    ax.legend(
-        handles=[Patch(color=c, label=LABELS[k]) for k, c in COLOURS.items()],
-        fontsize=7,
-        ncol=3,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.35 if len(rows) < 5 else -0.2),
-    )
+    handles = [Patch(color=c, label=label) for c, label in CATEGORIES.values()]
+    below = (0.5, -0.35 if len(rows) < 5 else -0.2)
+    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=below)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -147,23 +119,22 @@ def time_on_caller(evs, step):
     spent = defaultdict(float)
     for e in evs:
         spent[e["cat"]] += max(0.0, min(end, e["ts"] + e["dur"]) - max(start, e["ts"])) / 1e3
-    names = {"sync": "host sync", "wait": "waiting", "compute": "submitting", "install": "install"}
-    return {names.get(k, k): v for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    ranked = sorted(spent.items(), key=lambda kv: -kv[1])
+    return {CALLER_NAMES.get(k, k): v for k, v in ranked}
 
 
-def _label(e):
+def bar_label(e):
     a = e["args"]
     if e["cat"] == "read":
         return f"e{a['expert']}"
     if e["cat"] == "layer":
-        parts = a["layer"].split(".")
-        layer = next((p for p in parts if p.isdigit()), a["layer"])
+        layer = next((p for p in a["layer"].split(".") if p.isdigit()), a["layer"])
         return f"L{layer} {a.get('misses', 0)} miss"
     return ""
 
 
-def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
-    """A cold decode's trace (see the module docstring); returns a title for the plot."""
+def capture(out_json, ckpt_dir, quick, tokens=6):
+    """A cold decode's trace (docs/benchmarks/methods/timeline_png.md); returns the plot's title."""
     import harness
     import mlx.core as mx
     import routing_replay
@@ -171,8 +142,7 @@ def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
 
     routing_replay.unwind_on_rewind()  # verified steps that run a forward again see the same ids
     mx.set_default_device(mx.cpu)
-    arch = "tiny" if quick else arch
-    spec = harness.ARCHS[arch]
+    arch = "tiny" if quick else "qwen3"
     path = harness.checkpoint(Path(ckpt_dir), arch, "float32")
     files = harness.shards(path)
     probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
@@ -190,16 +160,16 @@ def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
         harness.drop_page_cache(files)
     mx.synchronize()
     model.expert_streaming.close()
-    return f"{spec['label']} experts, {spec['layers']} layers, CPU, 25% budget, cold, uniform routing: "
+    spec = harness.ARCHS[arch]
+    shape = f"{spec['label']} experts, {spec['layers']} layers"
+    return f"{shape}, CPU, 25% budget, cold, uniform routing: "
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace", nargs="?", help="a --streaming-trace file")
-    ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
     ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
-    ap.add_argument("--arch", default="qwen3", help="with --capture: a harness.ARCHS shape")
     ap.add_argument("--quick", action="store_true", help="with --capture: a tiny checkpoint")
     ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
     args = ap.parse_args()
@@ -207,12 +177,12 @@ def main():
     if args.capture:
         out = Path(args.out or ROOT / "docs" / "benchmarks" / "timeline-cpu.png")
         args.trace = out.with_suffix(".json")
-        title = capture(args.arch, args.trace, args.ckpt_dir, quick=args.quick)
+        title = capture(args.trace, args.ckpt_dir, args.quick)
     elif not args.trace:
         ap.error("give a trace file, or --capture")
     out = Path(args.out) if args.out else Path(args.trace).with_suffix(".png")
     events = load_events(args.trace)
-    step = pick_step(events, args.step)
+    step = pick_step(events)
     render(events, step, out, title)
     print(f"wrote {out} (step {step['args']['step']})")
 
