@@ -4,13 +4,10 @@
         [--max-tokens N] [--warm] [--json FILE]
     python bench/distributed.py --quick     # seconds: a tiny checkpoint, 2 tokens, no stock runs
 
-Runs ``mlx_lm_streaming.pipeline_generate`` with a budget B on 1 rank, B per rank on 2 ranks, 2B
-on 1 rank, and the stock resident model on 1 and 2 ranks; prints a table per rank (decode and
-prompt tok/s, layers, slots, hit rate, misses, staged experts, GB read, seconds in I/O) and whether
-every run and rank made the same text. Without ``--model`` it builds a Qwen3-30B-A3B-shaped
-checkpoint of 4 layers once under /tmp (1.5 GB). What is run and measured:
-docs/benchmarks/methods/distributed.md; figures: docs/distributed.md. The interpreter must have
-mlx-lm-streaming installed (``pip install .``).
+Prints per rank and configuration (budget B on 1 rank, B per rank on 2, 2B on 1, stock on 1 and
+2) decode and prompt tok/s, hit rate, misses, staged experts and GB read, and whether every run
+made the same text. What is run: docs/benchmarks/methods/distributed.md; figures:
+docs/distributed.md. Needs mlx-lm-streaming installed (``pip install .``).
 """
 
 import argparse
@@ -80,11 +77,10 @@ def run(model: Path, ranks: int, budget_gb, args, workdir: Path) -> dict:
     start = time.perf_counter()
     # stdin stays an open pipe: at EOF, mlx.launch's input loop spins a core
     pipe = subprocess.PIPE
-    proc = subprocess.Popen(cmd, env=env, stdin=pipe, stdout=pipe, stderr=pipe)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
+    with subprocess.Popen(cmd, env=env, stdin=pipe, stdout=pipe, stderr=pipe) as proc:
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        finally:
             proc.kill()
     wall = time.perf_counter() - start
     reports = {}

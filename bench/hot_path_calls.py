@@ -10,6 +10,7 @@ The counts are deterministic. Each case: docs/benchmarks/methods/hot_path_calls.
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -20,13 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's package, not an installed one
 
 import mlx.core as mx  # noqa: E402
-import mlx_lm.utils  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import mlx_lm_streaming  # noqa: E402
-from mlx_lm_streaming.integration.integration import install  # noqa: E402
-from mlx_lm_streaming.option_table import GB  # noqa: E402
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning  # noqa: E402
+from mlx_lm_streaming.tools import parity  # noqa: E402
 from synthetic import build_checkpoint  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(mlx_lm_streaming.__file__)) + os.sep
@@ -38,35 +37,29 @@ WARMUP_TOKENS = 3
 CASES = {"verified": (15, True), "per_layer_hit": (15, False), "per_layer_miss": (3, False)}
 
 
-class CallCounter:
-    """Calls into the package's code on this thread while active, by function."""
+@contextlib.contextmanager
+def counting(calls):
+    """Counts into ``calls`` the calls into the package's code on this thread, by function."""
 
-    def __init__(self):
-        self.calls = collections.Counter()
-
-    def _profile(self, frame, event, arg):
+    def profile(frame, event, arg):
         code = frame.f_code
         if event == "call" and code.co_filename.startswith(PACKAGE):
-            self.calls[f"{code.co_filename[len(PACKAGE):]}:{code.co_qualname}"] += 1
+            calls[f"{code.co_filename[len(PACKAGE):]}:{code.co_qualname}"] += 1
 
-    def __enter__(self):
-        self.calls.clear()
-        sys.setprofile(self._profile)
-
-    def __exit__(self, *exc):
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
         sys.setprofile(None)
 
 
 def load(path, slots, verified_steps):
     """The streaming model of ``path`` with ``slots`` slots a layer."""
-    install()
-    options = {"tuning": CacheTuning(verified_steps=verified_steps)}
-    probe, _ = mlx_lm.utils.load_model(path, model_config={"streaming_experts": options})
-    per_slot = sum(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks)
+    tuning = CacheTuning(verified_steps=verified_steps)
+    probe, _ = parity.load_streaming(path, tuning=tuning)
+    budget = parity.budget_of_slots(probe, slots)
     probe.expert_streaming.close()
-    options["expert_cache_gb"] = (slots * per_slot + 0.5) / GB
-    model, _ = mlx_lm.utils.load_model(path, model_config={"streaming_experts": options})
-    return model
+    return parity.load_streaming(path, tuning=tuning, expert_cache_gb=budget)[0]
 
 
 def count(model, case):
@@ -74,13 +67,13 @@ def count(model, case):
     runner, banks = model.expert_streaming.steps, model.expert_streaming.cache.banks
     kv = make_prompt_cache(model)
     mx.eval(model(PROMPT, cache=kv))
-    counter = CallCounter()
     clean_before = True
     for token in range(MAX_TOKENS):
         if case == "verified":
             runner.missed_share = 0.0  # as after tokens that missed nowhere (the CPU's rule)
         verified, replays, misses = runner.verified, runner.replays, [b.misses for b in banks]
-        with counter:
+        calls = collections.Counter()
+        with counting(calls):
             mx.eval(model(mx.array([[(37 * token + 11) % 512]]), cache=kv))
         missed = [b.misses > m for b, m in zip(banks, misses)]
         # a verified step that found every expert resident, after one that did too (its host work
@@ -92,7 +85,7 @@ def count(model, case):
             "per_layer_miss": all(missed),
         }[case]
         if token >= WARMUP_TOKENS and found:
-            return dict(counter.calls)
+            return dict(calls)
         clean_before = clean
     raise RuntimeError(f"no decode token of case {case} within MAX_TOKENS tokens")
 

@@ -4,10 +4,9 @@
     python bench/timeline_png.py --capture [--out docs/benchmarks/timeline-cpu.png]
     python bench/timeline_png.py --capture --quick --out /tmp/timeline.png   # seconds: tiny experts
 
-The first form draws a trace file's decode step that read the most bytes (a file cut short is read
-too). ``--capture`` makes the trace first, of a cold decode on the CPU (Qwen3 shape; ``--quick``:
-the tiny shape) and keeps it next to the PNG (``.json``). How the trace is made:
-docs/benchmarks/methods/timeline_png.md. Needs matplotlib (``pip install matplotlib``).
+Draws the decode step that read the most bytes (of a file cut short too). ``--capture`` first
+traces a cold decode on the CPU (docs/benchmarks/methods/timeline_png.md) and keeps the trace next
+to the PNG. Needs matplotlib (``pip install matplotlib``).
 """
 
 import argparse
@@ -33,43 +32,38 @@ CATEGORIES = {
 CALLER_NAMES = {"sync": "host sync", "wait": "waiting", "compute": "submitting"}
 
 
+def overlaps(e, step):
+    return e["ts"] <= step["ts"] + step["dur"] and e["ts"] + e["dur"] >= step["ts"]
+
+
 def pick_step(events):
     """The decode step that read the most bytes (any step where none is a decode step)."""
     steps = [e for e in events if e.get("cat") == "step"]
-    if not steps:
-        raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
-
-    def read_bytes(s):
-        end = s["ts"] + s["dur"]
-        return sum(
-            e["args"]["bytes"]
-            for e in events
-            if e.get("name") == "read" and s["ts"] <= e["ts"] + e["dur"] and e["ts"] <= end
-        )
-
     decode = [s for s in steps if s["args"]["phase"] == "decode"] or steps
-    return max(decode, key=read_bytes)
+    if not decode:
+        raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
+    reads = [e for e in events if e.get("name") == "read"]
+    return max(decode, key=lambda s: sum(e["args"]["bytes"] for e in reads if overlaps(e, s)))
 
 
 def lanes(events, step):
     """``[(label, [events])]`` overlapping the step: the calling thread's layer calls, then its
     other events, then each other thread's."""
-    start, end = step["ts"], step["ts"] + step["dur"]
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+    def name(tid):
+        return names.get(tid, str(tid))
+
     by_tid = defaultdict(list)
     for e in events:
-        overlaps = e.get("ph") == "X" and e["ts"] <= end and e["ts"] + e["dur"] >= start
-        if overlaps and e["cat"] != "step":
+        if e.get("ph") == "X" and e["cat"] != "step" and overlaps(e, step):
             by_tid[e["tid"]].append(e)
-    main = step["tid"]
-    caller = by_tid.pop(main, [])
+    caller = by_tid.pop(step["tid"], [])
     out = [
-        (f"{names.get(main, main)}: layers", [e for e in caller if e["cat"] == "layer"]),
-        (names.get(main, str(main)), [e for e in caller if e["cat"] != "layer"]),
+        (f"{name(step['tid'])}: layers", [e for e in caller if e["cat"] == "layer"]),
+        (name(step["tid"]), [e for e in caller if e["cat"] != "layer"]),
     ]
-    for tid in sorted(by_tid, key=lambda t: names.get(t, str(t))):
-        out.append((names.get(tid, str(tid)), by_tid[tid]))
-    return out
+    return out + [(name(tid), by_tid[tid]) for tid in sorted(by_tid, key=name)]
 
 
 def render(events, step, out, title=""):
