@@ -43,17 +43,15 @@ def default_checkpoint(quick: bool) -> Path:
 
 
 def free_port_pair() -> int:
-    """A port whose next one is free too (the ring backend takes one a rank)."""
+    """A free port whose next one is free too (the ring backend takes one a rank)."""
     while True:
-        with socket.socket() as a:
+        with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-        try:
-            with socket.socket() as b:
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
+            try:
+                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+                return a.getsockname()[1]
+            except OSError:
+                continue
 
 
 def run(model: Path, ranks: int, budget_gb, args, workdir: Path) -> dict:

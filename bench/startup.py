@@ -3,11 +3,10 @@
     python bench/startup.py [--runs N] [--check]
     python bench/startup.py --quick     # 2 runs per setting: what it finds, not a timing
 
-Prints the extra wall time of ``python -c pass`` with the hook on against off
-(``MLX_LM_STREAMING_HOOK=0``), the hook's own import time (``-X importtime``), and any mlx module
-imported at start-up. ``--check`` exits 1 when either time is 5 ms or more, or when mlx is imported
-at start-up. Run it with an interpreter that has mlx-lm-streaming installed (not editable). How it
-times: docs/benchmarks/methods/startup.md.
+Prints the extra wall time of ``python -c pass`` with the hook on against off, the hook's own
+import time and any mlx module imported at start-up; ``--check`` exits 1 at 5 ms or more, or when
+mlx is imported. Run it with the interpreter that has mlx-lm-streaming installed (not editable).
+How it measures: docs/benchmarks/methods/startup.md.
 """
 
 import argparse
@@ -49,14 +48,12 @@ def hook_file() -> str:
 def wall_ms(runs: int) -> tuple:
     """Fastest wall time of ``python -c pass`` with the hook on and off, in ms, interleaved."""
     times = {True: [], False: []}
-    for _ in range(3):  # warm the page cache
-        for hook in times:
-            python("-c", "pass", hook=hook, capture=False)
-    for _ in range(runs):
+    for i in range(3 + runs):  # the first 3 warm the page cache
         for hook in times:
             start = time.perf_counter()
             python("-c", "pass", hook=hook, capture=False)
-            times[hook].append((time.perf_counter() - start) * 1e3)
+            if i >= 3:
+                times[hook].append((time.perf_counter() - start) * 1e3)
     return min(times[True]), min(times[False])
 
 
@@ -103,9 +100,7 @@ def main(argv=None) -> int:
     print(f"hook import time (-X importtime): {own:.3f} ms")
     print(f"mlx modules imported at start-up: {' '.join(leaked) or 'none'}")
     print(f"startup overhead: {max(extra, own):.2f} ms (limit {LIMIT_MS:.0f} ms)")
-    if args.check and (extra >= LIMIT_MS or own >= LIMIT_MS or leaked):
-        return 1
-    return 0
+    return 1 if args.check and (extra >= LIMIT_MS or own >= LIMIT_MS or leaked) else 0
 
 
 if __name__ == "__main__":
