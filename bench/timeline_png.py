@@ -1,12 +1,10 @@
 """Draw one step of a ``--streaming-trace`` timeline as a PNG: a lane per thread, time across.
 
     python bench/timeline_png.py TRACE.json [--out FILE.png]
-    python bench/timeline_png.py --capture [--out docs/benchmarks/timeline-cpu.png]
-    python bench/timeline_png.py --capture --quick --out /tmp/timeline.png   # seconds: tiny experts
 
-Draws the decode step that read the most bytes (of a file cut short too). ``--capture`` first
-traces a cold decode on the CPU (docs/benchmarks/methods/timeline_png.md) and keeps the trace next
-to the PNG. Needs matplotlib (``pip install matplotlib``).
+Draws the decode step that read the most bytes (of a file cut short too). Where the traces of
+docs/benchmarks/timeline-*.png come from: docs/benchmarks/methods/timeline_png.md. Needs
+matplotlib (``pip install matplotlib``).
 """
 
 import argparse
@@ -14,10 +12,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timeline_summary import load_events  # noqa: E402
 
 # category -> (colour, legend); a thread's lane has one row per group of categories
@@ -66,7 +61,7 @@ def lanes(events, step):
     return out + [(name(tid), by_tid[tid]) for tid in sorted(by_tid, key=name)]
 
 
-def render(events, step, out, title=""):
+def render(events, step, out):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +90,7 @@ def render(events, step, out, title=""):
     mb = sum(e["args"]["bytes"] for e in reads) / 1e6
     spent = ", ".join(f"{k} {v:.1f} ms" for k, v in time_on_caller(rows[1][1], step).items())
     ax.set_title(
-        f"{title}{args['phase']} step {args['step']}: {step['dur'] / 1e3:.1f} ms, "
+        f"{args['phase']} step {args['step']}: {step['dur'] / 1e3:.1f} ms, "
         f"{len(reads)} expert reads ({mb:.1f} MB)\ncalling thread: {spent}",
         fontsize=9,
     )
@@ -127,57 +122,15 @@ def bar_label(e):
     return ""
 
 
-def capture(out_json, ckpt_dir, quick, tokens=6):
-    """A cold decode's trace (docs/benchmarks/methods/timeline_png.md); returns the plot's title."""
-    import harness
-    import mlx.core as mx
-    import routing_replay
-    from mlx_lm.generate import generate_step
-
-    routing_replay.unwind_on_rewind()  # verified steps that run a forward again see the same ids
-    mx.set_default_device(mx.cpu)
-    arch = "tiny" if quick else "qwen3"
-    path = harness.checkpoint(Path(ckpt_dir), arch, "float32")
-    files = harness.shards(path)
-    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
-    total = probe.expert_streaming.cache.total_expert_bytes
-    num = probe.expert_streaming.cache.banks[0].num_experts
-    probe.expert_streaming.close()
-    del probe
-    budget = harness.COLD_SHARE * total / harness.GB
-    model, _ = harness.load_streaming(path, expert_cache_gb=budget, trace=str(out_json))
-    harness.ForcedRouting(num).wrap(model)
-    prompt = mx.array(list(range(1, 17)))
-    sampler = lambda logprobs: mx.array([7], dtype=mx.uint32)  # noqa: E731 (any token will do)
-    harness.drop_page_cache(files)
-    for _ in generate_step(prompt, model, max_tokens=tokens, sampler=sampler):
-        harness.drop_page_cache(files)
-    mx.synchronize()
-    model.expert_streaming.close()
-    spec = harness.ARCHS[arch]
-    shape = f"{spec['label']} experts, {spec['layers']} layers"
-    return f"{shape}, CPU, 25% budget, cold, uniform routing: "
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("trace", nargs="?", help="a --streaming-trace file")
+    ap.add_argument("trace", help="a --streaming-trace file")
     ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
-    ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
-    ap.add_argument("--quick", action="store_true", help="with --capture: a tiny checkpoint")
-    ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
     args = ap.parse_args()
-    title = ""
-    if args.capture:
-        out = Path(args.out or ROOT / "docs" / "benchmarks" / "timeline-cpu.png")
-        args.trace = out.with_suffix(".json")
-        title = capture(args.trace, args.ckpt_dir, args.quick)
-    elif not args.trace:
-        ap.error("give a trace file, or --capture")
     out = Path(args.out) if args.out else Path(args.trace).with_suffix(".png")
     events = load_events(args.trace)
     step = pick_step(events)
-    render(events, step, out, title)
+    render(events, step, out)
     print(f"wrote {out} (step {step['args']['step']})")
 
 
