@@ -11,6 +11,7 @@ How it measures: docs/benchmarks/methods/startup.md.
 
 import argparse
 import os
+import site
 import statistics
 import subprocess
 import sys
@@ -29,20 +30,12 @@ def python(*args, hook=True, check=True, capture=True):
 
 
 def hook_file() -> str:
-    """The installed ``mlx_lm_streaming.pth``, or exit saying it is missing."""
-    code = (
-        "import os, site\n"
-        "dirs = site.getsitepackages() + [site.getusersitepackages()]\n"
-        "hits = [os.path.join(d, 'mlx_lm_streaming.pth') for d in dirs]\n"
-        "print(next((h for h in hits if os.path.isfile(h)), ''))"
-    )
-    out = python("-c", code, hook=False, check=False)
-    if out.returncode or not out.stdout.strip():
-        sys.exit(
-            f"{PYTHON}: mlx_lm_streaming.pth is not in its site-packages; install the package "
-            "(pip install ., not editable) first"
-        )
-    return out.stdout.strip()
+    """This interpreter's installed ``mlx_lm_streaming.pth``, or exit saying it is missing."""
+    for folder in site.getsitepackages() + [site.getusersitepackages()]:
+        path = os.path.join(folder, "mlx_lm_streaming.pth")
+        if os.path.isfile(path):
+            return path
+    sys.exit(f"{PYTHON}: no mlx_lm_streaming.pth in site-packages (pip install ., not editable)")
 
 
 def wall_ms(runs: int) -> tuple:
