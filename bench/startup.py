@@ -1,83 +1,61 @@
 """What the startup hook costs an interpreter that never imports mlx_lm.
 
-Runs ``python -c pass`` many times with the hook on and with it off (``MLX_LM_STREAMING_HOOK=0``
-makes the .pth line skip the import), interleaved, and prints the difference of the fastest runs (the least disturbed by other load on
-a shared machine; medians moved by several ms on a loaded box). It
-also prints the hook's own import time from ``python -X importtime`` and checks that start-up
-imports nothing of mlx or mlx_lm.
-
-    python bench/startup.py [--python PATH] [--runs N] [--check]
+    python bench/startup.py [--runs N] [--check]
     python bench/startup.py --quick     # 2 runs per setting: what it finds, not a timing
 
-``--check`` exits 1 when the extra start-up time is 5 ms or more (by either measure), or when mlx
-is imported at start-up. The interpreter must have mlx-lm-streaming installed (not editable).
+Prints the extra wall time of ``python -c pass`` with the hook on against off, the hook's own
+import time and any mlx module imported at start-up; ``--check`` exits 1 at 5 ms or more, or when
+mlx is imported. Run it with the interpreter that has mlx-lm-streaming installed (not editable).
+How it measures: docs/benchmarks/methods/startup.md.
 """
 
 import argparse
 import os
+import site
 import statistics
 import subprocess
 import sys
 import time
 
 LIMIT_MS = 5.0
-HOOK_ENV = "MLX_LM_STREAMING_HOOK"
+PYTHON = sys.executable
 
 
-def environ(hook: bool) -> dict:
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env[HOOK_ENV] = "1" if hook else "0"
-    return env
+def python(*args, hook=True, check=True, capture=True):
+    """``python ARGS`` with the hook on or off, no PYTHONPATH; its finished process."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MLX_LM_STREAMING_HOOK"] = "1" if hook else "0"
+    cmd = [PYTHON, *args]
+    return subprocess.run(cmd, env=env, capture_output=capture, text=True, check=check)
 
 
-def hook_file(python: str) -> str:
-    """The installed ``mlx_lm_streaming.pth`` of ``python``, or exit saying it is missing."""
-    code = (
-        "import os, site, sys\n"
-        "dirs = site.getsitepackages() + [site.getusersitepackages()]\n"
-        "hits = [os.path.join(d, 'mlx_lm_streaming.pth') for d in dirs]\n"
-        "print(next((h for h in hits if os.path.isfile(h)), ''))"
-    )
-    out = subprocess.run(
-        [python, "-c", code], env=environ(False), capture_output=True, text=True
-    )
-    path = out.stdout.strip()
-    if out.returncode or not path:
-        sys.exit(
-            f"{python}: mlx_lm_streaming.pth is not in its site-packages; install the package "
-            "(pip install ., not editable) first"
-        )
-    return path
+def hook_file() -> str:
+    """This interpreter's installed ``mlx_lm_streaming.pth``, or exit saying it is missing."""
+    for folder in site.getsitepackages() + [site.getusersitepackages()]:
+        path = os.path.join(folder, "mlx_lm_streaming.pth")
+        if os.path.isfile(path):
+            return path
+    sys.exit(f"{PYTHON}: no mlx_lm_streaming.pth in site-packages (pip install ., not editable)")
 
 
-def wall_ms(python: str, runs: int) -> tuple:
-    """Fastest wall time of ``python -c pass`` with the hook on and off, in ms."""
+def wall_ms(runs: int) -> tuple:
+    """Fastest wall time of ``python -c pass`` with the hook on and off, in ms, interleaved."""
     times = {True: [], False: []}
-    for _ in range(3):  # warm the page cache
-        for hook in times:
-            subprocess.run([python, "-c", "pass"], env=environ(hook), check=True)
-    for _ in range(runs):
+    for i in range(3 + runs):  # the first 3 warm the page cache
         for hook in times:
             start = time.perf_counter()
-            subprocess.run([python, "-c", "pass"], env=environ(hook), check=True)
-            times[hook].append((time.perf_counter() - start) * 1e3)
+            python("-c", "pass", hook=hook, capture=False)
+            if i >= 3:
+                times[hook].append((time.perf_counter() - start) * 1e3)
     return min(times[True]), min(times[False])
 
 
-def importtime_ms(python: str, runs: int) -> float:
+def importtime_ms(runs: int) -> float:
     """Median of the cumulative import time of our start-up modules (``-X importtime``)."""
     totals = []
     for _ in range(runs):
-        out = subprocess.run(
-            [python, "-X", "importtime", "-c", "pass"],
-            env=environ(True),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
         total = 0
-        for line in out.stderr.splitlines():
+        for line in python("-X", "importtime", "-c", "pass").stderr.splitlines():
             # "import time: self [us] | cumulative | imported package"
             parts = [p.strip() for p in line.split("|")]
             if len(parts) == 3 and parts[2] == "mlx_lm_streaming._bootstrap":
@@ -88,47 +66,34 @@ def importtime_ms(python: str, runs: int) -> float:
     return statistics.median(totals)
 
 
-def imported_at_startup(python: str) -> list:
-    code = (
-        "import sys; print(' '.join(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in ('mlx', 'mlx_lm'))))"
-    )
-    out = subprocess.run(
-        [python, "-c", code], env=environ(True), capture_output=True, text=True
-    )
-    return out.stdout.split()
+def imported_at_startup() -> list:
+    """The modules of mlx and mlx_lm that the interpreter has imported at start-up."""
+    modules = python("-c", "import sys; print(*sorted(sys.modules))", check=False).stdout.split()
+    return [m for m in modules if m.split(".")[0] in ("mlx", "mlx_lm")]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--python", default=sys.executable, help="interpreter to measure"
-    )
     parser.add_argument("--runs", type=int, default=40, help="runs per setting")
     parser.add_argument("--quick", action="store_true", help="2 runs per setting")
-    parser.add_argument(
-        "--check", action="store_true", help=f"exit 1 at >= {LIMIT_MS} ms"
-    )
+    parser.add_argument("--check", action="store_true", help=f"exit 1 at >= {LIMIT_MS} ms")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.runs = 2
+    runs = 2 if args.quick else args.runs
 
-    pth = hook_file(args.python)
-    on, off = wall_ms(args.python, args.runs)
-    own = importtime_ms(args.python, max(5, args.runs // 4))
-    leaked = imported_at_startup(args.python)
+    pth = hook_file()
+    on, off = wall_ms(runs)
+    own = importtime_ms(max(5, runs // 4))
+    leaked = imported_at_startup()
     extra = on - off
     print(f"hook: {pth}")
     print(
         f"python -c pass: {on:.2f} ms with the hook, {off:.2f} ms without "
-        f"(fastest of {args.runs}): {extra:+.2f} ms"
+        f"(fastest of {runs}): {extra:+.2f} ms"
     )
     print(f"hook import time (-X importtime): {own:.3f} ms")
     print(f"mlx modules imported at start-up: {' '.join(leaked) or 'none'}")
     print(f"startup overhead: {max(extra, own):.2f} ms (limit {LIMIT_MS:.0f} ms)")
-    if args.check and (extra >= LIMIT_MS or own >= LIMIT_MS or leaked):
-        return 1
-    return 0
+    return 1 if args.check and (extra >= LIMIT_MS or own >= LIMIT_MS or leaked) else 0
 
 
 if __name__ == "__main__":

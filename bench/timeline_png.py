@@ -1,102 +1,67 @@
 """Draw one step of a ``--streaming-trace`` timeline as a PNG: a lane per thread, time across.
 
-    python bench/timeline_png.py TRACE.json [--step N] [--out FILE.png]
-    python bench/timeline_png.py --capture [--arch qwen3] [--out docs/benchmarks/timeline-cpu.png]
-    python bench/timeline_png.py --capture --quick --out /tmp/timeline.png   # seconds: tiny experts
+    python bench/timeline_png.py TRACE.json [--out FILE.png]
 
-The first form renders a trace file (finished, or cut short: an unterminated file is read too). The
-step drawn is ``--step`` or, by default, the decode step that read the most bytes. The second form
-makes a trace first, of a cold decode: ``harness.checkpoint`` of that shape, a budget of
-25% of the experts, uniform routing, the page cache dropped before every token; it keeps the trace
-next to the PNG (``.json``); with ``--quick`` the checkpoint is the tiny shape's, 2 layers (the
-same steps in seconds, for CI). Needs matplotlib (a bench dependency only: ``pip install matplotlib``).
+Draws the decode step that read the most bytes (of a file cut short too). Where the traces of
+docs/benchmarks/timeline-*.png come from: docs/benchmarks/methods/timeline_png.md. Needs
+matplotlib (``pip install matplotlib``).
 """
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timeline_summary import load_events  # noqa: E402
 
-# category -> colour; a thread's lane has one row per group of categories
-COLOURS = {
-    "layer": "#d9d9d9",
-    "sync": "#d62728",
-    "read": "#1f77b4",
-    "install": "#9467bd",
-    "compute": "#2ca02c",
-    "wait": "#ff7f0e",
+# category -> (colour, legend); a thread's lane has one row per group of categories
+CATEGORIES = {
+    "layer": ("#d9d9d9", "MoE layer call"),
+    "sync": ("#d62728", "host sync (router ids to the host)"),
+    "read": ("#1f77b4", "expert read"),
+    "install": ("#9467bd", "install (staged bytes into slots)"),
+    "compute": ("#2ca02c", "compute submitted (the mx.async_eval call)"),
+    "wait": ("#ff7f0e", "wait (for reads or compute)"),
 }
-LABELS = {
-    "layer": "MoE layer call",
-    "sync": "host sync (router ids to the host)",
-    "read": "expert read",
-    "install": "install (staged bytes into slots)",
-    "compute": "compute submitted (the mx.async_eval call)",
-    "wait": "wait (for reads or compute)",
-}
+CALLER_NAMES = {"sync": "host sync", "wait": "waiting", "compute": "submitting"}
 
 
-def load_events(path):
-    """The events of a trace file; a file cut short (no closing ``]``) is read too."""
-    text = Path(path).read_text().rstrip()
-    if not text.endswith("]"):
-        text = text.rstrip(",") + "]"
-    return json.loads(text)
+def overlaps(e, step):
+    return e["ts"] <= step["ts"] + step["dur"] and e["ts"] + e["dur"] >= step["ts"]
 
 
-def pick_step(events, step=None):
-    """The ``step`` span to draw: the one numbered ``step``, else the decode step with most reads."""
+def pick_step(events):
+    """The decode step that read the most bytes (any step where none is a decode step)."""
     steps = [e for e in events if e.get("cat") == "step"]
-    if not steps:
-        raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
-    if step is not None:
-        found = [s for s in steps if s["args"]["step"] == step]
-        if not found:
-            raise SystemExit(f"no step {step}; the trace has 0..{len(steps) - 1}")
-        return found[0]
-
-    def read_bytes(s):
-        end = s["ts"] + s["dur"]
-        return sum(
-            e["args"]["bytes"]
-            for e in events
-            if e.get("name") == "read" and s["ts"] <= e["ts"] + e["dur"] and e["ts"] <= end
-        )
-
     decode = [s for s in steps if s["args"]["phase"] == "decode"] or steps
-    return max(decode, key=read_bytes)
+    if not decode:
+        raise SystemExit("no step in the trace: did any MoE layer run with a host sync?")
+    reads = [e for e in events if e.get("name") == "read"]
+    return max(decode, key=lambda s: sum(e["args"]["bytes"] for e in reads if overlaps(e, s)))
 
 
 def lanes(events, step):
     """``[(label, [events])]`` overlapping the step: the calling thread's layer calls, then its
     other events, then each other thread's."""
-    start, end = step["ts"], step["ts"] + step["dur"]
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+    def name(tid):
+        return names.get(tid, str(tid))
+
     by_tid = defaultdict(list)
     for e in events:
-        if (
-            e.get("ph") == "X"
-            and e["cat"] != "step"
-            and e["ts"] <= end
-            and e["ts"] + e["dur"] >= start
-        ):
+        if e.get("ph") == "X" and e["cat"] != "step" and overlaps(e, step):
             by_tid[e["tid"]].append(e)
-    main = step["tid"]
+    caller = by_tid.pop(step["tid"], [])
     out = [
-        (f"{names.get(main, main)}: layers", [e for e in by_tid[main] if e["cat"] == "layer"]),
-        (names.get(main, str(main)), [e for e in by_tid.pop(main, []) if e["cat"] != "layer"]),
+        (f"{name(step['tid'])}: layers", [e for e in caller if e["cat"] == "layer"]),
+        (name(step["tid"]), [e for e in caller if e["cat"] != "layer"]),
     ]
-    for tid in sorted(by_tid, key=lambda t: names.get(t, str(t))):
-        out.append((names.get(tid, str(tid)), by_tid[tid]))
-    return out
+    return out + [(name(tid), by_tid[tid]) for tid in sorted(by_tid, key=name)]
 
 
-def render(events, step, out, title=""):
+def render(events, step, out):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,9 +75,9 @@ def render(events, step, out, title=""):
         for e in sorted(evs, key=lambda e: -e["dur"]):  # short ones on top
             x, w = (e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.02)
             h = 0.8 if e["cat"] != "wait" else 0.4
-            colour = COLOURS.get(e["cat"], "#777")
+            colour = CATEGORIES.get(e["cat"], ("#777",))[0]
             ax.broken_barh([(x, w)], (y - h / 2, h), color=colour, edgecolor="white", linewidth=0.5)
-            label = _label(e)
+            label = bar_label(e)
             if label and w > 0.03 * step["dur"] / 1e3:
                 ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(rows)))
@@ -125,17 +90,13 @@ def render(events, step, out, title=""):
     mb = sum(e["args"]["bytes"] for e in reads) / 1e6
     spent = ", ".join(f"{k} {v:.1f} ms" for k, v in time_on_caller(rows[1][1], step).items())
     ax.set_title(
-        f"{title}{args['phase']} step {args['step']}: {step['dur'] / 1e3:.1f} ms, "
+        f"{args['phase']} step {args['step']}: {step['dur'] / 1e3:.1f} ms, "
         f"{len(reads)} expert reads ({mb:.1f} MB)\ncalling thread: {spent}",
         fontsize=9,
     )
-    ax.legend(
-        handles=[Patch(color=c, label=LABELS[k]) for k, c in COLOURS.items()],
-        fontsize=7,
-        ncol=3,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.35 if len(rows) < 5 else -0.2),
-    )
+    handles = [Patch(color=c, label=label) for c, label in CATEGORIES.values()]
+    below = (0.5, -0.35 if len(rows) < 5 else -0.2)
+    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=below)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -147,73 +108,29 @@ def time_on_caller(evs, step):
     spent = defaultdict(float)
     for e in evs:
         spent[e["cat"]] += max(0.0, min(end, e["ts"] + e["dur"]) - max(start, e["ts"])) / 1e3
-    names = {"sync": "host sync", "wait": "waiting", "compute": "submitting", "install": "install"}
-    return {names.get(k, k): v for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    ranked = sorted(spent.items(), key=lambda kv: -kv[1])
+    return {CALLER_NAMES.get(k, k): v for k, v in ranked}
 
 
-def _label(e):
+def bar_label(e):
     a = e["args"]
     if e["cat"] == "read":
         return f"e{a['expert']}"
     if e["cat"] == "layer":
-        parts = a["layer"].split(".")
-        layer = next((p for p in parts if p.isdigit()), a["layer"])
+        layer = next((p for p in a["layer"].split(".") if p.isdigit()), a["layer"])
         return f"L{layer} {a.get('misses', 0)} miss"
     return ""
 
 
-def capture(arch, out_json, ckpt_dir, tokens=6, quick=False):
-    """A cold decode's trace (see the module docstring); returns a title for the plot."""
-    import harness
-    import mlx.core as mx
-    import routing_replay
-    from mlx_lm.generate import generate_step
-
-    routing_replay.unwind_on_rewind()  # verified steps that run a forward again see the same ids
-    mx.set_default_device(mx.cpu)
-    arch = "tiny" if quick else arch
-    spec = harness.ARCHS[arch]
-    path = harness.checkpoint(Path(ckpt_dir), arch, "float32")
-    files = harness.shards(path)
-    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
-    total = probe.expert_streaming.cache.total_expert_bytes
-    num = probe.expert_streaming.cache.banks[0].num_experts
-    probe.expert_streaming.close()
-    del probe
-    budget = harness.COLD_SHARE * total / harness.GB
-    model, _ = harness.load_streaming(path, expert_cache_gb=budget, trace=str(out_json))
-    harness.ForcedRouting(num).wrap(model)
-    prompt = mx.array(list(range(1, 17)))
-    sampler = lambda logprobs: mx.array([7], dtype=mx.uint32)  # noqa: E731 (any token will do)
-    harness.drop_page_cache(files)
-    for _ in generate_step(prompt, model, max_tokens=tokens, sampler=sampler):
-        harness.drop_page_cache(files)
-    mx.synchronize()
-    model.expert_streaming.close()
-    return f"{spec['label']} experts, {spec['layers']} layers, CPU, 25% budget, cold, uniform routing: "
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("trace", nargs="?", help="a --streaming-trace file")
-    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("trace", help="a --streaming-trace file")
     ap.add_argument("--out", default=None, help="PNG to write (default: next to the trace)")
-    ap.add_argument("--capture", action="store_true", help="make a cold decode trace first")
-    ap.add_argument("--arch", default="qwen3", help="with --capture: a harness.ARCHS shape")
-    ap.add_argument("--quick", action="store_true", help="with --capture: a tiny checkpoint")
-    ap.add_argument("--ckpt-dir", default=str(Path.home() / ".cache" / "mlx_lm_streaming_bench"))
     args = ap.parse_args()
-    title = ""
-    if args.capture:
-        out = Path(args.out or ROOT / "docs" / "benchmarks" / "timeline-cpu.png")
-        args.trace = out.with_suffix(".json")
-        title = capture(args.arch, args.trace, args.ckpt_dir, quick=args.quick)
-    elif not args.trace:
-        ap.error("give a trace file, or --capture")
     out = Path(args.out) if args.out else Path(args.trace).with_suffix(".png")
     events = load_events(args.trace)
-    step = pick_step(events, args.step)
-    render(events, step, out, title)
+    step = pick_step(events)
+    render(events, step, out)
     print(f"wrote {out} (step {step['args']['step']})")
 
 

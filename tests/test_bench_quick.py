@@ -96,13 +96,20 @@ def test_gpu_pipeline(tmp_path):
         assert group["configs"]["default"]["hit_rate"] < 1
 
 
-def test_timeline_png_and_summary(tmp_path):
-    png = tmp_path / "timeline.png"
-    out = bench(
-        BENCH / "timeline_png.py", "--capture", "--quick", "--ckpt-dir", tmp_path, "--out", png
-    )
+def test_timeline_png_and_summary(q3_path, tmp_path):
+    # a timeline of the per-layer schedule at 4 slots a layer (its layers miss), drawn and summed
+    import mlx.core as mx
+    from support import decode, with_slots
+
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+    trace, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    model = with_slots(q3_path, 4, trace=str(trace), tuning=CacheTuning(verified_steps=False))
+    decode(model, mx.array([[(5 * i + 3) % 512 for i in range(12)]]))
+    model.expert_streaming.close()
+    out = bench(BENCH / "timeline_png.py", trace, "--out", png)
     assert png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in out
-    summary = json.loads(bench(BENCH / "timeline_summary.py", png.with_suffix(".json")))
+    summary = json.loads(bench(BENCH / "timeline_summary.py", trace))
     assert summary["reads per step"] > 0 and summary["MB read per step"] > 0
 
 
