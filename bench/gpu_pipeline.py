@@ -40,8 +40,13 @@ import harness  # noqa: E402
 import routing_replay  # noqa: E402
 from harness import GB, MB, Config, decode_block, log  # noqa: E402
 
-# harness.ARCHS's shapes at top-k 6, the routing traces' ("tiny": for trying the script on a CPU)
-SHAPES = ("qwen3", "tiny")
+# harness.ARCHS's shapes; those of 128 experts at top-k 6, the routing traces' (a trace routes
+# only a checkpoint of its own expert count; "tiny": for trying the script on a CPU)
+SHAPES = tuple(harness.ARCHS)
+
+
+def trace_top_k(shape):
+    return 6 if harness.ARCHS[shape]["overrides"]["experts"] == 128 else None
 TRACE = "trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
 
 # -- variants -------------------------------------------------------------------------------------
@@ -583,7 +588,8 @@ def main(argv=None):
     for model_spec, specs in runs:
         if model_spec is None:
             ckpt_dir = Path(args.ckpt_dir)
-            path = harness.checkpoint(ckpt_dir, args.shape, dtype, layers=args.layers, top_k=6)
+            path = harness.checkpoint(ckpt_dir, args.shape, dtype, layers=args.layers,
+                                      top_k=trace_top_k(args.shape))
         else:
             path = Path(model_spec[len("model:") :])
         ck, files, stocks = open_checkpoint(path, args, specs[0])
