@@ -17,8 +17,8 @@ if [ "${GPU_BENCH:-1}" = 1 ]; then
     grep -E "WARNING|NOT EXACT|Error" "$OUT/bench.log" | tail -20 || true
   else
     experts() {
-      timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu --ckpt-dir /root/ckpt \
-        --out "$OUT" "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\[" || true
+      timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu \
+        --ckpt-dir /root/ckpt --out "$OUT" "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\[" || true
     }
     if [ $# = 0 ]; then  # prefill.md's H200 run, then peak RSS
       experts --layer-major-prefill --archs qwen3 --prefill-tokens 4096,16384 --tag gpu-prefill
