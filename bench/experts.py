@@ -1,28 +1,25 @@
-"""Expert streaming benchmark: ours against stock resident, side by side in one process.
+"""Prefill and memory of expert streaming, against stock mlx-lm.
 
-    python bench/experts.py [--quick] [--device-kind cpu|gpu] [--archs qwen3,mixtral,dsv2]
-        [--rounds N] [--ablations stock_again,cold_staged] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
+    python bench/experts.py [--rss] [--quick] [--device-kind cpu|gpu] [--archs qwen3,mixtral,dsv2]
+        [--prefill-tokens N] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
     python bench/experts.py --layer-major-prefill [--archs small] [--prefill-tokens 4096,16384]
         [--prefill-step N] [--shares 0.25,0.5] [--rounds N] [--hold-tokens N] [--decode-tokens N]
-    python bench/experts.py --render FILE.json
 
-Decode: per shape (``harness.ARCHS``; ``--quick``: the tiny one) a synthetic checkpoint is built
-once under ``--ckpt-dir``; ``stock`` (every weight resident), ``warm`` (budget = every expert),
-``cold`` (25% of the expert bytes, page cache dropped before every token) and the ablations
-(``stock_again``: the noise floor; ``cold_staged``: direct reads off) decode in interleaved rounds,
-every step's logits compared with stock's bit for bit; then prefill and peak RSS. Writes
-``<out>/<tag>.json``, ``.md`` and ``.png`` (report.py). ``--layer-major-prefill``: long prompts
-cold, chunk by chunk against layer-major; writes ``<out>/<tag>.json`` and prints its table.
-What is measured and how: docs/benchmarks/methods/experts.md.
+``--rss`` (the default): per shape (``harness.ARCHS``; ``--quick``: the tiny one) the peak RSS of
+stock, of a streaming model whose budget holds every expert (``full``) and of one at 25% of the
+expert bytes (``cold``), each in a process of its own, against its weights + budget; writes
+``<out>/<tag>.json`` and ``.md``. ``--layer-major-prefill``: long prompts cold, chunk by chunk
+against layer-major and stock; writes ``<out>/<tag>.json`` and prints its table. Decode against
+stock is ``gpu_pipeline.py``'s. What is measured and how: docs/benchmarks/methods/experts.md.
 """
 
 import argparse
 import gc
 import json
 import os
+import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -31,13 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    ARCHS, BUDGET_GB, COLD_SHARE, GB, MB, ROOT, CallLog, Config, ForcedRouting, ReadSpans,
-    checkpoint, decode_block, delta, drop_page_cache, load_stock, load_streaming, log,
-    precision_recall, probe_disk, ratios, replay_figures, reset_banks, shards,
+    ARCHS, BUDGET_GB, GB, MB, ROOT, ForcedRouting, checkpoint, drop_page_cache, load_stock,
+    load_streaming, log, probe_disk, shards,
 )  # fmt: skip
-from report import machine, markdown, render, write  # noqa: E402
 
-PREFILL_TOKENS = 512
+COLD_SHARE = 0.25
 REAL_SHAPES = ["qwen3", "mixtral", "dsv2"]  # the default --archs (not "tiny")
 
 
@@ -52,182 +47,39 @@ def expert_sizes(path):
         moe_layers=len(banks),
         experts=banks[0].num_experts,
         resident_bytes=state.resident_bytes,
-        slot_bytes=sum(b.layer.expert_nbytes for b in banks),  # one expert of every layer
     )
     state.close()
     return sizes
 
 
-def prefill(cfg, tokens):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    kv = make_prompt_cache(cfg.model)
-    start = time.perf_counter()
-    mx.eval(cfg.model(tokens[None], cache=kv))
-    return time.perf_counter() - start, kv
-
-
-def load_configs(path, files, total, ablations):
-    """stock, warm, cold and the ablations asked for, each model loaded once."""
-    cold_gb = COLD_SHARE * total / BUDGET_GB
-    warm, _ = load_streaming(path, expert_cache_gb=total / BUDGET_GB * 1.001)
-    cold, _ = load_streaming(path, expert_cache_gb=cold_gb)
-    configs = {"warm": Config("warm", warm), "cold": Config("cold", cold, cold=True, files=files)}
-    if "stock_again" in ablations:
-        configs["stock_again"] = Config("stock_again", load_stock(path)[0])
-    if "cold_staged" in ablations:
-        m, _ = load_streaming(path, expert_cache_gb=cold_gb, direct_reads=False)
-        configs["cold_staged"] = Config("cold_staged", m, cold=True, files=files)
-    return configs
-
-
-def fill_warm(cfg, short):
-    """Prefill ``short`` until the warm configuration's background fill completed."""
-    banks = cfg.cache.banks
-    start, calls = time.perf_counter(), 0
-    while True:
-        prefill(cfg, short)
-        calls += 1
-        if all(b.complete for b in banks) or calls > 200:
-            break
-        time.sleep(0.05)
-    done = all(b.complete for b in banks)
-    return {"seconds": time.perf_counter() - start, "calls": calls, "complete": done}
-
-
-def decode_figures(cfg, expert_nbytes):
-    n = len(cfg.decode_s)
-    c = delta(cfg.stats0, cfg.counters())
-    asked = c.get("hits", 0) + c.get("misses", 0)
-    out = {
-        "tokens": n,
-        "s_per_token_mean": sum(cfg.decode_s) / n,
-        "s_per_token_median": statistics.median(cfg.decode_s),
-        "tok_s": n / sum(cfg.decode_s),
-        "hit_rate": (c["hits"] / asked) if asked else None,
-        "bytes_per_token": c.get("bytes_read", 0) / n,
-        "miss_bytes_per_token": c.get("misses", 0) * expert_nbytes / n,
-        "io_wait_s_per_token": c.get("io_wait_seconds", 0.0) / n,
-        "install_s_per_token": c.get("install_seconds", 0.0) / n,
-        "prefetch": precision_recall(c.get("prefetch")),
-    }
-    if cfg.spans is not None:
-        # the GB/s the reads achieved (GB = 2**30) over the wall time at least one read was in
-        # flight, over the store's summed read seconds, over the I/O wait
-        f = cfg.spans.figures()
-        read = c.get("bytes_read", 0)
-        sec = c.get("store_read_seconds", 0.0)
-        wait = c.get("io_wait_seconds", 0.0)
-        out["reads"] = f
-        fly = f["in_flight_seconds"]
-        out["read_gbps_in_flight"] = f["bytes"] / fly / GB if fly else None
-        out["read_gbps_store_seconds"] = read / sec / GB if sec else None
-        out["read_gbps_io_wait"] = read / wait / GB if wait else None
-    return out
-
-
-def run_arch(name, path, args):
+def machine(device):
     import mlx.core as mx
 
-    from mlx_lm_streaming.runtime import host_views
+    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
+    try:
+        import importlib.metadata as md
 
-    files = shards(path)
-    spec = ARCHS[name]
-    res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
-    stock, config = load_stock(path)
-    res.update(expert_sizes(path), checkpoint_bytes=sum(os.path.getsize(f) for f in files))
-    total, slot_bytes = res["total_expert_bytes"], res.pop("slot_bytes")
-    res["cold_slots"] = int(COLD_SHARE * total) // slot_bytes
-    res["cold_budget_bytes"] = res["cold_slots"] * slot_bytes
-    probe_bytes = min((256 if args.quick else 512) * MB, res["checkpoint_bytes"])
-    bw = probe_disk(files, res["expert_bytes"], probe_bytes)
-    res["disk_gbps"], res["disk_best_gbps"] = bw, max(v for v in bw.values() if v)
-    log(f"[{name}] disk GB/s: {bw}")
-
-    configs = {"stock": Config("stock", stock), **load_configs(path, files, total, args.ablations)}
-    res["routing"] = "uniform"
-    for cfg in configs.values():
-        cfg.routing = ForcedRouting(res["experts"])
-        cfg.routing.wrap(cfg.model)
-        cfg.spans = ReadSpans(cfg.cache.store) if cfg.cold else None
-    cold = configs["cold"]
-    cold.calls = CallLog(cold.routing)
-
-    # warm-up: stock once (on a GPU every configuration: mlx-cuda compiles kernels on first use);
-    # warm until its background fill completed
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    rng = random.Random(1)
-    short = mx.array([rng.randrange(vocab) for _ in range(16)])
-    long = mx.array([rng.randrange(vocab) for _ in range(args.prefill_tokens)])
-    res["prefill_tokens"] = args.prefill_tokens
-    prefill(configs["stock"], short)
-    if args.device_kind == "gpu":
-        for cfg in configs.values():
-            prefill(cfg, long)
-    res["warm_fill"] = fill_warm(configs["warm"], short)
-    log(f"[{name}] warm filled: {res['warm_fill']}")
-
-    # prefill: stock, warm; cold from empty banks and a cold page cache
-    for cfg in configs.values():
-        cfg.routing.reset()  # the same routing from here on in every configuration
-    res["prefill_s"], res["prefill_stats"] = {}, {}
-    for key in ("stock", "warm", "cold"):
-        cfg = configs[key]
-        if cfg.cold:
-            reset_banks(cfg.model)
-            drop_page_cache(cfg.files)
-            c0 = cfg.counters()
-        res["prefill_s"][key], _ = prefill(cfg, long)
-        if cfg.cold:
-            stats = res["prefill_stats"][key] = delta(c0, cfg.counters())
-            stats["prefetch"] = precision_recall(stats.get("prefetch"))
-        log(f"[{name}] prefill {key}: {res['prefill_s'][key]:.2f} s")
-
-    # decode: each configuration prefills a short prompt and decodes a warm-up block, then rounds
-    stream = [rng.randrange(vocab) for _ in range(4096)]
-    for cfg in configs.values():
-        cfg.routing.reset()
-        if cfg.cold:
-            reset_banks(cfg.model)
-        if cfg.calls is not None:
-            cfg.calls.clear()  # from the cold start on: the rows replay_figures replays
-        _, cfg.kv = prefill(cfg, short)
-        cfg.stream, cfg.pos = stream, 1
-        decode_block(cfg, 2)  # allocations, first reads: outside the measurement
-        cfg.tokens = []
-        cfg.stats0 = cfg.counters()
-        if cfg.calls is not None:
-            cfg.decode_from = cfg.calls.rows()
-        if cfg.spans is not None:
-            cfg.spans.clear()
-    rounds = []
-    for r in range(args.rounds):
-        row = {}
-        # a new order every round (seeded): a fixed predecessor would always leave the same
-        # configuration what it leaves behind (a dropped page cache, freed buffers)
-        for key in random.Random(r).sample(list(configs), len(configs)):
-            times = decode_block(configs[key], args.block)
-            configs[key].decode_s.extend(times)
-            row[key] = sum(times) / len(times)
-        rounds.append(row)
-        log(f"[{name}] round {r}:", ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items()), "tok/s")
-    res["rounds"] = rounds
-    res["decode"] = {k: decode_figures(cfg, res["expert_bytes"]) for k, cfg in configs.items()}
-    slots = [b.slots for b in cold.cache.banks]
-    res["replay"] = replay_figures(cold.calls, cold.decode_from, slots, res["experts"],
-                                   cold.cache.policy)  # fmt: skip
-    log(f"[{name}] replay of the cold rows: {res['replay']}")
-    ref = configs["stock"].tokens
-    res["same_tokens"] = {k: cfg.tokens == ref[: len(cfg.tokens)] for k, cfg in configs.items()}
-    # staging buffers: MLX memory written through host views (else numpy and a copy); direct:
-    # the cold configuration read straight into its banks
-    res["staging_host_views"] = host_views._HOST_VIEWS
-    res["direct_reads"] = all(b.direct for b in cold.cache.banks)
-    res["ratios"] = ratios(res, rounds)
-    del configs, stock, cold
-    gc.collect()
-    return res
+        info["mlx"] = md.version("mlx")
+        info["mlx_lm"] = md.version("mlx-lm")
+    except Exception:
+        pass
+    try:
+        info["ram_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    except (ValueError, OSError):
+        pass
+    info["device"] = str(mx.default_device())
+    if device == "gpu":
+        try:
+            query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+            info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    info["summary"] = (
+        f"{info.get('gpu') or platform.processor() or platform.machine()}, "
+        f"{info['cpus']} CPUs, {info.get('ram_gb', 0):.0f} GiB RAM, mlx {info.get('mlx')}, "
+        f"mlx-lm {info.get('mlx_lm')}, default device {info['device']}"
+    )
+    return info
 
 
 # -- peak RSS, one process per configuration ------------------------------------------------------
@@ -250,10 +102,12 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
     import mlx_lm.utils  # noqa: F401  (imports are the interpreter's, not the model's memory)
     from mlx_lm.generate import generate_step
 
+    import routing_replay
+
     from mlx_lm_streaming.integration.integration import install
-    from routing_replay import _expert_counts
 
     install()
+    routing_replay.unwind_on_rewind()  # verified steps that run a forward again
     base = peak_rss()
     out = {"which": which, "budget": 0, "resident_bytes": None}
     if which == "stock":
@@ -268,7 +122,7 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     rng = random.Random(1)
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
-    ForcedRouting(_expert_counts(model)[0]).wrap(model)
+    ForcedRouting(routing_replay._expert_counts(model)[0]).wrap(model)
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
     out.update(peak_rss=peak_rss(), rss_after_imports=base, mlx_peak=mx.get_peak_memory())
@@ -277,28 +131,85 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
     print("RSS_JSON " + json.dumps(out), flush=True)
 
 
-def measure_rss(path, res, args):
-    """Peak RSS of stock, warm and cold, each in a process of its own (``rss_child``)."""
+def measure_rss(path, res, tokens, device_kind):
+    """Peak RSS of stock, full and cold, each in a process of its own (``rss_child``), and each
+    one's over its weights + budget (stock: the checkpoint's bytes)."""
     out = {}
     total = res["total_expert_bytes"] / BUDGET_GB
-    tokens = min(args.prefill_tokens, 64) if args.device_kind == "cpu" else args.prefill_tokens
-    for which, gb in (("stock", 0), ("warm", total * 1.001), ("cold", total * COLD_SHARE)):
+    for which, gb in (("stock", 0), ("full", total * 1.001), ("cold", total * COLD_SHARE)):
         cmd = [
             sys.executable, __file__, "--rss-child", which, "--rss-path", str(path), "--rss-gb",
-            repr(gb), "--rss-prefill", str(tokens), "--device-kind", args.device_kind,
+            repr(gb), "--rss-prefill", str(tokens), "--device-kind", device_kind,
         ]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
         if p.returncode or not line:
             log(f"rss child {which} failed: {p.stderr[-2000:]}")
             continue
-        out[which] = json.loads(line[-1][len("RSS_JSON ") :])
-        log(f"rss {which}: {out[which]['peak_rss'] / GB:.2f} GB")
-    cold = out.get("cold")
-    if cold:
-        net = cold["peak_rss"] - cold["rss_after_imports"]
-        res["ratios"]["rss_cold_over_budget"] = net / (cold["resident_bytes"] + cold["budget"]) - 1
+        r = out[which] = json.loads(line[-1][len("RSS_JSON ") :])
+        want = res["checkpoint_bytes"] if which == "stock" else r["resident_bytes"] + r["budget"]
+        r["weights_and_budget"] = want
+        r["over_weights_and_budget"] = (r["peak_rss"] - r["rss_after_imports"]) / want - 1
+        log(f"rss {which}: {r['peak_rss'] / GB:.2f} GB")
+    if "cold" in out:
+        res["rss_cold_over_budget"] = out["cold"]["over_weights_and_budget"]
     return out
+
+
+def rss_figures(args) -> None:
+    """``--rss``: ``measure_rss`` per shape of ``--archs``; the report after each shape (a run cut
+    short keeps the shapes done)."""
+    archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
+    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
+    tag = args.tag or f"rss-{args.device_kind}{'-quick' if args.quick else ''}"
+    tokens = int(args.prefill_tokens or (512 if args.device_kind == "gpu" else 64))
+    report = {
+        "tag": tag,
+        "device": args.device_kind,
+        "command": " ".join(["python", "bench/experts.py"] + sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(args.device_kind),
+        "prefill_tokens": tokens,
+        "archs": [],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in archs:
+        path = checkpoint(Path(args.ckpt_dir), name, dtype)
+        spec = ARCHS[name]
+        res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
+        ckpt_bytes = sum(os.path.getsize(f) for f in shards(path))
+        res.update(expert_sizes(path), checkpoint_bytes=ckpt_bytes)
+        res["rss"] = measure_rss(path, res, tokens, args.device_kind)
+        report["archs"].append(res)
+        (out / f"{tag}.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / f"{tag}.md").write_text(rss_table(report))
+    print(rss_table(report))
+    print(f"wrote {out / tag}.json")
+
+
+def rss_table(report) -> str:
+    """``rss_figures``'s report as markdown: one row per shape and configuration."""
+    lines = [
+        f"# Peak RSS: {report['tag']}",
+        "",
+        f"Machine: {report['machine']['summary']}. Command: `{report['command']}`. "
+        f"{report['when']}. Each configuration in a process of its own: loaded, "
+        f"{report['prefill_tokens']} tokens prefilled, 8 decoded.",
+        "",
+        "| shape (layers) | configuration | peak RSS GB | net of interpreter GB "
+        "| weights + budget GB | net over weights + budget |",
+        "|---|---|---|---|---|---|",
+    ]
+    for res in report["archs"]:
+        for key, r in res["rss"].items():
+            net = r["peak_rss"] - r["rss_after_imports"]
+            lines.append(
+                f"| {res['label']} ({res['layers']}) | {key} | {r['peak_rss'] / GB:.2f} "
+                f"| {net / GB:.2f} | {r['weights_and_budget'] / GB:.2f} "
+                f"| {r['over_weights_and_budget']:+.0%} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 # -- long prompts, cold: chunk by chunk against layer-major ---------------------------------------
@@ -577,37 +488,28 @@ def prefill_table(res) -> str:
 
 
 def main():
-    import routing_replay
-
-    routing_replay.unwind_on_rewind()  # verified steps that run a forward again
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the tiny shape, fewer rounds (seconds)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--rss", action="store_true", help="peak RSS per shape (the default)")
+    mode.add_argument(
+        "--layer-major-prefill",
+        action="store_true",
+        help="today's chunked prefill against layer-major, cold, 25%% and 50%% budgets",
+    )
+    ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
     ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--archs", default=None, help="comma-separated of " + ",".join(ARCHS))
     ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
     ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--block", type=int, default=4, help="tokens per configuration per round")
     ap.add_argument(
         "--prefill-tokens",
         default=None,
-        help=f"default {PREFILL_TOKENS} ({PREFILL_TOKENS // 4} with --quick: the CPU is slow); "
-        "with --layer-major-prefill several, comma-separated (default 4096,16384)",
+        help="--rss: the prompt's tokens (default 64 on the CPU, 512 on a GPU); "
+        "--layer-major-prefill: several, comma-separated (default 4096,16384)",
     )
-    ap.add_argument(
-        "--ablations",
-        default="cold_staged",
-        help="comma-separated: stock_again (a second stock model: the run's noise floor), "
-        "cold_staged (cold with direct reads off; default)",
-    )
-    ap.add_argument("--no-rss", action="store_true")
-    ap.add_argument(
-        "--layer-major-prefill",
-        action="store_true",
-        help="only: today's chunked prefill against layer-major, cold, 25%% and 50%% budgets",
-    )
+    ap.add_argument("--rounds", type=int, default=None, help="with --layer-major-prefill")
     ap.add_argument("--prefill-step", type=int, default=2048, help="with --layer-major-prefill")
     ap.add_argument("--shares", default="0.25,0.5", help="with --layer-major-prefill: budgets")
     ap.add_argument("--decode-tokens", type=int, default=64, help="with --layer-major-prefill")
@@ -615,14 +517,11 @@ def main():
         "--hold-tokens", type=int, default=None,
         help="with --layer-major-prefill: one more layer-major prompt this long (held states)",
     )  # fmt: skip
-    ap.add_argument("--render", default=None, help="rewrite the .md and .png of a results JSON")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-gb", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--rss-prefill", type=int, default=PREFILL_TOKENS, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-prefill", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.render:
-        return print(render(Path(args.render)))
 
     import mlx.core as mx
 
@@ -631,33 +530,7 @@ def main():
         return rss_child(Path(args.rss_path), args.rss_child, args.rss_gb, args.rss_prefill)
     if args.layer_major_prefill:
         return layer_major_figures(args)
-    archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
-    args.rounds = args.rounds or (3 if args.quick else 6)
-    default_tokens = PREFILL_TOKENS // 4 if args.quick else PREFILL_TOKENS
-    args.prefill_tokens = int(args.prefill_tokens or default_tokens)
-    args.ablations = [a for a in args.ablations.split(",") if a]
-    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
-    tag = args.tag or f"{args.device_kind}{'-quick' if args.quick else ''}"
-    ckpt_dir = Path(args.ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    report = {
-        "tag": tag,
-        "device": args.device_kind,
-        "command": " ".join(["python", "bench/experts.py"] + sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(args.device_kind),
-        "exact_check": "sha1 of every step's log-probabilities, compared with stock",
-        "archs": [],
-    }
-    for name in archs:
-        path = checkpoint(ckpt_dir, name, dtype)
-        res = run_arch(name, path, args)
-        if not args.no_rss:
-            res["rss"] = measure_rss(path, res, args)
-        report["archs"].append(res)
-        print(json.dumps({"arch": name, "ratios": res["ratios"]}, indent=1), flush=True)
-        write(report, Path(args.out), tag)  # after each architecture: a cut-short run keeps some
-    print(markdown(report))
+    return rss_figures(args)
 
 
 if __name__ == "__main__":

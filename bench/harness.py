@@ -1,7 +1,7 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
-probe, forced routing and decode timing, loading stock and streaming models, paired ratios.
+probe, forced routing and decode timing, loading stock and streaming models.
 
-Imported by ``experts.py``, ``gpu_pipeline.py``, ``timeline_png.py`` and ``distributed.py``
+Imported by ``experts.py``, ``gpu_pipeline.py`` and ``distributed.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
 token stream are forced, how decode is timed: docs/benchmarks/methods/harness.md.
 """
@@ -10,7 +10,6 @@ import hashlib
 import mmap
 import os
 import random
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,6 @@ GB = 1 << 30
 # the unit of ``expert_cache_gb`` (decimal GB, as the flag): budgets are bytes / BUDGET_GB
 from mlx_lm_streaming.option_table import GB as BUDGET_GB  # noqa: E402
 MB = 1 << 20
-COLD_SHARE = 0.25
 
 
 def _shape(label, arch, layers, **overrides):
@@ -93,10 +91,6 @@ def checkpoint(
 
 def shards(path: Path):
     return sorted(Path(path).glob("model*.safetensors"))
-
-
-def pack_files(path):
-    return sorted(Path(path).glob("*.pack"))
 
 
 def drop_page_cache(files) -> float:
@@ -179,11 +173,7 @@ class Config:
         self.pos = 0
         self.decode_s = []  # per token
         self.tokens = []
-        self.drop_s = 0.0
         self.stats0 = None
-        self.calls = None  # CallLog of the routing's ids (cold, routing replaced)
-        self.decode_from = 0
-        self.spans = None  # ReadSpans of the store (cold)
 
     @property
     def cache(self):
@@ -290,7 +280,9 @@ def make_routing(routing: str, num_experts: int, layers: int):
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
-        from routing_replay import TraceRouting, read_trace
+        from routing_replay import TraceRouting
+
+        from mlx_lm_streaming.files.routing_trace import read_trace
 
         trace = read_trace(routing[len("trace:") :])
         return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
@@ -304,94 +296,6 @@ def routing_label(routing: str) -> str:
     if routing.startswith("trace:"):
         return f"trace {Path(routing[len('trace:') :]).name}"
     return routing
-
-
-class CallLog:
-    """The expert ids a configuration's routing passed each MoE layer, call by call (taken with the
-    routing's ``peek`` just before its ``indices``: the very ids the layer computed), so that the
-    same rows can be replayed offline through LRU and Belady (``replay_figures``)."""
-
-    def __init__(self, routing):
-        self.calls = {}
-        take = routing.indices
-
-        def indices(layer_no, shape):
-            import numpy as np
-
-            ids = np.asarray(routing.peek(layer_no, shape)).reshape(-1, shape[-1])
-            self.calls.setdefault(layer_no, []).append(ids.copy())
-            return take(layer_no, shape)
-
-        give_back = routing.unwind
-
-        def unwind(layer_no, rows):
-            # a rewound forward's call (routing_replay.unwind_on_rewind): its ids were not computed
-            if self.calls.get(layer_no):
-                self.calls[layer_no].pop()
-            give_back(layer_no, rows)
-
-        routing.indices, routing.unwind = indices, unwind
-
-    def clear(self):
-        self.calls = {}
-
-    def rows(self) -> int:
-        return min((sum(len(c) for c in calls) for calls in self.calls.values()), default=0)
-
-
-def replay_figures(log: CallLog, decode_from: int, slots, num_experts: int, policy: str):
-    """Decode hit rates of the cold configuration's own rows (``log``: from its cold start, the
-    rows before ``decode_from`` warm the tables and are not counted) replayed through the package's
-    slot tables with its own policy, LRU and Belady's offline optimum, at its slots per layer."""
-    from routing_replay import trace_of_calls
-
-    from mlx_lm_streaming.tools import replay as rp
-
-    trace = trace_of_calls(log.calls, num_experts, decode_from)
-    rows = len(trace.rows)
-    return {
-        "rows_warm": decode_from,
-        "rows_decode": rows - decode_from,
-        "slots": list(slots),
-        "num_experts": num_experts,
-        "top_k": trace.top_k,
-        "policy": policy,
-        "policy_hit_rate": rp.replay(trace, slots, policy).hit_rate("decode"),
-        "lru_hit_rate": rp.replay(trace, slots, "lru").hit_rate("decode"),
-        "belady_hit_rate": rp.belady(trace, slots).hit_rate("decode"),
-        "random_hit_rate": sum(slots) / len(slots) / num_experts,
-    }
-
-
-class ReadSpans:
-    """When each of a store's reads ran (its ``stats.add`` reports a read's bytes and seconds as it
-    ends): the union of their spans is the wall time at least one read was in flight."""
-
-    def __init__(self, store):
-        self.spans = []
-        add = store.stats.add
-
-        def record(reads, nbytes, seconds):
-            end = time.perf_counter()
-            self.spans.append((end - seconds, end, nbytes))
-            add(reads, nbytes, seconds)
-
-        store.stats.add = record
-
-    def clear(self):
-        self.spans = []
-
-    def figures(self):
-        """bytes, summed read seconds, and seconds with a read in flight."""
-        from timeline_summary import span_union
-
-        spans = list(self.spans)
-        return {
-            "bytes": sum(n for _, _, n in spans),
-            "read_seconds": sum(b - a for a, b, _ in spans),
-            "in_flight_seconds": span_union((a, b) for a, b, _ in spans),
-            "reads": len(spans),
-        }
 
 
 def delta(a, b):
@@ -448,7 +352,7 @@ def decode_block(cfg, n):
     sampler = ForcedSampler(cfg.stream, cfg.pos)
     prompt = mx.array([cfg.stream[cfg.pos - 1]])
     if cfg.cold:
-        cfg.drop_s += drop_page_cache(cfg.files)
+        drop_page_cache(cfg.files)
     excluded = 0.0
     start = time.perf_counter()
     for _ in generate_step(prompt, cfg.model, max_tokens=n, prompt_cache=cfg.kv, sampler=sampler):
@@ -456,9 +360,7 @@ def decode_block(cfg, n):
             # generate_step builds step i+1 (host syncs and reads included) before it yields step
             # i, so a drop here precedes every read of step i+2: every step reads from the disk.
             # The drop itself is left out of the timing.
-            d = drop_page_cache(cfg.files)
-            cfg.drop_s += d
-            excluded += d
+            excluded += drop_page_cache(cfg.files)
     mx.synchronize()
     seconds = time.perf_counter() - start - excluded
     steps = sampler.i - cfg.pos
@@ -488,40 +390,3 @@ def load_streaming(path, **options):
 
     install()
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
-
-
-def paired(rounds, num, den):
-    """Median over rounds of (time of ``den``) / (time of ``num``): speed of num relative to den."""
-    vals = [r[den] / r[num] for r in rounds if num in r and den in r]
-    return statistics.median(vals) if vals else None
-
-
-def ratios(res, rounds):
-    dec = res["decode"]
-    disk = res["disk_best_gbps"] * GB
-    out = {}
-    out["warm_vs_stock"] = paired(rounds, "warm", "stock")
-    # cold: limit per token = max(stock compute time, bytes the misses need / disk bandwidth)
-    limits = []
-    for r in rounds:
-        if "cold" in r:
-            io = dec["cold"]["miss_bytes_per_token"] / disk
-            limits.append(max(r["stock"], io) / r["cold"])
-    out["cold_vs_limit"] = statistics.median(limits) if limits else None
-    out["cold_limit_io_s_per_token"] = dec["cold"]["miss_bytes_per_token"] / disk
-    # the same limit from the run's totals: limit tok/s = 1 / max(stock s per token, miss bytes per
-    # token / disk); cold tok/s over it (the median of per-round ratios above weighs rounds alike)
-    limit_s = max(dec["stock"]["s_per_token_mean"], out["cold_limit_io_s_per_token"])
-    out["cold_limit_tok_s"] = 1 / limit_s
-    out["cold_vs_limit_totals"] = dec["cold"]["tok_s"] / out["cold_limit_tok_s"]
-    for key in dec:
-        if key != "stock":
-            out[f"{key}_vs_stock"] = paired(rounds, key, "stock")
-    pre = res["prefill_s"]
-    if "cold" in pre:
-        read_once = res["total_expert_bytes"] / disk
-        out["prefill_limit_s"] = max(pre["stock"], read_once)
-        out["prefill_cold_vs_limit"] = out["prefill_limit_s"] / pre["cold"]
-    if "warm" in pre:
-        out["prefill_warm_vs_stock"] = pre["stock"] / pre["warm"]
-    return out

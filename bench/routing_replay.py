@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError, TraceRow, read_trace
+from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError
 
 
 class TraceRouting:
@@ -34,10 +34,6 @@ class TraceRouting:
             ids = [row.experts[layer] for row in trace.rows if row.experts[layer]]
             self.table.append(np.array(ids, dtype=np.uint32))
         self.cursor: Dict[int, int] = {}
-
-    @classmethod
-    def from_file(cls, path, layers: Optional[int] = None) -> "TraceRouting":
-        return cls(read_trace(path), layers)
 
     @property
     def top_k(self) -> int:
@@ -222,33 +218,3 @@ def routed(inner, routing, layer_no):
     if _ROUTED is None:
         _ROUTED = _routed_class()
     return _ROUTED(inner, routing, layer_no)
-
-
-def trace_of_calls(calls: Dict[int, List[np.ndarray]], num_experts: int, decode_from: int):
-    """A ``RoutingTrace`` of the expert ids a model's MoE layers were called with: ``calls[layer]``
-    holds each call's ids, ``(rows, top_k)``, in call order (every layer called for the same rows).
-    Row i is one token; rows before ``decode_from`` are marked ``prefill`` (they warm a replay's
-    tables and are not counted in its decode hit rate), the rest ``decode``."""
-    layers = sorted(calls)
-    if layers != list(range(len(layers))):
-        raise ValueError(f"layers {layers}: expected 0..{len(layers) - 1}")
-    per_layer = [np.concatenate(calls[layer]) for layer in layers]
-    counts = {len(ids) for ids in per_layer}
-    if len(counts) != 1:
-        raise ValueError(f"the layers were called for different rows: {sorted(counts)}")
-    top_k = per_layer[0].shape[1]
-    header = {
-        "format": "moe-routing-trace",
-        "version": 1,
-        "model": "recorded calls",
-        "num_layers": len(layers),
-        "num_experts": num_experts,
-        "top_k": top_k,
-    }
-    rows = [
-        TraceRow(
-            0, "prefill" if i < decode_from else "decode", [ids[i].tolist() for ids in per_layer]
-        )
-        for i in range(counts.pop())
-    ]
-    return RoutingTrace(header, rows)

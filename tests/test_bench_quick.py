@@ -60,24 +60,19 @@ def test_the_index_names_every_script_and_only_those():
 
 
 def test_experts(tmp_path):
-    # --quick: the tiny shape (harness.ARCHS), 2 layers
-    bench(
-        BENCH / "experts.py", "--quick", "--rounds", "1", "--block", "1", "--prefill-tokens", "8",
-        "--no-rss", "--ablations", "stock_again,cold_staged", "--ckpt-dir", tmp_path / "ckpt",
+    # the default mode (--rss) at the tiny shape: stock, full and cold each in a process of its own
+    out = bench(
+        BENCH / "experts.py", "--quick", "--prefill-tokens", "8", "--ckpt-dir", tmp_path / "ckpt",
         "--out", tmp_path, "--tag", "quick",
     )  # fmt: skip
-    report = json.loads((tmp_path / "quick.json").read_text())
-    (arch,) = report["archs"]
-    assert arch["arch"] == "tiny"
-    assert set(arch["same_tokens"]) == {"stock", "warm", "cold", "stock_again", "cold_staged"}
-    assert all(arch["same_tokens"].values()), arch["same_tokens"]
-    assert arch["decode"]["cold"]["reads"]["reads"] > 0
-    assert (tmp_path / "quick.md").is_file()
-    report_md = (tmp_path / "quick.md").read_text()
-    # --render makes the same tables again from the JSON
-    (tmp_path / "quick.md").unlink()
-    bench(BENCH / "experts.py", "--render", tmp_path / "quick.json")
-    assert (tmp_path / "quick.md").read_text() == report_md
+    (arch,) = json.loads((tmp_path / "quick.json").read_text())["archs"]
+    rss = arch["rss"]
+    assert arch["arch"] == "tiny" and set(rss) == {"stock", "full", "cold"}
+    for r in rss.values():
+        assert r["peak_rss"] > r["rss_after_imports"] > 0 and r["weights_and_budget"] > 0, r
+    assert 0 < rss["cold"]["budget"] < rss["full"]["budget"]
+    assert arch["rss_cold_over_budget"] == rss["cold"]["over_weights_and_budget"]
+    assert "| cold |" in out and (tmp_path / "quick.md").read_text() in out
 
 
 def test_gpu_pipeline(tmp_path):

@@ -68,7 +68,7 @@ def test_stock_and_streaming_compute_the_same_under_a_trace(rr, k6):
     tokens = mx.array([[5, 9, 200, 31]])
     stock, _ = load_stock(k6)
     own = decode(stock, tokens)
-    rr.TraceRouting.from_file(TRACE, layers=2).wrap(stock)
+    rr.TraceRouting(read_trace(TRACE), layers=2).wrap(stock)
     want = decode(stock, tokens)
     # the trace's choices, not the router's, were computed
     assert not same(own, want)
@@ -76,13 +76,13 @@ def test_stock_and_streaming_compute_the_same_under_a_trace(rr, k6):
     budget = 8 * per_slot(probe) / 1e9  # 8 of 128 experts per layer: misses and evictions
     probe.expert_streaming.close()
     model, _ = load_streaming(k6, expert_cache_gb=budget)
-    rr.TraceRouting.from_file(TRACE, layers=2).wrap(model)
+    rr.TraceRouting(read_trace(TRACE), layers=2).wrap(model)
     assert same(want, decode(model, tokens))
     assert model.expert_streaming.cache.stats.misses > 0
 
 
 def test_the_cursor_wraps_around_the_trace(rr):
-    routing = rr.TraceRouting.from_file(TRACE, layers=2)
+    routing = rr.TraceRouting(read_trace(TRACE), layers=2)
     n = len(routing.table[1])
     assert n == len(read_trace(TRACE).rows)
     got = np.array(routing.indices(1, (1, n + 2, 6))).reshape(-1, 6)
@@ -93,45 +93,17 @@ def test_the_cursor_wraps_around_the_trace(rr):
 def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
     model, _ = load_stock(k6)
     with pytest.raises(TraceError, match="cannot replay 49 MoE layers"):
-        rr.TraceRouting.from_file(TRACE, layers=49)
+        rr.TraceRouting(read_trace(TRACE), layers=49)
     with pytest.raises(TraceError, match="the model has 2 MoE layers, the replay 3"):
-        rr.TraceRouting.from_file(TRACE, layers=3).wrap(model)
+        rr.TraceRouting(read_trace(TRACE), layers=3).wrap(model)
     k4 = build_checkpoint(
         tmp_path / "k4", "qwen3_moe", num_layers=2, overrides={"experts": 128, "top_k": 4}
     )
     model, _ = load_stock(k4)
     with pytest.raises(TraceError, match="build the checkpoint with top_k=6"):
-        rr.TraceRouting.from_file(TRACE, layers=2).wrap(model)
+        rr.TraceRouting(read_trace(TRACE), layers=2).wrap(model)
     few, _ = load_stock(
         build_checkpoint(tmp_path / "e8", "qwen3_moe", num_layers=2, overrides={"top_k": 6})
     )
     with pytest.raises(TraceError, match="128 experts per layer, the model"):
-        rr.TraceRouting.from_file(TRACE, layers=2).wrap(few)
-
-
-def test_recorded_calls_replay_as_the_trace_they_came_from(rr):
-    from mlx_lm_streaming.tools import replay
-
-    trace = read_trace(TRACE)
-    routing = rr.TraceRouting(trace, layers=2)
-    calls = {0: [], 1: []}
-    for shape in [(1, 3, 6)] + [(1, 1, 6)] * 9:  # a 3-token prompt, then 9 single tokens
-        for layer in (0, 1):
-            calls[layer].append(routing.peek(layer, shape).reshape(-1, 6))
-            routing.indices(layer, shape)
-    got = rr.trace_of_calls(calls, 128, decode_from=3)
-    assert (got.num_layers, got.num_experts, got.top_k, len(got.rows)) == (2, 128, 6, 12)
-    assert [r.phase for r in got.rows] == ["prefill"] * 3 + ["decode"] * 9
-    assert [r.experts for r in got.rows] == [r.experts[:2] for r in trace.rows[:12]]
-    # the same rows, phases set alike, give the same replay as the trace's own
-    want = type(trace)(
-        dict(trace.header, num_layers=2),
-        [type(r)(0, p.phase, r.experts[:2]) for r, p in zip(trace.rows[:12], got.rows)],
-    )
-    for policy in ("lru", "decay_next"):
-        assert replay.replay(got, 16, policy).hit_rate("decode") == replay.replay(
-            want, 16, policy
-        ).hit_rate("decode")
-    assert replay.belady(got, 16).hit_rate("decode") == replay.belady(want, 16).hit_rate("decode")
-    with pytest.raises(ValueError, match="different rows"):
-        rr.trace_of_calls({0: calls[0], 1: calls[1][:-1]}, 128, decode_from=3)
+        rr.TraceRouting(read_trace(TRACE), layers=2).wrap(few)
