@@ -6,7 +6,7 @@
 
 Prints per rank and configuration (budget B on 1 rank, B per rank on 2, 2B on 1, stock on 1 and
 2) decode and prompt tok/s, hit rate, misses, staged experts and GB read, and whether every run
-made the same text. What is run: docs/benchmarks/methods/distributed.md; figures:
+made the same text. What is run: docs/benchmarks/methods.md (distributed.py); figures:
 docs/distributed.md. Needs mlx-lm-streaming installed (``pip install .``).
 """
 

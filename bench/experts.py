@@ -10,7 +10,7 @@ stock, of a streaming model whose budget holds every expert (``full``) and of on
 expert bytes (``cold``), each in a process of its own, against its weights + budget; writes
 ``<out>/<tag>.json`` and ``.md``. ``--layer-major-prefill``: long prompts cold, chunk by chunk
 against layer-major and stock; writes ``<out>/<tag>.json`` and prints its table. Decode against
-stock is ``gpu_pipeline.py``'s. What is measured and how: docs/benchmarks/methods/experts.md.
+stock is ``gpu_pipeline.py``'s. What is measured and how: docs/benchmarks/methods.md (experts.py).
 """
 
 import argparse
@@ -237,7 +237,7 @@ class RoutedExperts:
 
 def layer_major_figures(args) -> None:
     """``--layer-major-prefill``: each prompt of ``--prefill-tokens`` cold at each budget of
-    ``--shares``, chunk by chunk against layer-major, beside stock (methods/experts.md)."""
+    ``--shares``, chunk by chunk against layer-major, beside stock (docs/benchmarks/methods.md)."""
     from dataclasses import replace
 
     import mlx.core as mx

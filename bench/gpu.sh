@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark, then the CUDA parity check, on the H200 device machine in one call; results: $OUT.
 # Run after the wheels' first device call (bench/README.md), with carry [".dev/b"]:
-#   bash bench/gpu.sh [experts.py args...]   # none: prefill.md's H200 run, then peak RSS (qwen3)
+#   bash bench/gpu.sh [experts.py args...]   # e.g. prefill.md's H200 run; none: peak RSS
 #   BENCH=pipeline bash bench/gpu.sh [gpu_pipeline.py args...]   # the decode regimes instead
 # Both get --ckpt-dir /root/ckpt --out $OUT. GPU_BENCH=0 skips the benchmark, PARITY_TIMEOUT=0 the
 # parity check; BENCH_TIMEOUT; PARITY_ARGS: cuda_parity.py's, e.g. "--cases 2 --direct on".
@@ -20,12 +20,7 @@ if [ "${GPU_BENCH:-1}" = 1 ]; then
       timeout ${BENCH_TIMEOUT:-420} python3 bench/experts.py --device-kind gpu \
         --ckpt-dir /root/ckpt --out "$OUT" "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\[" || true
     }
-    if [ $# = 0 ]; then  # prefill.md's H200 run, then peak RSS
-      experts --layer-major-prefill --archs qwen3 --prefill-tokens 4096,16384 --tag gpu-prefill
-      experts --rss --archs qwen3 --tag gpu-rss
-    else
-      experts "$@"
-    fi
+    experts "$@"
   fi
   echo "bench: $(( $(date +%s) - start )) s"
 fi

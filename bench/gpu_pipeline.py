@@ -17,7 +17,7 @@ default,nocopy``). On the CPU, everything at tiny size in ~10 s:
 ``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floors --out /tmp/q``.
 
 Writes ``<out>/<tag>.json`` (after every group) and ``<out>/<tag>.md`` (a table per regime). What
-the regimes, ratios, limits, floors and columns are: docs/benchmarks/methods/gpu_pipeline.md.
+the regimes, ratios, limits, floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).
 """
 
 import argparse
@@ -453,7 +453,7 @@ RAM_PROBE_REPS = 100  # a forward each: small experts must not make the probe lo
 
 def ram_probe(path, files, ck, args):
     """GB/s (decimal) of the ram regime's read path into one layer's bank slots, page cache warm,
-    one expert alone and K in parallel (docs/benchmarks/methods/gpu_pipeline.md)."""
+    one expert alone and K in parallel (docs/benchmarks/methods.md (gpu_pipeline.py))."""
     import mlx.core as mx
 
     from mlx_lm_streaming.runtime.bank import reads as bank_reads
@@ -684,7 +684,7 @@ def markdown(res):
         "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
         "steps per configuration). What the regimes, ratios, floors and columns are: "
-        "docs/benchmarks/methods/gpu_pipeline.md.",
+        "docs/benchmarks/methods.md (gpu_pipeline.py).",
         "",
     ]
     for name, ck in res["checkpoints"].items():

@@ -3,7 +3,7 @@ probe, forced routing and decode timing, loading stock and streaming models.
 
 Imported by ``experts.py``, ``gpu_pipeline.py`` and ``distributed.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
-token stream are forced, how decode is timed: docs/benchmarks/methods/harness.md.
+token stream are forced, how decode is timed: docs/benchmarks/methods.md (harness.py).
 """
 
 import hashlib
@@ -232,7 +232,7 @@ def precision_recall(p):
 class ForcedRouting:
     """Replaces a layer's router choice by uniformly random experts, alike in every configuration:
     the choice depends only on (layer, call number), so logits stay comparable. Why uniform
-    (a random-weight model's own router picks the same few experts): methods/harness.md."""
+    (a random-weight model's own router picks the same few experts): docs/benchmarks/methods.md."""
 
     def __init__(self, num_experts: int, seed: int = 0):
         self.num_experts = num_experts
@@ -324,7 +324,7 @@ def reset_banks(model):
 class ForcedSampler:
     """Feeds a fixed random token stream (the same for every configuration) instead of sampling,
     and keeps each step's log-probabilities (hashed bit for bit after the block, to compare with
-    stock). Why not greedy decoding: docs/benchmarks/methods/harness.md."""
+    stock). Why not greedy decoding: docs/benchmarks/methods.md (harness.py)."""
 
     def __init__(self, stream, start):
         self.stream = stream

@@ -5,7 +5,7 @@
 Prints JSON: for a verified step, a per-layer step that hit and one that missed, the calls into
 ``mlx_lm_streaming`` code on the calling thread during one decode token, divided by the MoE layers
 (``--by-function``: each case's calls by function too); a 3-layer qwen3_moe checkpoint on the CPU.
-The counts are deterministic. Each case: docs/benchmarks/methods/hot_path_calls.md.
+The counts are deterministic. Each case: docs/benchmarks/methods.md (hot_path_calls.py).
 """
 
 import argparse

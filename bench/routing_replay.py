@@ -6,7 +6,7 @@
 ``indices``; the router still runs and its gate weights are used as stock uses them. The choice
 depends only on (layer, rows consumed so far), so stock and streaming compute the same thing and
 their logits stay comparable bit for bit. The rules (layers, top-k, cursors):
-docs/benchmarks/methods/harness.md.
+docs/benchmarks/methods.md (harness.py).
 """
 
 import time

@@ -6,7 +6,7 @@
 Prints the extra wall time of ``python -c pass`` with the hook on against off, the hook's own
 import time and any mlx module imported at start-up; ``--check`` exits 1 at 5 ms or more, or when
 mlx is imported. Run it with the interpreter that has mlx-lm-streaming installed (not editable).
-How it measures: docs/benchmarks/methods/startup.md.
+How it measures: docs/benchmarks/methods.md (startup.py).
 """
 
 import argparse

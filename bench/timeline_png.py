@@ -3,7 +3,7 @@
     python bench/timeline_png.py TRACE.json [--out FILE.png]
 
 Draws the decode step that read the most bytes (of a file cut short too). Where the traces of
-docs/benchmarks/timeline-*.png come from: docs/benchmarks/methods/timeline_png.md. Needs
+docs/benchmarks/timeline-*.png come from: docs/benchmarks/methods.md (timeline_png.py). Needs
 matplotlib (``pip install matplotlib``).
 """
 

@@ -5,7 +5,7 @@
 Prints JSON: over the last ``N`` decode steps (all by default), the mean per step of the step's
 wall time, the MoE layer calls, the time between them, the spans inside the layer calls, the reads,
 and the per-layer ``split`` of a token's time. Used by ``bench/gpu_pipeline.py`` (variant word
-``tl``). What each figure counts: docs/benchmarks/methods/timeline_summary.md.
+``tl``). What each figure counts: docs/benchmarks/methods.md (timeline_summary.py).
 """
 
 import argparse
@@ -40,7 +40,7 @@ def load_events(path):
 
 
 def span_union(spans):
-    """Total length of the union of ``(start, end)`` spans (also ``harness.ReadSpans``)."""
+    """Total length of the union of ``(start, end)`` spans."""
     total, end = 0.0, None
     for a, b in sorted(spans):
         if end is None or a > end:
