@@ -39,9 +39,21 @@ CASES = [
 ]
 
 
-def check_parity(path, direct, by_token):
+def stock_run_to_run(path, by_token):
+    """Per batch, what differs between two runs of one stock model (None: nothing). Stock
+    mlx-cuda is not deterministic for calls of several rows on some shapes: there a streaming
+    run cannot be judged bit for bit, and the batch is reported, not failed."""
+    stock, config = parity.load_stock(path)
+    vocab = parity.vocab_size(config)
+    runs = {b: [parity.run(stock, parity.prompts(b, vocab), by_token=by_token) for _ in "ab"]
+            for b in (1, 2)}  # fmt: skip
+    return {b: parity.difference(*pair) for b, pair in runs.items()}
+
+
+def check_parity(path, direct, by_token, noisy):
     """None where streaming equals stock with every expert resident and with 3 per layer
-    (evictions within a call), batch 1 and 2, under direct reads ``direct``; else the error."""
+    (evictions within a call), batch 1 and 2 (a batch in ``noisy``, where stock differs from
+    itself, is not judged), under direct reads ``direct``; else the error."""
     default = StreamingOptions.use_direct_reads
     if direct != "auto":
         StreamingOptions.use_direct_reads = lambda self, backend: direct == "on"
@@ -52,7 +64,7 @@ def check_parity(path, direct, by_token):
         probe.expert_streaming.close()
         del probe
         rows = parity.compare(path, budgets, by_token=by_token)
-        bad = [r for r in rows if r["difference"] is not None]
+        bad = [r for r in rows if r["difference"] is not None and not noisy[r["batch"]]]
         if bad:
             raise AssertionError(f"streaming differs from stock: {bad}")
         return None
@@ -87,14 +99,19 @@ def main():
             except Exception as e:
                 traceback.print_exc()
                 build_error = f"{type(e).__name__}: {e}"
+            noisy = {} if build_error else stock_run_to_run(path, args.prompt_by_token)
             for mode in modes:
-                error = build_error or check_parity(path, mode, args.prompt_by_token)
+                error = build_error or check_parity(path, mode, args.prompt_by_token, noisy)
                 case = {"arch": arch, "variant": variant, "dtype": dtype, "direct": mode}
                 seconds = round(time.time() - start, 1)
-                results.append({**case, "exact": error is None, "error": error, "seconds": seconds})
+                results.append({**case, "exact": error is None, "error": error, "seconds": seconds,
+                                "stock_run_to_run": noisy})  # fmt: skip
                 if args.out:  # after each case: a run cut short still reports what it did
                     Path(args.out).write_text(json.dumps(report, indent=1))
                 verdict = "exact" if error is None else "FAILED " + error
+                for b, what in noisy.items():
+                    if what:
+                        verdict += f" (batch {b} not judged: stock against itself: {what})"
                 print(f"{arch} {variant} {dtype} direct={mode}: {verdict}", flush=True)
     exact = sum(r["exact"] for r in results)
     print(json.dumps({"backend": report["backend"], "exact": exact, "of": len(results)}))

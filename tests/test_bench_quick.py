@@ -112,6 +112,8 @@ def test_cuda_parity(tmp_path):
     bench(BENCH / "cuda_parity.py", "--cases", "1", "--out", tmp_path / "parity.json")
     (case,) = json.loads((tmp_path / "parity.json").read_text())["cases"]
     assert case["exact"] and case["error"] is None, case
+    # the CPU is deterministic: stock against itself differs in no batch, so every batch is judged
+    assert case["stock_run_to_run"] == {"1": None, "2": None}, case
 
 
 def test_distributed(tmp_path):
