@@ -1,7 +1,7 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
 probe, forced routing and decode timing, loading stock and streaming models.
 
-Imported by ``experts.py``, ``gpu_pipeline.py`` and ``distributed.py``
+Imported by ``gpu_pipeline.py``, ``prefill.py``, ``memory.py`` and ``distributed.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
 token stream are forced, how decode is timed: docs/benchmarks/methods.md (harness.py).
 """
@@ -9,7 +9,9 @@ token stream are forced, how decode is timed: docs/benchmarks/methods.md (harnes
 import hashlib
 import mmap
 import os
+import platform
 import random
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -390,3 +392,49 @@ def load_streaming(path, **options):
 
     install()
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
+
+
+def expert_sizes(path):
+    """The checkpoint's expert bytes, from a model loaded with room for every expert."""
+    probe, _ = load_streaming(path, expert_cache_gb=1e6)
+    state = probe.expert_streaming
+    banks = state.cache.banks
+    sizes = dict(
+        total_expert_bytes=state.cache.total_expert_bytes,
+        expert_bytes=banks[0].layer.expert_nbytes,
+        moe_layers=len(banks),
+        experts=banks[0].num_experts,
+        resident_bytes=state.resident_bytes,
+    )
+    state.close()
+    return sizes
+
+
+def machine(device):
+    import mlx.core as mx
+
+    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
+    try:
+        import importlib.metadata as md
+
+        info["mlx"] = md.version("mlx")
+        info["mlx_lm"] = md.version("mlx-lm")
+    except Exception:
+        pass
+    try:
+        info["ram_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    except (ValueError, OSError):
+        pass
+    info["device"] = str(mx.default_device())
+    if device == "gpu":
+        try:
+            query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+            info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    info["summary"] = (
+        f"{info.get('gpu') or platform.processor() or platform.machine()}, "
+        f"{info['cpus']} CPUs, {info.get('ram_gb', 0):.0f} GiB RAM, mlx {info.get('mlx')}, "
+        f"mlx-lm {info.get('mlx_lm')}, default device {info['device']}"
+    )
+    return info

@@ -17,7 +17,7 @@ ON_WORDS = ("1", "true", "yes", "on")
 OFF_WORDS = ("0", "false", "no", "off")
 
 # variables that are not options: the startup hook's switch, the plugin block list (plugins.py), and
-# the benchmarks' data directory (bench/experts.py)
+# the benchmarks' data directory (bench/memory.py, bench/prefill.py)
 HOOK_ENV = PREFIX + "HOOK"
 BLOCK_PLUGINS_ENV = PREFIX + "BLOCK_PLUGINS"
 OTHER_ENV = (HOOK_ENV, BLOCK_PLUGINS_ENV, PREFIX + "BENCH_DIR")

@@ -32,12 +32,12 @@ def bench(*args, env=None, timeout=300):
     return done.stdout
 
 
-def test_experts_layer_major_prefill(tmp_path):
+def test_prefill(tmp_path):
     # --layer-major-prefill at the tiny shape: two prompts of 3 and 6 chunks, cold, 25% and 50%:
     # layer-major reads each routed expert about once, chunk by chunk several times over, and
     # every run's tokens after the prompt are stock's
     out = bench(
-        BENCH / "experts.py", "--layer-major-prefill", "--archs", "tiny", "--prefill-tokens",
+        BENCH / "prefill.py", "--archs", "tiny", "--prefill-tokens",
         "96,192", "--prefill-step", "32", "--decode-tokens", "4", "--hold-tokens", "128",
         "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path, "--tag", "prefill",
     )  # fmt: skip
@@ -59,10 +59,10 @@ def test_the_index_names_every_script_and_only_those():
     assert indexed == scripts
 
 
-def test_experts(tmp_path):
+def test_memory(tmp_path):
     # the default mode (--rss) at the tiny shape: stock, full and cold each in a process of its own
     out = bench(
-        BENCH / "experts.py", "--quick", "--prefill-tokens", "8", "--ckpt-dir", tmp_path / "ckpt",
+        BENCH / "memory.py", "--quick", "--prefill-tokens", "8", "--ckpt-dir", tmp_path / "ckpt",
         "--out", tmp_path, "--tag", "quick",
     )  # fmt: skip
     (arch,) = json.loads((tmp_path / "quick.json").read_text())["archs"]

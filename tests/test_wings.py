@@ -1,5 +1,5 @@
 """The package's wings (issue 31): imports run one way between them, no circle among modules, at most 8
-modules loose at the package's top.
+modules loose at the package's top; no module over 450 lines, bench/ at most 2,900.
 
 Reads the imports with ``ast``; imports nothing from the package. A *unit* is a wing (``runtime/``,
 ``files/``, ``integration/``, ``tools/``), a plugin-facing folder (``architectures/``, ``kernels/``,
@@ -191,3 +191,14 @@ def test_every_exception_is_still_needed():
     found = {(m, t) for m, ts in edges.items() for t, _ in ts}
     stale = [f"{m} -> {t}" for m, t in EXCEPTIONS if (m, t) not in found or unit(t) in ALLOWED[unit(m)]]
     assert not stale, "EXCEPTIONS no import needs any more (delete them):\n" + "\n".join(stale)
+
+
+def test_sizes_the_house_keeps():
+    """No module of the package over 450 lines, and bench/ (its scripts and shell files) at most
+    2,900: the limits issue 31 set, so that neither grows back unseen."""
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in PKG.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 450]  # fmt: skip
+    assert not big, "modules over 450 lines (split them by what they do):\n" + "\n".join(big)
+    bench = sorted(p for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
+    lines = sum(len(p.read_text().splitlines()) for p in bench)
+    assert lines <= 2900, f"bench/ holds {lines} lines (at most 2,900): retire answered scripts"

@@ -1,26 +1,21 @@
-"""Prefill and memory of expert streaming, against stock mlx-lm.
+"""Long prompts, cold: layer-major prefill against chunk by chunk, against stock and the disk limit.
 
-    python bench/experts.py [--rss] [--quick] [--device-kind cpu|gpu] [--archs qwen3,mixtral,dsv2]
-        [--prefill-tokens N] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
-    python bench/experts.py --layer-major-prefill [--archs small] [--prefill-tokens 4096,16384]
-        [--prefill-step N] [--shares 0.25,0.5] [--rounds N] [--hold-tokens N] [--decode-tokens N]
+    python bench/prefill.py [--archs small] [--prefill-tokens 4096,16384] [--prefill-step N]
+        [--shares 0.25,0.5] [--rounds N] [--hold-tokens N] [--decode-tokens N]
+        [--device-kind cpu|gpu] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
 
-``--rss`` (the default): per shape (``harness.ARCHS``; ``--quick``: the tiny one) the peak RSS of
-stock, of a streaming model whose budget holds every expert (``full``) and of one at 25% of the
-expert bytes (``cold``), each in a process of its own, against its weights + budget; writes
-``<out>/<tag>.json`` and ``.md``. ``--layer-major-prefill``: long prompts cold, chunk by chunk
-against layer-major and stock; writes ``<out>/<tag>.json`` and prints its table. Decode against
-stock is ``gpu_pipeline.py``'s. What is measured and how: docs/benchmarks/methods.md (experts.py).
+Each prompt of ``--prefill-tokens`` runs cold (empty banks, the page cache dropped) at each budget
+of ``--shares``, chunk by chunk and layer-major, beside stock resident; the bytes read against what
+the prompt must read, the speed against the limit, the tokens after the prompt against stock's.
+Writes ``<out>/<tag>.json`` and prints its table (docs/benchmarks/prefill.md). What is measured and
+how: docs/benchmarks/methods.md (prefill.py).
 """
 
 import argparse
 import gc
 import json
 import os
-import platform
 import random
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,191 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    ARCHS, BUDGET_GB, GB, MB, ROOT, ForcedRouting, checkpoint, drop_page_cache, load_stock,
-    load_streaming, log, probe_disk, shards,
+    ARCHS, BUDGET_GB, GB, MB, ROOT, checkpoint, drop_page_cache, expert_sizes, load_stock,
+    load_streaming, log, machine, probe_disk, shards,
 )  # fmt: skip
-
-COLD_SHARE = 0.25
-REAL_SHAPES = ["qwen3", "mixtral", "dsv2"]  # the default --archs (not "tiny")
-
-
-def expert_sizes(path):
-    """The checkpoint's expert bytes, from a model loaded with room for every expert."""
-    probe, _ = load_streaming(path, expert_cache_gb=1e6)
-    state = probe.expert_streaming
-    banks = state.cache.banks
-    sizes = dict(
-        total_expert_bytes=state.cache.total_expert_bytes,
-        expert_bytes=banks[0].layer.expert_nbytes,
-        moe_layers=len(banks),
-        experts=banks[0].num_experts,
-        resident_bytes=state.resident_bytes,
-    )
-    state.close()
-    return sizes
-
-
-def machine(device):
-    import mlx.core as mx
-
-    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
-    try:
-        import importlib.metadata as md
-
-        info["mlx"] = md.version("mlx")
-        info["mlx_lm"] = md.version("mlx-lm")
-    except Exception:
-        pass
-    try:
-        info["ram_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
-    except (ValueError, OSError):
-        pass
-    info["device"] = str(mx.default_device())
-    if device == "gpu":
-        try:
-            query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-            info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    info["summary"] = (
-        f"{info.get('gpu') or platform.processor() or platform.machine()}, "
-        f"{info['cpus']} CPUs, {info.get('ram_gb', 0):.0f} GiB RAM, mlx {info.get('mlx')}, "
-        f"mlx-lm {info.get('mlx_lm')}, default device {info['device']}"
-    )
-    return info
-
-
-# -- peak RSS, one process per configuration ------------------------------------------------------
-
-
-def peak_rss() -> int:
-    """This process's peak RSS in bytes (VmHWM: ru_maxrss counts the parent's, kept over exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
-    """``--rss-child``: load one configuration, prefill and decode, print its peak RSS as JSON."""
-    import mlx.core as mx
-    import mlx_lm.utils  # noqa: F401  (imports are the interpreter's, not the model's memory)
-    from mlx_lm.generate import generate_step
-
-    import routing_replay
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    routing_replay.unwind_on_rewind()  # verified steps that run a forward again
-    base = peak_rss()
-    out = {"which": which, "budget": 0, "resident_bytes": None}
-    if which == "stock":
-        model, config = load_stock(path)
-    else:
-        drop_page_cache(shards(path))
-        model, config = load_streaming(path, expert_cache_gb=budget_gb)
-        cache = model.expert_streaming.cache
-        cache.ensure_planned()
-        out["budget"] = cache.resident_bytes
-        out["resident_bytes"] = model.expert_streaming.resident_bytes
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    rng = random.Random(1)
-    tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
-    ForcedRouting(routing_replay._expert_counts(model)[0]).wrap(model)
-    for _ in generate_step(tokens, model, max_tokens=decode_tokens):
-        pass
-    out.update(peak_rss=peak_rss(), rss_after_imports=base, mlx_peak=mx.get_peak_memory())
-    if which != "stock":
-        out["staging_limit"] = model.expert_streaming.cache.prefetcher.max_bytes
-    print("RSS_JSON " + json.dumps(out), flush=True)
-
-
-def measure_rss(path, res, tokens, device_kind):
-    """Peak RSS of stock, full and cold, each in a process of its own (``rss_child``), and each
-    one's over its weights + budget (stock: the checkpoint's bytes)."""
-    out = {}
-    total = res["total_expert_bytes"] / BUDGET_GB
-    for which, gb in (("stock", 0), ("full", total * 1.001), ("cold", total * COLD_SHARE)):
-        cmd = [
-            sys.executable, __file__, "--rss-child", which, "--rss-path", str(path), "--rss-gb",
-            repr(gb), "--rss-prefill", str(tokens), "--device-kind", device_kind,
-        ]  # fmt: skip
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = [l for l in p.stdout.splitlines() if l.startswith("RSS_JSON ")]
-        if p.returncode or not line:
-            log(f"rss child {which} failed: {p.stderr[-2000:]}")
-            continue
-        r = out[which] = json.loads(line[-1][len("RSS_JSON ") :])
-        want = res["checkpoint_bytes"] if which == "stock" else r["resident_bytes"] + r["budget"]
-        r["weights_and_budget"] = want
-        r["over_weights_and_budget"] = (r["peak_rss"] - r["rss_after_imports"]) / want - 1
-        log(f"rss {which}: {r['peak_rss'] / GB:.2f} GB")
-    if "cold" in out:
-        res["rss_cold_over_budget"] = out["cold"]["over_weights_and_budget"]
-    return out
-
-
-def rss_figures(args) -> None:
-    """``--rss``: ``measure_rss`` per shape of ``--archs``; the report after each shape (a run cut
-    short keeps the shapes done)."""
-    archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
-    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
-    tag = args.tag or f"rss-{args.device_kind}{'-quick' if args.quick else ''}"
-    tokens = int(args.prefill_tokens or (512 if args.device_kind == "gpu" else 64))
-    report = {
-        "tag": tag,
-        "device": args.device_kind,
-        "command": " ".join(["python", "bench/experts.py"] + sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(args.device_kind),
-        "prefill_tokens": tokens,
-        "archs": [],
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in archs:
-        path = checkpoint(Path(args.ckpt_dir), name, dtype)
-        spec = ARCHS[name]
-        res = {"arch": name, "label": spec["label"], "layers": spec["layers"], "path": str(path)}
-        ckpt_bytes = sum(os.path.getsize(f) for f in shards(path))
-        res.update(expert_sizes(path), checkpoint_bytes=ckpt_bytes)
-        res["rss"] = measure_rss(path, res, tokens, args.device_kind)
-        report["archs"].append(res)
-        (out / f"{tag}.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / f"{tag}.md").write_text(rss_table(report))
-    print(rss_table(report))
-    print(f"wrote {out / tag}.json")
-
-
-def rss_table(report) -> str:
-    """``rss_figures``'s report as markdown: one row per shape and configuration."""
-    lines = [
-        f"# Peak RSS: {report['tag']}",
-        "",
-        f"Machine: {report['machine']['summary']}. Command: `{report['command']}`. "
-        f"{report['when']}. Each configuration in a process of its own: loaded, "
-        f"{report['prefill_tokens']} tokens prefilled, 8 decoded.",
-        "",
-        "| shape (layers) | configuration | peak RSS GB | net of interpreter GB "
-        "| weights + budget GB | net over weights + budget |",
-        "|---|---|---|---|---|---|",
-    ]
-    for res in report["archs"]:
-        for key, r in res["rss"].items():
-            net = r["peak_rss"] - r["rss_after_imports"]
-            lines.append(
-                f"| {res['label']} ({res['layers']}) | {key} | {r['peak_rss'] / GB:.2f} "
-                f"| {net / GB:.2f} | {r['weights_and_budget'] / GB:.2f} "
-                f"| {r['over_weights_and_budget']:+.0%} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-# -- long prompts, cold: chunk by chunk against layer-major ---------------------------------------
 
 
 class RoutedExperts:
@@ -236,7 +49,7 @@ class RoutedExperts:
 
 
 def layer_major_figures(args) -> None:
-    """``--layer-major-prefill``: each prompt of ``--prefill-tokens`` cold at each budget of
+    """Each prompt of ``--prefill-tokens`` cold at each budget of
     ``--shares``, chunk by chunk against layer-major, beside stock (docs/benchmarks/methods.md)."""
     from dataclasses import replace
 
@@ -489,48 +302,26 @@ def prefill_table(res) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--rss", action="store_true", help="peak RSS per shape (the default)")
-    mode.add_argument(
-        "--layer-major-prefill",
-        action="store_true",
-        help="today's chunked prefill against layer-major, cold, 25%% and 50%% budgets",
-    )
     ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
     ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--archs", default=None, help="comma-separated of " + ",".join(ARCHS))
+    ap.add_argument("--archs", default=None, help="one of " + ",".join(ARCHS) + " (default small)")
     ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
     ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--tag", default=None)
-    ap.add_argument(
-        "--prefill-tokens",
-        default=None,
-        help="--rss: the prompt's tokens (default 64 on the CPU, 512 on a GPU); "
-        "--layer-major-prefill: several, comma-separated (default 4096,16384)",
-    )
-    ap.add_argument("--rounds", type=int, default=None, help="with --layer-major-prefill")
-    ap.add_argument("--prefill-step", type=int, default=2048, help="with --layer-major-prefill")
-    ap.add_argument("--shares", default="0.25,0.5", help="with --layer-major-prefill: budgets")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="with --layer-major-prefill")
-    ap.add_argument(
-        "--hold-tokens", type=int, default=None,
-        help="with --layer-major-prefill: one more layer-major prompt this long (held states)",
-    )  # fmt: skip
-    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rss-path", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rss-gb", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--rss-prefill", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-tokens", default="4096,16384", help="comma-separated")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--prefill-step", type=int, default=2048)
+    ap.add_argument("--shares", default="0.25,0.5", help="budgets, shares of the expert bytes")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--hold-tokens", type=int, default=None,
+                    help="one more layer-major prompt this long (held states)")
     args = ap.parse_args()
 
     import mlx.core as mx
 
     mx.set_default_device(mx.gpu if args.device_kind == "gpu" else mx.cpu)
-    if args.rss_child:
-        return rss_child(Path(args.rss_path), args.rss_child, args.rss_gb, args.rss_prefill)
-    if args.layer_major_prefill:
-        return layer_major_figures(args)
-    return rss_figures(args)
+    layer_major_figures(args)
 
 
 if __name__ == "__main__":
