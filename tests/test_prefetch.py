@@ -123,6 +123,34 @@ def test_lookahead_off_is_exact(q3):
     assert cache.prefetch_stats.staged["lookahead"] == 0
 
 
+def test_a_fill_whose_staged_reads_were_dropped_runs_again(q3):
+    """A call that cannot install staged reads drops them (``discard_staged``: a Direct schedule's
+    later wave, layer-major prefill); an identity bank's fill then runs again, so the bank still
+    completes. (Before, the fill stayed marked as asked for: the dropped experts were read only
+    if a call used them, and a bank whose calls did not use all never completed, so its calls
+    never skipped the host sync. Seen as a flaky test_complete_banks_skip_the_host_sync.)"""
+    from mlx_lm_streaming.runtime.prefetch import FILL
+
+    path, tokens, want = q3
+    model, _ = load_streaming(path)  # default budget: every expert here
+    cache = model.expert_streaming.cache
+    cache.ensure_planned()
+    bank = cache.banks[0]
+    assert bank.identity and not bank.complete
+    bank.fill_requested = True  # as if the fill had run: its reads staged...
+    assert bank.stage(np.arange(bank.num_experts), "fill", FILL) == bank.num_experts
+    with bank.lock:
+        bank.discard_staged()  # ...then dropped by a call that could not install them
+    assert not bank.staged and not bank.fill_requested
+    assert same(want, decode(model, tokens))
+    deadline = time.time() + 60
+    while not bank.complete and time.time() < deadline:
+        decode(model, tokens[:, :2], steps=0)  # the same few experts: a fill must read the rest
+        time.sleep(0.01)
+    assert bank.complete
+    model.expert_streaming.close()
+
+
 def test_complete_banks_skip_the_host_sync(q3):
     path, tokens, want = q3
     model, _ = load_streaming(path)  # default budget: every expert here

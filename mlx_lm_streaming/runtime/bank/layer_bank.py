@@ -311,8 +311,12 @@ class LayerBank:
 
     def discard_staged(self) -> None:
         """Forget every staged read (under ``lock``), identity bank or not: their buffers go back
-        once read. For a call that cannot install them now (``schedules.Direct``)."""
+        once read. For a call that cannot install them now (``schedules.Direct``). An identity
+        bank's fill may be among them: it is to be asked for again (the next call that finds the
+        bank incomplete does), or the experts it staged would be read only if a call used them."""
         batches = {id(b): b for b in self.staged.values()}
         self.staged.clear()
+        if self.identity and batches:
+            self.fill_requested = False
         for batch in batches.values():
             self.cache.release(batch, when_done=True)
