@@ -57,6 +57,27 @@ ARCHS = {
 }  # fmt: skip
 
 
+def common_arguments(ap, archs_help: str) -> None:
+    """The arguments ``prefill.py`` and ``memory.py`` share: ``--quick``, ``--device-kind``,
+    ``--archs``, ``--ckpt-dir``, ``--out``, ``--tag``."""
+    ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
+    ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--archs", default=None, help=archs_help)
+    ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
+    ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--tag", default=None)
+
+
+def use_device(kind: str) -> str:
+    """MLX's default device set to ``kind`` (``cpu`` or ``gpu``); the activation dtype the
+    benchmarks use there (bfloat16 on a GPU, float32 on the CPU)."""
+    import mlx.core as mx
+
+    mx.set_default_device(mx.gpu if kind == "gpu" else mx.cpu)
+    return "bfloat16" if kind == "gpu" else "float32"
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 

@@ -23,9 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    ARCHS, BUDGET_GB, GB, ROOT, ForcedRouting, checkpoint, drop_page_cache, expert_sizes,
-    load_stock, load_streaming, log, machine, shards,
+    ARCHS, BUDGET_GB, GB, ForcedRouting, checkpoint, common_arguments, drop_page_cache,
+    expert_sizes, load_stock, load_streaming, log, machine, shards, use_device,
 )  # fmt: skip
+
+from mlx_lm_streaming.tools.parity import vocab_size  # noqa: E402
 
 COLD_SHARE = 0.25
 REAL_SHAPES = ["qwen3", "mixtral", "dsv2"]  # the default --archs (not "tiny")
@@ -65,7 +67,7 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
         cache.ensure_planned()
         out["budget"] = cache.resident_bytes
         out["resident_bytes"] = model.expert_streaming.resident_bytes
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    vocab = vocab_size(config)
     rng = random.Random(1)
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
     ForcedRouting(routing_replay._expert_counts(model)[0]).wrap(model)
@@ -102,11 +104,10 @@ def measure_rss(path, res, tokens, device_kind):
     return out
 
 
-def rss_figures(args) -> None:
+def rss_figures(args, dtype: str) -> None:
     """``measure_rss`` per shape of ``--archs``; the report after each shape (a run cut
     short keeps the shapes done)."""
     archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
-    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
     tag = args.tag or f"rss-{args.device_kind}{'-quick' if args.quick else ''}"
     tokens = int(args.prefill_tokens or (512 if args.device_kind == "gpu" else 64))
     report = {
@@ -160,13 +161,7 @@ def rss_table(report) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
-    ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--archs", default=None, help="comma-separated of " + ",".join(ARCHS))
-    ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
-    ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    ap.add_argument("--tag", default=None)
+    common_arguments(ap, "comma-separated of " + ",".join(ARCHS))
     ap.add_argument("--prefill-tokens", type=int, default=None,
                     help="the prompt's tokens (default 64 on the CPU, 512 on a GPU)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
@@ -174,13 +169,10 @@ def main():
     ap.add_argument("--rss-gb", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--rss-prefill", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    import mlx.core as mx
-
-    mx.set_default_device(mx.gpu if args.device_kind == "gpu" else mx.cpu)
+    dtype = use_device(args.device_kind)
     if args.rss_child:
         return rss_child(Path(args.rss_path), args.rss_child, args.rss_gb, args.rss_prefill)
-    return rss_figures(args)
+    return rss_figures(args, dtype)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    ARCHS, BUDGET_GB, GB, MB, ROOT, checkpoint, drop_page_cache, expert_sizes, load_stock,
-    load_streaming, log, machine, probe_disk, shards,
+    ARCHS, BUDGET_GB, GB, MB, checkpoint, common_arguments, drop_page_cache, expert_sizes,
+    load_stock, load_streaming, log, machine, probe_disk, shards, use_device,
 )  # fmt: skip
+
+from mlx_lm_streaming.tools.parity import vocab_size  # noqa: E402
 
 
 class RoutedExperts:
@@ -48,7 +50,7 @@ class RoutedExperts:
         pass
 
 
-def layer_major_figures(args) -> None:
+def layer_major_figures(args, dtype: str) -> None:
     """Each prompt of ``--prefill-tokens`` cold at each budget of
     ``--shares``, chunk by chunk against layer-major, beside stock (docs/benchmarks/methods.md)."""
     from dataclasses import replace
@@ -65,15 +67,14 @@ def layer_major_figures(args) -> None:
 
     generate = sys.modules["mlx_lm.generate"]
     stock_step = getattr(generate.generate_step, "stock", generate.generate_step)
-    dtype = "bfloat16" if args.device_kind == "gpu" else "float32"
     name = (args.archs or ("tiny" if args.quick else "small")).split(",")[0]
     path = checkpoint(Path(args.ckpt_dir), name, dtype)
     files = shards(path)
-    prompt_sizes = [int(n) for n in str(args.prefill_tokens or "4096,16384").split(",")]
+    prompt_sizes = [int(n) for n in args.prefill_tokens.split(",")]
     shares = [float(x) for x in args.shares.split(",")]
     step = args.prefill_step
     stock, config = load_stock(path)
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    vocab = vocab_size(config)
     stream = [random.Random(7).randrange(vocab) for _ in range(args.decode_tokens + 4)]
     expert = expert_sizes(path)
     total, expert_nbytes = expert["total_expert_bytes"], expert["expert_bytes"]
@@ -302,13 +303,7 @@ def prefill_table(res) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the tiny shape (seconds)")
-    ap.add_argument("--device-kind", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--archs", default=None, help="one of " + ",".join(ARCHS) + " (default small)")
-    ckpt = Path.home() / ".cache" / "mlx_lm_streaming_bench"
-    ap.add_argument("--ckpt-dir", default=os.environ.get("MLX_LM_STREAMING_BENCH_DIR", ckpt))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    ap.add_argument("--tag", default=None)
+    common_arguments(ap, "one of " + ",".join(ARCHS) + " (default small)")
     ap.add_argument("--prefill-tokens", default="4096,16384", help="comma-separated")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--prefill-step", type=int, default=2048)
@@ -317,11 +312,7 @@ def main():
     ap.add_argument("--hold-tokens", type=int, default=None,
                     help="one more layer-major prompt this long (held states)")
     args = ap.parse_args()
-
-    import mlx.core as mx
-
-    mx.set_default_device(mx.gpu if args.device_kind == "gpu" else mx.cpu)
-    layer_major_figures(args)
+    layer_major_figures(args, use_device(args.device_kind))
 
 
 if __name__ == "__main__":
