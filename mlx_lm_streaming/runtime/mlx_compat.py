@@ -81,13 +81,9 @@ def version_problem(version: Optional[str] = None) -> Optional[str]:
 def load_model_problem(load_model) -> Optional[str]:
     """None if ``load_model`` takes the parameters we read, by those names, and has a default for
     ``get_model_classes`` (``model_classes``), else what is missing."""
-    try:
-        params = inspect.signature(load_model).parameters
-    except (TypeError, ValueError):
-        return "mlx_lm.utils.load_model has no signature to check"
-    missing = [p for p in LOAD_MODEL_PARAMETERS if p not in params]
-    if missing:
-        return f"mlx_lm.utils.load_model takes no {', '.join(missing)}"
+    problem = _missing(load_model, "mlx_lm.utils.load_model", LOAD_MODEL_PARAMETERS)
+    if problem:
+        return problem
     if model_classes(load_model) is None:
         return "mlx_lm.utils.load_model's get_model_classes has no default taking config="
     return None
@@ -100,6 +96,17 @@ def _takes(fn, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _missing(fn, name: str, wanted) -> Optional[str]:
+    """Which of the parameters ``wanted`` mlx-lm's ``name`` (``fn``) does not take, as a problem
+    line; None where it takes them all."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return f"{name} has no signature to check"
+    missing = [p for p in wanted if p not in params]
+    return f"{name} takes no {', '.join(missing)}" if missing else None
 
 
 def _takes_one(fn) -> bool:
@@ -278,13 +285,9 @@ GENERATE_STEP_BODY = (
 def generate_step_problem(generate_step) -> Optional[str]:
     """None if mlx-lm's ``generate_step`` takes the parameters layer-major prefill reads and has
     the chunked prefill it reorders, else what differs."""
-    try:
-        params = inspect.signature(generate_step).parameters
-    except (TypeError, ValueError):
-        return "mlx_lm.generate.generate_step has no signature to check"
-    missing = [p for p in GENERATE_STEP_PARAMETERS if p not in params]
-    if missing:
-        return f"mlx_lm.generate.generate_step takes no {', '.join(missing)}"
+    problem = _missing(generate_step, "mlx_lm.generate.generate_step", GENERATE_STEP_PARAMETERS)
+    if problem:
+        return problem
     try:
         body = re.sub(r"\s+", "", inspect.getsource(generate_step))
     except (OSError, TypeError):
@@ -357,10 +360,7 @@ SPECULATIVE_PARAMETERS = ("prompt", "model", "draft_model", "prefill_step_size")
 def speculative_problem(speculative_generate_step) -> Optional[str]:
     """None if mlx-lm's ``speculative_generate_step`` takes the parameters read to tell a long
     prompt, else what is missing."""
-    params = _parameters(speculative_generate_step)
-    missing = [p for p in SPECULATIVE_PARAMETERS if p not in params]
-    if missing:
-        return f"mlx_lm.generate.speculative_generate_step takes no {', '.join(missing)}"
-    return None
+    name = "mlx_lm.generate.speculative_generate_step"
+    return _missing(speculative_generate_step, name, SPECULATIVE_PARAMETERS)
 
 
