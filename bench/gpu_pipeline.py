@@ -110,14 +110,16 @@ def _graph_routed_class():
     base = type(routing_replay.routed(None, None, 0))
 
     class GraphRouted(base):
-        """The routing's ids made to depend on the layer's router (``ids + 0 * router ids``): the
+        """The routing's ids made to depend on the layer's router (``mx.depends``: no kernel): the
         values are the routing's, but a host readback of them waits for the graph up to that
         router, as with a trained model."""
 
         def __call__(self, x, indices):
+            import mlx.core as mx
+
             routing, start = self._routing, time.perf_counter()
             ids = routing.indices(self._layer_no, indices.shape)
-            out = self._inner(x, ids + (indices * 0).astype(ids.dtype))
+            out = self._inner(x, mx.depends(ids, indices))
             seconds = time.perf_counter() - start
             routing.call_seconds = getattr(routing, "call_seconds", 0.0) + seconds
             return out
@@ -210,10 +212,28 @@ def counters(cfg):
     return c
 
 
+def user_seconds(model, tokenizer, prompt, tokens):
+    """Stock as a user sees it: ``tokens`` tokens of ``mlx_lm.stream_generate`` (greedy, the
+    model's own router, a new KV cache), timed from its first token to its last; returns
+    ``(seconds per token, tokens, mlx-lm's generation_tps)``. (mlx-lm's own figure divides all the
+    tokens by the time after the first: n / (n - 1) higher.)"""
+    from mlx_lm import stream_generate
+
+    stamps, last = [], None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
+        stamps.append(time.perf_counter())
+    n = len(stamps)
+    if n < 3:
+        return None, n, None
+    return (stamps[-1] - stamps[0]) / (n - 1), n, last.generation_tps
+
+
 def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream):
-    """One group: the variants and the stocks in interleaved rounds (``ck``: open_checkpoint's)."""
+    """One group: the variants and the stocks in interleaved rounds (``ck``: open_checkpoint's),
+    stock as a user sees it (``user_seconds``) in every round beside them."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_tokenizer
 
     mode = REGIMES[regime]
     configs = {name: Config(name, model) for name, model in stocks.items()}
@@ -229,7 +249,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning)
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
-        cfg.routing = harness.make_routing(spec, ck["experts"], ck["moe_layers"])
+        own = cfg.name == "stock_own"  # the router's own ids: what the injection costs
+        cfg.routing = None if own else harness.make_routing(spec, ck["experts"], ck["moe_layers"])
         if cfg.routing is not None:  # (None: model:DIR, its own router)
             wrap(cfg.model, cfg.routing)
     warm_s = 0.0 if mode["cold"] else warm_page_cache(files)
@@ -239,7 +260,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         for tok in prompt:
             mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
         cfg.stream, cfg.pos = stream, 1
-        decode_block(cfg, 2)  # warm-up: allocations, kernels
+        decode_block(cfg, args.warmup)  # warm-up: allocations, kernels
 
     for cfg in configs.values():
         if cfg.routing is not None:
@@ -263,12 +284,25 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
                     setattr(routing, k, dict(v))
         cfg.tokens, cfg.decode_s = [], []
         cfg.stats0 = counters(cfg)
+    # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,
+    # warmed like the others, then timed once a round among them
+    user_model = configs["stock_own" if "stock_own" in configs else "stock"].model
+    tokenizer = load_tokenizer(Path(path))
+    user_seconds(user_model, tokenizer, prompt, args.warmup + 2)
+    user = dict(tokens=[], generation_tps=[])
     if not mode["cold"]:
         warm_s += warm_page_cache(files)
     rounds = []
     for r in range(args.rounds):
         row = {}
-        for key in random.Random(r).sample(list(configs), len(configs)):
+        for key in random.Random(r).sample([*configs, "stock_user"], len(configs) + 1):
+            if key == "stock_user":
+                seconds, n, tps = user_seconds(user_model, tokenizer, prompt, args.user_tokens)
+                user["tokens"].append(n)
+                user["generation_tps"].append(tps)
+                if seconds is not None:
+                    row[key] = seconds
+                continue
             times = decode_block(configs[key], args.block)
             configs[key].decode_s.extend(times)
             row[key] = sum(times) / len(times)
@@ -276,8 +310,9 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         speeds = ", ".join(f"{k} {1 / v:.2f}" for k, v in row.items())
         log(f"[{regime} {spec} {budget}] round {r}: {speeds}")
     out = {"regime": regime, "rounds": rounds, "configs": {}, "page_cache_warm_s": warm_s}
+    out["stock_basis"] = basis = stock_basis(configs, rounds, user)
     for key, cfg in configs.items():
-        entry = config_figures(cfg, configs["stock"], rounds, regime, ck)
+        entry = config_figures(cfg, configs["stock"], rounds, regime, ck, basis["used"])
         if regime == "hit" and entry.get("hit_rate", 1.0) != 1.0:
             slots = f"{min(entry['slots'])}-{max(entry['slots'])}"
             warning = (f"WARNING: regime hit, {spec} {budget}, {key}: measured hit rate "
@@ -287,23 +322,71 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if cfg.cache is not None and cfg.cache.timeline is not None:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
-    out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_stock"]
+    out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]
+    if "stock_own" in out["configs"]:
+        own, injected = out["configs"]["stock_own"]["tok_s"], out["configs"]["stock"]["tok_s"]
+        out["injection_cost"] = 1 - injected / own
+    log(f"[{regime} {spec} {budget}] {basis_line(out)}")
     return out
 
 
-def config_figures(cfg, stock, rounds, regime, ck):
-    """One configuration's figures over the rounds, against ``stock`` (the first stock model) and
-    the limit. Its headline ``ratio``: to stock for hit and ram, to the limit for cold (stock
-    configurations: to stock); ram rows get the ram limit where the checkpoint has a ram probe."""
+AGREE = 0.05  # the harness's stock stands for stock as a user sees it within this
+
+
+def stock_basis(configs, rounds, user):
+    """Which stock the ratios divide by: the harness's (``stock``: forced ids and token stream,
+    ``decode_block``) where its tok/s is within ``AGREE`` of stock as a user sees it
+    (``stock_user``), else ``stock_user``, and why."""
+    stock = configs["stock"]
+    harness_tok_s = len(stock.decode_s) / sum(stock.decode_s)
+    user_s = [r["stock_user"] for r in rounds if "stock_user" in r]
+    out = dict(harness_tok_s=harness_tok_s, user_tokens=user["tokens"],
+               user_generation_tps=user["generation_tps"])
+    if not user_s:
+        return dict(out, used="stock", user_tok_s=None,
+                    why="stream_generate stopped before 3 tokens (an end-of-sequence token)")
+    out["user_tok_s"] = user_tok_s = len(user_s) / sum(user_s)
+    out["user_tok_s_rounds"] = [1 / s for s in user_s]
+    off = harness_tok_s / user_tok_s - 1
+    out["harness_off"] = off
+    if abs(off) <= AGREE:
+        return dict(out, used="stock", why=f"the harness's stock is {off:+.1%} off stock as a "
+                    f"user sees it (within {AGREE:.0%})")
+    return dict(out, used="stock_user", why=f"the harness's stock ({harness_tok_s:.1f} tok/s) is "
+                f"{off:+.1%} off stock as a user sees it ({user_tok_s:.1f}): beyond {AGREE:.0%}")
+
+
+def basis_line(g) -> str:
+    b = g["stock_basis"]
+    user = "-" if b["user_tok_s"] is None else f"{b['user_tok_s']:.1f}"
+    own = g["configs"].get("stock_own")
+    line = f"stock tok/s: harness {b['harness_tok_s']:.1f}"
+    if own:
+        line += (f", own router {own['tok_s']:.1f} (the injected ids cost "
+                 f"{g['injection_cost']:+.1%})")
+    return (line + f"; as a user sees it (stream_generate) {user}; stock/stock "
+            f"{g['stock_vs_stock']:.3f}; ratios against {b['used']}: {b['why']}")
+
+
+def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
+    """One configuration's figures over the rounds, against ``basis`` (``stock_basis``'s) and the
+    limit; bit for bit against ``stock`` (the first stock model). Its headline ``ratio``: to stock
+    for hit and ram, to the limit for cold (stock configurations: to stock); ram rows get the ram
+    limit where the checkpoint has a ram probe."""
     n = len(cfg.decode_s)
     c = harness.delta(cfg.stats0, counters(cfg))
     ref = stock.tokens
     same = [a == b for a, b in zip(cfg.tokens, ref)]
+    # (the own-router stock computes other experts: not compared)
+    own = cfg.name == "stock_own"
+    timed = [r for r in rounds if basis in r]
     entry = dict(
         tokens=n, tok_s=n / sum(cfg.decode_s), s_per_token=sum(cfg.decode_s) / n,
-        same_as_stock=same, exact_steps=sum(same), total_steps=len(ref),
-        exact=len(cfg.tokens) == len(ref) and all(same), call_s_per_token=c["call_seconds"] / n,
-        ratio_to_stock=statistics.median(r["stock"] / r[cfg.name] for r in rounds),
+        same_as_stock=None if own else same, exact_steps=None if own else sum(same),
+        total_steps=len(ref), exact=None if own else len(cfg.tokens) == len(ref) and all(same),
+        call_s_per_token=c["call_seconds"] / n,
+        ratio_to_stock=statistics.median(r[basis] / r[cfg.name] for r in timed),
+        ratio_to_harness_stock=statistics.median(r["stock"] / r[cfg.name] for r in rounds),
     )
     entry["ratio"] = entry["ratio_to_stock"]
     if cfg.cache is None:
@@ -327,13 +410,13 @@ def config_figures(cfg, stock, rounds, regime, ck):
     )
     # the limit: 1 / max(stock's step, bytes read per token / the disk's best bandwidth); the
     # median of per-round ratios takes each round's stock time
-    stock_s = sum(stock.decode_s) / len(stock.decode_s)
+    stock_s = statistics.mean(r[basis] for r in timed)
     read_s = entry["bytes_per_token"] / (ck["disk_best_gbps"] * GB)
     limit_s = max(stock_s, read_s)
     entry.update(
         limit_tok_s=1 / limit_s, ratio_to_limit=entry["tok_s"] * limit_s,
         ratio_to_limit_median=statistics.median(
-            max(r["stock"], read_s) / r[cfg.name] for r in rounds
+            max(r[basis], read_s) / r[cfg.name] for r in timed
         ),
     )
     if regime == "cold":
@@ -433,11 +516,12 @@ def open_checkpoint(path, args, first_routing):
         gc.collect()  # the probe's model
         log(f"{path}: ram probe GB/s: {ck['ram_probe']['gbps']}")
     stocks = {}
-    for name in ("stock", "stock_again") + (FLOORS if args.floors else ()):
+    own = () if first_routing.startswith("model:") else ("stock_own",)
+    for name in ("stock", "stock_again") + own + (FLOORS if args.floors else ()):
         model, config = harness.load_stock(path)
         places = routing_replay.expert_modules(model)
         routing = harness.make_routing(first_routing, ck["experts"], ck["moe_layers"])
-        if routing is not None:
+        if routing is not None and name != "stock_own":
             wrap(model, routing)  # before the floors: their readback is of the router's real ids
         if name == "stock_synclayer":
             sync_per_layer(places)
@@ -507,7 +591,8 @@ def ram_probe(path, files, ck, args):
 # -- the run --------------------------------------------------------------------------------------
 
 QUICK = dict(
-    shape="tiny", layers=4, rounds=2, block=2, probe_mb=8, prompt=6, probe_threads="1,4",
+    shape="tiny", layers=4, rounds=2, block=2, warmup=2, user_tokens=6, probe_mb=8, prompt=6,
+    probe_threads="1,4",
     ram_probe_mb=2, variants="default,default_tl", budgets="0.25,0.5",
     ckpt_dir="/tmp/bench_ckpt_quick",
 )
@@ -537,7 +622,9 @@ def parse_args(argv):
     add("--tuning-variant", type=tuning_variant, action="append", default=[],
         metavar="NAME:field=value,...", help="a variant word setting CacheTuning fields")
     add("--rounds", type=int, default=4)
-    add("--block", type=int, default=6)
+    add("--block", type=int, default=32, help="decode steps per round and configuration, + 1")
+    add("--warmup", type=int, default=8, help="untimed steps per configuration first")
+    add("--user-tokens", type=int, default=48, help="tokens of each stream_generate run")
     add("--prompt", type=int, default=None, help="default: a trace's prefill rows, else 28")
     add("--probe-mb", type=int, default=768, help="the disk probe's MB")
     add("--probe-threads", type=_list(int), default="1,2,4,8,16")
@@ -576,7 +663,8 @@ def main(argv=None):
         command=" ".join([Path(sys.argv[0]).name] + list(argv)),
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
         machine=platform.node(), shape=args.shape, layers=args.layers, dtype=dtype,
-        rounds=args.rounds, block=args.block, tuning_variants=TUNING_VARIANTS, checkpoints={},
+        rounds=args.rounds, block=args.block, warmup=args.warmup, user_tokens=args.user_tokens,
+        tuning_variants=TUNING_VARIANTS, checkpoints={},
         groups=[],
     )
     # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
@@ -614,7 +702,8 @@ def main(argv=None):
             gc.collect()  # the group's streaming models
             g.update(routing=spec, budget=budget, prompt_tokens=len(prompt), checkpoint=name)
             where = f"{harness.routing_label(spec)} {budget}"
-            bad += [f"{regime} {where} {k}" for k, c in g["configs"].items() if not c["exact"]]
+            bad += [f"{regime} {where} {k}" for k, c in g["configs"].items()
+                    if c["exact"] is False]
             res["groups"].append(g)
             save(res, args)  # after every group: a run cut short keeps what it measured
             log(regime_tables(dict(res, groups=[g])))
@@ -655,7 +744,8 @@ def regime_tables(res):
         against = "limit" if regime == "cold" else "stock"
         head = ["routing", "budget", "config", "tok/s", f"ratio to {against}"]
         head += ["ram limit tok/s (K)", "of ram limit"] if ram else []
-        head += ["stock/stock", "exact", "hit", "ms per layer: " + " / ".join(SPLIT.values()),
+        head += ["stock/stock", "user stock tok/s", "exact", "hit",
+                 "ms per layer: " + " / ".join(SPLIT.values()),
                  "ms per token: same / outside / token"]
         lines += ["", f"### {regime}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for g in groups:
@@ -668,11 +758,17 @@ def regime_tables(res):
                     cells += [f"{lim['tok_s']:.2f} ({lim['k']})", f"{lim['of_limit']:.3f}"]
                 elif ram:
                     cells += ["", ""]
-                cells += [f"{g['stock_vs_stock']:.3f}", f"{c['exact_steps']}/{c['total_steps']}",
+                user = g["stock_basis"]["user_tok_s"]
+                exact = "-" if c["exact"] is None else f"{c['exact_steps']}/{c['total_steps']}"
+                cells += [f"{g['stock_vs_stock']:.3f}", "-" if user is None else f"{user:.1f}",
+                          exact,
                           "" if hit is None else f"{hit:.3f}", _split_cell(c, "ms per layer"),
                           _split_cell(c, "ms per token", ("outside", "token"))]
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
             lines += [f"\n{w}\n" for w in g.get("warnings", [])]
+        for g in groups:
+            where = f"{harness.routing_label(g['routing'])} {g['budget']}"
+            lines += ["", f"- {where}: {basis_line(g)}"]
     return "\n".join(lines).lstrip("\n")
 
 
@@ -683,7 +779,9 @@ def markdown(res):
         f"{res['device']} (mlx {res['mlx']})",
         "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
-        "steps per configuration). What the regimes, ratios, floors and columns are: "
+        f"steps per configuration after {res.get('warmup')} untimed; stock as a user sees it: "
+        f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios, "
+        "floors and columns are: "
         "docs/benchmarks/methods.md (gpu_pipeline.py).",
         "",
     ]

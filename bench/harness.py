@@ -257,10 +257,13 @@ class ForcedRouting:
     the choice depends only on (layer, call number), so logits stay comparable. Why uniform
     (a random-weight model's own router picks the same few experts): docs/benchmarks/methods.md."""
 
+    DEVICE_BLOCK = 256  # one-row calls whose ids go to the device at once
+
     def __init__(self, num_experts: int, seed: int = 0):
         self.num_experts = num_experts
         self.seed = seed
         self.calls = {}
+        self._blocks = {}  # (layer, top-k, first call) -> DEVICE_BLOCK calls' ids on the device
 
     def wrap(self, model):
         from routing_replay import expert_modules, routed
@@ -275,22 +278,41 @@ class ForcedRouting:
 
     def indices(self, layer_no, shape):
         import mlx.core as mx
+        import numpy as np
 
         from routing_replay import taken
 
-        pick = self.peek(layer_no, shape)
-        self.calls[layer_no] = self.calls.get(layer_no, 0) + 1
+        call = self.calls.get(layer_no, 0)
+        if int(np.prod(shape[:-1])) == 1:
+            # a one-row call: a slice of a block of calls sent to the device once (issue 36)
+            first = call - call % self.DEVICE_BLOCK
+            key = (layer_no, shape[-1], first)
+            block = self._blocks.get(key)
+            if block is None:
+                picks = [self._pick(layer_no, c, (1, shape[-1])) for c in
+                         range(first, first + self.DEVICE_BLOCK)]
+                block = mx.array(np.concatenate(picks))
+                mx.eval(block)
+                self._blocks = {k: v for k, v in self._blocks.items() if k[0] != layer_no}
+                self._blocks[key] = block
+            ids = block[call - first : call - first + 1].reshape(shape)
+        else:
+            ids = mx.array(self.peek(layer_no, shape))
+        self.calls[layer_no] = call + 1
         taken(self, layer_no, 1)
-        return mx.array(pick)
+        return ids
 
     def unwind(self, layer_no, calls):
         self.calls[layer_no] -= calls
 
     def peek(self, layer_no, shape):
         """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
+        return self._pick(layer_no, self.calls.get(layer_no, 0), shape)
+
+    def _pick(self, layer_no, call, shape):
         import numpy as np
 
-        rng = np.random.default_rng([self.seed, layer_no, self.calls.get(layer_no, 0)])
+        rng = np.random.default_rng([self.seed, layer_no, call])
         rows = int(np.prod(shape[:-1]))
         pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
         return pick.astype(np.uint32).reshape(shape)

@@ -17,6 +17,11 @@ import numpy as np
 from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError
 
 
+# rows a call may take from the device copy of a layer's table (decode, short verified steps);
+# longer calls (prefill) are sent from the host as before
+DEVICE_PAD = 64
+
+
 class TraceRouting:
     """Router choices from a routing trace, the same for every model it wraps."""
 
@@ -34,6 +39,9 @@ class TraceRouting:
             ids = [row.experts[layer] for row in trace.rows if row.experts[layer]]
             self.table.append(np.array(ids, dtype=np.uint32))
         self.cursor: Dict[int, int] = {}
+        # per layer: the table on the device, its first ``DEVICE_PAD`` rows repeated at its end,
+        # sent once and sliced per call (made on first use)
+        self._device: Dict[int, object] = {}
 
     @property
     def top_k(self) -> int:
@@ -77,11 +85,23 @@ class TraceRouting:
         """The trace's next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
         import mlx.core as mx
 
-        take = self.peek(layer_no, shape)
         table = self.table[layer_no]
-        self.cursor[layer_no] = (self.cursor.get(layer_no, 0) + take.size // shape[-1]) % len(table)
-        taken(self, layer_no, take.size // shape[-1])
-        return mx.array(take)
+        rows = int(np.prod(shape[:-1]))
+        start = self.cursor.get(layer_no, 0)
+        if rows <= DEVICE_PAD and shape[-1] == self.top_k:
+            # a decode call: a slice of the table sent to the device once (no host array per
+            # call: issue 36 measured a host array per MoE layer call costing stock a fifth)
+            device = self._device.get(layer_no)
+            if device is None:
+                pad = table[np.arange(DEVICE_PAD) % len(table)]
+                device = self._device[layer_no] = mx.array(np.concatenate([table, pad]))
+                mx.eval(device)
+            ids = device[start : start + rows].reshape(shape)
+        else:
+            ids = mx.array(self.peek(layer_no, shape))
+        self.cursor[layer_no] = (start + rows) % len(table)
+        taken(self, layer_no, rows)
+        return ids
 
     def unwind(self, layer_no: int, rows: int) -> None:
         self.cursor[layer_no] = (self.cursor[layer_no] - rows) % len(self.table[layer_no])

@@ -79,7 +79,7 @@ def test_gpu_pipeline(tmp_path):
     bench(
         BENCH / "gpu_pipeline.py", "--shape", "tiny", "--layers", "2", "--regimes", "cold",
         "--budgets", "0.25", "--variants", "default", "--rounds", "1", "--block", "1",
-        "--probe-mb", "8",
+        "--warmup", "1", "--user-tokens", "4", "--probe-mb", "8",
         "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path, "--tag", "quick",
     )  # fmt: skip
     report = json.loads((tmp_path / "quick.json").read_text())
@@ -87,7 +87,8 @@ def test_gpu_pipeline(tmp_path):
     assert groups == {("uniform", 0.25), ("trace", 0.25)}
     for group in report["groups"]:
         for name, config in group["configs"].items():
-            assert all(config["same_as_stock"]), (group["routing"], name)
+            if name != "stock_own":  # (its own router's experts: not compared)
+                assert all(config["same_as_stock"]), (group["routing"], name)
         assert group["configs"]["default"]["hit_rate"] < 1
 
 

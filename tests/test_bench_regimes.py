@@ -45,13 +45,22 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
     assert regimes == {"hit", "ram", "cold"}
     # hit and ram at one budget each, cold at --quick's two; uniform and trace routing each
     assert len(res["groups"]) == 2 + 2 + 4
-    names = {"stock", "stock_again", "stock_synclayer", "stock_synctoken"}
+    names = {"stock", "stock_again", "stock_own", "stock_synclayer", "stock_synctoken"}
     names |= {"default", "perlayer_tl", "nolk_tl"}
     for g in res["groups"]:
         where = f"{g['regime']} {g['routing']} {g['budget']}"
         assert set(g["configs"]) == names, where
         assert g["stock_vs_stock"] > 0, where
+        # stock as a user sees it timed in every round; the ratios' stock named, with its reason
+        basis = g["stock_basis"]
+        assert basis["used"] in ("stock", "stock_user") and basis["why"], where
+        assert len(basis["user_tok_s_rounds"]) == res["rounds"], where
+        assert (basis["used"] == "stock") == (abs(basis["harness_off"]) <= 0.05), where
+        assert g["injection_cost"] < 1, where
         for key, c in g["configs"].items():
+            if key == "stock_own":  # its own router: other experts than the injected ids
+                assert c["exact"] is None, where
+                continue
             assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
             assert c["total_steps"] == res["rounds"] * (res["block"] + 1), where
             assert c["ratio"] > 0, f"{where} {key}"
@@ -83,3 +92,4 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
         assert f"### {regime}" in md
         assert f"### {regime}" in proc.stdout
     assert "stock_synclayer" in md and "nolk_tl" in md
+    assert "as a user sees it (stream_generate)" in md and "the injected ids cost" in md
