@@ -110,16 +110,19 @@ def _graph_routed_class():
     base = type(routing_replay.routed(None, None, 0))
 
     class GraphRouted(base):
-        """The routing's ids made to depend on the layer's router (``mx.depends``: no kernel): the
-        values are the routing's, but a host readback of them waits for the graph up to that
-        router, as with a trained model."""
+        """The routing's ids, in a streaming model made to depend on the layer's router
+        (``mx.depends``: no kernel): the values are the routing's, but a host readback of them
+        waits for the graph up to that router, as with a trained model. Stock's graph reads no
+        ids on the host and gets them as they are."""
 
         def __call__(self, x, indices):
             import mlx.core as mx
 
             routing, start = self._routing, time.perf_counter()
             ids = routing.indices(self._layer_no, indices.shape)
-            out = self._inner(x, mx.depends(ids, indices))
+            if self._depends:  # (stock reads no ids on the host: its graph needs no tie)
+                ids = mx.depends(ids, indices)
+            out = self._inner(x, ids)
             seconds = time.perf_counter() - start
             routing.call_seconds = getattr(routing, "call_seconds", 0.0) + seconds
             return out
@@ -139,8 +142,11 @@ def wrap(model, routing):
     found = routing_replay.expert_modules(model)
     if hasattr(routing, "check"):
         routing.check(len(found), *routing_replay._expert_counts(model))
+    # a streaming model reads its ids on the host: tied to the router, as a trained model's are
+    depends = hasattr(model, "expert_streaming")
     for layer_no, (parent, name, module) in enumerate(found):
         parent[name] = cls(module, routing, layer_no)
+        object.__setattr__(parent[name], "_depends", depends)
 
 
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
@@ -232,7 +238,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     """One group: the variants and the stocks in interleaved rounds (``ck``: open_checkpoint's),
     stock as a user sees it (``user_seconds``) in every round beside them."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
     from mlx_lm.utils import load_tokenizer
 
     mode = REGIMES[regime]
@@ -271,15 +277,21 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if mode["warm_pass"]:
             # the rounds' steps once, untimed: "replay" then rewinds the routing, so the rounds
             # ask for exactly the experts this pass made resident (the model's own router: the
-            # same tokens again from the prompt on, a new KV cache)
+            # same tokens at the same positions). The KV cache and the token stream are rewound
+            # in both: stock on mlx-cuda differs from itself past 256 KV entries (mlx-lm's
+            # KVCache step; seen on the H200, issue 36), so a sequence stays shorter than that.
             routing = cfg.routing  # its position: ForcedRouting.calls, TraceRouting.cursor
             state = {k: dict(getattr(routing, k)) for k in ("calls", "cursor")
                      if hasattr(routing, k)}
+            pos = cfg.pos
             for _ in range(args.rounds):
                 decode_block(cfg, args.block)
-            if mode["warm_pass"] == "replay" and routing is None:
+            if can_trim_prompt_cache(cfg.kv):
+                trim_prompt_cache(cfg.kv, cfg.pos - pos)
+                cfg.pos = pos
+            else:
                 start(cfg)
-            elif mode["warm_pass"] == "replay":
+            if mode["warm_pass"] == "replay" and routing is not None:
                 for k, v in state.items():
                     setattr(routing, k, dict(v))
         cfg.tokens, cfg.decode_s = [], []

@@ -286,16 +286,17 @@ class ForcedRouting:
         if int(np.prod(shape[:-1])) == 1:
             # a one-row call: a slice of a block of calls sent to the device once (issue 36)
             first = call - call % self.DEVICE_BLOCK
-            key = (layer_no, shape[-1], first)
+            key = (layer_no, tuple(shape), first)
             block = self._blocks.get(key)
             if block is None:
                 picks = [self._pick(layer_no, c, (1, shape[-1])) for c in
                          range(first, first + self.DEVICE_BLOCK)]
-                block = mx.array(np.concatenate(picks))
+                # each call's ids an evaluated array of its own: no graph node per call
+                block = [mx.array(p.reshape(shape)) for p in picks]
                 mx.eval(block)
                 self._blocks = {k: v for k, v in self._blocks.items() if k[0] != layer_no}
                 self._blocks[key] = block
-            ids = block[call - first : call - first + 1].reshape(shape)
+            ids = block[call - first]
         else:
             ids = mx.array(self.peek(layer_no, shape))
         self.calls[layer_no] = call + 1

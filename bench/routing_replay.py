@@ -88,9 +88,13 @@ class TraceRouting:
         table = self.table[layer_no]
         rows = int(np.prod(shape[:-1]))
         start = self.cursor.get(layer_no, 0)
-        if rows <= DEVICE_PAD and shape[-1] == self.top_k:
-            # a decode call: a slice of the table sent to the device once (no host array per
-            # call: issue 36 measured a host array per MoE layer call costing stock a fifth)
+        if rows == 1 and shape[-1] == self.top_k:
+            # a decode call: one of the rows sent to the device once, each an evaluated array of
+            # its own (no host array and no graph node per call: issue 36 measured a host array
+            # per MoE layer call costing stock a fifth)
+            ids = self._device_rows(layer_no, tuple(shape))[start]
+        elif rows <= DEVICE_PAD and shape[-1] == self.top_k:
+            # a short call (a verified step run again): a slice of the table on the device
             device = self._device.get(layer_no)
             if device is None:
                 pad = table[np.arange(DEVICE_PAD) % len(table)]
@@ -102,6 +106,17 @@ class TraceRouting:
         self.cursor[layer_no] = (start + rows) % len(table)
         taken(self, layer_no, rows)
         return ids
+
+    def _device_rows(self, layer_no: int, shape) -> list:
+        """Each row of layer ``layer_no``'s table as an evaluated device array of ``shape``."""
+        import mlx.core as mx
+
+        key = (layer_no, shape)
+        rows = self._device.get(key)
+        if rows is None:
+            rows = self._device[key] = [mx.array(r.reshape(shape)) for r in self.table[layer_no]]
+            mx.eval(rows)
+        return rows
 
     def unwind(self, layer_no: int, rows: int) -> None:
         self.cursor[layer_no] = (self.cursor[layer_no] - rows) % len(self.table[layer_no])

@@ -56,6 +56,15 @@ OPTIONS = (
         "resident weights leave free, at least one expert per MoE layer",
     ),
     Option(
+        "expert_host_gb",
+        PREFIX + "HOST_GB",
+        "--expert-host-gb",
+        "GB",
+        "mlx-cuda only: host memory in decimal GB for the experts the device budget cannot hold, "
+        "read by the GPU in place; 0: none (misses stream from disk). Default: every expert where "
+        "free host RAM less a margin allows, else 0",
+    ),
+    Option(
         "store",
         PREFIX + "STORE",
         "--expert-store",

@@ -22,7 +22,7 @@ from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 from ..files.routing_trace import RoutingRecorder
 from ..files.timeline import Timeline, open_timeline
 from ..kernels.selector import KernelSelector
-from ..runtime import memory, mlx_compat, mlx_shims, report
+from ..runtime import memory, mlx_compat, mlx_shims, report, tiers
 from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
 from ..runtime.index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
 from ..runtime.layer_major import PrefillStats
@@ -230,6 +230,7 @@ def convert_model(
     state.resident_bytes = sum(v.nbytes for v in weights.values())
     if state.cache.budget_bytes is None:
         set_default_budget(state)
+    tiers.set_up(state.cache, state.options.expert_host_gb, state.selector.backend)
     if check_budget:
         check_budget_fits(state)  # at load, not at the first token
     return weights

@@ -141,6 +141,10 @@ class ExpertCache:
     ):
         self.store = store
         self.budget_bytes = budget_bytes
+        # on mlx-cuda: host memory for the experts the device budget cannot hold, and the two
+        # tiers' placement (``tiers.Tiers``; set at load by ``tiers.set_up``), else 0 and None
+        self.host_bytes = 0
+        self.tiers = None
         self.tuning = tuning
         self.stats = CacheStats()
         # which resident expert a bank evicts (``policy.POLICIES``)
@@ -321,6 +325,8 @@ class ExpertCache:
         for the finalizer that runs when a model is garbage collected, which can run inside another
         thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
         self._closed = True
+        if self.tiers is not None:
+            self.tiers.close()
         if self._prefetcher is not None:
             self._prefetcher.close(wait=wait)
         with self._lock:
@@ -346,7 +352,7 @@ class ExpertCache:
         most = max(b.num_experts for b in banks)
         if self.budget_bytes is None:
             return most
-        slots = self.budget_bytes // per_slot
+        slots = self.slot_budget // per_slot
         if slots < 1:
             raise ConfigurationError(
                 f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
@@ -364,17 +370,25 @@ class ExpertCache:
         slots = self.slots_for_budget()
         plan = [min(slots, b.num_experts) for b in banks]
         if self.budget_bytes is not None:
-            left = self.budget_bytes - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+            left = self.slot_budget - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
             for i, b in enumerate(banks):
                 if plan[i] < b.num_experts and left >= b.layer.expert_nbytes:
                     plan[i] += 1
                     left -= b.layer.expert_nbytes
         return plan
 
+    @property
+    def slot_budget(self) -> int:
+        """The bytes the slots may take: the device budget, and the host tier's where there is
+        one (``tiers``)."""
+        return self.budget_bytes + (self.host_bytes if self.tiers is not None else 0)
+
     def _plan(self) -> None:
         banks = self.banks
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
+        if self.tiers is not None:
+            self.tiers.plan(banks)
         for bank, nxt in zip(banks, banks[1:] + [None]):
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
@@ -420,6 +434,7 @@ class ExpertCache:
             "verified_named": self.steps.named if self.steps is not None else 0,
             "verified_named_used": self.steps.named_used if self.steps is not None else 0,
             "per_layer": [b.summary() for b in self.banks],
+            **(self.tiers.summary() if self.tiers is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }
 

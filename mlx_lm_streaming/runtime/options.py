@@ -87,6 +87,19 @@ def check_budget_gb(value) -> float:
     return gb
 
 
+def check_host_gb(value) -> float:
+    """``expert_host_gb`` as a float: 0 (no host tier) or a budget as ``check_budget_gb`` takes."""
+    try:
+        if float(value) == 0:
+            return 0.0
+    except (TypeError, ValueError, OverflowError):
+        pass
+    try:
+        return check_budget_gb(value)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"expert_host_gb {e}") from None
+
+
 def parse_switch(value, what: str) -> bool:
     """A yes/no option: a bool, 0 or 1, or one of the words of ``option_table``."""
     if isinstance(value, bool):
@@ -164,6 +177,9 @@ class StreamingOptions:
 
     # decimal GB (10**9 bytes); None: derived from memory (docs/usage.md)
     expert_cache_gb: Optional[float] = None
+    # mlx-cuda only: decimal GB of host memory for the experts the device budget cannot hold
+    # (runtime/tiers.py); 0: none; None: every expert where free host RAM allows (``tiers``)
+    expert_host_gb: Optional[float] = None
     store: str = "safetensors"
     kernel: str = "auto"
     # at exit, print one summary line (True), and a table per MoE layer ("layers")
@@ -197,6 +213,8 @@ class StreamingOptions:
                 self.expert_cache_gb = check_budget_gb(self.expert_cache_gb)
             except ConfigurationError as e:
                 raise ConfigurationError(f"expert_cache_gb {e}") from None
+        if self.expert_host_gb is not None:
+            self.expert_host_gb = check_host_gb(self.expert_host_gb)
         for name in ("store", "kernel"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty name")

@@ -25,6 +25,14 @@ def stats_line(state, label: bool = False) -> str:
         f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
         f"cache {s['cache_gb']:.3f} GB"
     )
+    if "tier_device_gb" in s:
+        share = s["tier_device_share"]
+        served = "n/a" if share != share else f"{share:.1%} / {1 - share:.1%}"
+        line += (
+            f" (tiers: device {s['tier_device_gb']:.3f} GB, host {s['tier_host_gb']:.3f} GB read "
+            f"in place; uses served device / host {served} of {s['tier_sampled_uses']} sampled; "
+            f"{s['tier_moves']} experts moved)"
+        )
     if s.get("failed_background_reads"):
         line += (
             f", background reads of {s['failed_background_reads']} experts failed (read "
@@ -121,10 +129,18 @@ def choice_line(state) -> str:
     more = sum(n > slots for n in plan)
     extra = f" ({slots + 1} in {more} layer{'s' if more > 1 else ''})" if more else ""
     experts = "/".join(sorted({str(b.num_experts) for b in banks}))
+    tier = ""
+    if cache.tiers is not None:
+        device = cache_bytes(cache, cache.budget_bytes)
+        tier = (
+            f" (two tiers: {decimal_gb(device)} on the device, "
+            f"{decimal_gb(cache.total_expert_bytes - device)} in host memory read in place)"
+        )
+        how = f"{how}; host {decimal_gb(cache.host_bytes)}"
     return (
         f"[streaming] {state.model_path.name}: expert cache "
-        f"{decimal_gb(cache_bytes(cache, cache.budget_bytes))} ({how}), {slots} of {experts} "
-        f"experts per layer{extra} in {len(banks)} MoE layer{'s' if len(banks) > 1 else ''}, "
+        f"{decimal_gb(cache_bytes(cache, cache.slot_budget))} ({how}), {slots} of {experts} "
+        f"experts per layer{extra}{tier} in {len(banks)} MoE layer{'s' if len(banks) > 1 else ''}, "
         f"resident weights {decimal_gb(state.resident_bytes)}"
     )
 

@@ -102,9 +102,13 @@ class LayerBank:
         self.table = SlotTable(self.num_experts, self.cache.policy)
         self.table.reset(slots)
         self.slot_of, self.expert_of = self.table.slot_of, self.table.expert_of
+        # with two tiers (``tiers``) the banks are made by the CPU: their pages start on the host,
+        # and only the device tier's are moved to the device (never all experts at once there)
+        stream = mx.cpu if self.cache.tiers is not None else None
         for spec in self.layer.parts:
             proj = self.glu[spec.proj]
-            proj[spec.part] = mx.zeros((slots, *spec.shape), dtype=mx_dtype(spec.dtype))
+            shape = (slots, *spec.shape)
+            proj[spec.part] = mx.zeros(shape, dtype=mx_dtype(spec.dtype), stream=stream)
         mx.eval([self.array(spec.proj, spec.part) for spec in self.layer.parts])
         self.views = self.view_addresses = None
         self.last_stream = None

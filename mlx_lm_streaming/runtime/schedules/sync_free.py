@@ -13,6 +13,9 @@ class StockGraph(Schedule):
     within noise."""
 
     def run(self):
+        tiers = self.bank.cache.tiers
+        if tiers is not None:  # two tiers: a sample of the uses, read later (``tiers``)
+            tiers.note(self.bank, self.indices)
         return self.kernel(self.x, self.indices, None, self.bank)
 
 

@@ -1,0 +1,349 @@
+"""Two tiers on mlx-cuda: every routed expert in a complete identity bank, the hottest in device
+memory, the rest in host memory that the GPU reads in place (issue 39).
+
+Where the device budget (``--expert-cache-gb``) plus the host budget (``--expert-host-gb``) hold
+every routed expert, each MoE layer's bank gets a slot per expert (an identity bank): once its
+background fill is done it is complete, and the layer runs stock's graph (``StockGraph``: the
+router's ids straight to the kernel, no host sync, no replay). The banks are MLX arrays, which
+mlx-cuda allocates in managed memory: ``cudaMemAdvise`` on each expert's byte ranges says where its
+pages live (preferred location the device for the device tier; the host, and accessed by the
+device, for the host tier) and ``cudaMemPrefetchAsync`` moves them there on a stream of our own.
+The GPU reads a host-tier expert over the bus inside the kernel; the bytes, the arrays and the
+kernels are stock's, so results are bit-identical wherever the pages are.
+
+The device tier follows the routing (``Tiers``): a sample of the layer calls' expert ids (every
+``SAMPLE_EVERY``-th call of a bank, read two calls later, when mlx-lm has long evaluated them: no
+extra sync) is counted with a decay, and every ``MOVE_EVERY`` calls the bank's hottest experts by
+that count are placed on the device and the others on the host, in the background. A move changes
+where bytes live, never what they are.
+
+Everything except the CUDA calls (``CudaPlacer``) runs anywhere: tests use a placer that records
+what it was asked. The option is refused off CUDA (``options``: unified memory, where the cache
+already is host memory).
+"""
+
+import ctypes
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+
+# a bank's calls: every SAMPLE_EVERY-th call's ids are counted; every MOVE_EVERY-th call the
+# device tier is re-chosen from the counts; counts decay by DECAY at each choice
+SAMPLE_EVERY = 4
+MOVE_EVERY = 32
+DECAY = 0.75
+# a sampled call's ids are read this many calls of its bank later (mlx-lm evaluated them by then)
+READ_LAG = 2
+
+_ADVISE_PREFERRED = 3  # cudaMemAdviseSetPreferredLocation
+_ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy
+_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
+_LOCATION_HOST = 2  # cudaMemLocationTypeHost
+_CPU_DEVICE_ID = -1  # cudaCpuDeviceId (the runtime's older, int-device calls)
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class CudaPlacer:
+    """Advice and prefetch of managed byte ranges through the CUDA runtime (``cuda_copy``'s
+    library): ``place(ranges, on_device)``, each range ``(address, nbytes)``."""
+
+    def __init__(self, lib, device: int = 0):
+        self.lib, self.device = lib, device
+        p, size, i, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
+        version = ctypes.c_int()
+        lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        self.version = version.value
+        # CUDA 13: cudaMemAdvise / cudaMemPrefetchAsync take a cudaMemLocation; CUDA 12: the
+        # _v2 calls do
+        self.advise = getattr(lib, "cudaMemAdvise" if self.version >= 13000 else "cudaMemAdvise_v2")
+        self.advise.argtypes = [p, size, i, _Location]
+        prefetch = "cudaMemPrefetchAsync" if self.version >= 13000 else "cudaMemPrefetchAsync_v2"
+        self.prefetch = getattr(lib, prefetch)
+        self.prefetch.argtypes = [p, size, _Location, u, p]
+        self.stream = ctypes.c_void_p()
+        if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1) != 0:
+            raise OSError("cudaStreamCreateWithFlags failed")
+
+    def place(self, ranges, on_device: bool) -> None:
+        device = _Location(_LOCATION_DEVICE, self.device)
+        where = device if on_device else _Location(_LOCATION_HOST, 0)
+        for address, nbytes in ranges:
+            for advice, loc in ((_ADVISE_PREFERRED, where), (_ADVISE_ACCESSED_BY, device)):
+                err = self.advise(address, nbytes, advice, loc)
+                if err != 0:
+                    self.lib.cudaGetLastError()
+                    raise OSError(f"cudaMemAdvise({advice}) failed (CUDA error {err})")
+            err = self.prefetch(address, nbytes, where, 0, self.stream)
+            if err != 0:
+                self.lib.cudaGetLastError()
+                raise OSError(f"cudaMemPrefetchAsync failed (CUDA error {err})")
+
+    def wait(self) -> None:
+        self.lib.cudaStreamSynchronize(self.stream)
+
+
+def cuda_placer() -> Optional[CudaPlacer]:
+    """The placer where MLX runs on CUDA and the runtime has the calls, else None."""
+    import mlx.core as mx
+
+    from . import cuda_copy
+
+    if mx.default_device().type != mx.gpu or not cuda_copy._cuda_backend(mx):
+        return None
+    lib = cuda_copy._load_runtime()
+    if lib is None:
+        return None
+    try:
+        return CudaPlacer(lib)
+    except (OSError, AttributeError):
+        return None
+
+
+def device_slots(banks, device_bytes: int) -> List[int]:
+    """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
+    plan shares a budget (the same count each, then one more to layers in model order while what
+    is left lasts), at most every expert."""
+    per = sum(b.layer.expert_nbytes for b in banks)
+    each = max(0, device_bytes // per) if per else 0
+    plan = [min(each, b.num_experts) for b in banks]
+    left = device_bytes - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+    for i, b in enumerate(banks):
+        if plan[i] < b.num_experts and left >= b.layer.expert_nbytes:
+            plan[i] += 1
+            left -= b.layer.expert_nbytes
+    return plan
+
+
+class BankTier:
+    """One identity bank's tiers: which experts are on the device, the decayed use counts."""
+
+    def __init__(self, bank, on_device: int):
+        self.bank = bank
+        self.capacity = on_device
+        self.counts = np.zeros(bank.num_experts, dtype=np.float64)
+        self.device = np.zeros(bank.num_experts, dtype=bool)
+        self.device[:on_device] = True  # no counts yet: the first experts
+        self.calls = 0
+        self.pending: List[tuple] = []  # (call number, ids array) sampled, not read yet
+        self.uses = {"device": 0, "host": 0}  # sampled uses each tier served
+
+
+class Tiers:
+    """The two tiers of one model's banks (module docstring). ``placer``: ``CudaPlacer`` or any
+    object with ``place(ranges, on_device)``; moves run on one background thread."""
+
+    def __init__(self, placer, device_bytes: int, host_bytes: int):
+        self.placer = placer
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
+        self.banks: Dict[int, BankTier] = {}
+        self.moves = 0  # experts moved between the tiers after the first placement
+        self.error: Optional[str] = None  # the first placement the runtime refused, if any
+        self._lock = threading.Lock()
+        self._queue: List[tuple] = []
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
+
+    # -- placement --------------------------------------------------------------------------
+
+    def plan(self, banks) -> None:
+        """The device tier's size per bank (``device_slots``), first placement queued."""
+        for bank, n in zip(banks, device_slots(banks, self.device_bytes)):
+            tier = self.banks[id(bank)] = BankTier(bank, n)
+            self._submit(bank, np.arange(bank.num_experts), tier.device.copy())
+
+    def ranges(self, bank, experts) -> List[tuple]:
+        """``(address, nbytes)`` of each expert's bytes in each part of the bank."""
+        from .host_views import host_address
+
+        out = []
+        for spec in bank.layer.parts:
+            arr = bank.array(spec.proj, spec.part)
+            base = host_address(arr)
+            if base is None:
+                return []
+            per = arr.nbytes // bank.slots
+            out += [(base + int(e) * per, per) for e in experts]
+        return out
+
+    def _submit(self, bank, experts, on_device) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.append((bank, np.asarray(experts), np.asarray(on_device)))
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(
+                    target=self._work, name="mlx-lm-streaming-tiers", daemon=True
+                )
+                self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queue:
+                    self._worker = None
+                    return
+                bank, experts, on_device = self._queue.pop(0)
+            try:
+                for flag in (False, True):  # out of the device first, then in
+                    chosen = experts[on_device == flag]
+                    ranges = self.ranges(bank, chosen) if len(chosen) else []
+                    if ranges:
+                        self.placer.place(ranges, on_device=flag)
+            except OSError as e:  # where bytes live, not what they are: said, not fatal
+                self.error = str(e)
+
+    def drain(self) -> None:
+        """Wait until every queued placement was issued (and, on CUDA, ran)."""
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+        wait = getattr(self.placer, "wait", None)
+        if wait is not None:
+            wait()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._queue = []
+
+    # -- following the routing ----------------------------------------------------------------
+
+    def note(self, bank, indices) -> None:
+        """A complete bank's call with the router's ``indices`` (a lazy array): sampled, counted
+        once evaluated, and every ``MOVE_EVERY`` calls the device tier re-chosen."""
+        tier = self.banks.get(id(bank))
+        if tier is None:
+            return
+        tier.calls += 1
+        if tier.calls % SAMPLE_EVERY == 0:
+            tier.pending.append((tier.calls, indices))
+        while tier.pending and tier.pending[0][0] <= tier.calls - READ_LAG:
+            _, ids = tier.pending.pop(0)
+            self.count(tier, np.array(ids).reshape(-1))
+        if tier.calls % MOVE_EVERY == 0:
+            self.rebalance(tier)
+
+    def count(self, tier: BankTier, ids: np.ndarray) -> None:
+        ids = ids[(ids >= 0) & (ids < len(tier.counts))].astype(np.int64)
+        np.add.at(tier.counts, ids, 1.0)
+        on = int(tier.device[ids].sum())
+        tier.uses["device"] += on
+        tier.uses["host"] += len(ids) - on
+
+    def rebalance(self, tier: BankTier) -> None:
+        """The bank's ``capacity`` hottest experts by count on the device, the rest on the host;
+        only the experts whose tier changes move. Ties keep the current tier."""
+        n = tier.capacity
+        if n in (0, len(tier.counts)) or not tier.counts.any():
+            tier.counts *= DECAY
+            return
+        # hotter first; among equals, those on the device now first (no move for a tie)
+        order = np.lexsort((~tier.device, -tier.counts))
+        want = np.zeros_like(tier.device)
+        want[order[:n]] = True
+        changed = np.flatnonzero(want != tier.device)
+        tier.counts *= DECAY
+        if not len(changed):
+            return
+        tier.device = want
+        self.moves += len(changed)
+        self._submit(tier.bank, changed, want[changed])
+
+    # -- the figures -------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        device = sum(int(t.device.sum()) * t.bank.layer.expert_nbytes for t in self.banks.values())
+        total = sum(t.bank.num_experts * t.bank.layer.expert_nbytes for t in self.banks.values())
+        on = sum(t.uses["device"] for t in self.banks.values())
+        off = sum(t.uses["host"] for t in self.banks.values())
+        return {
+            "tier_device_gb": device / 1e9,
+            "tier_host_gb": (total - device) / 1e9,
+            "tier_device_share": on / (on + off) if on + off else float("nan"),
+            "tier_sampled_uses": on + off,
+            "tier_moves": self.moves,
+            "tier_error": self.error,
+        }
+
+
+# of the host RAM the OS calls available, this much stays free for the OS, other programs and the
+# page cache when the default host tier is sized (the larger of the two)
+HOST_MARGIN_BYTES = 4 * 10**9
+HOST_MARGIN_SHARE = 0.1
+_FLAG = "--expert-host-gb / MLX_LM_STREAMING_HOST_GB / expert_host_gb"
+
+
+def available_host_bytes() -> Optional[int]:
+    """``MemAvailable`` of /proc/meminfo (Linux: where mlx-cuda runs), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_room(available: Optional[int]) -> int:
+    """What the host tier may take of ``available`` bytes: less the margin, never below 0."""
+    if available is None:
+        return 0
+    return max(0, available - max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * available)))
+
+
+def split(total: int, device: int, given_gb, available: Optional[int]) -> int:
+    """The host tier's bytes for ``total`` expert bytes of which ``device`` fit the device budget:
+    0 where the device holds them all; given: its bytes (``ConfigurationError`` where more than
+    the host can spare); the default: the rest where the host can spare it, else 0. A tier that
+    with the device's cannot hold every expert is 0 (misses stream from disk, as without)."""
+    from ..errors import ConfigurationError
+    from ..option_table import GB
+
+    rest = max(0, total - device)
+    if rest == 0 or given_gb == 0:
+        return 0
+    room = host_room(available)
+    if given_gb is None:
+        return rest if rest <= room else 0
+    asked = min(int(given_gb * GB), rest)
+    if asked > room:
+        raise ConfigurationError(
+            f"{_FLAG} {given_gb:g}: the host tier would take {asked / 1e9:.3f} GB, more than the "
+            f"{room / 1e9:.3f} GB of available host memory less a margin; lower it or give 0"
+        )
+    return asked if asked >= rest else 0
+
+
+def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
+    """Give ``cache`` its host tier (``split``) and ``Tiers`` where it is on mlx-cuda and the two
+    tiers hold every expert; elsewhere nothing changes. A host budget given off CUDA is refused in
+    one line (``ConfigurationError``)."""
+    from ..errors import ConfigurationError
+
+    if backend != "cuda":
+        if given_gb:
+            raise ConfigurationError(
+                f"{_FLAG} is for mlx-cuda only: on {backend}, memory is unified and the expert "
+                "cache already is host memory; leave it out"
+            )
+        return
+    if cache.budget_bytes is None or not cache.banks:
+        return
+    total = cache.total_expert_bytes
+    device = min(cache.budget_bytes, total)
+    available = available_host_bytes() if available is None else available
+    host = split(total, device, given_gb, available)
+    if host == 0:
+        return
+    placer = placer if placer is not None else cuda_placer()
+    if placer is None:
+        return
+    cache.host_bytes = host
+    cache.tiers = Tiers(placer, device, host)
+    cache._planned = False

@@ -1,0 +1,144 @@
+"""Two tiers (runtime/tiers.py, issue 39): what is not CUDA-specific, on the CPU. The CUDA calls
+(``CudaPlacer``) are replaced by a placer that records what it was asked; the banks, the budget
+split, the counting of uses, the moves and the figures are the package's own."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support import decode, load_streaming, per_slot, same
+
+from mlx_lm_streaming.errors import ConfigurationError
+from mlx_lm_streaming.option_table import BY_NAME
+from mlx_lm_streaming.runtime import report, tiers
+from mlx_lm_streaming.runtime.options import StreamingOptions
+
+GB = 10**9
+
+
+class Recorder:
+    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place."""
+
+    def __init__(self):
+        self.placed = []
+
+    def place(self, ranges, on_device):
+        self.placed += [(a, n, on_device) for a, n in ranges]
+
+
+def test_the_option_row_and_its_values():
+    row = BY_NAME["expert_host_gb"]
+    assert (row.flag, row.env) == ("--expert-host-gb", "MLX_LM_STREAMING_HOST_GB")
+    assert StreamingOptions(expert_host_gb="2.5").expert_host_gb == 2.5
+    assert StreamingOptions(expert_host_gb=0).expert_host_gb == 0.0
+    assert StreamingOptions().expert_host_gb is None
+    for bad in ("-1", "lots", float("nan")):
+        with pytest.raises(ConfigurationError, match="expert_host_gb"):
+            StreamingOptions(expert_host_gb=bad)
+
+
+def test_refused_off_cuda_in_one_line(q3_path):
+    model, _ = load_streaming(q3_path)
+    cache = model.expert_streaming.cache
+    for backend in ("cpu", "metal"):
+        with pytest.raises(ConfigurationError) as e:
+            tiers.set_up(cache, 2.0, backend)
+        assert "mlx-cuda only" in str(e.value) and "\n" not in str(e.value)
+        tiers.set_up(cache, None, backend)  # the default and 0: nothing, no error
+        tiers.set_up(cache, 0.0, backend)
+    assert cache.tiers is None and cache.host_bytes == 0
+    # through the loader: the CPU here
+    with pytest.raises(ConfigurationError, match="mlx-cuda only"):
+        load_streaming(q3_path, expert_host_gb=1.0)
+
+
+def test_budget_split():
+    room = 100 * GB  # available: the margin is 10 GB of it
+    assert tiers.split(40 * GB, 40 * GB, None, room) == 0  # the device holds all
+    assert tiers.split(40 * GB, 10 * GB, None, room) == 30 * GB  # default: the rest
+    assert tiers.split(400 * GB, 10 * GB, None, room) == 0  # the host cannot: none
+    assert tiers.split(40 * GB, 10 * GB, 0.0, room) == 0
+    assert tiers.split(40 * GB, 10 * GB, 1000.0, room) == 30 * GB  # capped at the rest
+    assert tiers.split(40 * GB, 10 * GB, 20.0, room) == 0  # with the device's, not every expert
+    with pytest.raises(ConfigurationError, match="more than the"):
+        tiers.split(400 * GB, 10 * GB, 200.0, room)
+    assert tiers.host_room(None) == 0 and tiers.host_room(3 * GB) == 0
+
+
+def tiered(path, device_experts, placer):
+    """A streaming model whose device budget holds ``device_experts`` experts per layer, set up
+    with two tiers as on mlx-cuda (placement recorded)."""
+    probe, _ = load_streaming(path)
+    per = per_slot(probe)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=(device_experts * per + 0.5) / GB)
+    cache = model.expert_streaming.cache
+    tiers.set_up(cache, None, "cuda", placer=placer, available=1000 * GB)
+    return model, cache
+
+
+def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
+    path, tokens, want = q3
+    placer = Recorder()
+    model, cache = tiered(path, 4, placer)
+    assert cache.tiers is not None and cache.host_bytes == cache.total_expert_bytes - cache.budget_bytes
+    got = decode(model, tokens)
+    assert same(want, got)
+    cache.tiers.drain()
+    banks = cache.banks
+    # every bank has a slot per expert (an identity bank), 4 of 16 experts on the device first
+    assert all(b.slots == b.num_experts and b.identity for b in banks)
+    assert [int(t.device.sum()) for t in cache.tiers.banks.values()] == [4] * len(banks)
+    parts = len(banks[0].layer.parts)
+    first = placer.placed[: 16 * parts]
+    assert sum(on for *_, on in first) == 4 * parts  # a range per expert and part
+    s = cache.summary()
+    assert s["tier_device_gb"] == pytest.approx(4 * per_slot(model) / GB)
+    assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
+
+
+class _Layer:
+    expert_nbytes = 1000
+    parts = ()
+
+
+class _Bank:
+    """What ``Tiers`` reads of a bank."""
+
+    def __init__(self, experts):
+        self.num_experts = experts
+        self.slots = experts
+        self.layer = _Layer()
+
+
+def test_the_device_tier_follows_the_uses():
+    placer = Recorder()
+    t = tiers.Tiers(placer, device_bytes=2 * 1000, host_bytes=6 * 1000)
+    bank = _Bank(8)
+    t.plan([bank])
+    tier = t.banks[id(bank)]
+    assert tier.device.tolist() == [True, True] + [False] * 6
+    hot = mx.array([[5, 6]], dtype=mx.uint32)
+    for _ in range(tiers.MOVE_EVERY):
+        t.note(bank, hot)
+    # sampled every SAMPLE_EVERY-th call, each read READ_LAG calls later
+    sampled = tiers.MOVE_EVERY // tiers.SAMPLE_EVERY
+    assert tier.counts[5] == tier.counts[6] > 0
+    assert tier.uses["host"] + tier.uses["device"] >= 2 * (sampled - 1)
+    # the rebalance at the MOVE_EVERY-th call: 5 and 6 on the device, 0 and 1 out
+    assert tier.device.tolist() == [False] * 5 + [True, True, False]
+    assert t.moves == 4
+    s = t.summary()
+    assert s["tier_moves"] == 4 and s["tier_device_share"] == 0.0  # served before the move
+    for _ in range(tiers.MOVE_EVERY):
+        t.note(bank, hot)
+    assert t.moves == 4  # no move for experts already on the device
+    assert t.summary()["tier_device_share"] > 0.4
+
+
+def test_the_stats_line_names_both_tiers(q3):
+    path, tokens, _ = q3
+    model, cache = tiered(path, 4, Recorder())
+    decode(model, tokens)
+    line = report.stats_line(model.expert_streaming)
+    assert "tiers: device" in line and "host" in line and "read in place" in line
+    assert "two tiers" in report.choice_line(model.expert_streaming)
