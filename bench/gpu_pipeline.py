@@ -252,7 +252,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         traced, tuning = variant_tuning(v)
         gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
         trace = str(timelines[v]) if traced else None
-        model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning)
+        host = {} if args.expert_host_gb is None else dict(expert_host_gb=args.expert_host_gb)
+        model, _ = harness.load_streaming(
+            path, expert_cache_gb=gb, trace=trace, tuning=tuning, **host
+        )
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         own = cfg.name == "stock_own"  # the router's own ids: what the injection costs
@@ -633,6 +636,8 @@ def parse_args(argv):
     add("--variants", type=_list(str), default="default", help="(the module's docstring)")
     add("--tuning-variant", type=tuning_variant, action="append", default=[],
         metavar="NAME:field=value,...", help="a variant word setting CacheTuning fields")
+    add("--expert-host-gb", type=float, default=None,
+        help="the variants' host tier (mlx-cuda; 0: none, misses from disk; default: theirs)")
     add("--rounds", type=int, default=4)
     add("--block", type=int, default=32, help="decode steps per round and configuration, + 1")
     add("--warmup", type=int, default=8, help="untimed steps per configuration first")
@@ -675,7 +680,8 @@ def main(argv=None):
         command=" ".join([Path(sys.argv[0]).name] + list(argv)),
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
         machine=platform.node(), shape=args.shape, layers=args.layers, dtype=dtype,
-        rounds=args.rounds, block=args.block, warmup=args.warmup, user_tokens=args.user_tokens,
+        expert_host_gb=args.expert_host_gb, rounds=args.rounds, block=args.block,
+        warmup=args.warmup, user_tokens=args.user_tokens,
         tuning_variants=TUNING_VARIANTS, checkpoints={},
         groups=[],
     )
