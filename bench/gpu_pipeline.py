@@ -219,10 +219,9 @@ def counters(cfg):
 
 
 def user_seconds(model, tokenizer, prompt, tokens):
-    """Stock as a user sees it: ``tokens`` tokens of ``mlx_lm.stream_generate`` (greedy, the
-    model's own router, a new KV cache), timed from its first token to its last; returns
-    ``(seconds per token, tokens, mlx-lm's generation_tps)``. (mlx-lm's own figure divides all the
-    tokens by the time after the first: n / (n - 1) higher.)"""
+    """Stock as a user sees it: ``tokens`` tokens of ``mlx_lm.stream_generate`` (greedy, own
+    router, new KV cache) timed first token to last (mlx-lm's generation_tps: n / (n - 1) higher);
+    ``(seconds per token, tokens, generation_tps)``."""
     from mlx_lm import stream_generate
 
     stamps, last = [], None
@@ -235,8 +234,7 @@ def user_seconds(model, tokenizer, prompt, tokens):
 
 
 def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, stream):
-    """One group: the variants and the stocks in interleaved rounds (``ck``: open_checkpoint's),
-    stock as a user sees it (``user_seconds``) in every round beside them."""
+    """One group: variants and stocks in interleaved rounds, stock as a user sees it in each."""
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
     from mlx_lm.utils import load_tokenizer
@@ -280,9 +278,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if mode["warm_pass"]:
             # the rounds' steps once, untimed: "replay" then rewinds the routing, so the rounds
             # ask for exactly the experts this pass made resident (the model's own router: the
-            # same tokens at the same positions). The KV cache and the token stream are rewound
-            # in both: stock on mlx-cuda differs from itself past 256 KV entries (mlx-lm's
-            # KVCache step; seen on the H200, issue 36), so a sequence stays shorter than that.
+            # same tokens at the same positions). KV cache and token stream rewound in both: stock
+            # on mlx-cuda differs from itself past 256 KV entries (seen on the H200, issue 36).
             routing = cfg.routing  # its position: ForcedRouting.calls, TraceRouting.cursor
             state = {k: dict(getattr(routing, k)) for k in ("calls", "cursor")
                      if hasattr(routing, k)}
@@ -304,7 +301,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     user_model = configs["stock_own" if "stock_own" in configs else "stock"].model
     tokenizer = load_tokenizer(Path(path))
     user_seconds(user_model, tokenizer, prompt, args.warmup + 2)
-    user = dict(tokens=[], generation_tps=[])
+    user = dict(tokens=[], tps=[])
     if not mode["cold"]:
         warm_s += warm_page_cache(files)
     rounds = []
@@ -314,7 +311,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             if key == "stock_user":
                 seconds, n, tps = user_seconds(user_model, tokenizer, prompt, args.user_tokens)
                 user["tokens"].append(n)
-                user["generation_tps"].append(tps)
+                user["tps"].append(tps)
                 if seconds is not None:
                     row[key] = seconds
                 continue
@@ -339,8 +336,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]
     if "stock_own" in out["configs"]:
-        own, injected = out["configs"]["stock_own"]["tok_s"], out["configs"]["stock"]["tok_s"]
-        out["injection_cost"] = 1 - injected / own
+        c = out["configs"]
+        out["injection_cost"] = 1 - c["stock"]["tok_s"] / c["stock_own"]["tok_s"]
     log(f"[{regime} {spec} {budget}] {basis_line(out)}")
     return out
 
@@ -352,11 +349,9 @@ def stock_basis(configs, rounds, user):
     """Which stock the ratios divide by: the harness's (``stock``: forced ids and token stream,
     ``decode_block``) where its tok/s is within ``AGREE`` of stock as a user sees it
     (``stock_user``), else ``stock_user``, and why."""
-    stock = configs["stock"]
-    harness_tok_s = len(stock.decode_s) / sum(stock.decode_s)
+    harness_tok_s = len(configs["stock"].decode_s) / sum(configs["stock"].decode_s)
     user_s = [r["stock_user"] for r in rounds if "stock_user" in r]
-    out = dict(harness_tok_s=harness_tok_s, user_tokens=user["tokens"],
-               user_generation_tps=user["generation_tps"])
+    out = dict(harness_tok_s=harness_tok_s, user_tokens=user["tokens"], user_tps=user["tps"])
     if not user_s:
         return dict(out, used="stock", user_tok_s=None,
                     why="stream_generate stopped before 3 tokens (an end-of-sequence token)")

@@ -64,6 +64,14 @@ def test_budget_split():
     assert tiers.host_room(None) == 0 and tiers.host_room(3 * GB) == 0
 
 
+def test_no_host_tier_unless_asked_while_the_default_is_off(q3_path):
+    model, _ = load_streaming(q3_path)
+    cache = model.expert_streaming.cache
+    cache.budget_bytes = cache.total_expert_bytes // 4
+    tiers.set_up(cache, None, "cuda", placer=Recorder(), available=1000 * GB)
+    assert (cache.tiers is not None) == tiers.DEFAULT_ON
+
+
 def tiered(path, device_experts, placer):
     """A streaming model whose device budget holds ``device_experts`` experts per layer, set up
     with two tiers as on mlx-cuda (placement recorded)."""
@@ -72,7 +80,7 @@ def tiered(path, device_experts, placer):
     probe.expert_streaming.close()
     model, _ = load_streaming(path, expert_cache_gb=(device_experts * per + 0.5) / GB)
     cache = model.expert_streaming.cache
-    tiers.set_up(cache, None, "cuda", placer=placer, available=1000 * GB)
+    tiers.set_up(cache, 1000.0, "cuda", placer=placer, available=1000 * GB)
     return model, cache
 
 
@@ -108,6 +116,7 @@ class _Bank:
         self.num_experts = experts
         self.slots = experts
         self.layer = _Layer()
+        self.view_addresses = None
 
 
 def test_the_device_tier_follows_the_uses():

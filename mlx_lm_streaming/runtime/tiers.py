@@ -157,13 +157,18 @@ class Tiers:
             self._submit(bank, np.arange(bank.num_experts), tier.device.copy())
 
     def ranges(self, bank, experts) -> List[tuple]:
-        """``(address, nbytes)`` of each expert's bytes in each part of the bank."""
+        """``(address, nbytes)`` of each expert's bytes in each part of the bank. On the calling
+        thread (the model's): taking an MLX array's address evaluates it, which another thread
+        must not do (MLX ties an array to its thread's stream; seen on the H200 as placements
+        that never ran, and as a decode that stopped). The bank's views' addresses where it has
+        them (kept current by ``refresh_views``)."""
         from .host_views import host_address
 
         out = []
-        for spec in bank.layer.parts:
+        known = bank.view_addresses
+        for i, spec in enumerate(bank.layer.parts):
             arr = bank.array(spec.proj, spec.part)
-            base = host_address(arr)
+            base = known[i] if known is not None else host_address(arr)
             if base is None:
                 return []
             per = arr.nbytes // bank.slots
@@ -171,10 +176,13 @@ class Tiers:
         return out
 
     def _submit(self, bank, experts, on_device) -> None:
+        experts, on_device = np.asarray(experts), np.asarray(on_device)
+        # the ranges taken here, on the model's thread; the worker only calls the runtime
+        jobs = [(flag, self.ranges(bank, experts[on_device == flag])) for flag in (False, True)]
         with self._lock:
             if self._closed:
                 return
-            self._queue.append((bank, np.asarray(experts), np.asarray(on_device)))
+            self._queue.append(jobs)
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(
                     target=self._work, name="mlx-lm-streaming-tiers", daemon=True
@@ -187,11 +195,9 @@ class Tiers:
                 if self._closed or not self._queue:
                     self._worker = None
                     return
-                bank, experts, on_device = self._queue.pop(0)
+                jobs = self._queue.pop(0)
             try:
-                for flag in (False, True):  # out of the device first, then in
-                    chosen = experts[on_device == flag]
-                    ranges = self.ranges(bank, chosen) if len(chosen) else []
+                for flag, ranges in jobs:  # out of the device first, then in
                     if ranges:
                         self.placer.place(ranges, on_device=flag)
             except OSError as e:  # where bytes live, not what they are: said, not fatal
@@ -271,6 +277,11 @@ class Tiers:
         }
 
 
+# the host tier when --expert-host-gb is not given: off until a device run shows the fix of the
+# placement thread (``ranges``) on the H200; issue 39 asks for "every expert where host RAM allows"
+# (``split``'s default), which two of three H200 runs could not give: a decode stopped. On, the
+# default is ``split``'s
+DEFAULT_ON = False
 # of the host RAM the OS calls available, this much stays free for the OS, other programs and the
 # page cache when the default host tier is sized (the larger of the two)
 HOST_MARGIN_BYTES = 4 * 10**9
@@ -333,7 +344,7 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
                 "cache already is host memory; leave it out"
             )
         return
-    if cache.budget_bytes is None or not cache.banks:
+    if cache.budget_bytes is None or not cache.banks or (given_gb is None and not DEFAULT_ON):
         return
     total = cache.total_expert_bytes
     device = min(cache.budget_bytes, total)
