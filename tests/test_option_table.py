@@ -87,6 +87,8 @@ def cases(tmp_path, pack):
     """option name -> (the text a flag or variable gives, what the option reads back as)."""
     return {
         "expert_cache_gb": ("0.0123", 0.0123),
+        # (0: no host tier, the one value the CPU takes; others are refused off mlx-cuda)
+        "expert_host_gb": ("0", 0.0),
         "store": ("memory", "memory"),
         "store_options": ("threads=3", {"threads": 3}),
         "kernel": ("gather", "gather"),

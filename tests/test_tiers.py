@@ -151,3 +151,22 @@ def test_the_stats_line_names_both_tiers(q3):
     line = report.stats_line(model.expert_streaming)
     assert "tiers: device" in line and "host" in line and "read in place" in line
     assert "two tiers" in report.choice_line(model.expert_streaming)
+
+
+def test_plan_line_names_both_tiers_and_the_traces_share(q3_path, tmp_path):
+    from mlx_lm_streaming.files.routing_trace import read_trace
+
+    model, cache = tiered(q3_path, 4, Recorder())
+    assert "mlx-cuda only" in tiers.plan_line(cache, "cpu")
+    # a trace whose decode uses expert 0 and 1 of every layer: the first 4 on the device serve all
+    rows = [{"seq": i, "phase": "decode", "experts": [[0, 1]] * 3} for i in range(4)]
+    path = tmp_path / "t.jsonl"
+    head = {"format": "moe-routing-trace", "version": 1, "num_layers": 3, "num_experts": 16,
+            "top_k": 2}
+    import json
+
+    path.write_text("\n".join(json.dumps(r) for r in [head, *rows]) + "\n")
+    trace = read_trace(path)
+    assert tiers.trace_share(cache, trace) == 1.0
+    line = tiers.plan_line(cache, "cuda", trace)
+    assert "device" in line and "host" in line and "served by the device tier: 100.0%" in line

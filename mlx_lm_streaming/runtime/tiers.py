@@ -358,3 +358,40 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     cache.host_bytes = host
     cache.tiers = Tiers(placer, device, host)
     cache._planned = False
+
+
+def plan_line(cache, backend: str, trace=None) -> str:
+    """``plan``'s line on the two tiers: what the device and the host would hold at this budget
+    (the host tier as ``split`` sizes it where asked for), and with a routing trace the share of
+    its decode uses that the device tier would serve (each layer's hottest experts there)."""
+    if backend != "cuda":
+        return f"two tiers (--expert-host-gb): mlx-cuda only; {backend} memory is unified"
+    total = cache.total_expert_bytes
+    device = min(cache.budget_bytes or 0, total)
+    host = split(total, device, None, available_host_bytes())
+    line = (
+        f"two tiers (--expert-host-gb, off unless given): device {device / 1e9:.3f} GB, host "
+        f"{host / 1e9:.3f} GB"
+    )
+    if not host and device < total:
+        line += " (host RAM cannot hold the rest)"
+    if trace is not None and device < total:
+        share = trace_share(cache, trace)
+        line += f"; the trace's decode uses served by the device tier: {share:.1%}"
+    return line
+
+
+def trace_share(cache, trace) -> float:
+    """The share of a trace's decode uses that each layer's hottest experts, as many as the
+    device tier holds (``device_slots``), would serve."""
+    banks = cache.banks
+    plan = device_slots(banks, min(cache.budget_bytes or 0, cache.total_expert_bytes))
+    served = used = 0
+    for layer, (bank, n) in enumerate(zip(banks, plan)):
+        counts = np.zeros(bank.num_experts)
+        for row in trace.rows:
+            if row.phase == "decode" and row.experts[layer]:
+                np.add.at(counts, np.asarray(row.experts[layer], dtype=np.int64), 1)
+        served += np.sort(counts)[::-1][:n].sum()
+        used += counts.sum()
+    return float(served / used) if used else float("nan")
