@@ -256,11 +256,85 @@ ARCHITECTURES: dict[str, dict] = {
     },
 }
 
+
+# Hybrids: recurrent or linear-attention layers (``ArraysCache``) beside attention and MoE layers.
+_QWEN3_NEXT = {
+    **_BASE,
+    "intermediate_size": 128,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 64,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 64,
+    "partial_rotary_factor": 0.25,
+    "norm_topk_prob": True,
+    # layer 1 is full attention (mlx-lm reads the mask from cache entry interval - 1)
+    "full_attention_interval": 2,
+}
+ARCHITECTURES.update(
+    {
+        "qwen3_next": {**_QWEN3_NEXT, "model_type": "qwen3_next"},
+        # the Qwen3.5 / 3.6 MoE wrapper on qwen3_next's sparse block, text_config as HF ships it
+        "qwen3_5_moe": {
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                **_QWEN3_NEXT,
+                "model_type": "qwen3_5_moe_text",
+                "rope_parameters": {
+                    "type": "default",
+                    "mrope_section": [2, 1, 1],
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+        },
+        # SwitchMLP experts (fc1 / fc2, relu^2); Mamba-2, attention and MoE layers by layer_types
+        "nemotron_h": {
+            **_BASE,
+            "model_type": "nemotron_h",
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "moe", "attention", "moe"],
+            "intermediate_size": 128,
+            "attention_bias": False,
+            "head_dim": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 2,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "moe_intermediate_size": 64,
+            "moe_shared_expert_intermediate_size": 64,
+            "n_group": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "topk_group": 1,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+        },
+    }
+)
+
 # llama4 reads the cache of layer 3, its first global-attention layer.
 _MIN_LAYERS = {"llama4": 4}
+_MIN_LAYERS.update({"nemotron_h": 4})
 
 # Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
 _NO_HF_LAYOUT = ("granitemoe", "gpt_oss", "llama4")
+# hybrids whose HF checkpoints fuse their experts (experts.gate_up_proj)
+_NO_HF_LAYOUT += ("qwen3_5_moe",)
 
 _ALIASES = {
     "hidden": ("hidden_size",),

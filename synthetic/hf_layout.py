@@ -26,6 +26,25 @@ _HF_EXPERTS = {
     "phimoe": _BSM,
     "minimax": _BSM,
 }
+# hybrids (SwitchMLP: nemotron_h's sanitize stacks experts.{e}.up_proj / down_proj into fc1 / fc2)
+_HF_EXPERTS.update(
+    {
+        "qwen3_next": _MLP,
+        "nemotron_h": (
+            ".mixer.switch_mlp.",
+            ".mixer.experts.",
+            {"fc1": "up_proj", "fc2": "down_proj"},
+        ),
+    }
+)
+# qwen3_next's sanitize adds 1 to these norms of a raw checkpoint (HF stores them zero-centred)
+_PLUS_ONE_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 # deepseek_v41: MLX name pieces back to DeepSeek's, applied in this order.
 _V41_INVERSE = (
@@ -81,6 +100,9 @@ def _hf_layout(weights: dict, config: dict) -> dict:
             out[f"{prefix}{hf_infix}{e}.{projs[proj]}.weight"] = value[e]
     if family == "deepseek_v3":
         _fuse_kv_b(out, config)
+    if family == "qwen3_next":
+        for key in [k for k in out if k.endswith(_PLUS_ONE_NORMS) and out[k].ndim == 1]:
+            out[key] = out[key] - 1.0
     return out
 
 
