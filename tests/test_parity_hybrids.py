@@ -4,8 +4,16 @@ test_parity.py (prompt and decode log-probs equal to stock; batch 1 and 2; a bud
 experts per layer and one holding every expert), from converted checkpoints and, where Hugging Face
 stores experts one by one, from the raw layout."""
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from support import load_stock, with_slots
 from test_parity import check_parity
+
+from mlx_lm_streaming.runtime import mlx_shims
+from synthetic import build_checkpoint
 
 # converted checkpoints
 HYBRIDS = ["qwen3_next", "qwen3_5_moe", "nemotron_h"]
@@ -23,3 +31,120 @@ def test_parity_hybrid(checkpoint, arch, variant):
 def test_parity_switch_mlp_quantized(checkpoint, variant):
     # fc1 / fc2 at other bits and modes (mixed: per-module bits) through the same gather kernel
     check_parity(checkpoint("nemotron_h", variant))
+
+
+# -- the verified step over recurrent state ---------------------------------------------------------
+
+PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
+STEPS = 12
+# a Mamba-2 layer after each MoE layer but the last: a miss in one MoE layer runs a recurrent layer
+# again, whose state must first be put back
+NEMOTRON_LAYERS = ["mamba", "moe", "mamba", "moe", "attention", "moe"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_paths(tmp_path_factory):
+    """qwen3_next (linear attention in layers 0 and 2, full attention in 1 and 3, every layer MoE)
+    and nemotron_h (``NEMOTRON_LAYERS``), 16 experts a layer."""
+    root = tmp_path_factory.mktemp("hybrid-steps")
+    return {
+        "qwen3_next": build_checkpoint(
+            root / "qn", "qwen3_next", num_layers=4, overrides={"experts": 16}
+        ),
+        "nemotron_h": build_checkpoint(
+            root / "nh",
+            "nemotron_h",
+            num_layers=6,
+            overrides={"experts": 16, "layer_types": NEMOTRON_LAYERS},
+        ),
+    }
+
+
+def generated(model, every_call_verified=False):
+    """Tokens and log-probabilities of greedy decoding through mlx-lm's ``generate_step`` (which
+    builds step t+1's graph before step t is evaluated); ``every_call_verified``: a verified step
+    tried at every call, whatever the misses of the calls before."""
+    runner = getattr(model, "expert_streaming", None)
+    out = []
+    for (token, logprobs), _ in zip(generate_step(PROMPT, model, max_tokens=STEPS), range(STEPS)):
+        if every_call_verified:
+            runner.steps.missed_share = 0.0
+        out.append((int(token), np.array(logprobs)))
+    return out
+
+
+def put_backs(monkeypatch):
+    """Count ``mlx_shims.put_back`` calls by what they put back (``arrays``: a recurrent state)."""
+    seen = {"arrays": 0, "kv": 0}
+    real = mlx_shims.put_back
+
+    def spy(entry, marked):
+        seen["arrays" if isinstance(marked, list) else "kv"] += 1
+        return real(entry, marked)
+
+    monkeypatch.setattr(mlx_shims, "put_back", spy)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arch, monkeypatch):
+    # three slots of 16 experts: verified steps miss mid-step; each miss puts the recurrent and KV
+    # entries of the layers from the one that missed back as they were and runs them again
+    path = hybrid_paths[arch]
+    stock, _ = load_stock(path)
+    expected = generated(stock)
+    model = with_slots(path, 3)
+    assert mlx_shims.rewindable(make_prompt_cache(model), 1)
+    seen = put_backs(monkeypatch)
+    got = generated(model, every_call_verified=True)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(expected, got):
+        assert np.array_equal(a, b)
+    runner = model.expert_streaming.steps
+    assert runner.verified >= STEPS // 2 and runner.replays > 0
+    assert runner.recomputed == 0  # run again from the layer that missed, never whole
+    assert seen["arrays"] > 0  # recurrent states were put back
+
+
+def test_a_recurrent_state_left_as_the_missed_pass_wrote_it_is_not_stock(hybrid_paths, monkeypatch):
+    # the test above can fail: a miss whose recurrent states are not put back computes the layers
+    # run again from a state that took this step's token twice
+    path = hybrid_paths["qwen3_next"]
+    stock, _ = load_stock(path)
+    expected = generated(stock)
+    real = mlx_shims.put_back
+    monkeypatch.setattr(
+        mlx_shims, "put_back", lambda e, m: None if isinstance(m, list) else real(e, m)
+    )
+    got = generated(with_slots(path, 3), every_call_verified=True)
+    assert any(not np.array_equal(a, b) for (_, a), (_, b) in zip(expected, got))
+
+
+def test_recurrent_state_marks_and_put_back():
+    arrays = ArraysCache(size=2)
+    assert mlx_shims.rewindable([arrays, KVCache()], 4)
+    arrays[0], arrays[1] = mx.zeros((1, 3)), mx.ones((1, 2))
+    marked = mlx_shims.mark(arrays)
+    before = list(arrays.cache)
+    arrays[1] = arrays[1] + 1  # as a step writes it: a new array in the slot
+    assert mlx_shims.changed(arrays, marked)
+    mlx_shims.put_back(arrays, marked)
+    assert all(a is b for a, b in zip(arrays.cache, before))
+    assert not mlx_shims.changed(arrays, marked)
+    arrays.prepare(lengths=[3])  # a batch's prepared lengths change in place: not rewound
+    assert not mlx_shims.rewindable([arrays], 1)
+
+
+def test_hybrid_prefill_falls_back_and_says_which_cache(hybrid_paths):
+    # layer-major prefill runs each layer twice per chunk: not over recurrent state; the stats'
+    # fallback line names the cache entry and the reason, and the prompt stays stock's
+    path = hybrid_paths["qwen3_next"]
+    prompt = mx.array([(7 * i + 3) % 512 for i in range(40)])
+    stock, _ = load_stock(path)
+    want = [int(t) for (t, _), _ in zip(generate_step(prompt, stock, prefill_step_size=8), range(3))]
+    model = with_slots(path, 3, layer_major_prefill=True)
+    got = [int(t) for (t, _), _ in zip(generate_step(prompt, model, prefill_step_size=8), range(3))]
+    assert got == want
+    why = model.expert_streaming.prefill.why
+    assert model.expert_streaming.prefill.fallbacks == 1
+    assert why.startswith("cache entry 0 is an ArraysCache") and "KVCache" in why

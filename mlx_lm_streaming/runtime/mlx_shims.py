@@ -69,10 +69,11 @@ def call_inputs(args, kwargs):
 
 def rewindable(cache, tokens: int) -> bool:
     """Whether a forward of ``tokens`` tokens over ``cache`` (a model's list of mlx-lm caches,
-    or None) can be undone exactly by ``rewind``: every entry a ``KVCache`` or
-    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), or a
-    ``RotatingKVCache`` that stays short of its window (it then overwrites nothing kept). Any other
-    cache (state space models' ``ArraysCache``, batches, chunked caches) is not rewound."""
+    or None) can be undone exactly by ``put_back``: every entry a ``KVCache`` or
+    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), a ``RotatingKVCache``
+    that stays short of its window (it then overwrites nothing kept), or an ``ArraysCache`` (the
+    recurrent or linear-attention state of hybrids: ``recurrent_state``) outside a batch's
+    prepared lengths or padding. Any other cache (batches, chunked caches) is not rewound."""
     if cache is None:
         return True
     from mlx_lm.models import cache as mc
@@ -84,16 +85,63 @@ def rewindable(cache, tokens: int) -> bool:
             continue
         if rotating is not None and type(c) is rotating and c.offset + tokens < c.max_size:
             continue
+        if recurrent_state(c):
+            continue
         return False
     return True
 
 
-def rewind(cache, tokens: int) -> None:
-    """Take back the last ``tokens`` tokens of every entry of ``cache`` (see ``rewindable``)."""
+def recurrent_state(entry) -> bool:
+    """Whether ``entry`` is exactly mlx-lm's ``ArraysCache`` as a model's own step leaves it: a list
+    of arrays (``cache``) that each step replaces (``cache[i] = new``, never written into: MLX
+    arrays are values), no batch lengths or left padding (``prepare``; ``advance`` changes
+    those in place). Keeping the list's references (``mark``) is then enough to put it back."""
+    from mlx_lm.models import cache as mc
+
+    arrays = getattr(mc, "ArraysCache", None)
+    return (
+        arrays is not None
+        and type(entry) is arrays
+        and isinstance(getattr(entry, "cache", None), list)
+        and getattr(entry, "lengths", 0) is None
+        and getattr(entry, "left_padding", 0) is None
+    )
+
+
+def mark(entry):
+    """What ``put_back`` needs to put ``entry`` (``rewindable``) back as it is now: a recurrent
+    state's arrays (references), a KV entry's offset."""
+    if recurrent_state(entry):
+        return list(entry.cache)
+    return entry.offset
+
+
+def put_back(entry, marked) -> None:
+    """Put ``entry`` back as it was when ``mark`` gave ``marked``: its arrays again, or the tokens
+    written past its offset then taken back (``trim``)."""
+    if isinstance(marked, list):
+        entry.cache = list(marked)
+    elif entry.offset > marked:
+        entry.trim(entry.offset - marked)
+
+
+def rewind(cache, marks) -> None:
+    """Put each entry of ``cache`` (a list of cache entries, None for a layer that has none; or
+    None: no cache) back as ``marks`` (``id(entry) -> mark(entry)``) says it was."""
     if cache is None:
         return
     for c in cache:
-        c.trim(tokens)
+        if c is not None:
+            put_back(c, marks[id(c)])
+
+
+def changed(entry, marked) -> bool:
+    """Whether ``entry`` was written since ``mark`` gave ``marked``."""
+    if isinstance(marked, list):
+        return len(entry.cache) != len(marked) or any(
+            a is not b for a, b in zip(entry.cache, marked)
+        )
+    return entry.offset != marked
 
 
 def stock_call(module, *args, **kwargs):
@@ -124,7 +172,13 @@ def plain_kv_cache_problem(cache) -> Optional[str]:
     plain = getattr(mc, "KVCache", None)
     if not isinstance(cache, list) or not cache:
         return "no list of KV caches"
-    for c in cache:
+    for i, c in enumerate(cache):
+        if recurrent_state(c) or type(c).__name__ == "ArraysCache":
+            return (
+                f"cache entry {i} is an ArraysCache, a recurrent or linear-attention layer's "
+                "state: layer-major prefill runs each layer twice per chunk (to route, then with "
+                "the experts) and puts back only KVCache entries"
+            )
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
         if not all(hasattr(c, a) for a in ("offset", "keys", "trim")):

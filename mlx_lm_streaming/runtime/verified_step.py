@@ -87,9 +87,16 @@ class VerifiedStep:
         self.ran = -1
         self.inputs: Dict[int, tuple] = {}
         self.outputs: Dict[int, object] = {}
-        # whether layers can be run again from one that missed: each decoder layer got its own
-        # cache entry, and took the output of the layer before as its input
-        self.replayable = kv is None or len(kv) == self.layers
+        # what puts each cache entry back as it was before the step: a KV entry's offset, a
+        # recurrent state's arrays (``mlx_shims.mark``; id(entry) -> mark)
+        self.marks = {id(c): mlx_shims.mark(c) for c in kv} if kv is not None else {}
+        # each decoder layer's cache entry (None: it has none), as its call got it
+        self.entries: Dict[int, object] = {}
+        self.owners: Dict[int, int] = {}  # id(entry) -> the decoder layer that got it
+        # whether layers can be run again from one that missed: each decoder layer got a cache
+        # entry of its own or none, took the output of the layer before as its input, and nothing
+        # but the layers wrote an entry (``unclaimed_changed``); the model's layers were wrapped
+        self.replayable = self.layers > 0
         # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
         # experts as the call saw it), lazy
         self.calls: List[tuple] = []
@@ -112,13 +119,22 @@ class VerifiedStep:
     def layer_call(self, i: int, call, args, kwargs):
         """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
         every ``every`` MoE calls and at the last layer."""
-        cache = args[2] if len(args) > 2 else kwargs.get("cache")
-        if self.kv is not None and (i >= len(self.kv) or cache is not self.kv[i]):
+        cache = mlx_shims.layer_cache(args, kwargs)
+        if cache is not None and (
+            id(cache) not in self.marks or self.owners.setdefault(id(cache), i) != i
+        ):
             self.replayable = False
+        self.entries[i] = cache
         if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
             self.replayable = False
         if i < self.replay_below:  # the forward run again after a miss in a later layer
             return self.outputs[i]
+        if i in self.inputs and args:
+            # run again: the arguments its first call got, made from the caches as they were
+            # before the step (masks and offsets made again now would see the layers before
+            # written), with its input of now
+            _, first_args, first_kwargs = self.inputs[i]
+            args, kwargs = (args[0], *first_args[1:]), first_kwargs
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         self.outputs[i] = call(*args, **kwargs)
@@ -157,6 +173,7 @@ class VerifiedStep:
         experts = np.unique(np.array(indices, copy=False).astype(np.int64))
         if (
             not self.replayable
+            or self.unclaimed_changed()
             or layer is None
             or len(experts) > bank.slots
             or id(bank) in self.loaded  # it missed again after its load: ids that changed
@@ -193,9 +210,28 @@ class VerifiedStep:
         return out
 
     def rewind(self, first: int, end: int) -> None:
-        """Take back this step's tokens from the cache entries of decoder layers ``first`` to
-        ``end - 1`` (no cache: nothing to take back)."""
-        mlx_shims.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
+        """Put the cache entries of decoder layers ``first`` to ``end - 1`` back as they were
+        before the step: KV entries' tokens taken back, recurrent states' arrays given back (no
+        cache: nothing to put back)."""
+        if self.kv is None:
+            mlx_shims.rewind(None, self.marks)
+            return
+        mlx_shims.rewind([self.entries.get(i) for i in range(first, end)], self.marks)
+
+    def rewind_all(self) -> None:
+        """Every cache entry back as it was before the step (those the step did not write are
+        as they were)."""
+        mlx_shims.rewind(list(self.kv) if self.kv is not None else None, self.marks)
+
+    def unclaimed_changed(self) -> bool:
+        """Whether the step wrote a cache entry that no decoder layer got: something other than
+        the layers writes it, so running layers again would not put it right."""
+        if self.kv is None:
+            return False
+        claimed = {id(e) for e in self.entries.values() if e is not None}
+        return any(
+            id(c) not in claimed and mlx_shims.changed(c, self.marks[id(c)]) for c in self.kv
+        )
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -389,8 +425,7 @@ class StepRunner:
             self.this_thread.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
-            # every entry the step wrote; all of them if no wrapped layer ran
-            step.rewind(0, step.ran + 1 if step.ran >= 0 else len(kv or ()))
+            step.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
             self.this_thread.step = None
