@@ -327,14 +327,157 @@ ARCHITECTURES.update(
     }
 )
 
+_BAILING = {
+    **_BASE,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    # layers 1 and 3 are global attention, 0 and 2 linear
+    "layer_group_size": 2,
+    "group_norm_size": 1,
+    "head_dim": 16,
+    "norm_topk_prob": True,
+}
+_MLA_SMALL = {
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+ARCHITECTURES.update(
+    {
+        # Mamba layers 0 and 2, attention 1 and 3, experts in every layer
+        "jamba": {
+            **_BASE,
+            "model_type": "jamba",
+            "num_hidden_layers": 4,
+            "intermediate_size": 64,
+            "attn_layer_offset": 1,
+            "attn_layer_period": 2,
+            "expert_layer_offset": 0,
+            "expert_layer_period": 1,
+            "mamba_d_conv": 4,
+            "mamba_d_state": 16,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        # short convolutions and attention; layer 0 dense
+        "lfm2_moe": {
+            **_BASE,
+            "model_type": "lfm2_moe",
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "use_expert_bias": True,
+            "num_dense_layers": 1,
+            "norm_eps": 1e-5,
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "layer_types": ["conv", "full_attention"],
+        },
+        # Mamba-2 and attention layers, every one MoE (HF fuses the experts: input_linear)
+        "granitemoehybrid": {
+            **_BASE,
+            "model_type": "granitemoehybrid",
+            "intermediate_size": 64,
+            "attention_bias": False,
+            "embedding_multiplier": 4.0,
+            "attention_multiplier": 0.0625,
+            "logits_scaling": 2.0,
+            "residual_multiplier": 0.5,
+            "layer_types": ["mamba", "attention"],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_proj_bias": False,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_conv_bias": True,
+            "tie_word_embeddings": True,
+        },
+        # gated linear attention and softmax attention
+        "bailing_moe_linear": {
+            **_BAILING,
+            "model_type": "bailing_moe_linear",
+            "score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+        },
+        # gated linear attention and MLA
+        "bailing_hybrid": {
+            **_BAILING,
+            **_MLA_SMALL,
+            "model_type": "bailing_hybrid",
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+        },
+        # mlx-lm maps bailing_hybrid with this architecture to bailing_moe_v3 (KDA and MLA)
+        "bailing_moe_v3": {
+            **_BAILING,
+            **_MLA_SMALL,
+            "model_type": "bailing_hybrid",
+            "architectures": ["BailingMoeV3ForCausalLM"],
+            "q_lora_rank": 32,
+            "short_conv_kernel_size": 4,
+        },
+        # Kimi delta attention in layers 0 and 2 (kda_layers count from 1), MLA in 1 and 3
+        "kimi_linear": {
+            **_BASE,
+            **_MLA_SMALL,
+            "model_type": "kimi_linear",
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,
+            "intermediate_size": 128,
+            "head_dim": 16,
+            "linear_attn_config": {
+                "kda_layers": [1, 3],
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+            "model_max_length": 4096,
+            "num_experts": 8,
+            "moe_intermediate_size": 64,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "first_k_dense_replace": 1,
+        },
+    }
+)
+
 # llama4 reads the cache of layer 3, its first global-attention layer.
 _MIN_LAYERS = {"llama4": 4}
-_MIN_LAYERS.update({"nemotron_h": 4})
+_MIN_LAYERS.update(
+    {
+        "nemotron_h": 4,
+        "jamba": 4,
+        "lfm2_moe": 4,
+        "bailing_moe_linear": 4,
+        "bailing_hybrid": 4,
+        "bailing_moe_v3": 4,
+        "kimi_linear": 4,
+    }
+)
 
 # Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
 _NO_HF_LAYOUT = ("granitemoe", "gpt_oss", "llama4")
 # hybrids whose HF checkpoints fuse their experts (experts.gate_up_proj)
-_NO_HF_LAYOUT += ("qwen3_5_moe",)
+_NO_HF_LAYOUT += ("qwen3_5_moe", "granitemoehybrid")
 
 _ALIASES = {
     "hidden": ("hidden_size",),
@@ -345,7 +488,7 @@ _ALIASES = {
         "n_routed_experts",
         "moe_num_experts",
     ),
-    "top_k": ("num_experts_per_tok", "moe_k"),
+    "top_k": ("num_experts_per_tok", "moe_k", "num_experts_per_token"),
     "heads": ("num_attention_heads",),
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),

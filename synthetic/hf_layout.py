@@ -30,6 +30,13 @@ _HF_EXPERTS = {
 _HF_EXPERTS.update(
     {
         "qwen3_next": _MLP,
+        "jamba": (".feed_forward.switch_mlp.", ".feed_forward.experts.", _GLU),
+        "lfm2_moe": (".feed_forward.switch_mlp.", ".feed_forward.experts.", _W123),
+        "bailing_moe_linear": _MLP,
+        "bailing_hybrid": _MLP,
+        "bailing_moe_v3": _MLP,
+        # the rest of the layer keeps mlx-lm's names, which sanitize leaves as they are
+        "kimi_linear": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
         "nemotron_h": (
             ".mixer.switch_mlp.",
             ".mixer.experts.",

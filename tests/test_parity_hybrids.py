@@ -16,9 +16,13 @@ from mlx_lm_streaming.runtime import mlx_shims
 from synthetic import build_checkpoint
 
 # converted checkpoints
-HYBRIDS = ["qwen3_next", "qwen3_5_moe", "nemotron_h"]
-# raw Hugging Face layouts that store experts one by one (qwen3_5_moe fuses them: converted only)
-RAW_HF = ["qwen3_next", "nemotron_h"]
+HYBRIDS = [
+    "qwen3_next", "qwen3_5_moe", "nemotron_h", "jamba", "lfm2_moe", "granitemoehybrid",
+    "bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3", "kimi_linear",
+]  # fmt: skip
+# raw Hugging Face layouts that store experts one by one (qwen3_5_moe and granitemoehybrid fuse
+# them: converted checkpoints only)
+RAW_HF = [a for a in HYBRIDS if a not in ("qwen3_5_moe", "granitemoehybrid")]
 TABLE = [(a, "affine4") for a in HYBRIDS] + [(a, "float32_hf") for a in RAW_HF]
 
 

@@ -30,7 +30,17 @@ class TextConfigAdapter(ArchitectureAdapter):
 
 # fc1 / fc2 of a SwitchMLP, as nemotron_h's sanitize stacks them from experts.{e}.up/down_proj
 NEMOTRON_NAMES = {"fc1": "up_proj", "fc2": "down_proj"}
+W123 = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 ROUTED = {"num_experts_key": "n_routed_experts"}
+
+
+def kimi_linear_raw_key(path, expert, proj, part):
+    """``model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight`` (sanitize stacks weights only, into
+    ``model.layers.{l}.mlp.switch_mlp``)."""
+    parent, tail = path.rsplit(".", 1)[0], ".mlp"
+    if not parent.endswith(tail) or part != "weight":
+        return None
+    return f"{parent[: -len(tail)]}.block_sparse_moe.experts.{expert}.{W123[proj]}.weight"
 
 HYBRIDS = [
     # gated delta net + attention; mlp.experts.{e}.{gate,up,down}_proj
@@ -40,4 +50,17 @@ HYBRIDS = [
     TextConfigAdapter(("qwen3_5", "qwen3_5_moe"), raw_key=None),
     # Mamba-2 + attention + SwitchMLP experts: mixer.experts.{e}.{up,down}_proj
     ArchitectureAdapter(("nemotron_h",), raw_projections=NEMOTRON_NAMES, **ROUTED),
+    # Mamba + attention: feed_forward.experts.{e}.{gate,up,down}_proj
+    ArchitectureAdapter(("jamba",)),
+    # short convolutions + attention: feed_forward.experts.{e}.w1/w3/w2
+    ArchitectureAdapter(("lfm2_moe",), raw_projections=W123),
+    # Mamba-2 + attention; HF fuses the experts (block_sparse_moe.input_linear)
+    ArchitectureAdapter(("granitemoehybrid",), raw_key=None, num_experts_key="num_local_experts"),
+    # gated linear attention + softmax attention / MLA; KDA + MLA (bailing_moe_v3, which mlx-lm
+    # builds for bailing_hybrid checkpoints of BailingMoeV3ForCausalLM): mlp.experts.{e}.*
+    ArchitectureAdapter(("bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3")),
+    # Kimi delta attention + MLA: block_sparse_moe.experts.{e}.w1/w3/w2
+    ArchitectureAdapter(
+        ("kimi_linear",), raw_key=kimi_linear_raw_key, top_k_key="num_experts_per_token"
+    ),
 ]
