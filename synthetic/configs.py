@@ -460,6 +460,22 @@ ARCHITECTURES.update(
     }
 )
 
+# phixtral (SwitchMLP experts with biases; its own config names: model_dim, num_layers, num_vocab;
+# hidden_size, vocab_size and num_hidden_layers are for the builder, which reads those)
+ARCHITECTURES["phixtral"] = {
+    "model_type": "phixtral",
+    "num_vocab": 512,
+    "model_dim": 64,
+    "num_heads": 4,
+    "num_layers": 2,
+    "rotary_dim": 8,
+    "num_experts_per_tok": 2,
+    "num_local_experts": 8,
+    "hidden_size": 64,
+    "vocab_size": 512,
+    "num_hidden_layers": 2,
+}
+
 # llama4 reads the cache of layer 3, its first global-attention layer.
 _MIN_LAYERS = {"llama4": 4}
 _MIN_LAYERS.update(

@@ -37,6 +37,7 @@ _HF_EXPERTS.update(
         "bailing_moe_v3": _MLP,
         # the rest of the layer keeps mlx-lm's names, which sanitize leaves as they are
         "kimi_linear": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
+        "phixtral": (".moe.switch_mlp.", ".moe.mlp.", {"fc1": "fc1", "fc2": "fc2"}),
         "nemotron_h": (
             ".mixer.switch_mlp.",
             ".mixer.experts.",
@@ -44,6 +45,8 @@ _HF_EXPERTS.update(
         ),
     }
 )
+# the expert tensors a family's sanitize stacks besides ``weight``
+_HF_PARTS = {"phixtral": ("weight", "bias")}
 # qwen3_next's sanitize adds 1 to these norms of a raw checkpoint (HF stores them zero-centred)
 _PLUS_ONE_NORMS = (
     ".input_layernorm.weight",
@@ -101,10 +104,10 @@ def _hf_layout(weights: dict, config: dict) -> dict:
             continue
         prefix, rest = key.split(mlx_infix)
         proj, kind = rest.split(".")
-        if kind != "weight":
+        if kind not in _HF_PARTS.get(family, ("weight",)):
             raise ValueError(f"{family} sanitize cannot re-stack {key}")
         for e in range(value.shape[0]):
-            out[f"{prefix}{hf_infix}{e}.{projs[proj]}.weight"] = value[e]
+            out[f"{prefix}{hf_infix}{e}.{projs[proj]}.{kind}"] = value[e]
     if family == "deepseek_v3":
         _fuse_kv_b(out, config)
     if family == "qwen3_next":

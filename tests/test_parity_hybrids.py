@@ -31,10 +31,15 @@ def test_parity_hybrid(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 
 
-@pytest.mark.parametrize("variant", ["mixed", "mxfp4"])
-def test_parity_switch_mlp_quantized(checkpoint, variant):
-    # fc1 / fc2 at other bits and modes (mixed: per-module bits) through the same gather kernel
-    check_parity(checkpoint("nemotron_h", variant))
+# SwitchMLP experts: nemotron_h (relu^2, no biases) and phixtral (GELU, biases), fc1 / fc2 at other
+# bits and modes (mixed: per-module bits) through the same gather kernel, and phixtral's raw layout
+SWITCH_MLP = [("nemotron_h", "mixed"), ("nemotron_h", "mxfp4"), ("phixtral", "affine4")]
+SWITCH_MLP += [("phixtral", "mixed"), ("phixtral", "float32_hf")]
+
+
+@pytest.mark.parametrize("arch,variant", SWITCH_MLP, ids=[f"{a}-{v}" for a, v in SWITCH_MLP])
+def test_parity_switch_mlp(checkpoint, arch, variant):
+    check_parity(checkpoint(arch, variant))
 
 
 # -- the verified step over recurrent state ---------------------------------------------------------
@@ -48,20 +53,21 @@ NEMOTRON_LAYERS = ["mamba", "moe", "mamba", "moe", "attention", "moe"]
 
 @pytest.fixture(scope="module")
 def hybrid_paths(tmp_path_factory):
-    """qwen3_next (linear attention in layers 0 and 2, full attention in 1 and 3, every layer MoE)
-    and nemotron_h (``NEMOTRON_LAYERS``), 16 experts a layer."""
+    """``hybrid_paths[arch]``: 4 layers (nemotron_h: ``NEMOTRON_LAYERS``) of 16 experts, built once.
+    qwen3_next: linear attention in layers 0 and 2, full attention in 1 and 3, every layer MoE."""
     root = tmp_path_factory.mktemp("hybrid-steps")
-    return {
-        "qwen3_next": build_checkpoint(
-            root / "qn", "qwen3_next", num_layers=4, overrides={"experts": 16}
-        ),
-        "nemotron_h": build_checkpoint(
-            root / "nh",
-            "nemotron_h",
-            num_layers=6,
-            overrides={"experts": 16, "layer_types": NEMOTRON_LAYERS},
-        ),
-    }
+
+    class Paths(dict):
+        def __missing__(self, arch):
+            layers, overrides = 4, {"experts": 16}
+            if arch == "nemotron_h":
+                layers, overrides = 6, {**overrides, "layer_types": NEMOTRON_LAYERS}
+            self[arch] = build_checkpoint(
+                root / arch, arch, num_layers=layers, overrides=overrides
+            )
+            return self[arch]
+
+    return Paths()
 
 
 def generated(model, every_call_verified=False):
@@ -90,7 +96,7 @@ def put_backs(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("arch", HYBRIDS)
 def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arch, monkeypatch):
     # three slots of 16 experts: verified steps miss mid-step; each miss puts the recurrent and KV
     # entries of the layers from the one that missed back as they were and runs them again

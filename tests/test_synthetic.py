@@ -73,7 +73,8 @@ def test_build_load_generate(tmp_path, arch, variant):
     names = list(stored)
     if variant == "float32_hf":
         assert not [k for k in names if "switch_mlp" in k]
-        assert [k for k in names if re.search(r"experts\.\d+\.", k)]
+        # (phixtral's HF names: moe.mlp.{e})
+        assert [k for k in names if re.search(r"(experts|moe\.mlp)\.\d+\.", k)]
         assert "quantization" not in _config(path)
     else:
         assert (

@@ -5,7 +5,8 @@ the verified step puts each layer's recurrent state back as it was when a step m
 (``runtime/verified_step.py``), and layer-major prefill, which runs a layer twice per chunk, falls
 back to chunk by chunk for them and says so (``--streaming-stats``). Each adapter says only where
 the experts are and how Hugging Face names them (``raw_key=None``: HF fuses them, so only
-converted checkpoints stream).
+converted checkpoints stream). ``SWITCH_MLP``: phixtral, the other family whose experts are a
+``SwitchMLP``, though not a hybrid.
 """
 
 from ..errors import CheckpointError
@@ -62,5 +63,15 @@ HYBRIDS = [
     # Kimi delta attention + MLA: block_sparse_moe.experts.{e}.w1/w3/w2
     ArchitectureAdapter(
         ("kimi_linear",), raw_key=kimi_linear_raw_key, top_k_key="num_experts_per_token"
+    ),
+]
+
+# not a hybrid: the other family whose experts are a SwitchMLP (fc1 / fc2 with biases, GELU);
+# raw: transformer.h.{l}.moe.mlp.{e}.fc1.weight
+SWITCH_MLP = [
+    ArchitectureAdapter(
+        ("phixtral",),
+        raw_key="{parent}.mlp.{expert}.{proj}.{part}",
+        num_experts_key="num_local_experts",
     ),
 ]
