@@ -460,6 +460,30 @@ ARCHITECTURES.update(
     }
 )
 
+# Kimi K3: text_config; delta attention in layers 0 and 2, MLA in 1 and 3; layer 0 dense
+ARCHITECTURES["kimi_k3"] = {
+    "model_type": "kimi_k3",
+    "text_config": {
+        **_BASE,
+        **_MLA_SMALL,
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "linear_attn_config": {
+            "kda_layers": [1, 3],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+        "num_experts": 8,
+        "moe_intermediate_size": 64,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    },
+}
+
 # phixtral (SwitchMLP experts with biases; its own config names: model_dim, num_layers, num_vocab;
 # hidden_size, vocab_size and num_hidden_layers are for the builder, which reads those)
 ARCHITECTURES["phixtral"] = {
@@ -487,6 +511,7 @@ _MIN_LAYERS.update(
         "bailing_hybrid": 4,
         "bailing_moe_v3": 4,
         "kimi_linear": 4,
+        "kimi_k3": 4,
     }
 )
 

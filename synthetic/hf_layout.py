@@ -37,6 +37,7 @@ _HF_EXPERTS.update(
         "bailing_moe_v3": _MLP,
         # the rest of the layer keeps mlx-lm's names, which sanitize leaves as they are
         "kimi_linear": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
+        "kimi_k3": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
         "phixtral": (".moe.switch_mlp.", ".moe.mlp.", {"fc1": "fc1", "fc2": "fc2"}),
         "nemotron_h": (
             ".mixer.switch_mlp.",

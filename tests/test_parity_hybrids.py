@@ -18,7 +18,7 @@ from synthetic import build_checkpoint
 # converted checkpoints
 HYBRIDS = [
     "qwen3_next", "qwen3_5_moe", "nemotron_h", "jamba", "lfm2_moe", "granitemoehybrid",
-    "bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3", "kimi_linear",
+    "bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3", "kimi_linear", "kimi_k3",
 ]  # fmt: skip
 # raw Hugging Face layouts that store experts one by one (qwen3_5_moe and granitemoehybrid fuse
 # them: converted checkpoints only)
@@ -96,6 +96,11 @@ def put_backs(monkeypatch):
     return seen
 
 
+# decoder layers that return (hidden states, residual blocks): a verified step that misses puts
+# every entry back and runs the whole call again per layer (still stock's bits)
+WHOLE_CALL_AGAIN = ("kimi_k3",)
+
+
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arch, monkeypatch):
     # three slots of 16 experts: verified steps miss mid-step; each miss puts the recurrent and KV
@@ -111,8 +116,12 @@ def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arc
     for (_, a), (_, b) in zip(expected, got):
         assert np.array_equal(a, b)
     runner = model.expert_streaming.steps
-    assert runner.verified >= STEPS // 2 and runner.replays > 0
-    assert runner.recomputed == 0  # run again from the layer that missed, never whole
+    assert runner.verified >= STEPS // 2
+    if arch in WHOLE_CALL_AGAIN:
+        assert runner.recomputed > 0 and runner.replays == 0
+    else:
+        assert runner.replays > 0
+        assert runner.recomputed == 0  # run again from the layer that missed, never whole
     assert seen["arrays"] > 0  # recurrent states were put back
 
 

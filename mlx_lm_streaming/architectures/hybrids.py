@@ -9,24 +9,31 @@ converted checkpoints stream). ``SWITCH_MLP``: phixtral, the other family whose 
 ``SwitchMLP``, though not a hybrid.
 """
 
+import importlib
+from dataclasses import dataclass
+
 from ..errors import CheckpointError
 from .adapter import ArchitectureAdapter
 
 
+@dataclass(frozen=True)
 class TextConfigAdapter(ArchitectureAdapter):
     """A wrapper model whose language model's fields sit in ``text_config`` when the checkpoint has
-    one, at the top level otherwise (qwen3_5 / qwen3_5_moe: ``ModelArgs.from_dict`` takes both);
-    the counts are checked against the language model's own args class."""
+    one, at the top level otherwise (``ModelArgs.from_dict`` takes both: qwen3_5 / qwen3_5_moe,
+    kimi_k3); the counts are checked against the language model's own args class, ``text_args``
+    (``module:class`` in mlx-lm)."""
+
+    text_args: str = "mlx_lm.models.qwen3_5:TextModelArgs"
 
     def check_config(self, config, args_class, path):
-        from mlx_lm.models.qwen3_5 import TextModelArgs
-
+        module, name = self.text_args.split(":")
+        text_args = getattr(importlib.import_module(module), name)
         section = config.get("text_config", config)
         if not isinstance(section, dict):
             raise CheckpointError(f"{path}: text_config must be a JSON object")
-        if section.get(self.num_experts_key, 0) == 0:
+        if not section.get(self.num_experts_key):
             return  # no routed experts (a dense Qwen3.5): nothing of ours to check
-        super().check_config(section, TextModelArgs, path)
+        super().check_config(section, text_args, path)
 
 
 # fc1 / fc2 of a SwitchMLP, as nemotron_h's sanitize stacks them from experts.{e}.up/down_proj
@@ -35,13 +42,18 @@ W123 = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 ROUTED = {"num_experts_key": "n_routed_experts"}
 
 
-def kimi_linear_raw_key(path, expert, proj, part):
-    """``model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight`` (sanitize stacks weights only, into
-    ``model.layers.{l}.mlp.switch_mlp``)."""
-    parent, tail = path.rsplit(".", 1)[0], ".mlp"
-    if not parent.endswith(tail) or part != "weight":
-        return None
-    return f"{parent[: -len(tail)]}.block_sparse_moe.experts.{expert}.{W123[proj]}.weight"
+def block_sparse_moe_key(parts):
+    """Kimi's raw names, ``model.layers.{l}.block_sparse_moe.experts.{e}.w1.{part}`` for each of
+    ``parts`` (what the family's sanitize stacks into ``model.layers.{l}.mlp.switch_mlp``)."""
+
+    def raw_key(path, expert, proj, part):
+        parent, tail = path.rsplit(".", 1)[0], ".mlp"
+        if not parent.endswith(tail) or part not in parts:
+            return None
+        return f"{parent[: -len(tail)]}.block_sparse_moe.experts.{expert}.{W123[proj]}.{part}"
+
+    return raw_key
+
 
 HYBRIDS = [
     # gated delta net + attention; mlp.experts.{e}.{gate,up,down}_proj
@@ -62,7 +74,17 @@ HYBRIDS = [
     ArchitectureAdapter(("bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3")),
     # Kimi delta attention + MLA: block_sparse_moe.experts.{e}.w1/w3/w2
     ArchitectureAdapter(
-        ("kimi_linear",), raw_key=kimi_linear_raw_key, top_k_key="num_experts_per_token"
+        ("kimi_linear",),
+        raw_key=block_sparse_moe_key(("weight",)),
+        top_k_key="num_experts_per_token",
+    ),
+    # Kimi K3: delta attention + MLA, its layers returning (h, blocks); HF's int4 experts
+    # (weight_packed / weight_scale, int32 viewed as uint32 by sanitize) need mlx_lm.convert
+    TextConfigAdapter(
+        ("kimi_k3",),
+        raw_key=block_sparse_moe_key(("weight", "scales", "biases")),
+        top_k_key="num_experts_per_token",
+        text_args="mlx_lm.models.kimi_k3:TextArgs",
     ),
 ]
 
