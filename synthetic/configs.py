@@ -295,6 +295,21 @@ ARCHITECTURES.update(
                 },
             },
         },
+        # the Qwen3.5 text wrapper with routed experts (qwen3_5 builds the sparse block when
+        # num_experts > 0); its sanitize stacks no experts: converted checkpoints only
+        "qwen3_5": {
+            "model_type": "qwen3_5",
+            "text_config": {
+                **_QWEN3_NEXT,
+                "model_type": "qwen3_5_text",
+                "rope_parameters": {
+                    "type": "default",
+                    "mrope_section": [2, 1, 1],
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+        },
         # SwitchMLP experts (fc1 / fc2, relu^2); Mamba-2, attention and MoE layers by layer_types
         "nemotron_h": {
             **_BASE,
@@ -518,7 +533,7 @@ _MIN_LAYERS.update(
 # Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
 _NO_HF_LAYOUT = ("granitemoe", "gpt_oss", "llama4")
 # hybrids whose HF checkpoints fuse their experts (experts.gate_up_proj)
-_NO_HF_LAYOUT += ("qwen3_5_moe", "granitemoehybrid")
+_NO_HF_LAYOUT += ("qwen3_5", "qwen3_5_moe", "granitemoehybrid")
 
 _ALIASES = {
     "hidden": ("hidden_size",),

@@ -17,12 +17,12 @@ from synthetic import build_checkpoint
 
 # converted checkpoints
 HYBRIDS = [
-    "qwen3_next", "qwen3_5_moe", "nemotron_h", "jamba", "lfm2_moe", "granitemoehybrid",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "jamba", "lfm2_moe", "granitemoehybrid",
     "bailing_moe_linear", "bailing_hybrid", "bailing_moe_v3", "kimi_linear", "kimi_k3",
 ]  # fmt: skip
 # raw Hugging Face layouts that store experts one by one (qwen3_5_moe and granitemoehybrid fuse
-# them: converted checkpoints only)
-RAW_HF = [a for a in HYBRIDS if a not in ("qwen3_5_moe", "granitemoehybrid")]
+# them, qwen3_5's sanitize stacks none: converted checkpoints only)
+RAW_HF = [a for a in HYBRIDS if a not in ("qwen3_5", "qwen3_5_moe", "granitemoehybrid")]
 TABLE = [(a, "affine4") for a in HYBRIDS] + [(a, "float32_hf") for a in RAW_HF]
 
 
