@@ -176,8 +176,8 @@ def plain_kv_cache_problem(cache) -> Optional[str]:
         if recurrent_state(c) or type(c).__name__ == "ArraysCache":
             return (
                 f"cache entry {i} is an ArraysCache, a recurrent or linear-attention layer's "
-                "state: layer-major prefill runs each layer twice per chunk (to route, then with "
-                "the experts) and puts back only KVCache entries"
+                "state, and layer-major prefill runs each layer twice per chunk, putting back "
+                "only KVCache entries between the two"
             )
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
