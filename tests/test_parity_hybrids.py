@@ -10,9 +10,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from support import load_stock, with_slots
-from test_parity import check_parity
+from mlx.utils import tree_flatten
+from test_parity import PREFILL_STEP, check_parity, generate_step_module, run_generate_step
 
 from mlx_lm_streaming.runtime import mlx_shims
+from mlx_lm_streaming.tools.parity import difference
 from synthetic import build_checkpoint
 
 # converted checkpoints
@@ -154,16 +156,36 @@ def test_recurrent_state_marks_and_put_back():
     assert not mlx_shims.rewindable([arrays], 1)
 
 
-def test_hybrid_prefill_falls_back_and_says_which_cache(hybrid_paths):
-    # layer-major prefill runs each layer twice per chunk: not over recurrent state; the stats'
-    # fallback line names the cache entry and the reason, and the prompt stays stock's
-    path = hybrid_paths["qwen3_next"]
-    prompt = mx.array([(7 * i + 3) % 512 for i in range(40)])
+# decoder layers given an array mask (kimi_linear, bailing_hybrid, bailing_moe_v3, kimi_k3), an offset
+# (bailing_moe_linear) or a (h, blocks) pair to unpack (kimi_k3) that the model makes from the
+# caches before layer 0: chunk by chunk, as stock, with the reason said
+PREFILL_FALLS_BACK = {
+    "kimi_linear": "made from the caches",
+    "bailing_moe_v3": "made from the caches",
+    "bailing_hybrid": "made from the caches",
+    "bailing_moe_linear": "made from the caches",
+    "kimi_k3": "cannot run with its layers skipped",
+}
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_layer_major_prefill(hybrid_paths, arch):
+    # a prompt of six chunks, three slots of 16 experts: layer-major over the recurrent layers
+    # (each one's state put back between its two runs of a chunk) gives stock's log-probabilities
+    # and caches, or falls back with the reason said
+    path = hybrid_paths[arch]
+    generate = generate_step_module()
+    prompt = mx.array([(7 * i + 3) % 512 for i in range(6 * PREFILL_STEP + 1)])
     stock, _ = load_stock(path)
-    want = [int(t) for (t, _), _ in zip(generate_step(prompt, stock, prefill_step_size=8), range(3))]
+    ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
     model = with_slots(path, 3, layer_major_prefill=True)
-    got = [int(t) for (t, _), _ in zip(generate_step(prompt, model, prefill_step_size=8), range(3))]
-    assert got == want
-    why = model.expert_streaming.prefill.why
-    assert model.expert_streaming.prefill.fallbacks == 1
-    assert why.startswith("cache entry 0 is an ArraysCache") and "KVCache" in why
+    out, cache = run_generate_step(model, generate.generate_step, prompt)
+    assert difference(ref, out) is None, difference(ref, out)
+    for a, b in zip(ref_cache, cache):
+        for x, y in zip(tree_flatten(a.state), tree_flatten(b.state)):
+            assert (x[1] is None and y[1] is None) or mx.array_equal(x[1], y[1])
+    stats = model.expert_streaming.prefill
+    if arch in PREFILL_FALLS_BACK:
+        assert stats.fallbacks == 1 and PREFILL_FALLS_BACK[arch] in stats.why, stats.why
+    else:
+        assert stats.fallbacks == 0 and stats.prompts == 1 and stats.chunks == 6, stats

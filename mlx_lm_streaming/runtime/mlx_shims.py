@@ -110,7 +110,9 @@ def recurrent_state(entry) -> bool:
 
 def mark(entry):
     """What ``put_back`` needs to put ``entry`` (``rewindable``) back as it is now: a recurrent
-    state's arrays (references), a KV entry's offset."""
+    state's arrays (references), a KV entry's offset (None: no entry)."""
+    if entry is None:
+        return None
     if recurrent_state(entry):
         return list(entry.cache)
     return entry.offset
@@ -166,18 +168,20 @@ def make_prompt_cache(model, max_kv_size=None):
 
 def plain_kv_cache_problem(cache) -> Optional[str]:
     """None if every entry of ``cache`` is exactly mlx-lm's ``KVCache`` (a write appends; its mask
-    and offsets depend on its own length only), else the first other kind, in words."""
+    and offsets depend on its own length only) or a hybrid's recurrent state (``recurrent_state``),
+    else the first other kind, in words."""
     from mlx_lm.models import cache as mc
 
     plain = getattr(mc, "KVCache", None)
     if not isinstance(cache, list) or not cache:
         return "no list of KV caches"
     for i, c in enumerate(cache):
-        if recurrent_state(c) or type(c).__name__ == "ArraysCache":
+        if recurrent_state(c):
+            continue  # a hybrid's recurrent state: put back between a layer's runs (``seek``)
+        if type(c).__name__ == "ArraysCache":
             return (
-                f"cache entry {i} is an ArraysCache, a recurrent or linear-attention layer's "
-                "state, and layer-major prefill runs each layer twice per chunk, putting back "
-                "only KVCache entries between the two"
+                f"cache entry {i} is an ArraysCache with a batch's lengths or padding, which "
+                "mlx-lm changes in place: it cannot be put back between a layer's two runs"
             )
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
@@ -220,5 +224,17 @@ def calls_through(modules, around):
 
 
 def kv_state(entry):
-    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``)."""
-    return entry.state
+    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``; a
+    layer with no entry: nothing)."""
+    return [] if entry is None else entry.state
+
+
+def seek(entry, marked) -> None:
+    """Put ``entry`` where ``mark`` said it was, back or forward: a ``KVCache`` at that offset
+    (``kv_seek``), a recurrent state given those arrays; a layer with no entry (None): nothing."""
+    if entry is None:
+        return
+    if isinstance(marked, list):
+        entry.cache = list(marked)
+    else:
+        kv_seek(entry, marked)
