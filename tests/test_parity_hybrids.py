@@ -103,7 +103,7 @@ def put_backs(monkeypatch):
 WHOLE_CALL_AGAIN = ("kimi_k3",)
 
 
-@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("arch", HYBRIDS + ["phixtral"])
 def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arch, monkeypatch):
     # three slots of 16 experts: verified steps miss mid-step; each miss puts the recurrent and KV
     # entries of the layers from the one that missed back as they were and runs them again
@@ -124,7 +124,7 @@ def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arc
     else:
         assert runner.replays > 0
         assert runner.recomputed == 0  # run again from the layer that missed, never whole
-    assert seen["arrays"] > 0  # recurrent states were put back
+    assert seen["arrays"] > 0 or arch not in HYBRIDS  # recurrent states were put back
 
 
 def test_a_recurrent_state_left_as_the_missed_pass_wrote_it_is_not_stock(hybrid_paths, monkeypatch):
@@ -168,7 +168,7 @@ PREFILL_FALLS_BACK = {
 }
 
 
-@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("arch", HYBRIDS + ["phixtral"])
 def test_hybrid_layer_major_prefill(hybrid_paths, arch):
     # a prompt of six chunks, three slots of 16 experts: layer-major over the recurrent layers
     # (each one's state put back between its two runs of a chunk) gives stock's log-probabilities

@@ -1,11 +1,12 @@
 """The runtime's shims over mlx-lm internals: the few places where the hot path repeats or reaches
 into mlx-lm's own code (``SwitchGLU.__call__`` a step at a time, a decoder layer's call wrapped, a
-KV cache entry taken back or put at an offset).
+KV cache entry taken back or put at an offset, a hybrid's recurrent state, ``ArraysCache``, given
+back its arrays).
 
 Each is used only where ``mlx_compat`` (the gate) found mlx-lm as expected at patch time: the
 version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``generate_step``'s
-(``generate_step_problem``); the KV-cache reach-ins check the entry they touch
-(``rewindable``, ``plain_kv_cache_problem``) and decline where it differs.
+(``generate_step_problem``); the cache reach-ins check the entry they touch
+(``rewindable``, ``recurrent_state``, ``plain_kv_cache_problem``) and decline where it differs.
 """
 
 import contextlib
@@ -96,9 +97,7 @@ def recurrent_state(entry) -> bool:
     of arrays (``cache``) that each step replaces (``cache[i] = new``, never written into: MLX
     arrays are values), no batch lengths or left padding (``prepare``; ``advance`` changes
     those in place). Keeping the list's references (``mark``) is then enough to put it back."""
-    from mlx_lm.models import cache as mc
-
-    arrays = getattr(mc, "ArraysCache", None)
+    arrays = _cache_class("ArraysCache")
     return (
         arrays is not None
         and type(entry) is arrays
@@ -108,12 +107,21 @@ def recurrent_state(entry) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_class(name: str):
+    """mlx-lm's cache class ``name`` (``mlx_lm.models.cache``), or None; looked up once (a
+    verified step marks every entry of every decode call)."""
+    from mlx_lm.models import cache as mc
+
+    return getattr(mc, name, None)
+
+
 def mark(entry):
     """What ``put_back`` needs to put ``entry`` (``rewindable``) back as it is now: a recurrent
     state's arrays (references), a KV entry's offset (None: no entry)."""
     if entry is None:
         return None
-    if recurrent_state(entry):
+    if type(entry) is _cache_class("ArraysCache"):  # (``rewindable``: a ``recurrent_state``)
         return list(entry.cache)
     return entry.offset
 

@@ -35,7 +35,8 @@ class StepCaches:
         self.entries[i] = entry
         if entry is None:
             return True
-        return id(entry) in self.marks and self.owners.setdefault(id(entry), i) == i
+        key = id(entry)
+        return key in self.marks and self.owners.setdefault(key, i) == i
 
     def rewind(self, first: int, end: int) -> None:
         """The entries of decoder layers ``first`` to ``end - 1`` back as they were before the
