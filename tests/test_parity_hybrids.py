@@ -189,3 +189,27 @@ def test_hybrid_layer_major_prefill(hybrid_paths, arch):
         assert stats.fallbacks == 1 and PREFILL_FALLS_BACK[arch] in stats.why, stats.why
     else:
         assert stats.fallbacks == 0 and stats.prompts == 1 and stats.chunks == 6, stats
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3_next"])
+def test_verified_steps_of_several_tokens_run_layers_again_with_their_first_arguments(
+    hybrid_paths, arch
+):
+    # calls of 3 tokens (a draft model's verification): kimi_linear's layers get an array mask made
+    # from an attention entry's offset before layer 0; a layer run again after a miss gets the
+    # mask of its first call (made again, it would see the entries of the layers before written:
+    # a wrong shape)
+    path = hybrid_paths[arch]
+    runs = []
+    for model in (load_stock(path)[0], with_slots(path, 6)):
+        kv = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=kv))
+        logits = []
+        for t in range(8):
+            if hasattr(model, "expert_streaming"):
+                model.expert_streaming.steps.missed_share = 0.0
+            logits.append(np.array(model(mx.array([[7 + t, 40 + t, 100 + t]]), cache=kv)))
+        runs.append(logits)
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+    runner = model.expert_streaming.steps
+    assert runner.verified == 8 and runner.replays > 0 and runner.recomputed == 0
