@@ -7,10 +7,10 @@ stores experts one by one, from the raw layout."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from support import load_stock, with_slots
-from mlx.utils import tree_flatten
 from test_parity import PREFILL_STEP, check_parity, generate_step_module, run_generate_step
 
 from mlx_lm_streaming.runtime import mlx_shims
@@ -44,7 +44,7 @@ def test_parity_switch_mlp(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 
 
-# -- the verified step over recurrent state ---------------------------------------------------------
+# -- the verified step over recurrent state ------------------------------------------------------
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 12
@@ -156,9 +156,9 @@ def test_recurrent_state_marks_and_put_back():
     assert not mlx_shims.rewindable([arrays], 1)
 
 
-# decoder layers given an array mask (kimi_linear, bailing_hybrid, bailing_moe_v3, kimi_k3), an offset
-# (bailing_moe_linear) or a (h, blocks) pair to unpack (kimi_k3) that the model makes from the
-# caches before layer 0: chunk by chunk, as stock, with the reason said
+# decoder layers given an array mask (kimi_linear, bailing_hybrid, bailing_moe_v3) or an offset
+# (bailing_moe_linear) that the model makes from the caches before layer 0, or a (h, blocks) pair
+# to unpack (kimi_k3): chunk by chunk, as stock, with the reason said
 PREFILL_FALLS_BACK = {
     "kimi_linear": "made from the caches",
     "bailing_moe_v3": "made from the caches",

@@ -4,7 +4,8 @@ mlx-lm builds the model from config, sanitizes the checkpoint's (lazy) tensors a
 as usual. Just before the weights are put into the model, ``load_weights`` is intercepted: every routed
 ``SwitchGLU`` (or ``SwitchMLP``) is swapped for a ``StreamingSwitchGLU`` over a slot bank, its tensors
 are dropped from the weight list (they were never read: ``mx.load`` is lazy), and the rest loads
-through mlx-lm unchanged. The shapes the index checks the checkpoint against are those of the quantized stock modules, i.e. the config's.
+through mlx-lm unchanged. The shapes the index checks the checkpoint against are those of the
+quantized stock modules, i.e. the config's.
 """
 
 import atexit

@@ -175,7 +175,9 @@ class LayerPass:
         finally:
             _local.layer = None
         if self.entry is not None and mlx_shims.changed(self.entry, end):
-            raise RuntimeError(f"decoder layer {i}'s cache entry does not end where routing left it")
+            raise RuntimeError(
+                f"decoder layer {i}'s cache entry does not end where routing left it"
+            )
         return held
 
     def compute(self) -> None:

@@ -1,4 +1,4 @@
-"""``StepCaches``: a verified step's cache entries, as they were before the step, and who wrote them.
+"""``StepCaches``: a verified step's cache entries as they were before it, and who wrote them.
 
 A verified step that misses runs its decoder layers again from the first one that missed
 (verified_step.py). Before that, each of those layers' cache entries must be as it was before the
