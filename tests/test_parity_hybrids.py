@@ -160,10 +160,10 @@ def test_recurrent_state_marks_and_put_back():
 # (bailing_moe_linear) that the model makes from the caches before layer 0, or a (h, blocks) pair
 # to unpack (kimi_k3): chunk by chunk, as stock, with the reason said
 PREFILL_FALLS_BACK = {
-    "kimi_linear": "made from the caches",
-    "bailing_moe_v3": "made from the caches",
-    "bailing_hybrid": "made from the caches",
-    "bailing_moe_linear": "made from the caches",
+    "kimi_linear": "makes from the caches",
+    "bailing_moe_v3": "makes from the caches",
+    "bailing_hybrid": "makes from the caches",
+    "bailing_moe_linear": "makes from the caches",
     "kimi_k3": "cannot run with its layers skipped",
 }
 

@@ -108,8 +108,8 @@ class Recorder:
                 # made before layer 0 from entries that hold only the groups before: in stock
                 # order they would hold this group's chunks before this one too
                 return (
-                    f"decoder layer {i} of a hybrid gets an argument made from the caches (an "
-                    "array mask or an offset), which layer-major order would make too early"
+                    f"decoder layer {i} of a hybrid gets an array mask or an offset that the "
+                    "model makes from the caches before layer 0, too early in layer-major order"
                 )
             if any(id(a) not in shared for a in _arrays((i, None, args, kwargs))):
                 return f"decoder layer {i} gets an array argument that layer 0 does not"
