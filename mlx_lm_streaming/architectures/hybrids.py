@@ -2,8 +2,9 @@
 
 The experts stream as in every other family; what is particular to these models is their cache:
 the verified step puts each layer's recurrent state back as it was when a step misses
-(``runtime/verified_step.py``), and layer-major prefill, which runs a layer twice per chunk, falls
-back to chunk by chunk for them and says so (``--streaming-stats``). Each adapter says only where
+(``runtime/step_caches.py``), and layer-major prefill puts it back between a layer's two runs of
+a chunk, or falls back to chunk by chunk where the model makes a layer's masks from the caches
+and says so (``--streaming-stats``; docs/architectures.md lists which). Each adapter says only where
 the experts are and how Hugging Face names them (``raw_key=None``: HF fuses them, so only
 converted checkpoints stream). ``SWITCH_MLP``: phixtral, the other family whose experts are a
 ``SwitchMLP``, though not a hybrid.
