@@ -4,14 +4,15 @@ mlx-lm builds, sanitizes and quantizes the model; an adapter only says how a raw
 checkpoint names one expert's tensor (by default ``{parent}.experts.{expert}.{proj}.{part}``, ``parent``
 being the module that holds the ``switch_mlp``). Converted (stacked) checkpoints need no naming at all.
 The routed experts are always mlx-lm's ``SwitchGLU`` modules (subclasses included): loading streams
-their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``.
+their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``; or its ``SwitchMLP``
+(nemotron_h, phixtral): ``fc1`` and ``fc2``, the module's own activation between them.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Tuple, Union
 
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..errors import CheckpointError
 
@@ -85,8 +86,9 @@ class ArchitectureAdapter:
             )
 
     def is_routed_experts(self, path: str, module) -> bool:
-        """Every ``SwitchGLU`` by default; a subclass may leave some out (by path)."""
-        return isinstance(module, SwitchGLU)
+        """Every ``SwitchGLU`` and ``SwitchMLP`` by default; a subclass may leave some out (by
+        path)."""
+        return isinstance(module, (SwitchGLU, SwitchMLP))
 
     def raw_name(self, path: str, expert: int, proj: str, part: str) -> Optional[str]:
         if self.raw_key is None:

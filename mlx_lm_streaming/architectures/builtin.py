@@ -4,6 +4,7 @@ import re
 
 from ..hookspecs import hookimpl
 from .adapter import ArchitectureAdapter
+from .hybrids import HYBRIDS, SWITCH_MLP
 
 V41_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
@@ -54,5 +55,5 @@ GENERIC = [
 
 @hookimpl(tryfirst=True)
 def register_architectures(register):
-    for adapter in ADAPTERS + GENERIC:
+    for adapter in ADAPTERS + GENERIC + HYBRIDS + SWITCH_MLP:
         register(adapter)
