@@ -7,6 +7,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .families import family_configs
+
 VARIANTS = ("affine4", "mixed", "affine8", "mxfp4", "nvfp4", "float32_hf")
 # Builds and loads, but gather_qmm with a global scale runs only on the GPU.
 EXTRA_VARIANTS = ("nvfp4_global",)
@@ -535,6 +537,29 @@ _NO_HF_LAYOUT = ("granitemoe", "gpt_oss", "llama4")
 # hybrids whose HF checkpoints fuse their experts (experts.gate_up_proj)
 _NO_HF_LAYOUT += ("qwen3_5", "qwen3_5_moe", "granitemoehybrid")
 
+# the families of issue 38 (synthetic/families.py)
+FAMILIES = tuple(family_configs(_BASE, _DEEPSEEK_MLA, ARCHITECTURES["qwen3_moe"]))
+ARCHITECTURES.update(family_configs(_BASE, _DEEPSEEK_MLA, ARCHITECTURES["qwen3_moe"]))
+
+# families whose first layer is dense: a third layer keeps two MoE layers
+_MIN_LAYERS.update(
+    dict.fromkeys(
+        ("afmoe", "exaone_moe", "laguna", "mimo_v2_flash", "minimax_m3_vl", "gemma4_text",
+         "gemma4"),
+        3,
+    )
+)
+
+# Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
+_NO_HF_LAYOUT += (
+    # issue 38: fused gate_up (gemma4, qwen3_vl_moe) or stacked under other names (step3p5)
+    "gemma4_text",
+    "gemma4",
+    "qwen3_vl_moe",
+    "step3p5",
+    "kimi_vl",
+)
+
 _ALIASES = {
     "hidden": ("hidden_size",),
     "moe_intermediate": ("moe_intermediate_size", "intermediate_size"),
@@ -582,15 +607,30 @@ def _resolve_key(config: dict, key: str) -> str:
     return key
 
 
+# per-layer lists, repeated to the layer count
+PER_LAYER_LISTS = (
+    "layer_types",
+    "compress_ratios",
+    "is_moe_layer",
+    "moe_layer_freq",
+    "hybrid_layer_pattern",
+    "mlp_layer_types",
+    "layer_rope_theta",
+)
+
+
 def _fit_layers(config: dict, num_layers: int) -> None:
     """Set the layer count and stretch the per-layer fields to it."""
     text = _text(config)
-    base = text["num_hidden_layers"]
-    text["num_hidden_layers"] = num_layers
+    count = "num_layers" if "num_layers" in text else "num_hidden_layers"  # longcat_flash
+    base = text[count]
+    text[count] = num_layers
     if "first_k_dense_replace" in text:
         text["first_k_dense_replace"] = min(text["first_k_dense_replace"], max(0, num_layers - 2))
-    for key in ("layer_types", "compress_ratios"):
-        if text.get(key):
+    if "moe_layers_enum" in text:  # step3p5
+        text["moe_layers_enum"] = ",".join(str(i) for i in range(num_layers))
+    for key in PER_LAYER_LISTS:
+        if isinstance(text.get(key), list) and text[key]:
             pattern = text[key]
             text[key] = [pattern[i % len(pattern)] for i in range(num_layers)]
     for key in ("kv_source_layer_ids", "index_source_layer_ids"):

@@ -25,6 +25,28 @@ _HF_EXPERTS = {
     "mixtral": _BSM,
     "phimoe": _BSM,
     "minimax": _BSM,
+    # issue 38's families (synthetic/families.py)
+    **dict.fromkeys(
+        (
+            "bailing_moe",
+            "deepseek",
+            "deepseek_v32",
+            "exaone_moe",
+            "glm4_moe_lite",
+            "hunyuan",
+            "laguna",
+            "longcat_flash",
+            "mellum",
+            "mimo_v2_flash",
+            "mistral4",
+            "mistral3",
+            "kimi_k25",
+        ),
+        _MLP,
+    ),
+    # the SwitchGLU itself sits under ``experts``
+    **dict.fromkeys(("Klear", "afmoe", "dots1"), (".mlp.experts.", ".mlp.experts.", _GLU)),
+    "minimax_m3_vl": _BSM,
 }
 # hybrids (SwitchMLP: nemotron_h's sanitize stacks experts.{e}.up_proj / down_proj into fc1 / fc2)
 _HF_EXPERTS.update(
@@ -56,6 +78,8 @@ _PLUS_ONE_NORMS = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
+# families whose sanitize absorbs kv_b_proj into embed_q / unembed_out (MLA), as deepseek_v3's
+_KV_B = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3", "kimi_k25")
 
 # deepseek_v41: MLX name pieces back to DeepSeek's, applied in this order.
 _V41_INVERSE = (
@@ -109,8 +133,8 @@ def _hf_layout(weights: dict, config: dict) -> dict:
             raise ValueError(f"{family} sanitize cannot re-stack {key}")
         for e in range(value.shape[0]):
             out[f"{prefix}{hf_infix}{e}.{projs[proj]}.{kind}"] = value[e]
-    if family == "deepseek_v3":
-        _fuse_kv_b(out, config)
+    if family in _KV_B:
+        _fuse_kv_b(out, config.get("text_config", config))
     if family == "qwen3_next":
         for key in [k for k in out if k.endswith(_PLUS_ONE_NORMS) and out[k].ndim == 1]:
             out[key] = out[key] - 1.0

@@ -18,6 +18,7 @@ import synthetic
 from synthetic import (
     ARCHITECTURES,
     EXTRA_VARIANTS,
+    FAMILIES,
     VARIANTS,
     build_checkpoint,
     build_model,
@@ -31,6 +32,12 @@ TABLE = [
     for a in ARCHITECTURES
     for v in VARIANTS
     if v != "float32_hf" or a in HF_ARCHS
+]
+# issue 38's families: affine4 and the raw layout by default, the other variants with -m slow
+FAST = ("affine4", "float32_hf")
+TABLE = [
+    pytest.param(a, v, marks=[pytest.mark.slow] if a in FAMILIES and v not in FAST else [])
+    for a, v in TABLE
 ]
 PROMPT = "hello world, the quick brown fox"
 ROOT = Path(__file__).resolve().parents[1]

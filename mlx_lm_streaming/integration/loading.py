@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import plugins
@@ -225,7 +226,13 @@ def convert_model(
         bank = state.cache.register(layer, glu)
         parent, name = _module_at(model, path)
         bank.router = find_router(parent, num_experts)  # for the previous layer's lookahead
-        parent[name] = StreamingSwitchGLU(bank, state.selector)
+        streaming = StreamingSwitchGLU(bank, state.selector)
+        # modules a model hangs on its SwitchGLU besides the projections stay resident and load as
+        # stock (muse_spark keeps its post-expert norm there)
+        for child, module in glu.children().items():
+            if child not in projections_of(glu) and isinstance(module, nn.Module) and module.parameters():
+                setattr(streaming, child, module)
+        parent[name] = streaming
     # raw HF names that sanitize did not consume (strict loading would reject them)
     for name in state.index.expert_names():
         weights.pop(name, None)
