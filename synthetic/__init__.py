@@ -124,6 +124,7 @@ from .configs import (
     _ROUTER_RE,
     ARCHITECTURES,
     EXTRA_VARIANTS,
+    FAMILIES,
     VARIANTS,
     _text,
     make_config,

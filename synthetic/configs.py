@@ -7,6 +7,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .families import family_configs
+
 VARIANTS = ("affine4", "mixed", "affine8", "mxfp4", "nvfp4", "float32_hf")
 # Builds and loads, but gather_qmm with a global scale runs only on the GPU.
 EXTRA_VARIANTS = ("nvfp4_global",)
@@ -256,11 +258,307 @@ ARCHITECTURES: dict[str, dict] = {
     },
 }
 
+
+# Hybrids: recurrent or linear-attention layers (``ArraysCache``) beside attention and MoE layers.
+_QWEN3_NEXT = {
+    **_BASE,
+    "intermediate_size": 128,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 64,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 64,
+    "partial_rotary_factor": 0.25,
+    "norm_topk_prob": True,
+    # layer 1 is full attention (mlx-lm reads the mask from cache entry interval - 1)
+    "full_attention_interval": 2,
+}
+ARCHITECTURES.update(
+    {
+        "qwen3_next": {**_QWEN3_NEXT, "model_type": "qwen3_next"},
+        # the Qwen3.5 / 3.6 MoE wrapper on qwen3_next's sparse block, text_config as HF ships it
+        "qwen3_5_moe": {
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                **_QWEN3_NEXT,
+                "model_type": "qwen3_5_moe_text",
+                "rope_parameters": {
+                    "type": "default",
+                    "mrope_section": [2, 1, 1],
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+        },
+        # the Qwen3.5 text wrapper with routed experts (qwen3_5 builds the sparse block when
+        # num_experts > 0); its sanitize stacks no experts: converted checkpoints only
+        "qwen3_5": {
+            "model_type": "qwen3_5",
+            "text_config": {
+                **_QWEN3_NEXT,
+                "model_type": "qwen3_5_text",
+                "rope_parameters": {
+                    "type": "default",
+                    "mrope_section": [2, 1, 1],
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+        },
+        # SwitchMLP experts (fc1 / fc2, relu^2); Mamba-2, attention and MoE layers by layer_types
+        "nemotron_h": {
+            **_BASE,
+            "model_type": "nemotron_h",
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "moe", "attention", "moe"],
+            "intermediate_size": 128,
+            "attention_bias": False,
+            "head_dim": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 2,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "moe_intermediate_size": 64,
+            "moe_shared_expert_intermediate_size": 64,
+            "n_group": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "topk_group": 1,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+        },
+    }
+)
+
+_BAILING = {
+    **_BASE,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    # layers 1 and 3 are global attention, 0 and 2 linear
+    "layer_group_size": 2,
+    "group_norm_size": 1,
+    "head_dim": 16,
+    "norm_topk_prob": True,
+}
+_MLA_SMALL = {
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+ARCHITECTURES.update(
+    {
+        # Mamba layers 0 and 2, attention 1 and 3, experts in every layer
+        "jamba": {
+            **_BASE,
+            "model_type": "jamba",
+            "num_hidden_layers": 4,
+            "intermediate_size": 64,
+            "attn_layer_offset": 1,
+            "attn_layer_period": 2,
+            "expert_layer_offset": 0,
+            "expert_layer_period": 1,
+            "mamba_d_conv": 4,
+            "mamba_d_state": 16,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        # short convolutions and attention; layer 0 dense
+        "lfm2_moe": {
+            **_BASE,
+            "model_type": "lfm2_moe",
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "use_expert_bias": True,
+            "num_dense_layers": 1,
+            "norm_eps": 1e-5,
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "layer_types": ["conv", "full_attention"],
+        },
+        # Mamba-2 and attention layers, every one MoE (HF fuses the experts: input_linear)
+        "granitemoehybrid": {
+            **_BASE,
+            "model_type": "granitemoehybrid",
+            "intermediate_size": 64,
+            "attention_bias": False,
+            "embedding_multiplier": 4.0,
+            "attention_multiplier": 0.0625,
+            "logits_scaling": 2.0,
+            "residual_multiplier": 0.5,
+            "layer_types": ["mamba", "attention"],
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_proj_bias": False,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_conv_bias": True,
+            "tie_word_embeddings": True,
+        },
+        # gated linear attention and softmax attention
+        "bailing_moe_linear": {
+            **_BAILING,
+            "model_type": "bailing_moe_linear",
+            "score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+        },
+        # gated linear attention and MLA
+        "bailing_hybrid": {
+            **_BAILING,
+            **_MLA_SMALL,
+            "model_type": "bailing_hybrid",
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+        },
+        # mlx-lm maps bailing_hybrid with this architecture to bailing_moe_v3 (KDA and MLA)
+        "bailing_moe_v3": {
+            **_BAILING,
+            **_MLA_SMALL,
+            "model_type": "bailing_hybrid",
+            "architectures": ["BailingMoeV3ForCausalLM"],
+            "q_lora_rank": 32,
+            "short_conv_kernel_size": 4,
+        },
+        # Kimi delta attention in layers 0 and 2 (kda_layers count from 1), MLA in 1 and 3
+        "kimi_linear": {
+            **_BASE,
+            **_MLA_SMALL,
+            "model_type": "kimi_linear",
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,
+            "intermediate_size": 128,
+            "head_dim": 16,
+            "linear_attn_config": {
+                "kda_layers": [1, 3],
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+            "model_max_length": 4096,
+            "num_experts": 8,
+            "moe_intermediate_size": 64,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "first_k_dense_replace": 1,
+        },
+    }
+)
+
+# Kimi K3: text_config; delta attention in layers 0 and 2, MLA in 1 and 3; layer 0 dense
+ARCHITECTURES["kimi_k3"] = {
+    "model_type": "kimi_k3",
+    "text_config": {
+        **_BASE,
+        **_MLA_SMALL,
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "linear_attn_config": {
+            "kda_layers": [1, 3],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+        "num_experts": 8,
+        "moe_intermediate_size": 64,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    },
+}
+
+# phixtral (SwitchMLP experts with biases; its own config names: model_dim, num_layers, num_vocab;
+# hidden_size, vocab_size and num_hidden_layers are for the builder, which reads those)
+ARCHITECTURES["phixtral"] = {
+    "model_type": "phixtral",
+    "num_vocab": 512,
+    "model_dim": 64,
+    "num_heads": 4,
+    "num_layers": 2,
+    "rotary_dim": 8,
+    "num_experts_per_tok": 2,
+    "num_local_experts": 8,
+    "hidden_size": 64,
+    "vocab_size": 512,
+    "num_hidden_layers": 2,
+}
+
 # llama4 reads the cache of layer 3, its first global-attention layer.
 _MIN_LAYERS = {"llama4": 4}
+_MIN_LAYERS.update(
+    {
+        "nemotron_h": 4,
+        "jamba": 4,
+        "lfm2_moe": 4,
+        "bailing_moe_linear": 4,
+        "bailing_hybrid": 4,
+        "bailing_moe_v3": 4,
+        "kimi_linear": 4,
+        "kimi_k3": 4,
+    }
+)
 
 # Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
 _NO_HF_LAYOUT = ("granitemoe", "gpt_oss", "llama4")
+# hybrids whose HF checkpoints fuse their experts (experts.gate_up_proj)
+_NO_HF_LAYOUT += ("qwen3_5", "qwen3_5_moe", "granitemoehybrid")
+
+# the families of issue 38 (synthetic/families.py)
+FAMILIES = tuple(family_configs(_BASE, _DEEPSEEK_MLA, ARCHITECTURES["qwen3_moe"]))
+ARCHITECTURES.update(family_configs(_BASE, _DEEPSEEK_MLA, ARCHITECTURES["qwen3_moe"]))
+
+# families whose first layer is dense: a third layer keeps two MoE layers
+_MIN_LAYERS.update(
+    dict.fromkeys(
+        ("afmoe", "exaone_moe", "laguna", "mimo_v2_flash", "minimax_m3_vl", "gemma4_text",
+         "gemma4"),
+        3,
+    )
+)
+
+# Archs whose HF checkpoints keep fused expert tensors (no per-expert names).
+_NO_HF_LAYOUT += (
+    # issue 38: fused gate_up (gemma4, qwen3_vl_moe) or stacked under other names (step3p5)
+    "gemma4_text",
+    "gemma4",
+    "qwen3_vl_moe",
+    "step3p5",
+    "kimi_vl",
+)
 
 _ALIASES = {
     "hidden": ("hidden_size",),
@@ -271,7 +569,7 @@ _ALIASES = {
         "n_routed_experts",
         "moe_num_experts",
     ),
-    "top_k": ("num_experts_per_tok", "moe_k"),
+    "top_k": ("num_experts_per_tok", "moe_k", "num_experts_per_token"),
     "heads": ("num_attention_heads",),
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),
@@ -309,15 +607,30 @@ def _resolve_key(config: dict, key: str) -> str:
     return key
 
 
+# per-layer lists, repeated to the layer count
+PER_LAYER_LISTS = (
+    "layer_types",
+    "compress_ratios",
+    "is_moe_layer",
+    "moe_layer_freq",
+    "hybrid_layer_pattern",
+    "mlp_layer_types",
+    "layer_rope_theta",
+)
+
+
 def _fit_layers(config: dict, num_layers: int) -> None:
     """Set the layer count and stretch the per-layer fields to it."""
     text = _text(config)
-    base = text["num_hidden_layers"]
-    text["num_hidden_layers"] = num_layers
+    count = "num_layers" if "num_layers" in text else "num_hidden_layers"  # longcat_flash
+    base = text[count]
+    text[count] = num_layers
     if "first_k_dense_replace" in text:
         text["first_k_dense_replace"] = min(text["first_k_dense_replace"], max(0, num_layers - 2))
-    for key in ("layer_types", "compress_ratios"):
-        if text.get(key):
+    if "moe_layers_enum" in text:  # step3p5
+        text["moe_layers_enum"] = ",".join(str(i) for i in range(num_layers))
+    for key in PER_LAYER_LISTS:
+        if isinstance(text.get(key), list) and text[key]:
             pattern = text[key]
             text[key] = [pattern[i % len(pattern)] for i in range(num_layers)]
     for key in ("kv_source_layer_ids", "index_source_layer_ids"):

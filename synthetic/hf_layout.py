@@ -25,7 +25,61 @@ _HF_EXPERTS = {
     "mixtral": _BSM,
     "phimoe": _BSM,
     "minimax": _BSM,
+    # issue 38's families (synthetic/families.py)
+    **dict.fromkeys(
+        (
+            "bailing_moe",
+            "deepseek",
+            "deepseek_v32",
+            "exaone_moe",
+            "glm4_moe_lite",
+            "hunyuan",
+            "laguna",
+            "longcat_flash",
+            "mellum",
+            "mimo_v2_flash",
+            "mistral4",
+            "mistral3",
+            "kimi_k25",
+        ),
+        _MLP,
+    ),
+    # the SwitchGLU itself sits under ``experts``
+    **dict.fromkeys(("Klear", "afmoe", "dots1"), (".mlp.experts.", ".mlp.experts.", _GLU)),
+    "minimax_m3_vl": _BSM,
 }
+# hybrids (SwitchMLP: nemotron_h's sanitize stacks experts.{e}.up_proj / down_proj into fc1 / fc2)
+_HF_EXPERTS.update(
+    {
+        "qwen3_next": _MLP,
+        "jamba": (".feed_forward.switch_mlp.", ".feed_forward.experts.", _GLU),
+        "lfm2_moe": (".feed_forward.switch_mlp.", ".feed_forward.experts.", _W123),
+        "bailing_moe_linear": _MLP,
+        "bailing_hybrid": _MLP,
+        "bailing_moe_v3": _MLP,
+        # the rest of the layer keeps mlx-lm's names, which sanitize leaves as they are
+        "kimi_linear": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
+        "kimi_k3": (".mlp.switch_mlp.", ".block_sparse_moe.experts.", _W123),
+        "phixtral": (".moe.switch_mlp.", ".moe.mlp.", {"fc1": "fc1", "fc2": "fc2"}),
+        "nemotron_h": (
+            ".mixer.switch_mlp.",
+            ".mixer.experts.",
+            {"fc1": "up_proj", "fc2": "down_proj"},
+        ),
+    }
+)
+# the expert tensors a family's sanitize stacks besides ``weight``
+_HF_PARTS = {"phixtral": ("weight", "bias")}
+# qwen3_next's sanitize adds 1 to these norms of a raw checkpoint (HF stores them zero-centred)
+_PLUS_ONE_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+# families whose sanitize absorbs kv_b_proj into embed_q / unembed_out (MLA), as deepseek_v3's
+_KV_B = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3", "kimi_k25")
 
 # deepseek_v41: MLX name pieces back to DeepSeek's, applied in this order.
 _V41_INVERSE = (
@@ -75,12 +129,15 @@ def _hf_layout(weights: dict, config: dict) -> dict:
             continue
         prefix, rest = key.split(mlx_infix)
         proj, kind = rest.split(".")
-        if kind != "weight":
+        if kind not in _HF_PARTS.get(family, ("weight",)):
             raise ValueError(f"{family} sanitize cannot re-stack {key}")
         for e in range(value.shape[0]):
-            out[f"{prefix}{hf_infix}{e}.{projs[proj]}.weight"] = value[e]
-    if family == "deepseek_v3":
-        _fuse_kv_b(out, config)
+            out[f"{prefix}{hf_infix}{e}.{projs[proj]}.{kind}"] = value[e]
+    if family in _KV_B:
+        _fuse_kv_b(out, config.get("text_config", config))
+    if family == "qwen3_next":
+        for key in [k for k in out if k.endswith(_PLUS_ONE_NORMS) and out[k].ndim == 1]:
+            out[key] = out[key] - 1.0
     return out
 
 

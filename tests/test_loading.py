@@ -223,3 +223,43 @@ def test_no_cuda_memory_off_cuda():
     from mlx_lm_streaming.runtime import memory
 
     assert memory.cuda_memory_bytes() is None  # this CPU box: the machine's RAM
+
+
+def _write_safetensors(path, arrays, dtypes):
+    """``arrays`` (name -> numpy array) as a safetensors file, with ``dtypes[name]`` written in the
+    header where given (an fp8 dtype mlx cannot save)."""
+    import struct
+
+    header, offset = {}, 0
+    for name, a in arrays.items():
+        kind = {"float32": "F32", "uint8": "U8"}[str(a.dtype)]
+        header[name] = {
+            "dtype": dtypes.get(name, kind),
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
+        offset += a.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for a in arrays.values():
+            f.write(a.tobytes())
+
+
+def test_raw_fp8_experts_are_refused_by_name(tmp_path):
+    # DeepSeek V3.2's published experts are fp8 that mlx-lm's sanitize dequantizes: streaming their
+    # bytes as they are on disk would not be stock's computation. The header names the tensor and
+    # its dtype before anything is read (convert with mlx_lm.convert first)
+    import numpy as np
+
+    path = _fresh(tmp_path, "deepseek_v32", "float32_hf")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shard = path / index["weight_map"][name]
+    arrays = {k: np.array(v) for k, v in mx.load(str(shard)).items()}
+    arrays[name] = np.zeros(arrays[name].shape, dtype=np.uint8)
+    _write_safetensors(shard, arrays, {name: "F8_E4M3"})
+    culprit = rf"{name.replace('.', '[.]')}.*unsupported dtype 'F8_E4M3'"
+    with pytest.raises(CheckpointError, match=culprit):
+        load_streaming(path)

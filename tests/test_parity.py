@@ -18,6 +18,7 @@ from mlx_lm_streaming.runtime import schedules
 from mlx_lm_streaming.runtime.expert_cache import PHASE_MIN_BYTES
 from mlx_lm_streaming.tools.parity import GB, budget_of_slots, compare, difference
 from synthetic import build_checkpoint
+from synthetic import configs as synthetic_configs
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2"]
 VARIANTS = ["affine4", "mixed", "affine8", "mxfp4", "float32_hf"]
@@ -33,6 +34,19 @@ TABLE = [(a, v) for a in ARCHS for v in VARIANTS] + [
 GENERIC = ["olmoe", "glm4_moe", "ernie4_5_moe", "phimoe", "minimax", "granitemoe", "gpt_oss", "llama4"]
 RAW_HF = ["olmoe", "glm4_moe", "ernie4_5_moe", "phimoe", "minimax"]
 TABLE += [(a, "affine4") for a in GENERIC] + [(a, "float32_hf") for a in RAW_HF]
+# issue 38's families (synthetic/families.py), wrappers included; the raw Hugging Face layout
+# where Hugging Face stores experts one by one
+FAMILIES = [
+    "gemma4_text", "gemma4", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3",
+    "minimax_m3_vl", "Klear", "afmoe", "bailing_moe", "deepseek", "dots1", "exaone_moe",
+    "hunyuan", "laguna", "longcat_flash", "mellum", "mimo_v2_flash", "step3p5",
+    "qwen3_vl_moe", "kimi_k25", "kimi_vl",
+]  # fmt: skip
+FAMILIES_RAW_HF = [a for a in FAMILIES if a not in synthetic_configs._NO_HF_LAYOUT]
+TABLE += [(a, "affine4") for a in FAMILIES] + [(a, "float32_hf") for a in FAMILIES_RAW_HF]
+# other variants of the families users run most, with -m slow
+SLOW = [(a, v) for a in ("gemma4", "deepseek_v32", "glm4_moe_lite", "mistral4", "minimax_m3_vl")
+        for v in ("mixed", "mxfp4")]  # fmt: skip
 
 
 def check_parity(path, **options):
@@ -77,7 +91,11 @@ def _param(arch, variant):
     return pytest.param(arch, variant, marks=marks, id=f"{arch}-{variant}")
 
 
-@pytest.mark.parametrize("arch,variant", [_param(a, v) for a, v in TABLE])
+@pytest.mark.parametrize(
+    "arch,variant",
+    [_param(a, v) for a, v in TABLE]
+    + [pytest.param(a, v, marks=pytest.mark.slow, id=f"{a}-{v}") for a, v in SLOW],
+)
 def test_parity(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 

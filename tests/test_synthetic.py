@@ -18,6 +18,7 @@ import synthetic
 from synthetic import (
     ARCHITECTURES,
     EXTRA_VARIANTS,
+    FAMILIES,
     VARIANTS,
     build_checkpoint,
     build_model,
@@ -31,6 +32,12 @@ TABLE = [
     for a in ARCHITECTURES
     for v in VARIANTS
     if v != "float32_hf" or a in HF_ARCHS
+]
+# issue 38's families: affine4 and the raw layout by default, the other variants with -m slow
+FAST = ("affine4", "float32_hf")
+TABLE = [
+    pytest.param(a, v, marks=[pytest.mark.slow] if a in FAMILIES and v not in FAST else [])
+    for a, v in TABLE
 ]
 PROMPT = "hello world, the quick brown fox"
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +80,8 @@ def test_build_load_generate(tmp_path, arch, variant):
     names = list(stored)
     if variant == "float32_hf":
         assert not [k for k in names if "switch_mlp" in k]
-        assert [k for k in names if re.search(r"experts\.\d+\.", k)]
+        # (phixtral's HF names: moe.mlp.{e})
+        assert [k for k in names if re.search(r"(experts|moe\.mlp)\.\d+\.", k)]
         assert "quantization" not in _config(path)
     else:
         assert (
@@ -106,13 +114,13 @@ def test_float32_hf_loads_back_the_reference_weights(tmp_path, arch):
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_routing_varies_across_tokens(tmp_path, monkeypatch, arch):
     picks = []
-    call = switch_layers.SwitchGLU.__call__
+    for cls in (switch_layers.SwitchGLU, switch_layers.SwitchMLP):
 
-    def record(self, x, indices):
-        picks.append(indices)
-        return call(self, x, indices)
+        def record(self, x, indices, call=cls.__call__):
+            picks.append(indices)
+            return call(self, x, indices)
 
-    monkeypatch.setattr(switch_layers.SwitchGLU, "__call__", record)
+        monkeypatch.setattr(cls, "__call__", record)
     model, tokenizer = mlx_lm.load(str(build_checkpoint(tmp_path / "c", arch)))
     text = "The quick brown fox jumps over the lazy dog. Experts route tokens."
     mx.eval(model(mx.array([tokenizer.encode(text)])))

@@ -4,14 +4,15 @@ mlx-lm builds, sanitizes and quantizes the model; an adapter only says how a raw
 checkpoint names one expert's tensor (by default ``{parent}.experts.{expert}.{proj}.{part}``, ``parent``
 being the module that holds the ``switch_mlp``). Converted (stacked) checkpoints need no naming at all.
 The routed experts are always mlx-lm's ``SwitchGLU`` modules (subclasses included): loading streams
-their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``.
+their three projections, ``gate_proj``, ``up_proj`` and ``down_proj``; or its ``SwitchMLP``
+(nemotron_h, phixtral): ``fc1`` and ``fc2``, the module's own activation between them.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Tuple, Union
 
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..errors import CheckpointError
 
@@ -55,7 +56,9 @@ class ArchitectureAdapter:
         counts = {}
         for key in COUNT_KEYS + (self.num_experts_key, self.top_k_key):
             if self.config_section is not None:
-                default = _REQUIRED
+                # a wrapper's text model has its own defaults (and may be dense): a missing key
+                # is that model's to judge
+                default = None
             elif defaults is None:
                 default = None  # not a dataclass: a missing key is the model's to judge
             elif key in defaults:
@@ -71,11 +74,16 @@ class ArchitectureAdapter:
             if value is None and default is None:
                 counts[key] = None  # optional, e.g. no routed experts: a dense model
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CheckpointError(
-                    f"{path}: {prefix}{key} is {value!r}; it must be a whole number, 1 or more"
-                )
-            counts[key] = value
+            # a list: one count per layer (hunyuan's moe_topk)
+            per_layer = value if isinstance(value, list) and value else [value]
+            for v in per_layer:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    lists = " (or a list of them, one per layer)" if per_layer is value else ""
+                    raise CheckpointError(
+                        f"{path}: {prefix}{key} is {value!r}; it must be a whole number, 1 or "
+                        f"more{lists}"
+                    )
+            counts[key] = max(per_layer)
         experts, top_k = counts.get(self.num_experts_key), counts.get(self.top_k_key)
         if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
             raise CheckpointError(
@@ -85,8 +93,9 @@ class ArchitectureAdapter:
             )
 
     def is_routed_experts(self, path: str, module) -> bool:
-        """Every ``SwitchGLU`` by default; a subclass may leave some out (by path)."""
-        return isinstance(module, SwitchGLU)
+        """Every ``SwitchGLU`` and ``SwitchMLP`` by default; a subclass may leave some out (by
+        path)."""
+        return isinstance(module, (SwitchGLU, SwitchMLP))
 
     def raw_name(self, path: str, expert: int, proj: str, part: str) -> Optional[str]:
         if self.raw_key is None:

@@ -4,6 +4,7 @@ import re
 
 from ..hookspecs import hookimpl
 from .adapter import ArchitectureAdapter
+from .hybrids import HYBRIDS, SWITCH_MLP
 
 V41_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
@@ -51,8 +52,41 @@ GENERIC = [
     ArchitectureAdapter(("llama4",), raw_key=None, config_section="text_config", **LOCAL),
 ]
 
+# issue 38: the other SwitchGLU families of mlx-lm 0.32 (hybrids with recurrent state aside). The
+# raw layout is the default ``{parent}.experts.{e}.{proj}`` where HF stores experts one by one (Klear,
+# afmoe and dots1 keep the SwitchGLU itself under ``experts``: the same names); raw fp8 experts that
+# sanitize dequantizes are refused by the index (convert them first).
+TEXT = {"config_section": "text_config"}
+FAMILIES = [
+    ArchitectureAdapter(
+        ("Klear", "afmoe", "bailing_moe", "exaone_moe", "laguna", "mellum")
+    ),
+    ArchitectureAdapter(
+        ("deepseek", "deepseek_v32", "dots1", "glm4_moe_lite", "mimo_v2_flash", "mistral4"),
+        **ROUTED,
+    ),
+    # per-layer top-k lists (moe_topk)
+    ArchitectureAdapter(("hunyuan",), top_k_key="moe_topk"),
+    # zero (identity) experts beside the routed ones: the router's ids past n_routed_experts
+    # never reach the SwitchGLU
+    ArchitectureAdapter(("longcat_flash",), top_k_key="moe_topk", **ROUTED),
+    # mistral3 wraps mistral4 (or a dense llama / ministral3)
+    ArchitectureAdapter(("mistral3",), **ROUTED, **TEXT),
+    # kimi_k25 and kimi_vl wrap deepseek_v3's layers under language_model
+    ArchitectureAdapter(("kimi_k25", "kimi_vl"), **ROUTED, **TEXT),
+    ArchitectureAdapter(("minimax_m3_vl",), raw_projections=MIXTRAL_NAMES, **LOCAL, **TEXT),
+    # Hugging Face ships these with fused (gate_up) or differently named stacked expert tensors:
+    # only converted checkpoints stream
+    ArchitectureAdapter(
+        ("step3p5",), raw_key=None, num_experts_key="moe_num_experts", top_k_key="moe_top_k"
+    ),
+    ArchitectureAdapter(("gemma4_text",), raw_key=None, top_k_key="top_k_experts"),
+    ArchitectureAdapter(("gemma4",), raw_key=None, top_k_key="top_k_experts", **TEXT),
+    ArchitectureAdapter(("qwen3_vl_moe",), raw_key=None, **TEXT),
+]
+
 
 @hookimpl(tryfirst=True)
 def register_architectures(register):
-    for adapter in ADAPTERS + GENERIC:
+    for adapter in ADAPTERS + GENERIC + FAMILIES + HYBRIDS + SWITCH_MLP:
         register(adapter)

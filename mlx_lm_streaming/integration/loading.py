@@ -2,9 +2,10 @@
 
 mlx-lm builds the model from config, sanitizes the checkpoint's (lazy) tensors and quantizes the modules
 as usual. Just before the weights are put into the model, ``load_weights`` is intercepted: every routed
-``SwitchGLU`` is swapped for a ``StreamingSwitchGLU`` over a slot bank, its tensors are dropped from the
-weight list (they were never read: ``mx.load`` is lazy), and the rest loads through mlx-lm unchanged. The
-shapes the index checks the checkpoint against are those of the quantized stock modules, i.e. the config's.
+``SwitchGLU`` (or ``SwitchMLP``) is swapped for a ``StreamingSwitchGLU`` over a slot bank, its tensors
+are dropped from the weight list (they were never read: ``mx.load`` is lazy), and the rest loads
+through mlx-lm unchanged. The shapes the index checks the checkpoint against are those of the
+quantized stock modules, i.e. the config's.
 """
 
 import atexit
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import plugins
@@ -24,7 +26,7 @@ from ..files.timeline import Timeline, open_timeline
 from ..kernels.selector import KernelSelector
 from ..runtime import memory, mlx_compat, mlx_shims, report, tiers
 from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
-from ..runtime.index import PROJECTIONS, CheckpointFiles, ExpertIndex, checkpoint_layer
+from ..runtime.index import CheckpointFiles, ExpertIndex, checkpoint_layer, projections_of
 from ..runtime.layer_major import PrefillStats
 from ..runtime.lookahead import find_router
 from ..runtime.options import (
@@ -207,23 +209,30 @@ def convert_model(
     if not routed:
         raise UnsupportedModelError(
             f"model_type {config.get('model_type')!r}: no routed-expert modules "
-            "(SwitchGLU) found to stream"
+            "(SwitchGLU, SwitchMLP) found to stream"
         )
     # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
     # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)
     routed = [(p, m) for p, m in routed if not state.files.layer_missing(checkpoint_layer(p))]
     for path, glu in routed:
         expected = {}
-        for proj in PROJECTIONS:
+        projections = projections_of(glu)
+        for proj in projections:
             for part, arr in tree_flatten(glu[proj].parameters()):
                 expected[(proj, part)] = tuple(arr.shape)
                 weights.pop(f"{path}.{proj}.{part}", None)
-        num_experts = expected[("gate_proj", "weight")][0]
+        num_experts = expected[(projections[0], "weight")][0]
         layer = state.index.add_layer(path, num_experts, expected, adapter.raw_name)
         bank = state.cache.register(layer, glu)
         parent, name = _module_at(model, path)
         bank.router = find_router(parent, num_experts)  # for the previous layer's lookahead
-        parent[name] = StreamingSwitchGLU(bank, state.selector)
+        streaming = StreamingSwitchGLU(bank, state.selector)
+        # modules a model hangs on its SwitchGLU besides the projections stay resident and load as
+        # stock (muse_spark keeps its post-expert norm there)
+        for child, module in glu.children().items():
+            if child not in projections_of(glu) and isinstance(module, nn.Module) and module.parameters():
+                setattr(streaming, child, module)
+        parent[name] = streaming
     # raw HF names that sanitize did not consume (strict loading would reject them)
     for name in state.index.expert_names():
         weights.pop(name, None)

@@ -3,13 +3,15 @@
 Rows are grouped by slot on the host (the slot ids are already there), each group is multiplied by its
 expert's own slice of the bank, and the rows are put back in order. Bit-identical to stock on CPU
 (measured); on CUDA it is not (docs/design.md, "Kernels and the selector"), so it is marked inexact
-there and is only used when asked for by name. Global-scale (nvfp4) banks are not supported: ``quantized_matmul`` takes no
-global scale.
+there and is only used when asked for by name. Global-scale (nvfp4) banks are not supported:
+``quantized_matmul`` takes no global scale; nor are ``SwitchMLP`` banks (``fc1`` / ``fc2``):
+``gather`` computes those.
 """
 
 import mlx.core as mx
 import numpy as np
 
+from ..runtime.index import PROJECTIONS
 from .base import ExpertKernel
 
 
@@ -19,7 +21,11 @@ class PerExpertKernel(ExpertKernel):
     subset_exact_on = ("cpu",)
 
     def supports(self, bank):
-        return all(spec.part != "global_scale" for spec in bank.layer.parts)
+        # a SwitchGLU's three projections (a SwitchMLP's fc1 / fc2 take the gather kernel)
+        projections = {spec.proj for spec in bank.layer.parts}
+        return projections == set(PROJECTIONS) and all(
+            spec.part != "global_scale" for spec in bank.layer.parts
+        )
 
     def priority(self, backend, bank, rows):
         # gather_qmm batches all experts in one call; this only wins when asked for

@@ -6,8 +6,9 @@ layer call that computes with them.
 - the cache: ``policy`` (slot tables, eviction), ``bank`` (a layer's slot bank and its writes),
   ``expert_cache`` (the byte budget over all banks), ``prefetch`` and ``lookahead`` (reads ahead),
   ``host_views`` and ``cuda_copy`` (the ways into slot memory), ``counters``;
-- the layer call: ``switch`` (the drop-in ``SwitchGLU``), ``schedules``, ``verified_step``,
-  ``layer_major`` (the prefill);
+- the layer call: ``switch`` (the drop-in ``SwitchGLU`` / ``SwitchMLP``), ``schedules``,
+  ``verified_step`` (and ``step_caches``, the cache entries it puts back), ``layer_major`` (the
+  prefill);
 - what that path itself reads, so it sits here and not above: ``options`` (what was asked;
   ``expert_cache`` reads its sizes, and it names ``policy``'s policies), ``mlx_compat`` (mlx-lm's
   internals behind the version guard; the schedules and the verified step call its shims),

@@ -5,8 +5,9 @@ Only safetensors headers are read, never tensor data. ``CheckpointFiles`` parses
 byte offset, length, dtype and shape, each validated against the file size. ``ExpertIndex`` then maps
 (layer, expert, projection, part) to the byte range of that one expert, for both layouts:
 
-- stacked ``...switch_mlp.{gate,up,down}_proj.{weight,scales,...}`` of shape ``(num_experts, ...)``
-  (converted checkpoints): expert ``e`` is the contiguous range ``offset + e * stride``;
+- stacked ``...switch_mlp.{gate,up,down}_proj.{weight,scales,...}`` (``fc1``, ``fc2`` for a
+  ``SwitchMLP``) of shape ``(num_experts, ...)`` (converted checkpoints): expert ``e`` is the
+  contiguous range ``offset + e * stride``;
 - one tensor per expert, as Hugging Face ships them (named by the architecture adapter).
 """
 
@@ -37,6 +38,16 @@ def natural_key(name: str):
 MAX_INDEX_BYTES = 100_000_000
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# the projections of mlx-lm's ``SwitchMLP`` (nemotron_h, phixtral): ``fc2(activation(fc1(x)))``
+MLP_PROJECTIONS = ("fc1", "fc2")
+
+
+def projections_of(module) -> Tuple[str, ...]:
+    """The projections of a routed-experts module: ``MLP_PROJECTIONS`` for a ``SwitchMLP`` (or a
+    subclass), else ``PROJECTIONS`` (a ``SwitchGLU``)."""
+    from mlx_lm.models.switch_layers import SwitchMLP
+
+    return MLP_PROJECTIONS if isinstance(module, SwitchMLP) else PROJECTIONS
 
 
 class CheckpointFiles:

@@ -88,20 +88,43 @@ class Recorder:
         those layer 0 got; else what differs."""
         if [c[0] for c in self.calls] != list(range(layers)):
             return "the model's forward does not call each decoder layer once, in order"
-        if len(kv) != layers:
-            return f"{len(kv)} cache entries for {layers} decoder layers"
         first = self.calls[0][2][0] if self.calls[0][2] else None
         if not isinstance(first, mx.array):
             return "decoder layers take no hidden states as their first argument"
+        entries = [mlx_shims.layer_cache(args, kwargs) for _, _, args, kwargs in self.calls]
+        hybrid = any(mlx_shims.recurrent_state(c) for c in kv)
+        if not hybrid and len(kv) != layers:
+            return f"{len(kv)} cache entries for {layers} decoder layers"
+        given = [id(c) for c in entries if c is not None]
+        if sorted(given) != sorted(id(c) for c in kv):
+            return "the decoder layers are not given one cache entry each, every entry once"
         shared = {id(a) for a in _arrays(self.calls[0])}
-        for i, _, args, kwargs in self.calls:
+        for (i, _, args, kwargs), entry in zip(self.calls, entries):
             if not args or args[0] is not first:
                 return "the model's forward changes the hidden states between decoder layers"
-            if mlx_shims.layer_cache(args, kwargs) is not kv[i]:
+            if not hybrid and entry is not kv[i]:
                 return f"decoder layer {i} is not given cache entry {i}"
+            if hybrid and _made_from_caches((i, None, args, kwargs), entry):
+                # made before layer 0 from entries that hold only the groups before: in stock
+                # order they would hold this group's chunks before this one too
+                return (
+                    f"decoder layer {i} of a hybrid gets an array mask or an offset that the "
+                    "model makes from the caches before layer 0, too early in layer-major order"
+                )
             if any(id(a) not in shared for a in _arrays((i, None, args, kwargs))):
                 return f"decoder layer {i} gets an array argument that layer 0 does not"
         return None
+
+
+def _made_from_caches(call, entry) -> bool:
+    """Whether a recorded layer call gets, besides its hidden states and its cache entry, anything
+    but None and strings ("causal"): an array mask or a number the model may have made from an
+    entry's offset."""
+    _, _, args, kwargs = call
+    return any(
+        a is not None and a is not entry and not isinstance(a, str)
+        for a in (*args[1:], *kwargs.values())
+    )
 
 
 def _arrays(call):
@@ -123,8 +146,8 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     total = prompt.shape[0]
     starts = list(range(0, total, step))
     group: List[Chunk] = []
-    decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``: one per cache entry)
-    first = LayerPass(kv[0], decoder[0])  # layer 0 of the group being recorded
+    decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``)
+    first = LayerPass(None, decoder[0])  # layer 0 of the group being recorded (its entry: route)
     done = 0  # tokens of the groups finished
     for c, start in enumerate(starts):
         tokens = prompt[start : start + step]
@@ -155,7 +178,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
         held = sum(ch.h.nbytes for ch in group) * (5 + first.top_k)
         if c == len(starts) - 1 or (limit is not None and held >= limit):
             done = _finish(group, first, kv, decoder, stats, progress, done)
-            group, first = [], LayerPass(kv[0], decoder[0])
+            group, first = [], LayerPass(None, decoder[0])
             mx.clear_cache()
     stats.prompts += 1
 
@@ -184,7 +207,7 @@ def _finish(group, first, kv, decoder, stats, progress, done) -> int:
     if progress is not None:
         progress(done + tokens // layers)
     for i in range(1, layers):
-        layer = LayerPass(kv[i], decoder[i])
+        layer = LayerPass(None, decoder[i])
         for chunk in group:
             layer.route(chunk, i)
         _count(stats, layer, layer.finish(i))

@@ -41,20 +41,25 @@ class LayerPass:
     of an expert by the same kernel over the same bank as a per-layer schedule
     (``schedules.kernel_rows``: a partial call, padded to the chunk's rows where the backend needs
     it), waves of half the slots read while the wave before computes. ``give``: each chunk
-    through the layer again, its KV entry put back at the chunk's first token, every recorded
+    through the layer again, its cache entry put back as it was before the chunk (a KV entry at
+    the chunk's first token, a hybrid's recurrent state given its arrays of then), every recorded
     call given with the very same arguments answered with its recorded output (attention does
     not run twice: its KV entries are already written, and its reads see the chunks before this
     one), the MoE calls answered with the rows computed where the call's input and ids are those
     routed; a call whose arguments differ runs as usual (an attention writes the same entries
-    again, at the same place)."""
+    again, at the same place); after it, the entry is put where routing left it (a recurrent
+    mixer given back its output did not advance its state again)."""
 
     def __init__(self, entry, layer=None):
-        self.entry = entry  # the layer's KV cache entry
+        # the layer's cache entry: a KVCache, a recurrent state (ArraysCache) or None (none)
+        self.entry = entry
         self.routing = True
         self.chunks: List[Chunk] = []
         self.moe: List[list] = []  # per chunk: [module, x, indices, y] per MoE call
         self.parts: List[list] = []  # per chunk: (module, args, kwargs, output) per part call
-        self.starts: List[int] = []  # per chunk: the KV entry's offset before it
+        # per chunk: the entry before it and after its routing (``mlx_shims.mark``)
+        self.starts: List[object] = []
+        self.ends: List[object] = []
         self.at = 0
         self.given = 0  # the part calls given back so far in this chunk
         self.top_k = 8  # until a call says
@@ -108,22 +113,25 @@ class LayerPass:
                 self.replayed += 1
                 return out
             self.given = len(calls)  # not the routed sequence: nothing more is given back
-        if any(a is self.entry for a in (*args, *kwargs.values())):
+        if self.entry is not None and any(a is self.entry for a in (*args, *kwargs.values())):
             self.rerun += 1  # an attention, run again
         return call(*args, **kwargs)
 
     def route(self, chunk: Chunk, i: int) -> None:
         _, call, args, kwargs = chunk.calls[i]
+        if not self.chunks:  # the layer's entry, as the model gives it (``Recorder.problem``)
+            self.entry = mlx_shims.layer_cache(args, kwargs)
         self.chunks.append(chunk)
         self.moe.append([])
         self.parts.append([])
-        self.starts.append(self.entry.offset)
+        self.starts.append(mlx_shims.mark(self.entry))
         _local.layer = self
         try:
             with mlx_shims.calls_through(self.own, self.part_call):
                 h = call(chunk.h, *args[1:], **kwargs)
         finally:
             _local.layer = None
+        self.ends.append(mlx_shims.mark(self.entry))
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
         if self.moe[-1]:
@@ -149,25 +157,27 @@ class LayerPass:
             + sum(x.nbytes + y.nbytes for calls in self.moe for _, x, _, y in calls)
             + sum(_nbytes(out) for calls in self.parts for *_, out in calls)
         )
-        end = self.entry.offset
+        end = mlx_shims.mark(self.entry)
         self.routing = False
         _local.layer = self
         try:
             with mlx_shims.calls_through(self.own, self.part_call):
                 for at, chunk in enumerate(self.chunks):
                     self.at, self.given = at, 0
-                    mlx_shims.kv_seek(self.entry, self.starts[at])
+                    mlx_shims.seek(self.entry, self.starts[at])
                     _, call, args, kwargs = chunk.calls[i]
                     h = call(chunk.h, *args[1:], **kwargs)
-                    mlx_shims.kv_seek(self.entry, self.starts[at] + chunk.tokens)
+                    mlx_shims.seek(self.entry, self.ends[at])
                     mx.eval(h, mlx_shims.kv_state(self.entry))
                     chunk.h = h
                     self.moe[at] = []
                     self.parts[at] = []
         finally:
             _local.layer = None
-        if self.entry.offset != end:
-            raise RuntimeError(f"decoder layer {i}'s KV cache ends at {self.entry.offset}, not {end}")
+        if self.entry is not None and mlx_shims.changed(self.entry, end):
+            raise RuntimeError(
+                f"decoder layer {i}'s cache entry does not end where routing left it"
+            )
         return held
 
     def compute(self) -> None:

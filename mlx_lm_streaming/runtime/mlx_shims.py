@@ -1,11 +1,12 @@
 """The runtime's shims over mlx-lm internals: the few places where the hot path repeats or reaches
 into mlx-lm's own code (``SwitchGLU.__call__`` a step at a time, a decoder layer's call wrapped, a
-KV cache entry taken back or put at an offset).
+KV cache entry taken back or put at an offset, a hybrid's recurrent state, ``ArraysCache``, given
+back its arrays).
 
 Each is used only where ``mlx_compat`` (the gate) found mlx-lm as expected at patch time: the
 version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``generate_step``'s
-(``generate_step_problem``); the KV-cache reach-ins check the entry they touch
-(``rewindable``, ``plain_kv_cache_problem``) and decline where it differs.
+(``generate_step_problem``); the cache reach-ins check the entry they touch
+(``rewindable``, ``recurrent_state``, ``plain_kv_cache_problem``) and decline where it differs.
 """
 
 import contextlib
@@ -69,10 +70,11 @@ def call_inputs(args, kwargs):
 
 def rewindable(cache, tokens: int) -> bool:
     """Whether a forward of ``tokens`` tokens over ``cache`` (a model's list of mlx-lm caches,
-    or None) can be undone exactly by ``rewind``: every entry a ``KVCache`` or
-    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), or a
-    ``RotatingKVCache`` that stays short of its window (it then overwrites nothing kept). Any other
-    cache (state space models' ``ArraysCache``, batches, chunked caches) is not rewound."""
+    or None) can be undone exactly by ``put_back``: every entry a ``KVCache`` or
+    ``QuantizedKVCache`` (a write past ``offset`` that ``trim`` takes back), a ``RotatingKVCache``
+    that stays short of its window (it then overwrites nothing kept), or an ``ArraysCache`` (the
+    recurrent or linear-attention state of hybrids: ``recurrent_state``) outside a batch's
+    prepared lengths or padding. Any other cache (batches, chunked caches) is not rewound."""
     if cache is None:
         return True
     from mlx_lm.models import cache as mc
@@ -84,16 +86,72 @@ def rewindable(cache, tokens: int) -> bool:
             continue
         if rotating is not None and type(c) is rotating and c.offset + tokens < c.max_size:
             continue
+        if recurrent_state(c):
+            continue
         return False
     return True
 
 
-def rewind(cache, tokens: int) -> None:
-    """Take back the last ``tokens`` tokens of every entry of ``cache`` (see ``rewindable``)."""
+def recurrent_state(entry) -> bool:
+    """Whether ``entry`` is exactly mlx-lm's ``ArraysCache`` as a model's own step leaves it: a list
+    of arrays (``cache``) that each step replaces (``cache[i] = new``, never written into: MLX
+    arrays are values), no batch lengths or left padding (``prepare``; ``advance`` changes
+    those in place). Keeping the list's references (``mark``) is then enough to put it back."""
+    arrays = _cache_class("ArraysCache")
+    return (
+        arrays is not None
+        and type(entry) is arrays
+        and isinstance(getattr(entry, "cache", None), list)
+        and getattr(entry, "lengths", 0) is None
+        and getattr(entry, "left_padding", 0) is None
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_class(name: str):
+    """mlx-lm's cache class ``name`` (``mlx_lm.models.cache``), or None; looked up once (a
+    verified step marks every entry of every decode call)."""
+    from mlx_lm.models import cache as mc
+
+    return getattr(mc, name, None)
+
+
+def mark(entry):
+    """What ``put_back`` needs to put ``entry`` (``rewindable``) back as it is now: a recurrent
+    state's arrays (references), a KV entry's offset (None: no entry)."""
+    if entry is None:
+        return None
+    if type(entry) is _cache_class("ArraysCache"):  # (``rewindable``: a ``recurrent_state``)
+        return list(entry.cache)
+    return entry.offset
+
+
+def put_back(entry, marked) -> None:
+    """Put ``entry`` back as it was when ``mark`` gave ``marked``: its arrays again, or the tokens
+    written past its offset then taken back (``trim``)."""
+    if isinstance(marked, list):
+        entry.cache = list(marked)
+    elif entry.offset > marked:
+        entry.trim(entry.offset - marked)
+
+
+def rewind(cache, marks) -> None:
+    """Put each entry of ``cache`` (a list of cache entries, None for a layer that has none; or
+    None: no cache) back as ``marks`` (``id(entry) -> mark(entry)``) says it was."""
     if cache is None:
         return
     for c in cache:
-        c.trim(tokens)
+        if c is not None:
+            put_back(c, marks[id(c)])
+
+
+def changed(entry, marked) -> bool:
+    """Whether ``entry`` was written since ``mark`` gave ``marked``."""
+    if isinstance(marked, list):
+        return len(entry.cache) != len(marked) or any(
+            a is not b for a, b in zip(entry.cache, marked)
+        )
+    return entry.offset != marked
 
 
 def stock_call(module, *args, **kwargs):
@@ -118,13 +176,21 @@ def make_prompt_cache(model, max_kv_size=None):
 
 def plain_kv_cache_problem(cache) -> Optional[str]:
     """None if every entry of ``cache`` is exactly mlx-lm's ``KVCache`` (a write appends; its mask
-    and offsets depend on its own length only), else the first other kind, in words."""
+    and offsets depend on its own length only) or a hybrid's recurrent state (``recurrent_state``),
+    else the first other kind, in words."""
     from mlx_lm.models import cache as mc
 
     plain = getattr(mc, "KVCache", None)
     if not isinstance(cache, list) or not cache:
         return "no list of KV caches"
-    for c in cache:
+    for i, c in enumerate(cache):
+        if recurrent_state(c):
+            continue  # a hybrid's recurrent state: put back between a layer's runs (``seek``)
+        if type(c).__name__ == "ArraysCache":
+            return (
+                f"cache entry {i} is an ArraysCache with a batch's lengths or padding, which "
+                "mlx-lm changes in place: it cannot be put back between a layer's two runs"
+            )
         if plain is None or type(c) is not plain:
             return f"a {type(c).__name__} (only KVCache entries are prefilled layer by layer)"
         if not all(hasattr(c, a) for a in ("offset", "keys", "trim")):
@@ -166,5 +232,17 @@ def calls_through(modules, around):
 
 
 def kv_state(entry):
-    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``)."""
-    return entry.state
+    """What to evaluate of one KV cache entry (as ``generate_step`` evaluates ``c.state``; a
+    layer with no entry: nothing)."""
+    return [] if entry is None else entry.state
+
+
+def seek(entry, marked) -> None:
+    """Put ``entry`` where ``mark`` said it was, back or forward: a ``KVCache`` at that offset
+    (``kv_seek``), a recurrent state given those arrays; a layer with no entry (None): nothing."""
+    if entry is None:
+        return
+    if isinstance(marked, list):
+        entry.cache = list(marked)
+    else:
+        kv_seek(entry, marked)

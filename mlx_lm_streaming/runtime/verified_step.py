@@ -13,9 +13,11 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
   host by then at no wait;
 - some missing: the first MoE layer with a miss computed rows from the wrong slot, and every layer
   after it took a wrong input; the layers before it are right. Its ids are right (its input is), so
-  its missing experts are read, the KV-cache entries written from that decoder layer on are taken
-  back (``mlx_shims.rewind``), and the forward runs again, each decoder layer before that one
-  giving back its recorded output (``layer_call``) instead of computing. Repeated until nothing is
+  its missing experts are read, the cache entries of that decoder layer and those after it are
+  put back as they were before the step (``StepCaches``: KV entries' tokens taken back, hybrids'
+  recurrent states given back their arrays), and the forward runs again, each decoder layer
+  before that one giving back its recorded output (``layer_call``) instead of computing (a layer
+  run again gets its first call's arguments: masks made before the step). Repeated until nothing is
   missing: one host sync per token plus one per layer that missed, instead of one per layer.
 - read together (``CacheTuning.read_misses_together``): the layers after the first miss ran on a
   slightly wrong input, but on a trained model they pick nearly the experts they will pick once
@@ -26,8 +28,9 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
   again from the first missed layer, and usually finds nothing missing: about one host sync more
   per token that missed, however many layers missed, and its reads overlapped.
 
-Where layers cannot be replayed (``model.layers`` not one decoder layer per cache entry), a miss
-rewinds every cache entry and runs the whole call per layer instead. ``StepRunner`` chooses per
+Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry shared by layers or
+written outside them), a miss puts every cache entry back and runs the whole call per layer
+instead. ``StepRunner`` chooses per
 model call: verified steps for calls of up to ``VERIFY_MAX_TOKENS`` tokens, over caches that can be
 rewound, on one calling thread, outside pipeline stages, while recent tokens missed in few layers
 (``MAX_MISSED_SHARE``: fewer on the CPU); the per-layer schedule otherwise (prefill, cold caches).
@@ -41,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
+from .step_caches import StepCaches
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -76,7 +80,6 @@ class VerifiedStep:
     def __init__(self, runner, kv, tokens: int, every: int):
         self.runner = runner
         self.kv = kv
-        self.tokens = tokens
         self.layers = runner.layers  # decoder layers wrapped in the model, or 0
         # MoE calls between two checks (at least 1); the last decoder layer always checks
         self.every = every
@@ -87,9 +90,12 @@ class VerifiedStep:
         self.ran = -1
         self.inputs: Dict[int, tuple] = {}
         self.outputs: Dict[int, object] = {}
-        # whether layers can be run again from one that missed: each decoder layer got its own
-        # cache entry, and took the output of the layer before as its input
-        self.replayable = kv is None or len(kv) == self.layers
+        # the cache entries as they were before the step, and the layer that got each
+        self.caches = StepCaches(kv)
+        # whether layers can be run again from one that missed: the model's layers were wrapped,
+        # each got a cache entry of its own or none (``StepCaches.claim``) and took the output of
+        # the layer before as its input
+        self.replayable = self.layers > 0
         # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
         # experts as the call saw it), lazy
         self.calls: List[tuple] = []
@@ -112,13 +118,18 @@ class VerifiedStep:
     def layer_call(self, i: int, call, args, kwargs):
         """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
         every ``every`` MoE calls and at the last layer."""
-        cache = args[2] if len(args) > 2 else kwargs.get("cache")
-        if self.kv is not None and (i >= len(self.kv) or cache is not self.kv[i]):
+        if not self.caches.claim(i, mlx_shims.layer_cache(args, kwargs)):
             self.replayable = False
         if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
             self.replayable = False
         if i < self.replay_below:  # the forward run again after a miss in a later layer
             return self.outputs[i]
+        if i in self.inputs and args:
+            # run again: the arguments its first call got, made from the caches as they were
+            # before the step (masks and offsets made again now would see the layers before
+            # written), with its input of now
+            _, first_args, first_kwargs = self.inputs[i]
+            args, kwargs = (args[0], *first_args[1:]), first_kwargs
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         self.outputs[i] = call(*args, **kwargs)
@@ -134,7 +145,7 @@ class VerifiedStep:
             layer = self.read_missing()
             if layer is None:
                 return
-            self.rewind(layer, upto + 1)
+            self.caches.rewind(layer, upto + 1)
             self.runner.replays += 1
             for i in range(layer, upto + 1):
                 call, args, kwargs = self.inputs[i]
@@ -157,6 +168,7 @@ class VerifiedStep:
         experts = np.unique(np.array(indices, copy=False).astype(np.int64))
         if (
             not self.replayable
+            or self.caches.unclaimed_changed()
             or layer is None
             or len(experts) > bank.slots
             or id(bank) in self.loaded  # it missed again after its load: ids that changed
@@ -191,11 +203,6 @@ class VerifiedStep:
             self.runner.named += len(lack)
             out.append((bank, lack, {"keep": named, "guessed": True}))
         return out
-
-    def rewind(self, first: int, end: int) -> None:
-        """Take back this step's tokens from the cache entries of decoder layers ``first`` to
-        ``end - 1`` (no cache: nothing to take back)."""
-        mlx_shims.rewind(self.kv[first:end] if self.kv is not None else None, self.tokens)
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -376,7 +383,7 @@ class StepRunner:
                     layer = step.read_missing(out)
                     if layer is None:
                         break
-                    step.rewind(layer, step.ran + 1)
+                    step.caches.rewind(layer, step.ran + 1)
                     step.replay_below = layer
                     self.replays += 1
                     out = call(*args, **kwargs)
@@ -389,8 +396,7 @@ class StepRunner:
             self.this_thread.step = None
             self.recomputed += 1
             missed = 1.0  # the per-layer schedule suits this model or cache better
-            # every entry the step wrote; all of them if no wrapped layer ran
-            step.rewind(0, step.ran + 1 if step.ran >= 0 else len(kv or ()))
+            step.caches.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
             self.this_thread.step = None
