@@ -103,6 +103,10 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
     _check_flags(parser, given, model, environ)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
+    if given.get("streaming_experts") and not environ.get(ENV["if_unstreamable"], "").strip():
+        # asked for on this command line: a model that cannot stream is refused (with only the
+        # variable, a standing wish for every load, it loads whole: unstreamable.py)
+        environ[ENV["if_unstreamable"]] = "refuse"
     # what is left to check came from the environment: the error names the variable
     try:
         options = StreamingOptions.from_env(environ)
