@@ -50,7 +50,9 @@ def refuse_listed(module: str, model_type, model_path) -> None:
     before the model is built, so nothing is read."""
     why = REFUSED.get(module)
     if why is not None and module not in plugins.architectures():
-        raise UnstreamableModelError(f"{model_path}: model_type {model_type!r} cannot stream: {why}")
+        raise UnstreamableModelError(
+            f"{model_path}: model_type {model_type!r} cannot stream: {why}"
+        )
 
 
 def adapter_for(model, config: dict, model_path):
