@@ -40,7 +40,7 @@ FAMILIES = [
     "gemma4_text", "gemma4", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3",
     "minimax_m3_vl", "Klear", "afmoe", "bailing_moe", "deepseek", "dots1", "exaone_moe",
     "hunyuan", "laguna", "longcat_flash", "mellum", "mimo_v2_flash", "step3p5",
-    "qwen3_vl_moe", "kimi_k25", "kimi_vl",
+    "qwen3_vl_moe", "kimi_k25", "kimi_vl", "glm_moe_dsa", "solar_open", "longcat_flash_ngram",
 ]  # fmt: skip
 FAMILIES_RAW_HF = [a for a in FAMILIES if a not in synthetic_configs._NO_HF_LAYOUT]
 TABLE += [(a, "affine4") for a in FAMILIES] + [(a, "float32_hf") for a in FAMILIES_RAW_HF]
