@@ -67,7 +67,8 @@ def moe_modules(models=MODELS) -> dict:
 def remapped(modules: dict) -> dict:
     """``model type -> module`` for the names mlx-lm maps to one of ``modules``."""
     out = {a: t for a, t in mlx_lm.utils.MODEL_REMAPPING.items() if t in modules}
-    for (model_type, _), target in getattr(mlx_lm.utils, "MODEL_ARCHITECTURE_REMAPPING", {}).items():
+    by_architecture = getattr(mlx_lm.utils, "MODEL_ARCHITECTURE_REMAPPING", {})  # 0.32+
+    for (model_type, _), target in by_architecture.items():
         if target in modules and model_type not in modules:
             out[model_type] = target
     return out
