@@ -60,11 +60,11 @@ def adapter_for(model, config: dict, model_path):
     ``switch_layers`` module (nothing to stream), ``UnstreamableModelError`` where it has one."""
     module = model_module(type(model))
     model_type = config.get("model_type")
+    refuse_listed(module, model_type, model_path)  # (dbrx's experts are no switch_layers module)
     if not any(isinstance(m, (SwitchGLU, SwitchMLP)) for _, m in model.named_modules()):
         raise NotMixtureOfExpertsError(
             f"{model_path}: model_type {model_type!r} is not a Mixture-of-Experts model"
         )
-    refuse_listed(module, model_type, model_path)
     adapter = plugins.architectures().get(module)
     if adapter is None:
         raise UnstreamableModelError(
@@ -77,9 +77,10 @@ def adapter_for(model, config: dict, model_path):
 def instead(error, options, explicit: bool):
     """For a load that asked for streaming and got ``error`` (an ``UnsupportedModelError``): the
     one line to print before loading the model as stock would, or None where it is refused. A
-    model with no routed experts always loads; one that cannot stream is refused where
-    ``model_config`` asked (``explicit``, the ``--streaming-experts`` flag through the variable it
-    sets) unless ``if_unstreamable`` says whole, and loads whole where only the environment did."""
+    model with no routed experts always loads. One that cannot stream does what
+    ``if_unstreamable`` says (the ``--streaming-experts`` flag sets it to refuse unless given);
+    left out, it is refused where ``model_config`` asked (``explicit``) and loads whole where
+    only the environment did."""
     if isinstance(error, NotMixtureOfExpertsError):
         return f"mlx-lm-streaming: {error}: loaded as stock mlx-lm would"
     choice = options.if_unstreamable or (REFUSE if explicit else WHOLE)
