@@ -110,6 +110,15 @@ def test_an_moe_that_cannot_stream_loads_whole_when_asked(models, stock_text, tm
     assert generated_text(run.stdout) == stock_text["dbrx"]
 
 
+def test_the_server_refuses_a_listed_model_before_it_starts(models, tmp_path):
+    # the server loads its model on a thread, where a refusal would be a traceback in its log and
+    # a server that cannot answer: a model type the list refuses is refused at parse time
+    cmd = [BIN / "mlx_lm.server", "--model", models["dbrx"], "--streaming-experts", "--port", "1"]
+    run = run_cli(cmd, tmp_path, timeout=60)
+    one_error_line(run, "mlx_lm.server: error:", "model_type 'dbrx' cannot stream")
+    assert run.returncode == 1
+
+
 def test_a_bad_if_unstreamable_value_is_one_line(models, tmp_path):
     flags = ["--streaming-experts", "--if-unstreamable", "wholly"]
     run = generate(models["dbrx"], *flags, cwd=tmp_path)
