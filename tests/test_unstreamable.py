@@ -185,3 +185,15 @@ def test_muse_spark_is_refused_for_running_only_on_metal(models, environ, tmp_pa
     with pytest.raises(UnstreamableModelError, match="'muse_spark' cannot stream: stock mlx-lm "
                        "runs it only on Metal"):
         mlx_lm_streaming.load(str(path))
+
+
+def test_an_adapter_takes_a_type_off_the_refused_list(models, environ, monkeypatch, capfd):
+    # a plugin's adapter for a refused type wins over the list (docs/plugins.md); dbrx's experts
+    # are still no switch_layers module, so it then loads as a model without experts
+    from mlx_lm_streaming.architectures import ArchitectureAdapter
+
+    adapters = {**plugins.architectures(), "dbrx": ArchitectureAdapter(("dbrx",))}
+    monkeypatch.setattr(plugins, "architectures", lambda: adapters)
+    model, _ = mlx_lm_streaming.load(str(models["dbrx"]))
+    assert not hasattr(model, "expert_streaming")
+    assert "is not a Mixture-of-Experts model" in capfd.readouterr().err
