@@ -93,11 +93,9 @@ class StagedBatch:
         """True once the read succeeded; with ``wait``, blocks until it ended."""
         if not wait and not self.future.done():
             return False
-        try:
-            self.future.result()
-        except BaseException:
-            return False
-        return True
+        # not ``result()``: raising the stored error again would add this caller's frames to its
+        # traceback, each time, and keep the model they reference alive after it is dropped
+        return not self.future.cancelled() and self.future.exception() is None
 
 
 class PrefetchStats:
