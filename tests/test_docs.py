@@ -128,6 +128,14 @@ def test_readme_has_the_two_commands_and_the_mac_line():
     assert re.search(
         r"mlx_lm\.generate --model mlx-community/\S+ .*--streaming-experts", README
     )
+    # until the package is published, the lines that work: from a checkout, with every extra
+    # they name declared in pyproject.toml (a name an index does not have fails in pip)
+    extras = re.findall(r"^pip install '\.\[(\w+)\]'", README, re.M)
+    assert {"cpu", "cuda13"} <= set(extras), extras
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r"\[project\.optional-dependencies\]\n(.*?)\n\[", pyproject, re.S).group(1)
+    assert all(re.search(rf"^{e} = ", declared, re.M) for e in extras), extras
+    assert "not on PyPI yet" in README
     assert os.access(ROOT / "docs" / "demo.sh", os.X_OK)
     assert "bash tests/run.sh" in (ROOT / ".ci" / "run").read_text()
     demo = (ROOT / "docs" / "demo.sh").read_text()
