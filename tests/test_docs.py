@@ -259,3 +259,69 @@ def test_the_startup_cost_usage_states_is_what_the_bench_checks():
     stated = f"`python bench/startup.py --check` fails at {float(limit):g} ms"
     assert stated in " ".join(hook.split())
     assert "-X importtime" in hook and "python -c pass" in hook
+
+
+def _defined_names():
+    """``(modules, classes)``: per module of the package (by its name, a package's by its folder's)
+    the names it defines or imports at its top; per class, its methods and attributes."""
+    import ast
+
+    modules, classes = {}, {}
+    for path in (ROOT / "mlx_lm_streaming").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        stem = path.parent.name if path.stem == "__init__" else path.stem
+        names = modules.setdefault(stem, set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            attrs = classes.setdefault(node.name, set())
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    attrs.add(sub.name)
+                elif isinstance(sub, ast.Attribute) and getattr(sub.value, "id", "") == "self":
+                    attrs.add(sub.attr)
+                elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+                    attrs.add(sub.target.id)
+                elif isinstance(sub, ast.Assign):
+                    attrs.update(n.id for t in sub.targets for n in ast.walk(t)
+                                 if isinstance(n, ast.Name))  # fmt: skip
+    return modules, classes
+
+
+def test_the_packages_docstrings_name_what_exists():
+    # ``module.name`` and ``Class.name`` in the package's docstrings and comments name something
+    # that module or class defines (``name_*``: a family, at least two), and ``module.py`` a
+    # module: such references went stale when code moved (``mlx_compat.switch_glu_*``,
+    # ``ExpertCache.lookahead_min_precision``, ``loading.check_budget``)
+    modules, classes = _defined_names()
+    stale = []
+    for path in sorted((ROOT / "mlx_lm_streaming").rglob("*.py")):
+        text = path.read_text()
+        for m in re.finditer(r"``(\w+)\.(\w+\*?)``", text):
+            owner, name = m.groups()
+            if owner == "mlx_lm_streaming":  # the hook files, mlx_lm_streaming.pth / .start
+                continue
+            if name == "py":
+                ok = owner in modules
+            elif owner in modules or owner in classes:
+                pool = modules.get(owner, set()) | classes.get(owner, set())
+                if owner == "bank":  # a LayerBank, by the name the code gives one
+                    pool |= classes["LayerBank"]
+                if name.endswith("*"):
+                    ok = sum(n.startswith(name[:-1]) for n in pool) >= 2
+                else:
+                    ok = name in pool or name in modules
+            else:
+                continue
+            if not ok:
+                line = text[: m.start()].count("\n") + 1
+                stale.append(f"{path.relative_to(ROOT)}:{line}: ``{owner}.{name}``")
+    assert not stale, "references to names that do not exist there:\n" + "\n".join(stale)

@@ -101,10 +101,11 @@ class StagedBatch:
 class PrefetchStats:
     """How well background reads served the layers, and how good the lookahead's guesses are.
 
-    Guesses are scored whether or not they were read (a layer whose recent guesses were poor only
-    predicts, see ``ExpertCache.lookahead_min_precision``): ``predicted`` experts were guessed and not
-    resident, ``predicted_hit`` of them were then missed by the layer, out of ``demand`` misses of
-    predicted layers. Precision = predicted_hit / predicted, recall = predicted_hit / demand."""
+    Guesses are scored (``lookahead.score``) whether or not they were read (a layer whose running
+    precision is below ``CacheTuning.lookahead_min_precision`` only guesses): ``predicted`` experts
+    were guessed and neither resident nor staged already, ``predicted_hit`` of them were then
+    missed by the layer, out of ``demand`` misses of guessed layers. Precision = predicted_hit /
+    predicted, recall = predicted_hit / demand."""
 
     def __init__(self):
         self.lock = threading.Lock()
