@@ -189,6 +189,7 @@ LINKING = [
     "docs/routing.md",
     "docs/distributed.md",
     "docs/design.md",
+    "docs/history.md",
     "docs/usage.md",
     "bench",
     "mlx_lm_streaming",
