@@ -1,6 +1,7 @@
 """The docs say what the code does: every hook, flag, variable and key is documented, the plugin
 examples in docs/plugins.md run, and the README's commands exist."""
 
+import fnmatch
 import importlib
 import inspect
 import os
@@ -326,3 +327,16 @@ def test_the_packages_docstrings_name_what_exists():
                 line = text[: m.start()].count("\n") + 1
                 stale.append(f"{path.relative_to(ROOT)}:{line}: ``{owner}.{name}``")
     assert not stale, "references to names that do not exist there:\n" + "\n".join(stale)
+
+
+def test_the_benchmark_index_names_only_files_that_are_there():
+    # docs/benchmarks/README.md's table of runs: every file it names (a glob for several) is there,
+    # and every file there is named (above); retired runs leave the folder and the table together
+    page = (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    table = page.split("| file | run |", 1)[1].split("\n\n", 1)[0]
+    there = {p.name for p in (ROOT / "docs" / "benchmarks").iterdir()}
+    rows = re.findall(r"^\| (.*?) \|", table, re.M)
+    named = [n for row in rows for n in re.findall(r"`([^`]+)`", row)]
+    assert named
+    missing = [n for n in named if not fnmatch.filter(there, n)]
+    assert not missing, f"docs/benchmarks/README.md indexes runs that are not there: {missing}"
