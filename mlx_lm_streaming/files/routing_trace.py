@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..errors import CheckpointError, open_output
+from ..errors import CheckpointError, ConfigurationError, open_output
 from .outputs import (
     ROUTING_TRACE,
     TRACE_FORMAT,
@@ -213,6 +213,28 @@ class TraceWriter:
         self.close()
 
 
+def check_same_model(path: Path, header: Dict) -> None:
+    """``ConfigurationError`` if ``path`` holds the routing trace of another model than the one
+    ``header`` is for (``model_path``; a trace without one by its ``model`` name), as ``pack``
+    refuses to replace another model's pack: a trace is not lost to a run of another model."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.loads(f.readline())
+    except (OSError, ValueError):
+        return  # no file, or nothing of a trace in it (check_output has judged it)
+    if not isinstance(old, dict):
+        return
+    key = "model_path" if "model_path" in old else "model"
+    theirs, ours = old.get(key), header.get(key)
+    if theirs is None or ours is None or theirs == ours:
+        return
+    raise ConfigurationError(
+        f"{path}: holds the routing trace of another model ({theirs}), not of "
+        f"{header.get('model_path', ours)}; refusing to replace it: give another path for the "
+        "routing trace, or remove the file to record over it"
+    )
+
+
 class RoutingRecorder:
     """Records a streaming model's routing: ``record(bank, idx)`` from each MoE layer's call.
 
@@ -240,6 +262,9 @@ class RoutingRecorder:
         self.phase = None
         # a bad path fails at load; the file is opened at the first token, once the load passed
         check_output(self.path, ROUTING_TRACE, model_path)
+        if model_path is not None:
+            self.header["model_path"] = str(Path(model_path).resolve())
+            check_same_model(self.path, self.header)
         self.seen = identity(self.path)  # what may be replaced at the first token
         self.failed = False  # writing failed: the trace was given up (outputs.say_failed)
         RoutingRecorder._open.add(self.path.resolve())

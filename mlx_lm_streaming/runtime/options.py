@@ -65,6 +65,15 @@ def missing_local_path(name: str) -> bool:
     )
 
 
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (spelt alike or not, through links, existing or
+    not yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def check_budget_gb(value) -> float:
     """A budget in decimal GB as a float: a positive, finite number (raises ``ConfigurationError``).
 
@@ -228,6 +237,11 @@ class StreamingOptions:
             if not str(value).strip():
                 raise ConfigurationError(f"{name}: an empty path; give a file path")
             setattr(self, name, str(value))
+        if self.record_routing and self.trace and same_file(self.record_routing, self.trace):
+            raise ConfigurationError(
+                f"record_routing and trace name one file, {self.trace}: two outputs of one run "
+                "cannot share a path; give each its own"
+            )
         if self.pack is not None:
             self._use_pack()
         if self.cache_policy not in POLICIES:
