@@ -320,6 +320,7 @@ def wrap_cli_main(module) -> None:
                 return stock_main(*args, **kwargs)
         except StreamingError as e:
             # only we raise these, and only when streaming was asked for: one line, no traceback
+            _end_text_line()
             exit_with(first.prog or os.path.basename(sys.argv[0]), e)
         finally:
             report.cli_streaming = said
@@ -327,6 +328,17 @@ def wrap_cli_main(module) -> None:
     main.mlx_lm_streaming = True
     main.stock = stock_main
     module.main = main
+
+
+def _end_text_line() -> None:
+    """Before the line of an error raised mid-generation: end the text printed so far with a
+    newline, so that the error starts on its own line (on a terminal both share one screen)."""
+    if report.generation_began():
+        try:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except Exception:  # stdout closed: the error line still goes out
+            pass
 
 
 def wrap_cli_main_refusing(module, message: str) -> None:

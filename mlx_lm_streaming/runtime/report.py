@@ -57,6 +57,13 @@ def stats_line(state, label: bool = False) -> str:
     return line
 
 
+def generation_began() -> bool:
+    """Whether a streaming model of this process was asked for experts yet (it ran a forward)."""
+    from .expert_cache import _LIVE
+
+    return any(cache.stats.first_request is not None for cache in list(_LIVE))
+
+
 def fallback_line(state, why: str) -> str:
     """The one line that says a long prompt prefills chunk by chunk, as stock (layer_major.py)."""
     return (
