@@ -355,7 +355,6 @@ class ExpertCache:
         slots = self.slot_budget // per_slot
         if slots < 1:
             raise ConfigurationError(
-                # the budget as given (to the byte), the minimum rounded up: two different numbers
                 f"expert cache budget of {self.budget_bytes / 1e9:.12g} GB is below the minimum "
                 f"of one expert per MoE layer, {gb_at_least(per_slot)} GB for {len(banks)} "
                 "layers: raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb "
