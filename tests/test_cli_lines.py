@@ -1,11 +1,15 @@
-"""What the commands print around a run (issue 37, items 10-12): an error raised mid-generation
-starts on its own line, not glued to the text (``!mlx_lm.generate: error: ...``)."""
+"""What a run says about itself (issue 37, items 10-12): an error raised mid-generation starts on
+its own line, not glued to the text (``!mlx_lm.generate: error: ...``); a routing trace counts a
+prompt's tokens as prefill however mlx-lm splits them into calls (a 2-token prompt was "50 decode,
+0 prefill tokens"); the stats line says which bytes were read for the experts asked for and which
+in the background."""
 
+import json
 import subprocess
 import sys
 
 import pytest
-from support import clean_env, load_streaming
+from support import BIN, clean_env, load_streaming, run
 
 from mlx_lm_streaming.runtime.options import gb_at_least
 
@@ -57,3 +61,48 @@ def test_an_error_mid_generation_starts_on_its_own_line(checkpoint, tmp_path):
     # some text was generated before it
     text = out.stdout.split("==========\n", 1)[1].split("mlx_lm.generate: error:")[0]
     assert text.strip(), out.stdout
+
+
+def _phases(trace) -> list:
+    return [json.loads(line)["phase"] for line in trace.read_text().splitlines()[1:]]
+
+
+def test_a_two_token_prompt_records_one_prefill_token(checkpoint, tmp_path):
+    """mlx-lm prefills a 2-token prompt's first token in a call of one token, then runs the last
+    with the first decode step: that call is prefill, though it has one token."""
+    ckpt = checkpoint("qwen3_moe")
+    trace = tmp_path / "r.jsonl"
+    cmd = [BIN / "mlx_lm.generate", "--model", ckpt, "--prompt", "hi", "--ignore-chat-template"]
+    run([*cmd, "--max-tokens", "5", "--streaming-experts", "--record-routing", trace], tmp_path)
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(ckpt).encode("hi")) == 2
+    phases = _phases(trace)  # mlx-lm runs one step past the last token it yields
+    decode = len(phases) - 1
+    assert phases == ["prefill"] + ["decode"] * decode and decode >= 1, phases
+    plan = [BIN / "mlx_lm_streaming", "plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1"]
+    assert f"({decode} decode, 1 prefill tokens;" in run(plan, tmp_path).stdout
+
+
+def test_a_one_token_prefill_chunk_is_prefill(checkpoint, tmp_path):
+    """A 4-token prompt in chunks of 2: calls of 2 and 1 prompt tokens, then the last prompt token
+    with the first decode step; then a second prompt in the same process starts a new sequence."""
+    import mlx_lm
+
+    ckpt = checkpoint("qwen3_moe")
+    trace = tmp_path / "r.jsonl"
+    model, _ = load_streaming(ckpt, record_routing=str(trace))
+    tokenizer = mlx_lm.utils.load_tokenizer(ckpt)
+    for prompt in ([5, 6, 7, 8], [9, 10]):
+        for _ in mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=3, prefill_step_size=2
+        ):
+            pass
+    model.expert_streaming.close()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()[1:]]
+    got = [(r["seq"], r["phase"]) for r in rows]
+    first = [p for seq, p in got if seq == 0]
+    second = [p for seq, p in got if seq == 1]
+    assert first[:3] == ["prefill"] * 3 and set(first[3:]) == {"decode"}, got
+    assert second[:1] == ["prefill"] and set(second[1:]) == {"decode"}, got
+    assert len(first) + len(second) == len(got), got
