@@ -106,3 +106,35 @@ def test_a_one_token_prefill_chunk_is_prefill(checkpoint, tmp_path):
     assert first[:3] == ["prefill"] * 3 and set(first[3:]) == {"decode"}, got
     assert second[:1] == ["prefill"] and set(second[1:]) == {"decode"}, got
     assert len(first) + len(second) == len(got), got
+
+
+def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(checkpoint):
+    """At a budget above every expert each bank fills in the background: "experts read 108,
+    0.252 GB read" where 108 experts were 0.106 GB said nothing of the rest."""
+    import time
+
+    import mlx.core as mx
+
+    from mlx_lm_streaming.runtime.options import decimal_gb
+    from mlx_lm_streaming.runtime.report import stats_line
+
+    model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=1000)
+    state = model.expert_streaming
+    cache = state.cache
+    mx.eval(model(mx.array([[1, 2, 3]])))  # a few misses; every bank then fills itself
+    deadline = time.monotonic() + 60  # wait for the fill (not a timing: it always ends)
+    while time.monotonic() < deadline and not all(b.complete for b in cache.banks):
+        mx.eval(model(mx.array([[4]])))
+        time.sleep(0.05)
+    assert all(b.complete for b in cache.banks)
+    s = state.stats()
+    nbytes = cache.banks[0].layer.expert_nbytes
+    background = s["background_gb"] * 1e9
+    assert background == sum(s["staged_experts"].values()) * nbytes > 0, s
+    total = s["gb_read"] * 1e9
+    line = stats_line(state)
+    assert (
+        f"{s['gb_read']:.3f} GB read ({decimal_gb(total - background)} on demand, "
+        f"{decimal_gb(background)} in the background: lookahead, next wave, fill)"
+    ) in line, line
+    state.close()
