@@ -47,9 +47,22 @@ def ckpt(checkpoint):
 def test_two_outputs_on_one_path_are_refused_at_start(ckpt, tmp_path, flags, env, named):
     cmd = generate_cmd(ckpt, "--streaming-experts", *flags)
     out = run_cli(cmd, tmp_path, env=clean_env(**env))
-    line = one_error_line(out, *named, "cannot share a path")
+    line = one_error_line(out, *named, "two files of one run cannot share a path")
     assert out.returncode == 2, line
     assert not (tmp_path / "same.x").exists(), "nothing written"
+
+
+def test_an_output_on_the_commands_own_prompt_cache_file_is_refused(ckpt, tmp_path):
+    """``mlx_lm.cache_prompt`` writes ``--prompt-cache-file`` at its end: a trace there would be
+    written over (or write over it)."""
+    from support import BIN
+
+    cmd = [BIN / "mlx_lm.cache_prompt", "--model", ckpt, "--prompt", "hi", "--streaming-experts"]
+    cmd += ["--prompt-cache-file", "c.safetensors", "--streaming-trace", "./c.safetensors"]
+    out = run_cli(cmd, tmp_path)
+    line = one_error_line(out, "--streaming-trace and --prompt-cache-file name one file")
+    assert out.returncode == 2, line
+    assert not (tmp_path / "c.safetensors").exists()
 
 
 def test_two_outputs_on_one_path_are_refused_in_python(ckpt, tmp_path):

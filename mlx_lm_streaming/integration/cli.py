@@ -100,7 +100,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             "supported with streaming experts yet (docs/distributed.md)",
         )
     model = getattr(namespace, "model", None)
-    _check_distinct_outputs(parser, given, environ)
+    _check_distinct_outputs(parser, given, environ, namespace)
     _check_flags(parser, given, model, environ)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
@@ -132,9 +132,10 @@ def _check_outputs(options, model) -> None:
             check_output(path, kind, _local_model(model))
 
 
-def _check_distinct_outputs(parser, given: dict, environ) -> None:
-    """Two outputs of one run on one path (``--record-routing X --streaming-trace X``) would
-    overwrite each other: refused at start, naming both, by flag or by variable."""
+def _check_distinct_outputs(parser, given: dict, environ, namespace=None) -> None:
+    """Two files of one run on one path (``--record-routing X --streaming-trace X``, or either
+    on the command's own ``--prompt-cache-file``) would overwrite each other: refused at start,
+    naming both, by flag or by variable."""
     from ..runtime.options import same_file
 
     named = []
@@ -144,13 +145,17 @@ def _check_distinct_outputs(parser, given: dict, environ) -> None:
             named.append((option.flag, str(given[dest])))
         elif environ.get(option.env, "").strip():
             named.append((option.env, environ[option.env]))
-    if len(named) == 2 and same_file(named[0][1], named[1][1]):
-        (a, path), (b, _) = named
-        fail(
-            parser,
-            f"{a} and {b} name one file, {path}: the routing trace and the timeline of one run "
-            "cannot share a path; give each its own",
-        )
+    cache_file = getattr(namespace, "prompt_cache_file", None)
+    if isinstance(cache_file, str) and cache_file.strip():
+        named.append(("--prompt-cache-file", cache_file))
+    for i, (a, path) in enumerate(named):
+        for b, other in named[i + 1 :]:
+            if same_file(path, other):
+                fail(
+                    parser,
+                    f"{a} and {b} name one file, {path}: two files of one run cannot share a "
+                    "path; give each its own",
+                )
 
 
 def _check_store_options(options, from_environment: bool, environ) -> None:
