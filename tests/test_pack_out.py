@@ -93,6 +93,24 @@ def test_a_disk_failing_mid_write_is_status_1(ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_shard_that_cannot_be_read_while_packing_is_not_the_out_paths_fault(ckpt, tmp_path):
+    """Permission denied on a shard (not on ``--out``) is the checkpoint's failure: status 1, and
+    the line does not send the user to another --out."""
+    script = (
+        "import errno, os, sys; from mlx_lm_streaming.__main__ import main; stock = os.open\n"
+        "def deny(path, flags, *a, **k):\n"
+        "    if str(path).endswith('.safetensors'):\n"
+        "        raise PermissionError(errno.EACCES, 'Permission denied', str(path))\n"
+        "    return stock(path, flags, *a, **k)\n"
+        "os.open = deny; sys.exit(main(sys.argv[1:]))"
+    )
+    cmd = [sys.executable, "-c", script, "pack", ckpt, "--out", tmp_path / "p.pack", "--quiet"]
+    done = run_cli(cmd, tmp_path)
+    line = one_error_line(done, "Permission denied", ".safetensors")
+    assert done.returncode == 1 and "give --out" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_while_packing_is_one_line_status_130_and_nothing_half_written(ckpt, tmp_path):
     """SIGINT arrives after a few experts are copied (os.preadv made to send it)."""
     script = (

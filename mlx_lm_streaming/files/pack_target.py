@@ -61,12 +61,17 @@ def pack_target(model_path, out=None) -> Tuple[Path, Optional[Path]]:
     return path, None
 
 
-NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def write_failed(path, error: OSError, what: str) -> StreamingError:
-    """The error for an ``OSError`` while writing the pack at ``path``."""
-    if error.errno in NOT_WRITABLE:
+    """The error for an ``OSError`` while writing the pack at ``path``: permission denied, or a
+    read-only file system, making ``path`` or a file beside it (the temporary file, the lock) is
+    the path's fault; anything else (a full disk, an I/O error, a shard that went away) the disk's
+    or the checkpoint's."""
+    name = getattr(error, "filename", None)
+    ours = name is None or os.path.basename(os.fspath(name)).startswith(Path(path).name)
+    if error.errno in NOT_WRITABLE and ours:
         return ConfigurationError(
             f"{path}: {what} ({error.strerror or error}); give --out a directory you can write "
             "to; the checkpoint is untouched"
