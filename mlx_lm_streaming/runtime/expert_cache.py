@@ -23,7 +23,7 @@ from ..errors import ConfigurationError, ExpertIOError
 from .bank import LayerBank
 from .counters import Counters
 from .index import LayerExperts, natural_key
-from .options import format_size, gb_at_least
+from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
@@ -355,10 +355,10 @@ class ExpertCache:
         slots = self.slot_budget // per_slot
         if slots < 1:
             raise ConfigurationError(
-                f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
-                f"of one expert per MoE layer, {format_size(per_slot)} for {len(banks)} layers: "
-                f"raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb to at "
-                f"least {gb_at_least(per_slot)} GB"
+                f"expert cache budget of {self.budget_bytes / 1e9:.12g} GB is below the minimum "
+                f"of one expert per MoE layer, {gb_at_least(per_slot)} GB for {len(banks)} "
+                "layers: raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb "
+                f"to at least {gb_at_least(per_slot)} GB"
             )
         return min(slots, most)
 

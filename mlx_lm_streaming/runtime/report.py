@@ -22,7 +22,7 @@ def stats_line(state, label: bool = False) -> str:
     name = f"{state.model_path.name}: " if label else ""
     line = (
         f"[streaming] {name}hit rate {rate}, experts read {s['experts_read']}, "
-        f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
+        f"{s['gb_read']:.3f} GB read{_read_split(s)}, {s['io_seconds']:.2f} s in I/O, "
         f"cache {s['cache_gb']:.3f} GB"
     )
     if "tier_device_gb" in s:
@@ -55,6 +55,30 @@ def stats_line(state, label: bool = False) -> str:
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
     return line
+
+
+def _read_split(s) -> str:
+    """Where background reads ran: the GB read split into those read for the experts asked for
+    (on demand) and those read ahead (lookahead, next wave, the fill of a bank of every expert)."""
+    background = min(s.get("background_gb", 0.0), s["gb_read"])
+    if not background:
+        return ""
+    demand = s["gb_read"] - background
+    return (
+        f" ({_gb(demand)} on demand, {_gb(background)} in the background: lookahead, next "
+        "wave, fill)"
+    )
+
+
+def _gb(gb: float) -> str:
+    return decimal_gb(gb * 1e9)
+
+
+def generation_began() -> bool:
+    """Whether a streaming model of this process was asked for experts yet (it ran a forward)."""
+    from .expert_cache import _LIVE
+
+    return any(cache.stats.first_request is not None for cache in list(_LIVE))
 
 
 def fallback_line(state, why: str) -> str:
