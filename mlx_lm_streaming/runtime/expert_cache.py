@@ -92,7 +92,8 @@ class CacheTuning:
     # demand reads straight into the banks (bank/reads.py); off: through staging buffers
     direct_reads: bool = True
     # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
-    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
+    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
+    # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
     # complete identity banks (their background fill done) skip the host sync
@@ -104,9 +105,6 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
-    # verified steps while recent tokens missed in at most this share of the MoE layers; None:
-    # ``verified_step``'s per-backend default
-    verify_max_missed_share: Optional[float] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer
     # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always

@@ -181,6 +181,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             group, first = [], LayerPass(None, decoder[0])
             mx.clear_cache()
     stats.prompts += 1
+    runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
