@@ -85,8 +85,8 @@ class CacheStats(Counters):
 class CacheTuning:
     """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
     drops work; none changes what is computed, and each is kept for a measured reason
-    (docs/benchmarks/README.md). Users choose ``direct_reads`` (``StreamingOptions``); loading
-    derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the internal
+    (docs/benchmarks/README.md). Users choose ``direct_reads`` and ``layer_major_prefill``
+    (``StreamingOptions``); the rest are defaults that benchmarks and tests vary (through the internal
     ``tuning`` entry of the streaming options, not a user option)."""
 
     # demand reads straight into the banks (bank/reads.py); off: through staging buffers
@@ -96,8 +96,6 @@ class CacheTuning:
     # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
-    # complete identity banks (their background fill done) skip the host sync
-    skip_sync: bool = True
     # decode-sized calls whose experts are all resident run with no host sync per layer, checked
     # once per call (``verified_step.py``)
     verified_steps: bool = True

@@ -234,10 +234,6 @@ def note_fallback(state, why: str) -> None:
         report.say(report.fallback_line(state, why))
 
 
-# the reason generate_step was left stock at patch time (``mlx_compat.generate_step_problem``)
-unpatched: Optional[str] = None
-
-
 def wrap_generate_step(stock):
     """``generate_step`` with layer-major prefill for streaming models (module docstring); the
     stock function, unchanged, for every other model and where it does not apply."""

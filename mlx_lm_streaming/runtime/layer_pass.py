@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
+from .bank import LayerBank
 
 
 class Chunk:
@@ -68,13 +69,11 @@ class LayerPass:
         self.layer = layer
         self.thread = threading.get_ident()
         self.own = []
-        if layer is not None:
-            from .switch import StreamingSwitchGLU
-
+        if layer is not None:  # (a module holding streamed experts: a StreamingSwitchGLU's bank)
             self.own = [
                 m
                 for m in mlx_shims.child_modules(layer)
-                if not any(isinstance(n, StreamingSwitchGLU) for n in m.modules())
+                if not any(isinstance(getattr(n, "bank", None), LayerBank) for n in m.modules())
             ]
 
     def moe_call(self, module, x, indices):
