@@ -77,10 +77,9 @@ def rewindable(cache, tokens: int) -> bool:
     prepared lengths or padding. Any other cache (batches, chunked caches) is not rewound."""
     if cache is None:
         return True
-    from mlx_lm.models import cache as mc
-
-    plain = tuple(getattr(mc, n) for n in ("KVCache", "QuantizedKVCache") if hasattr(mc, n))
-    rotating = getattr(mc, "RotatingKVCache", None)
+    # (each a lookup of ``_cache_class``'s cache: a verified step asks once per decode call)
+    plain = (_cache_class("KVCache"), _cache_class("QuantizedKVCache"))
+    rotating = _cache_class("RotatingKVCache")
     for c in cache:
         if type(c) in plain:
             continue
@@ -124,6 +123,18 @@ def mark(entry):
     if type(entry) is _cache_class("ArraysCache"):  # (``rewindable``: a ``recurrent_state``)
         return list(entry.cache)
     return entry.offset
+
+
+def marks(cache) -> dict:
+    """``id(entry) -> mark(entry)`` for every entry of ``cache`` (a model's list of entries, or
+    None: no cache), in one call (a verified step marks every entry of every decode call)."""
+    if cache is None:
+        return {}
+    arrays = _cache_class("ArraysCache")
+    return {
+        id(c): None if c is None else list(c.cache) if type(c) is arrays else c.offset
+        for c in cache
+    }
 
 
 def put_back(entry, marked) -> None:

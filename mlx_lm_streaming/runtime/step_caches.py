@@ -23,8 +23,8 @@ class StepCaches:
 
     def __init__(self, kv):
         self.kv = kv
-        # id(entry) -> what puts it back as it was before the step (``mlx_shims.mark``)
-        self.marks = {id(c): mlx_shims.mark(c) for c in kv} if kv is not None else {}
+        # id(entry) -> what puts it back as it was before the step (``mlx_shims.marks``)
+        self.marks = mlx_shims.marks(kv)
         # decoder layer -> its entry (None: it has none), as its call got it; id(entry) -> layer
         self.entries: Dict[int, object] = {}
         self.owners: Dict[int, int] = {}

@@ -30,10 +30,10 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
 
 Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry shared by layers or
 written outside them), a miss puts every cache entry back and runs the whole call per layer
-instead. ``StepRunner`` chooses per
-model call: verified steps for calls of up to ``VERIFY_MAX_TOKENS`` tokens, over caches that can be
-rewound, on one calling thread, outside pipeline stages, while recent tokens missed in few layers
-(``MAX_MISSED_SHARE``: fewer on the CPU); the per-layer schedule otherwise (prefill, cold caches).
+instead. ``StepRunner`` chooses per model call: verified steps for calls of up to
+``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
+pipeline stages, while recent tokens missed in few layers (``MAX_MISSED_SHARE``: fewer on the
+CPU); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import contextlib
@@ -120,7 +120,9 @@ class VerifiedStep:
     def layer_call(self, i: int, call, args, kwargs):
         """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
         every ``every`` MoE calls and at the last layer."""
-        if not self.caches.claim(i, mlx_shims.layer_cache(args, kwargs)):
+        # its cache entry (``mlx_shims.layer_cache``, inline: every decode step's layers pass)
+        entry = args[2] if len(args) > 2 else kwargs.get("cache")
+        if not self.caches.claim(i, entry):
             self.replayable = False
         if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
             self.replayable = False
@@ -214,11 +216,10 @@ class VerifiedStep:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
         sync. With the forward's output ``out``: it, the counts and every kept call's ids
         (``ids``, for ``commit``) handed to MLX in one evaluation."""
+        pending = ()
         if out is not None:
             self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
             pending = (out, self.ids)
-        else:
-            pending = ()
         if not self.calls:
             if pending:
                 mx.async_eval(*pending)
@@ -283,11 +284,8 @@ class StepRunner:
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         # running mean of the share of MoE layers that missed, per decode-sized call
         self.missed_share = 0.0
-        # calls run as verified steps; layers run again after a miss (replays); calls run again
-        # whole, per layer
-        self.verified = 0
-        self.replays = 0
-        self.recomputed = 0
+        # calls run as verified steps; layers run again after a miss; calls run again whole
+        self.verified = self.replays = self.recomputed = 0
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
         # whether a token that missed nowhere brings the running share down to the limit
@@ -295,8 +293,7 @@ class StepRunner:
         # whether a miss reads the experts the pass beyond it named too (``load_together``), and
         # how many experts were read so, and how many of those the pass run again used
         self.together = state.cache.tuning.read_misses_together
-        self.named = 0
-        self.named_used = 0
+        self.named = self.named_used = 0
         # running share of the experts so named that the pass run again used, scored from the
         # first miss, read or not: they are read once it reaches ``CacheTuning.
         # lookahead_min_precision`` (three good tokens from 0), as lookahead's guesses: a wrong
@@ -431,9 +428,12 @@ def miss_counts(calls) -> mx.array:
     missing, ``missing[ids].sum()``, for all the calls in four ops where they have the same shapes
     (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
     step's host time there), else two per call."""
-    maps = [m for *_, m in calls]
-    ids = [i.reshape(-1) for _, _, i, _ in calls]
-    if len({m.size for m in maps}) == 1 and len({i.size for i in ids}) == 1:
+    maps, ids, same = [], [], True  # one loop: on Python 3.11 a comprehension is a call
+    for _, _, i, m in calls:
+        maps.append(m)
+        ids.append(i.reshape(-1))
+        same = same and m.size == maps[0].size and ids[-1].size == ids[0].size
+    if same:
         return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
     return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
 
