@@ -32,7 +32,7 @@ class StreamingSwitchGLU(nn.Module):
         return self.bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        across = layer_pass.current()
+        across = layer_pass.this_thread.layer  # (an attribute: no call on the hot path)
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
         cache = self.bank.cache

@@ -37,6 +37,7 @@ CPU); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import contextlib
+import operator
 import threading
 from typing import Dict, List, Optional
 
@@ -69,6 +70,7 @@ MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
 CLEAN_TOKEN_RETRIES = {"cpu": False}
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
+_MISSES = operator.attrgetter("misses")
 
 
 class _Again(Exception):
@@ -329,17 +331,8 @@ class StepRunner:
         if not isinstance(layers, list):
             return
         for i, layer in enumerate(layers):
-            mlx_shims.wrap_call(layer, self._layer_around(i))
+            mlx_shims.wrap_layer(layer, i, self.this_thread)
         self.layers = len(layers)
-
-    def _layer_around(self, i: int):
-        def around(call, args, kwargs):
-            step = self.this_thread.step
-            if step is None:
-                return call(*args, **kwargs)
-            return step.layer_call(i, call, args, kwargs)
-
-        return around
 
     def __call__(self, call, args, kwargs):
         inputs, kv = mlx_shims.call_inputs(args, kwargs)
@@ -351,9 +344,9 @@ class StepRunner:
             self.per_layer_calls = max(0, self.per_layer_calls - 1)
             self.flush()
             banks = self.state.cache.banks
-            before = [b.misses for b in banks]
+            before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
             out = call(*args, **kwargs)
-            missed = sum([b.misses > m for b, m in zip(banks, before)])
+            missed = sum(map(operator.gt, map(_MISSES, banks), before))
             self._missed(missed / max(1, len(banks)))
             return out
         return self._verified(call, args, kwargs, kv, tokens)
