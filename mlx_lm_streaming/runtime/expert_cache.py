@@ -198,16 +198,15 @@ class ExpertCache:
         return order[i + 1] if i + 1 < len(order) else None
 
     def enter_call(self) -> None:
-        """Before a layer call's schedule is chosen: the banks planned (``ensure_planned``), the
-        calling thread noted (``note_caller``)."""
+        """Before a layer call's schedule is chosen (a verified step's: once, before its forward):
+        the banks planned (``ensure_planned``), the calling thread noted (``note_caller``)."""
         if not self._planned:
             self.ensure_planned()
         if threading.get_ident() not in self._callers:
             self.note_caller()
 
     def note_caller(self) -> None:
-        """Record the calling thread (every layer call, before its schedule is chosen:
-        ``enter_call``; a verified step, before its forward)."""
+        """Record the calling thread (``enter_call``)."""
         me = threading.get_ident()
         if me not in self._callers:
             with self._lock:

@@ -36,7 +36,8 @@ class StreamingSwitchGLU(nn.Module):
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
         cache = self.bank.cache
-        cache.enter_call()  # before the choice: a second calling thread turns direct reads off
         steps = cache.steps  # the verified step this thread's model call runs, if any
         step = steps.this_thread.step if steps is not None else None
+        if step is None:  # (a verified step entered the cache once, before its forward)
+            cache.enter_call()  # before the choice: a second calling thread turns direct reads off
         return schedules.choose(self, x, indices, step).run()

@@ -382,7 +382,7 @@ class StepRunner:
 
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
-        cache.note_caller()
+        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
         step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
         try:
