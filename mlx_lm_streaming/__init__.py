@@ -13,8 +13,10 @@ def load(path_or_hf_repo, **kwargs):
 
     The keywords named in ``option_table.OPTIONS`` are streaming options (``expert_cache_gb``,
     ``store``, ``store_options``, ``kernel``, ``cache_policy``, ``direct_reads``, ``layer_major_prefill``, ``stats``,
-    ``verbose``, ``record_routing``, ``trace``, ``pack``; docs/usage.md); the environment variables
-    give those not given here, as for ``mlx_lm.load``. The other keywords go to ``mlx_lm.load``.
+    ``verbose``, ``record_routing``, ``trace``, ``pack``, ``if_unstreamable``; docs/usage.md); the
+    environment variables give those not given here, as for ``mlx_lm.load``. The other keywords go
+    to ``mlx_lm.load``. A model without experts loads as stock, with one line on stderr; one whose
+    experts cannot stream raises ``UnsupportedModelError`` unless ``if_unstreamable="whole"``.
 
     Returns exactly what ``mlx_lm.load`` returns: ``(model, tokenizer)`` or, with
     ``return_config=True``, ``(model, tokenizer, config)``. The streaming state (cache, store, stats)

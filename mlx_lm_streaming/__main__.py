@@ -127,9 +127,7 @@ def _positive_gbps(value: str) -> float:
 
 
 def run_plan(args) -> int:
-    import mlx_lm.utils
-
-    from .integration.integration import install
+    from .integration.integration import install, load_to_stream
     from .runtime import mlx_compat
 
     install()
@@ -166,9 +164,7 @@ def run_plan(args) -> int:
             )
         except ConfigurationError as e:
             raise ConfigurationError(f"argument --expert-cache-policy: {e}") from None
-    model, _ = mlx_lm.utils.load_model(
-        path, lazy=True, model_config={"streaming_experts": options}
-    )
+    model, _ = load_to_stream(path, options)
     state = model.expert_streaming
     try:
         _print_plan(args, state, trace)

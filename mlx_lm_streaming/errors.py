@@ -17,6 +17,15 @@ class UnsupportedModelError(StreamingError, ValueError):
     """The model type has no streaming adapter, or uses a feature we cannot stream."""
 
 
+class NotMixtureOfExpertsError(UnsupportedModelError):
+    """The model has no routed experts: a load that asks for streaming loads it as stock would."""
+
+
+class UnstreamableModelError(UnsupportedModelError):
+    """A Mixture-of-Experts model whose routed experts cannot stream (``architectures/refused.py``
+    says why): refused, or loaded whole where ``if_unstreamable`` says so."""
+
+
 class ExpertIOError(StreamingError, OSError):
     """Reading expert bytes failed for a reason that retrying does not fix."""
 

@@ -48,6 +48,17 @@ OPTIONS = (
         "Stream the routed experts from disk",
     ),
     Option(
+        "if_unstreamable",
+        PREFIX + "IF_UNSTREAMABLE",
+        "--if-unstreamable",
+        "refuse|whole",
+        "What a Mixture-of-Experts model whose experts cannot stream does: refuse (one line, "
+        "exit status 1) or whole (loads every expert, as stock mlx-lm). Default: refuse where "
+        "--streaming-experts or model_config asks for streaming, whole where only "
+        + PREFIX
+        + "EXPERTS does. A model without experts always loads as stock",
+    ),
+    Option(
         "expert_cache_gb",
         PREFIX + "CACHE_GB",
         "--expert-cache-gb",

@@ -305,4 +305,36 @@ def family_configs(BASE: dict, MLA: dict, qwen3_moe: dict) -> dict:
     }
     out["kimi_k25"] = {"model_type": "kimi_k25", "text_config": dict(deepseek_v3_text)}
     out["kimi_vl"] = {"model_type": "kimi_vl", "text_config": dict(deepseek_v3_text)}
+    # the model classes of other families under their own args: GLM-5's DSA (deepseek_v32's
+    # model), Solar Open (glm4_moe's model, by name), LongCat-Flash with n-gram embeddings
+    dsv32 = out["deepseek_v32"]
+    out["glm_moe_dsa"] = {
+        **{k: v for k, v in dsv32.items() if k not in ("rope_scaling",)},
+        "model_type": "glm_moe_dsa",
+        "rope_parameters": {"rope_theta": 10000.0, "type": "default"},
+        "max_position_embeddings": 1024,
+    }
+    out["solar_open"] = {
+        **BASE,
+        **_MOE,
+        "model_type": "solar_open",
+        "head_dim": 16,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 1.0,
+        "num_hidden_layers": 3,
+    }
+    out["longcat_flash_ngram"] = {
+        **out["longcat_flash"],
+        "model_type": "longcat_flash_ngram",
+        "max_position_embeddings": 1024,
+        "ngram_vocab_size_ratio": 4,
+        "emb_neighbor_num": 3,
+        "emb_split_num": 1,
+    }
     return out

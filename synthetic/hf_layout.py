@@ -41,6 +41,9 @@ _HF_EXPERTS = {
             "mistral4",
             "mistral3",
             "kimi_k25",
+            "glm_moe_dsa",
+            "solar_open",
+            "longcat_flash_ngram",
         ),
         _MLP,
     ),
@@ -79,7 +82,10 @@ _PLUS_ONE_NORMS = (
     ".k_norm.weight",
 )
 # families whose sanitize absorbs kv_b_proj into embed_q / unembed_out (MLA), as deepseek_v3's
-_KV_B = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3", "kimi_k25")
+_KV_B = (
+    "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4", "mistral3", "kimi_k25",
+    "glm_moe_dsa",
+)  # fmt: skip
 
 # deepseek_v41: MLX name pieces back to DeepSeek's, applied in this order.
 _V41_INVERSE = (

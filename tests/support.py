@@ -321,10 +321,6 @@ def one_error_line(out: subprocess.CompletedProcess, *names) -> str:
 def build_dense_checkpoint(path: Path, tokenizer_from: Optional[Path] = None) -> Path:
     """A tiny dense llama checkpoint (nothing to stream), with the tokenizer of ``tokenizer_from``
     (none if not given)."""
-    import shutil
-
-    from mlx_lm.models import llama
-
     config = {
         "model_type": "llama",
         "hidden_size": 64,
@@ -336,7 +332,32 @@ def build_dense_checkpoint(path: Path, tokenizer_from: Optional[Path] = None) ->
         "vocab_size": 512,
         "tie_word_embeddings": True,
     }
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    return build_stock_checkpoint(path, config, tokenizer_from)
+
+
+def build_dbrx_checkpoint(path: Path, tokenizer_from: Optional[Path] = None) -> Path:
+    """A tiny dbrx checkpoint: a Mixture-of-Experts model whose experts are a list of MLP modules,
+    not a ``switch_layers`` module (it cannot stream), with the tokenizer of ``tokenizer_from``."""
+    config = {
+        "model_type": "dbrx",
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    }
+    return build_stock_checkpoint(path, config, tokenizer_from)
+
+
+def build_stock_checkpoint(path: Path, config: dict, tokenizer_from: Optional[Path]) -> Path:
+    """A checkpoint of ``config``'s model, built with mlx-lm's own class (random weights, float32),
+    saved as mlx-lm saves one, with the tokenizer of ``tokenizer_from`` (none if not given)."""
+    import importlib
+    import shutil
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     mlx_lm.utils.save_model(path, model)
     mlx_lm.utils.save_config(config, path / "config.json")

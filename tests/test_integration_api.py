@@ -8,7 +8,6 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from support import build_dense_checkpoint
 
-from mlx_lm_streaming.errors import UnsupportedModelError
 from mlx_lm_streaming.integration.integration import _wrap_load_model, install
 from mlx_lm_streaming.runtime.options import ENV
 
@@ -136,15 +135,23 @@ def dense_checkpoint(checkpoint, tmp_path_factory):
     return build_dense_checkpoint(tmp_path_factory.mktemp("dense"), checkpoint("qwen3_moe"))
 
 
-def test_unstreamable_model_asked_by_env_loads_stock(dense_checkpoint, environ, capfd):
-    environ[ENV["enabled"]] = "1"
-    model, tokenizer = mlx_lm.load(str(dense_checkpoint))
+NOT_MOE = "is not a Mixture-of-Experts model: loaded as stock mlx-lm would"
+
+
+@pytest.mark.parametrize("asked", ["environment", "model_config"])
+def test_a_model_without_experts_loads_as_stock_with_one_line(dense_checkpoint, environ, capfd,
+                                                              asked):
+    """Whether the environment or the code asks for streaming, a dense model loads as stock does
+    and one line says why (issue 38: it said "has no streaming adapter", and code got an error)."""
+    config = None
+    if asked == "environment":
+        environ[ENV["enabled"]] = "1"
+    else:
+        config = {"streaming_experts": True}
+    model, tokenizer = mlx_lm.load(str(dense_checkpoint), model_config=config)
     assert not hasattr(model, "expert_streaming")
-    err = capfd.readouterr().err
-    assert "loading it without streaming" in err and str(dense_checkpoint) in err
-    assert mlx_lm.generate(model, tokenizer, "hi", max_tokens=2) is not None
-
-
-def test_unstreamable_model_asked_in_code_raises(dense_checkpoint, environ):
-    with pytest.raises(UnsupportedModelError, match="llama"):
-        mlx_lm.load(str(dense_checkpoint), model_config={"streaming_experts": True})
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line == f"mlx-lm-streaming: {dense_checkpoint}: model_type 'llama' {NOT_MOE}"
+    stock, _ = mlx_lm.load(str(dense_checkpoint))
+    text = mlx_lm.generate(model, tokenizer, "hi", max_tokens=4)
+    assert text == mlx_lm.generate(stock, tokenizer, "hi", max_tokens=4)

@@ -9,7 +9,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from support import build_dense_checkpoint, held_out_env, load_streaming
+from support import build_dbrx_checkpoint, held_out_env, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
@@ -136,9 +136,9 @@ def test_shape_disagreeing_with_config_names_file_and_tensor(tmp_path):
         load_streaming(path)
 
 
-def test_architecture_without_adapter_names_model_type(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
-        load_streaming(build_dense_checkpoint(tmp_path))
+def test_an_moe_that_cannot_stream_names_model_type_and_why(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="'dbrx' cannot stream: its experts are a list"):
+        load_streaming(build_dbrx_checkpoint(tmp_path))
 
 
 def test_budget_below_one_expert_per_layer_is_an_error(checkpoint):

@@ -100,6 +100,7 @@ def cases(tmp_path, pack):
         "record_routing": (str(tmp_path / "r.jsonl"), str(tmp_path / "r.jsonl")),
         "trace": (str(tmp_path / "t.json"), str(tmp_path / "t.json")),
         "pack": (str(pack), str(pack)),
+        "if_unstreamable": ("whole", "whole"),
     }
 
 

@@ -44,6 +44,16 @@ def test_parity_switch_mlp(checkpoint, arch, variant):
     check_parity(checkpoint(arch, variant))
 
 
+def test_parity_prism_hadamard_qwen35(tmp_path):
+    """Qwen3.5 MoE with Hadamard-packed linear layers (mlx-lm 0.32.1+): uniform 2-bit affine at
+    group size 128, one attention output projection taking rotated inputs; its experts are a
+    plain 2-bit SwitchGLU and stream as qwen3_5's."""
+    pytest.importorskip("mlx_lm.models.prism_hadamard_qwen35")
+    from synthetic.prism import build_prism_checkpoint
+
+    check_parity(build_prism_checkpoint(tmp_path / "prism"))
+
+
 # -- the verified step over recurrent state ------------------------------------------------------
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])

@@ -308,7 +308,7 @@ def test_plan_and_pack_refuse_a_dense_model(command, dense, tmp_path):
         command, dense, "--quiet" if command == "pack" else "--", cwd=tmp_path
     )
     one_error_line(
-        out, f"mlx_lm_streaming {command}: error:", "'llama'", "no streaming adapter"
+        out, f"mlx_lm_streaming {command}: error:", "'llama'", "not a Mixture-of-Experts model"
     )
 
 

@@ -65,11 +65,13 @@ FAMILIES = [
         ("deepseek", "deepseek_v32", "dots1", "glm4_moe_lite", "mimo_v2_flash", "mistral4"),
         **ROUTED,
     ),
+    # deepseek_v32's model under GLM-5's args (solar_open is glm4_moe's model itself)
+    ArchitectureAdapter(("glm_moe_dsa",), **ROUTED),
     # per-layer top-k lists (moe_topk)
     ArchitectureAdapter(("hunyuan",), top_k_key="moe_topk"),
     # zero (identity) experts beside the routed ones: the router's ids past n_routed_experts
     # never reach the SwitchGLU
-    ArchitectureAdapter(("longcat_flash",), top_k_key="moe_topk", **ROUTED),
+    ArchitectureAdapter(("longcat_flash", "longcat_flash_ngram"), top_k_key="moe_topk", **ROUTED),
     # mistral3 wraps mistral4 (or a dense llama / ministral3)
     ArchitectureAdapter(("mistral3",), **ROUTED, **TEXT),
     # kimi_k25 and kimi_vl wrap deepseek_v3's layers under language_model

@@ -60,8 +60,9 @@ HYBRIDS = [
     # gated delta net + attention; mlp.experts.{e}.{gate,up,down}_proj
     ArchitectureAdapter(("qwen3_next",)),
     # Qwen3.5 / 3.6: qwen3_next's sparse block; HF fuses experts.gate_up_proj, and qwen3_5's
-    # sanitize stacks nothing
-    TextConfigAdapter(("qwen3_5", "qwen3_5_moe"), raw_key=None),
+    # sanitize stacks nothing. prism_hadamard_qwen35: Qwen3.5 whose packed linear layers take
+    # Hadamard-rotated inputs; its experts stay a 2-bit SwitchGLU
+    TextConfigAdapter(("qwen3_5", "qwen3_5_moe", "prism_hadamard_qwen35"), raw_key=None),
     # Mamba-2 + attention + SwitchMLP experts: mixer.experts.{e}.{up,down}_proj
     ArchitectureAdapter(("nemotron_h",), raw_projections=NEMOTRON_NAMES, **ROUTED),
     # Mamba + attention: feed_forward.experts.{e}.{gate,up,down}_proj

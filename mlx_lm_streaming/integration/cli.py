@@ -5,6 +5,7 @@ them in one line each, and turns them into the environment variables of ``option
 
 import argparse
 import functools
+import json
 import os
 import signal
 import sys
@@ -103,6 +104,10 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
     _check_flags(parser, given, model, environ)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
+    if given.get("streaming_experts") and not environ.get(ENV["if_unstreamable"], "").strip():
+        # asked for on this command line: a model that cannot stream is refused (with only the
+        # variable, a standing wish for every load, it loads whole: unstreamable.py)
+        environ[ENV["if_unstreamable"]] = "refuse"
     # what is left to check came from the environment: the error names the variable
     try:
         options = StreamingOptions.from_env(environ)
@@ -112,9 +117,32 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
         fail(parser, str(e))
     if missing_local_path(model):
         fail(parser, f"argument --model: {model}: no such model directory", 1)
+    _refuse_a_listed_model(parser, model, environ)
     report.cli_streaming = True
     if given.get("streaming_stats"):
         _exit_cleanly_on_sigterm()
+
+
+def _refuse_a_listed_model(parser, model, environ) -> None:
+    """A local ``--model`` of a type that cannot stream (``unstreamable.REFUSED``), refused now
+    where its load would refuse it: the server loads its model on a thread, where the refusal
+    would be a traceback in its log and a server that cannot answer."""
+    from ..errors import UnstreamableModelError
+    from ..runtime.mlx_compat import model_classes
+    from .unstreamable import REFUSE, model_module, refusal, refuse_listed
+
+    if environ.get(ENV["if_unstreamable"], "").strip().lower() != REFUSE or not _local_model(model):
+        return
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        model_class, _ = model_classes()(config=config)
+    except Exception:  # the load names what is wrong with the checkpoint
+        return
+    try:
+        refuse_listed(model_module(model_class), config.get("model_type"), model)
+    except UnstreamableModelError as e:
+        fail(parser, str(refusal(e)), 1)
 
 
 def _local_model(model):

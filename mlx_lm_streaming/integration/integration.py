@@ -97,25 +97,36 @@ def _wrap_load_model(stock_load_model):
             return stock_load_model(*bound.args, **bound.kwargs)
         from ..errors import UnsupportedModelError
         from .loading import load_streaming_model
+        from .unstreamable import instead, refusal
 
         try:
             return load_streaming_model(stock_load_model, bound, options)
         except UnsupportedModelError as e:
-            if explicit:
-                raise
-            # asked for by flag or environment, which also reach draft models and models named
-            # in server requests: a model we cannot stream loads stock
-            print(
-                f"mlx-lm-streaming: {bound.arguments['model_path']}: {e}; "
-                "loading it without streaming",
-                file=sys.stderr,
-                flush=True,
-            )
+            # a model with no experts loads as stock; one that cannot stream is refused where
+            # model_config or the flag asked, and loads whole where only the environment did
+            # (which also reaches draft models and models named in server requests)
+            line = instead(e, options, explicit)
+            if line is None:
+                raise refusal(e) from None
+            print(line, file=sys.stderr, flush=True)
             return stock_load_model(*bound.args, **bound.kwargs)
 
     load_model.mlx_lm_streaming = True
     load_model.stock = stock_load_model
     return load_model
+
+
+def load_to_stream(model_path, options, lazy: bool = True):
+    """For our own commands (``plan``, ``pack``): ``(model, config)`` of a streaming model, or our
+    error; a model that cannot stream, one without experts included, never loads stock here."""
+    from .loading import load_streaming_model
+
+    install()
+    import mlx_lm.utils
+
+    stock = mlx_lm.utils.load_model.stock
+    bound = inspect.signature(stock).bind(model_path, lazy=lazy)
+    return load_streaming_model(stock, bound, options)
 
 
 # -- prefill -------------------------------------------------------------------------------------

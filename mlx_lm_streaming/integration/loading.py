@@ -19,7 +19,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import plugins
-from ..errors import CheckpointError, ConfigurationError, UnsupportedModelError
+from ..errors import (
+    CheckpointError,
+    ConfigurationError,
+    NotMixtureOfExpertsError,
+    UnsupportedModelError,
+)
 from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 from ..files.routing_trace import RoutingRecorder
 from ..files.timeline import Timeline, open_timeline
@@ -37,6 +42,7 @@ from ..runtime.options import (
 )
 from ..runtime.switch import StreamingSwitchGLU
 from ..runtime.verified_step import StepRunner
+from .unstreamable import adapter_for, model_module, refuse_listed
 
 
 def default_budget(state: "StreamingState"):
@@ -177,19 +183,6 @@ def _module_at(model, path: str):
     return parent, parts[-1]
 
 
-def adapter_for(model, config: dict):
-    module = type(model).__module__.rsplit(".", 1)[-1]
-    adapters = plugins.architectures()
-    adapter = adapters.get(module)
-    if adapter is None:
-        raise UnsupportedModelError(
-            f"model_type {config.get('model_type')!r} (mlx_lm.models.{module}) has no "
-            f"streaming adapter; supported: {', '.join(sorted(adapters))}. Load it without "
-            "--streaming-experts, or register an adapter (docs/plugins.md)"
-        )
-    return adapter
-
-
 def convert_model(
     model, weights: dict, config: dict, state: StreamingState, check_budget: bool = True
 ) -> dict:
@@ -198,16 +191,16 @@ def convert_model(
     ``check_budget=False`` (lazy loads) leaves the budget check to ``pipeline`` or the first call:
     ``sharded_load`` loads lazily and only then keeps the layers of this rank, and a per-rank budget
     is meant for those layers only."""
-    adapter = adapter_for(model, config)
+    adapter = adapter_for(model, config, state.model_path)
     routed = [
         (path, m)
         for path, m in model.named_modules()
         if adapter.is_routed_experts(path, m)
     ]
     if not routed:
-        raise UnsupportedModelError(
-            f"model_type {config.get('model_type')!r}: no routed-expert modules "
-            "(SwitchGLU, SwitchMLP) found to stream"
+        raise NotMixtureOfExpertsError(  # a dense model of a family that has MoE ones
+            f"{state.model_path}: model_type {config.get('model_type')!r} is not a "
+            "Mixture-of-Experts model"
         )
     # layers with tensors in absent shards stay stock and unloaded, as mlx-lm leaves them: they
     # belong to other pipeline ranks (``_stream_per_pipeline_stage`` refuses a rank that keeps one)
@@ -283,8 +276,9 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
             raise CheckpointError(
                 f"{model_path / 'config.json'}: mlx-lm {__version__}: {e}"
             ) from e
+        refuse_listed(model_module(model_class), config.get("model_type"), model_path)
         # the counts the experts are built from, before the model is built from them
-        adapter = plugins.architectures().get(model_class.__module__.rsplit(".", 1)[-1])
+        adapter = plugins.architectures().get(model_module(model_class))
         if adapter is not None and hasattr(adapter, "check_config"):
             adapter.check_config(config, args_class, model_path / "config.json")
 

@@ -160,6 +160,20 @@ def parse_store_options(value) -> Dict[str, Any]:
     return options
 
 
+# the values of ``if_unstreamable``
+UNSTREAMABLE = ("refuse", "whole")
+
+
+def parse_choice(value, name: str, choices) -> Optional[str]:
+    """One of ``choices`` (a word, any case), or None where not given."""
+    if value is None:
+        return None
+    word = value.strip().lower() if isinstance(value, str) else value
+    if word not in choices:
+        raise ConfigurationError(f"{name} must be {' or '.join(choices)}, got {value!r}")
+    return word
+
+
 def auto_switch(value, name: str) -> Optional[bool]:
     """An ``auto|on|off`` option: None (auto), True or False, from a bool, None or a word."""
     if isinstance(value, str):
@@ -203,6 +217,10 @@ class StreamingOptions:
     # the expert pack to read (``mlx_lm_streaming pack``; a file, or a directory holding
     # experts.pack): implies store "packed" and becomes its ``path`` store option
     pack: Optional[str] = None
+    # what a Mixture-of-Experts model that cannot stream does: "refuse" or "whole"; None: refuse
+    # where model_config (or the --streaming-experts flag) asks, whole where only the environment
+    # does (integration/unstreamable.py)
+    if_unstreamable: Optional[str] = None
     # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
     # ``direct_reads`` and ``layer_major_prefill`` are set from the options above); None: the
     # defaults
@@ -237,6 +255,7 @@ class StreamingOptions:
                 f"{', '.join(sorted(POLICIES))}"
             )
         self.stats = parse_stats(self.stats)
+        self.if_unstreamable = parse_choice(self.if_unstreamable, "if_unstreamable", UNSTREAMABLE)
         self.verbose = parse_switch(self.verbose, "verbose")
         self.direct_reads = auto_switch(self.direct_reads, "direct_reads")
         self.layer_major_prefill = auto_switch(self.layer_major_prefill, "layer_major_prefill")

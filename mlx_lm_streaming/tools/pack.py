@@ -16,15 +16,10 @@ from ..runtime.options import decimal_gb
 
 def index_checkpoint(model_path: Path):
     """The ``ExpertIndex`` of a checkpoint, built the way loading builds it (no expert bytes read)."""
-    import mlx_lm.utils
-
-    from ..integration.integration import install
+    from ..integration.integration import load_to_stream
     from ..runtime.options import StreamingOptions
 
-    install()
-    model, _ = mlx_lm.utils.load_model(
-        Path(model_path), lazy=True, model_config={"streaming_experts": StreamingOptions()}
-    )
+    model, _ = load_to_stream(Path(model_path), StreamingOptions())
     state = model.expert_streaming
     index = state.index
     state.close()
