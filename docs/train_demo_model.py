@@ -40,6 +40,14 @@ from mlx_lm.utils import quantize_model, save_config, save_model
 
 HERE = pathlib.Path(__file__).resolve().parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML over the special tokens, so that mlx_lm.chat and the server's /v1/chat/completions take the
+# model (the model was trained on plain text: the template frames a prompt, it teaches no dialogue)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 VOCAB = 1024
 CONFIG = {
     "model_type": "qwen3_moe",
@@ -124,6 +132,7 @@ def build_tokenizer(text: str, out: pathlib.Path):
         "add_bos_token": False,
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -111,8 +111,8 @@ def add_plan_arguments(parser):
         "--plot",
         metavar="FILE.png",
         help="with --routing-trace: draw hit rate and disk-bound tok/s against budget into FILE "
-        "(.png, .svg or .pdf; no extension: .png); needs matplotlib: pip install "
-        "'mlx-lm-streaming[plot]'",
+        "(.png, .svg or .pdf; no extension: .png); needs matplotlib (the [plot] extra: "
+        "python -m pip install matplotlib)",
     )
 
 

@@ -63,8 +63,9 @@ OPTIONS = (
         PREFIX + "CACHE_GB",
         "--expert-cache-gb",
         "GB",
-        "Expert cache budget in decimal GB (10**9 bytes). Default: half of the memory the "
-        "resident weights leave free, at least one expert per MoE layer",
+        "Expert cache budget in decimal GB (10**9 bytes). Default: 50% of the memory the "
+        "resident weights leave free (on CUDA, where the cache is in GPU memory: 80% of the GPU "
+        "memory they leave free), at least one expert per MoE layer",
     ),
     Option(
         "expert_host_gb",

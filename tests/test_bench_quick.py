@@ -142,3 +142,59 @@ def test_hot_path_calls():
     assert set(counts) == {"verified", "per_layer_hit", "per_layer_miss"}
     for case, calls in counts.items():
         assert 0 < calls <= recorded[case], (case, calls, recorded[case])
+
+
+def test_every_script_a_test_trace_names_exists():
+    # a trace in tests/data names the scripts that made it (its header's model, source and note):
+    # they must be there to make it again (the routing model's two were once retired to git)
+    named = {}
+    for trace in sorted((ROOT / "tests" / "data").rglob("*.jsonl")):
+        with open(trace) as f:
+            header = json.loads(f.readline())
+        text = " ".join(str(header.get(k, "")) for k in ("model", "source", "note"))
+        for script in re.findall(r"\b((?:bench|docs|tools|synthetic)/[\w/]+\.(?:py|sh))\b", text):
+            named.setdefault(script, []).append(trace.name)
+    assert "bench/train_routing_model.py" in named  # the check finds what a header names
+    missing = {s: t for s, t in named.items() if not (ROOT / s).is_file()}
+    assert not missing, f"scripts named by traces in tests/data but not in the tree: {missing}"
+
+
+def test_routing_model_figures(tmp_path):
+    # --compare on a committed trace (the quickest to replay) gives the figures docs/benchmarks
+    # records for it; the model mode runs on the demo model (a Qwen3-MoE too) and writes a trace
+    # that the package reads
+    trace = ROOT / "tests" / "data" / "routing" / "gemma-4-26b-a4b.jsonl"
+    bench(BENCH / "routing_model_figures.py", "--compare", trace, "--out", tmp_path)
+    got = json.loads((tmp_path / "routing-compare.json").read_text())
+    recorded = ROOT / "docs" / "benchmarks" / "routing-compare.json"
+    assert got[trace.name] == json.loads(recorded.read_text())[trace.name]
+    prompts = tmp_path / "heldout.json"
+    text = "Return the value of the file named by path, or None when it does not exist."
+    prompts.write_text(json.dumps({"prompts": [text]}))
+    out = bench(
+        BENCH / "routing_model_figures.py", "--model", ROOT / "docs" / "demo-model",
+        "--prompts", prompts, "--out", tmp_path, "--seqs", "1", "--decode", "4",
+    )  # fmt: skip
+    assert "next_router_on_moe_input top-k: precision" in out
+    from mlx_lm_streaming.files.routing_trace import read_trace
+
+    trace = read_trace(tmp_path / "routing-model.jsonl")
+    assert trace.num_layers == 4 and sum(r.phase == "decode" for r in trace.rows) == 4
+
+
+def test_train_routing_model_without_torch():
+    # the parts that need no torch (the corpus, the tokenizer, the batches) at a tiny size; the
+    # training itself needs torch and transformers' models (on the H200)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train", BENCH / "train_routing_model.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    texts, held, roots = train.corpus(300_000)
+    assert texts and roots
+    tok = train.make_tokenizer(texts, 512, 200_000)
+    data = train.encode(tok, texts[:20])
+    assert tok.token_to_id(train.EOS) is not None and data.max() < 512
+    (batch,) = list(train.batches(data, 1, 2, 32, seed=0))
+    assert batch.shape == (2, 32)
+    assert bench(BENCH / "train_routing_model.py", "--help").startswith("usage:")

@@ -3,6 +3,7 @@ Python's standard library): it writes readable text, streams it bit for bit like
 experts evicted and read again, and routes the way a trained model does, where the random-weight
 checkpoints of the rest of the suite route uniformly."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from mlx_lm.models import qwen3_moe
 from mlx_lm.models.cache import make_prompt_cache
 from support import (
+    BIN,
     generate_cmd,
     generated_text,
     load_stock,
@@ -167,3 +169,55 @@ def test_lookahead_pays_on_learned_routing(stock, tokenizer, tmp_path):
     s = model.expert_streaming.stats()
     model.expert_streaming.close()
     assert s["lookahead_precision"] < 0.4, s
+
+
+def test_the_chat_template_frames_messages_in_the_special_tokens(tokenizer):
+    # the template is the one docs/train_demo_model.py writes, read by the tokenizer mlx-lm loads
+    messages = [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "What does open return?"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = (
+        "<|im_start|>system\nAnswer in one line.<|im_end|>\n"
+        "<|im_start|>user\nWhat does open return?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.decode(ids) == want
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.count(start) == 3 and ids.count(end) == 2  # each one token, not spelt out
+    assert end in tokenizer.eos_token_ids  # a reply ends at its <|im_end|>
+    script = (DEMO.parent / "train_demo_model.py").read_text()
+    assert "CHAT_TEMPLATE" in script and tokenizer.chat_template in _template_of(script)
+
+
+def _template_of(script: str) -> str:
+    """The value of CHAT_TEMPLATE in the training script, which writes the tokenizer's config."""
+    for node in ast.parse(script).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CHAT_TEMPLATE":
+            return ast.literal_eval(node.value)
+    return ""
+
+
+def test_chat_streams_the_same_reply(tmp_path, require_hook):
+    # mlx_lm.chat applies the template (it failed without one, stock too)
+    chat = [
+        BIN / "mlx_lm.chat", "--model", DEMO, "--max-tokens", "24", "--temp", "0",
+    ]
+    turns = "Return the value of the file\nq\n"
+    stock_out = run(chat, tmp_path, input=turns)
+    streamed = run(
+        chat + ["--streaming-experts", "--expert-cache-gb", "0.002", "--streaming-stats"],
+        tmp_path,
+        input=turns,
+    )
+    assert "Traceback" not in stock_out.stderr + streamed.stderr
+
+    def reply(out):  # the screen less its speed line
+        return [line for line in out.splitlines() if "tok/s" not in line]
+
+    assert reply(streamed.stdout) == reply(stock_out.stdout)
+    # the reply: after the first prompt mark, up to the speed line, escape codes left out
+    screen = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x01\x02]", "", stock_out.stdout)
+    answer = screen.split("\u203a", 1)[1].split("tok/s", 1)[0].rsplit("\n", 1)[0]
+    assert reads_as_text(answer), answer
+    assert "[streaming] hit rate" in streamed.stderr

@@ -1,6 +1,7 @@
 """The docs say what the code does: every hook, flag, variable and key is documented, the plugin
 examples in docs/plugins.md run, and the README's commands exist."""
 
+import fnmatch
 import importlib
 import inspect
 import os
@@ -128,6 +129,14 @@ def test_readme_has_the_two_commands_and_the_mac_line():
     assert re.search(
         r"mlx_lm\.generate --model mlx-community/\S+ .*--streaming-experts", README
     )
+    # until the package is published, the lines that work: from a checkout, with every extra
+    # they name declared in pyproject.toml (a name an index does not have fails in pip)
+    extras = re.findall(r"^pip install '\.\[(\w+)\]'", README, re.M)
+    assert {"cpu", "cuda13"} <= set(extras), extras
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r"\[project\.optional-dependencies\]\n(.*?)\n\[", pyproject, re.S).group(1)
+    assert all(re.search(rf"^{e} = ", declared, re.M) for e in extras), extras
+    assert "not on PyPI yet" in README
     assert os.access(ROOT / "docs" / "demo.sh", os.X_OK)
     assert "bash tests/run.sh" in (ROOT / ".ci" / "run").read_text()
     demo = (ROOT / "docs" / "demo.sh").read_text()
@@ -181,6 +190,7 @@ LINKING = [
     "docs/routing.md",
     "docs/distributed.md",
     "docs/design.md",
+    "docs/history.md",
     "docs/usage.md",
     "bench",
     "mlx_lm_streaming",
@@ -239,3 +249,94 @@ def test_benchmark_expert_sizes_are_decimal():
         expert = 3 * (hidden * inter // 2 + 2 * 4 * hidden * inter // 64)
         assert f"{expert / 1e6:.3g} MB" in cells[4], (line, expert)
         assert f"{layers * experts * expert / 1e9:.3g} GB" in cells[5], (line, expert)
+
+
+def test_the_startup_cost_usage_states_is_what_the_bench_checks():
+    # usage.md gives the hook's cost as bench/startup.py measures it, and its --check limit as the
+    # script's (it once said "well under a millisecond" where the script measured +2.6 ms)
+    hook = USAGE_MD[USAGE_MD.index("## The startup hook") :]
+    hook = hook[: hook.index("\n## ", 1)]
+    assert "well under" not in hook
+    limit = re.search(r"LIMIT_MS = ([\d.]+)", (ROOT / "bench" / "startup.py").read_text()).group(1)
+    stated = f"`python bench/startup.py --check` fails at {float(limit):g} ms"
+    assert stated in " ".join(hook.split())
+    assert "-X importtime" in hook and "python -c pass" in hook
+
+
+def _defined_names():
+    """``(modules, classes)``: per module of the package (by its name, a package's by its folder's)
+    the names it defines or imports at its top; per class, its methods and attributes."""
+    import ast
+
+    modules, classes = {}, {}
+    for path in (ROOT / "mlx_lm_streaming").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        stem = path.parent.name if path.stem == "__init__" else path.stem
+        names = modules.setdefault(stem, set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            attrs = classes.setdefault(node.name, set())
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    attrs.add(sub.name)
+                elif isinstance(sub, ast.Attribute) and getattr(sub.value, "id", "") == "self":
+                    attrs.add(sub.attr)
+                elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+                    attrs.add(sub.target.id)
+                elif isinstance(sub, ast.Assign):
+                    attrs.update(n.id for t in sub.targets for n in ast.walk(t)
+                                 if isinstance(n, ast.Name))  # fmt: skip
+    return modules, classes
+
+
+def test_the_packages_docstrings_name_what_exists():
+    # ``module.name`` and ``Class.name`` in the package's docstrings and comments name something
+    # that module or class defines (``name_*``: a family, at least two), and ``module.py`` a
+    # module: such references went stale when code moved (``mlx_compat.switch_glu_*``,
+    # ``ExpertCache.lookahead_min_precision``, ``loading.check_budget``)
+    modules, classes = _defined_names()
+    stale = []
+    for path in sorted((ROOT / "mlx_lm_streaming").rglob("*.py")):
+        text = path.read_text()
+        for m in re.finditer(r"``(\w+)\.(\w+\*?)``", text):
+            owner, name = m.groups()
+            if owner == "mlx_lm_streaming":  # the hook files, mlx_lm_streaming.pth / .start
+                continue
+            if name == "py":
+                ok = owner in modules
+            elif owner in modules or owner in classes:
+                pool = modules.get(owner, set()) | classes.get(owner, set())
+                if owner == "bank":  # a LayerBank, by the name the code gives one
+                    pool |= classes["LayerBank"]
+                if name.endswith("*"):
+                    ok = sum(n.startswith(name[:-1]) for n in pool) >= 2
+                else:
+                    ok = name in pool or name in modules
+            else:
+                continue
+            if not ok:
+                line = text[: m.start()].count("\n") + 1
+                stale.append(f"{path.relative_to(ROOT)}:{line}: ``{owner}.{name}``")
+    assert not stale, "references to names that do not exist there:\n" + "\n".join(stale)
+
+
+def test_the_benchmark_index_names_only_files_that_are_there():
+    # docs/benchmarks/README.md's table of runs: every file it names (a glob for several) is there,
+    # and every file there is named (above); retired runs leave the folder and the table together
+    page = (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    table = page.split("| file | run |", 1)[1].split("\n\n", 1)[0]
+    there = {p.name for p in (ROOT / "docs" / "benchmarks").iterdir()}
+    rows = re.findall(r"^\| (.*?) \|", table, re.M)
+    named = [n for row in rows for n in re.findall(r"`([^`]+)`", row)]
+    assert named
+    missing = [n for n in named if not fnmatch.filter(there, n)]
+    assert not missing, f"docs/benchmarks/README.md indexes runs that are not there: {missing}"

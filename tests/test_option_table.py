@@ -238,3 +238,14 @@ def test_a_store_declares_its_options():
         known_options = ("depth",)
 
     assert plugins.store_option_names(Declared) == {"depth"}
+
+
+def test_the_budget_help_gives_the_default_shares_the_code_uses():
+    # the help once said half of the free memory where CUDA's default is 80% of the GPU's
+    from mlx_lm_streaming.runtime import memory
+
+    option = next(o for o in option_table.OPTIONS if o.name == "expert_cache_gb")
+    words = " ".join(option.help.split())
+    for share in (memory.DEFAULT_CACHE_SHARE, memory.CUDA_CACHE_SHARE):
+        assert f"{share:.0%} of the" in words, (share, words)
+    assert "on CUDA" in words

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from support import KernelPlugin, decode, load_stock, registered, same, with_slots
 
+from mlx_lm_streaming.runtime.bank import LayerBank
 from mlx_lm_streaming.runtime.bank import reads as bank_reads
 from mlx_lm_streaming.runtime import lookahead
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.kernels.gather import GatherKernel
 from mlx_lm_streaming.runtime.mlx_compat import SORT_THRESHOLD
+from mlx_lm_streaming.runtime.schedules import direct
 
 
 def test_one_call_per_landing_is_exact(q3, tmp_path):
@@ -157,34 +159,75 @@ def test_a_guess_read_ahead_counts_once(q3, tmp_path):
     assert counted == sum(c["experts"] for c in calls)
 
 
-def test_the_hits_rows_follow_the_reads_issue(q3, tmp_path):
+def test_the_hits_rows_follow_the_reads_issue(q3, monkeypatch):
     # a decode call hands its reads to the demand threads before it computes the rows of its
-    # resident experts, so that their submission does not delay every read. On the timeline: in a
-    # call with hits and misses, the hits' compute is the first "submit" before the first "wait
-    # read"; reads issued before it can start while it is submitted (mx.async_eval lets go of the
-    # GIL), reads issued after it cannot. The demand threads are not always scheduled in that
-    # window, so some call, not every call, shows it
+    # resident experts, so that their submission does not delay every read; and it submits those
+    # rows before it takes the first landing. Logged in program order on the model's thread: each
+    # wave's reads asked for (with hits and misses), the demand reads handed to the threads, the
+    # rows submitted (mx.async_eval), the landings taken
     path, tokens, want = q3
-    out = tmp_path / "timeline.json"
-    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False), trace=str(out))
+    model = with_slots(path, 4, tuning=CacheTuning(lookahead=False))
+    log = []
+    real_reads, real_submit, real_compute = LayerBank.reads, direct.submit, direct.Direct.compute
+    pool = model.expert_streaming.cache.demand_pool
+    real_issue = pool.submit
+
+    def compute(schedule, *args, **kwargs):
+        log.append("call")
+        try:
+            return real_compute(schedule, *args, **kwargs)
+        finally:
+            log.append("end")
+
+    def reads(bank, wave, *args, **kwargs):
+        resident = bank.slot_of[wave] >= 0
+        log.append(("wave", bool(resident.any() and not resident.all())))
+        return _Landings(real_reads(bank, wave, *args, **kwargs), log)
+
+    def issue(*args, **kwargs):
+        log.append("issue")
+        return real_issue(*args, **kwargs)
+
+    def submit(bank, y):
+        log.append("submit")
+        return real_submit(bank, y)
+
+    monkeypatch.setattr(direct.Direct, "compute", compute)
+    monkeypatch.setattr(LayerBank, "reads", reads)
+    monkeypatch.setattr(direct, "submit", submit)
+    monkeypatch.setattr(pool, "submit", issue)
     assert same(want, decode(model, tokens))
     model.expert_streaming.close()
-    events = [e for e in json.loads(out.read_text()) if e["ph"] == "X"]
-    # per call with hits and misses: whether a read started before the hits' submit ended
-    reads_during_hits = []
-    for call in events:
-        args = call["args"]
-        if call["name"] != "layer" or not 0 < args.get("misses", 0) < args.get("experts", 0):
-            continue
-        start, end = call["ts"], call["ts"] + call["dur"]
-        ours = [e for e in events if e["args"].get("layer") == args["layer"]]
-        inside = sorted((e for e in ours if start <= e["ts"] <= end), key=lambda e: e["ts"])
-        names = [e["name"] for e in inside]
-        first_wait = names.index("wait read")
-        assert "submit" in names[:first_wait], names  # the hits' rows, before any read is awaited
-        hits = inside[names.index("submit")]
-        reads = [e for e in inside if e["name"] == "read" and e["args"]["kind"] == "demand"]
-        assert reads
-        reads_during_hits.append(min(e["ts"] for e in reads) < hits["ts"] + hits["dur"])
-    assert reads_during_hits
-    assert any(reads_during_hits), reads_during_hits
+    waves, inside = [], False  # the events of each wave with hits and misses of a layer call
+    for event in log:
+        if event in ("call", "end"):
+            inside = event == "call"
+            waves.append(None)
+        elif isinstance(event, tuple):
+            waves.append([] if inside and event[1] else None)
+        elif waves and waves[-1] is not None:
+            waves[-1].append(event)
+    waves = [w for w in waves if w is not None]
+    assert waves
+    for events in waves:
+        assert "issue" in events and "landing" in events, events
+        first_submit = events.index("submit")
+        assert events.index("issue") < first_submit < events.index("landing"), events
+
+
+class _Landings:
+    """A landings generator as ``LayerBank.reads`` returns it, each landing taken logged."""
+
+    def __init__(self, gen, log):
+        self.gen, self.log = gen, log
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        landing = next(self.gen)
+        self.log.append("landing")
+        return landing
+
+    def close(self):
+        self.gen.close()

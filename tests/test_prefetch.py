@@ -5,8 +5,10 @@ it on, with it off, when background reads fail, and once a bank holding every ex
 the layer passes the router's indices straight to the kernel without a host sync.
 """
 
+import gc
 import threading
 import time
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -232,6 +234,14 @@ def test_demand_read_failing_after_a_background_read_names_both(q3):
     assert msg.startswith("injected demand read failure (the background read of expert ")
     assert msg.endswith("had failed first: OSError: injected background read failure)")
     assert model.expert_streaming.stats()["failed_background_reads"] > 0
+    # and the model is freed once dropped (its threads end, its files close): asking a failed
+    # background read again must not pile the asking frames, which hold the model, onto the stored
+    # error's traceback (it kept every such model alive, its idle threads ending 30 s later in
+    # some other test)
+    gone = weakref.ref(model)
+    del model, store, real, flaky, info
+    gc.collect()
+    assert gone() is None
 
 
 def test_staged_bytes_stay_within_the_bound(q3):

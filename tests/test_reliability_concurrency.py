@@ -52,25 +52,39 @@ def run(model, tokens):
     return out
 
 
-def open_fds():
-    return sorted(os.listdir("/proc/self/fd"))
+def open_fds() -> dict:
+    """fd -> what it names, for each descriptor this process holds open."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return found
+
+
+def opened_since(before: dict) -> dict:
+    """Descriptors open now that were not, or named something else, in ``before``. Descriptors
+    that other tests' models close meanwhile do not count: only what this test left open."""
+    return {fd: name for fd, name in open_fds().items() if before.get(fd) != name}
 
 
 def reader_threads():
     return [t for t in threading.enumerate() if t.name.startswith("mlx-lm-streaming")]
 
 
-def settled_reader_threads(timeout=10.0):
-    """Our threads once those of models dropped earlier ended (a garbage-collected model's
-    finalizer joins no thread: they end on their own, promptly)."""
+def started_since(before, timeout=10.0):
+    """Our threads started since ``before`` that are still alive once they had ``timeout`` seconds
+    to end (a garbage-collected model's finalizer joins no thread: they end on their own,
+    promptly). Threads of other models that end meanwhile (an idle background reader ends after
+    prefetch.IDLE_EXIT_S) do not count."""
     gc.collect()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        before = reader_threads()
-        time.sleep(0.1)
-        if reader_threads() == before and all(t.is_alive() for t in before):
-            return before
-    return reader_threads()
+    while True:
+        left = [t for t in reader_threads() if t not in before]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +131,7 @@ def run_concurrently(model, expected):
 ])
 def test_concurrent_forward_passes_match_serial(setup, store, store_options):
     path, expected, budget = setup
-    threads = settled_reader_threads()
+    threads = reader_threads()
     fds = open_fds()
     model, _ = load_streaming(path, expert_cache_gb=budget, store=store, store_options=store_options)
     state = model.expert_streaming
@@ -129,10 +143,10 @@ def test_concurrent_forward_passes_match_serial(setup, store, store_options):
     assert state.cache.stats.evictions > 100
     assert state.cache.resident_bytes <= state.cache.budget_bytes
     if store == "safetensors" and store_options["threads"] > 1:
-        assert reader_threads()
+        assert [t for t in reader_threads() if t not in threads]
     state.close()
-    assert reader_threads() == threads
-    assert open_fds() == fds
+    assert started_since(threads, timeout=0) == []  # close joins them
+    assert opened_since(fds) == {}
     with pytest.raises(ExpertIOError, match="closed"):
         # experts not resident must be read: a closed store says so
         for i in range(8):
@@ -141,16 +155,16 @@ def test_concurrent_forward_passes_match_serial(setup, store, store_options):
 
 def test_dropping_the_model_closes_the_store(setup):
     path, expected, budget = setup
-    threads = settled_reader_threads()
+    threads = reader_threads()
     fds = open_fds()
     model, _ = load_streaming(path, expert_cache_gb=budget, store_options={"threads": 4})
     run_concurrently(model, expected)
-    assert len(open_fds()) > len(fds) and reader_threads()
+    assert opened_since(fds) and started_since(threads, timeout=0)
     del model
     # the finalizer joins no thread (it can run inside another thread's start-up): the readers end
     # on their own, promptly
-    assert settled_reader_threads() == threads
-    assert open_fds() == fds
+    assert started_since(threads) == []
+    assert opened_since(fds) == {}
 
 
 def test_model_loaded_in_one_thread_runs_in_another(setup):

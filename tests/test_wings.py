@@ -48,6 +48,10 @@ ALLOWED = {
 }
 WINGS = ("runtime", "files", "integration", "tools")
 MAX_LOOSE = 8
+# bench/ scripts outside its line cap: they made committed test data (the trace
+# tests/data/routing/trained-qwen3moe-16x64.jsonl names them as its source) and stay so that it can
+# be made again. They answer no open question and do not grow with the benchmarks the cap is for
+MAKE_TEST_DATA = {"train_routing_model.py", "routing_model_figures.py"}
 
 # (importer, imported) module pairs allowed against ALLOWED, each with its reason. Keep it short: an
 # entry no import needs any more fails below (dev/wings.py drops those it finds stale when it installs
@@ -199,11 +203,14 @@ def test_every_exception_is_still_needed():
 
 
 def test_sizes_the_house_keeps():
-    """No module of the package over 450 lines, and bench/ (its scripts and shell files) at most
-    2,900: the limits issue 31 set, so that neither grows back unseen."""
+    """No module of the package over 450 lines, and bench/ (its scripts and shell files, less those
+    of MAKE_TEST_DATA) at most 2,900: the limits issue 31 set, so that neither grows back unseen."""
     big = [f"{p.relative_to(ROOT)}: {n}" for p in PKG.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > 450]  # fmt: skip
     assert not big, "modules over 450 lines (split them by what they do):\n" + "\n".join(big)
-    bench = sorted(p for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
+    bench = sorted(
+        p for p in (ROOT / "bench").iterdir()
+        if p.suffix in (".py", ".sh") and p.name not in MAKE_TEST_DATA
+    )  # fmt: skip
     lines = sum(len(p.read_text().splitlines()) for p in bench)
     assert lines <= 2900, f"bench/ holds {lines} lines (at most 2,900): retire answered scripts"

@@ -31,8 +31,8 @@ class ExpertKernel:
     # are the expert ids calls it with the router's indices and ``slots_np=None``, with no host sync
     needs_host_slots = True
     # whether it computes with the layer's own stock ``SwitchGLU`` code over the bank: then that code
-    # run a projection at a time (``mlx_compat.switch_glu_*``) gives the kernel's bits, and the layer
-    # may compute a read expert's first projections while its last one is still read
+    # run a projection at a time (``mlx_shims.switch_glu_*``, in runtime/) gives the kernel's bits,
+    # and the layer may compute a read expert's first projections while its last one is still read
     runs_switch_glu = False
 
     def available(self) -> bool:

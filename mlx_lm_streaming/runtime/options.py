@@ -70,7 +70,7 @@ def check_budget_gb(value) -> float:
 
     A budget is a cap: one above what every expert takes means "every expert". Whether the cache
     and the resident weights fit this machine is checked at load, once the model says what the
-    cache would really take (``loading.check_budget``)."""
+    cache would really take (``loading.check_budget_fits``)."""
     try:
         gb = float(value)
     except (TypeError, ValueError, OverflowError):

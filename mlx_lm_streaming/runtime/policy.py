@@ -5,8 +5,8 @@ A ``SlotTable`` is one MoE layer's residency: ``slot_of[expert]`` (-1: not resid
 layer: it tells the policy which experts the call uses, then picks a slot for each missing expert,
 free slots first, then the policy's victims among the resident experts that neither the call nor
 ``keep`` uses (those are pinned: the call computes from them, so their slots are never taken). The
-cache (``cache.LayerBank``) reads the missing experts into those slots; a replay of a routing trace
-(``replay.py``) drives the same code with no bytes read.
+layer's bank (``bank.LayerBank.reads``) reads the missing experts into those slots; a replay of a
+routing trace (``tools/replay.py``) drives the same code with no bytes read.
 
 Policies keep per-expert state across evictions (an expert read again keeps its history):
 

@@ -93,20 +93,19 @@ class StagedBatch:
         """True once the read succeeded; with ``wait``, blocks until it ended."""
         if not wait and not self.future.done():
             return False
-        try:
-            self.future.result()
-        except BaseException:
-            return False
-        return True
+        # not ``result()``: raising the stored error again would add this caller's frames to its
+        # traceback, each time, and keep the model they reference alive after it is dropped
+        return not self.future.cancelled() and self.future.exception() is None
 
 
 class PrefetchStats:
     """How well background reads served the layers, and how good the lookahead's guesses are.
 
-    Guesses are scored whether or not they were read (a layer whose recent guesses were poor only
-    predicts, see ``ExpertCache.lookahead_min_precision``): ``predicted`` experts were guessed and not
-    resident, ``predicted_hit`` of them were then missed by the layer, out of ``demand`` misses of
-    predicted layers. Precision = predicted_hit / predicted, recall = predicted_hit / demand."""
+    Guesses are scored (``lookahead.score``) whether or not they were read (a layer whose running
+    precision is below ``CacheTuning.lookahead_min_precision`` only guesses): ``predicted`` experts
+    were guessed and neither resident nor staged already, ``predicted_hit`` of them were then
+    missed by the layer, out of ``demand`` misses of guessed layers. Precision = predicted_hit /
+    predicted, recall = predicted_hit / demand."""
 
     def __init__(self):
         self.lock = threading.Lock()

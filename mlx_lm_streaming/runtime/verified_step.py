@@ -64,9 +64,9 @@ MAX_MISSED_SHARE_GPU = 0.35
 MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
 # on a GPU, a token that missed in no layer lets the next one be a verified step, whatever the
 # running share says: after a burst of misses (a new topic, the cache filling) the running share
-# kept the per-layer schedule, at 0.3-0.6 of a verified step's speed, for the 4 tokens it took to
-# decay (measured: H200 hit regime, the first round after the warm pass at 0.45-0.7 of the later
-# ones). Not on the CPU, where a verified step that misses costs more than the sync it saves.
+# kept the per-layer schedule, slower than a verified step, for the tokens it took to decay
+# (docs/benchmarks/README.md, "Behind the code's constants"). Not on the CPU, where a verified step
+# that misses costs more than the sync it saves.
 CLEAN_TOKEN_RETRIES = {"cpu": False}
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25

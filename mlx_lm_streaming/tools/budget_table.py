@@ -10,6 +10,7 @@ reach of it: docs/benchmarks/README.md). GB are decimal (10**9 bytes) throughout
 
 import os
 import random
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,16 +187,20 @@ def measure_disk(banks) -> Tuple[float, str]:
 
 # -- the picture ---------------------------------------------------------------------------------
 
-PLOT_HINT = (
-    "--plot needs matplotlib: pip install 'mlx-lm-streaming[plot]' (or pip install matplotlib)"
-)
+def plot_hint() -> str:
+    """The one line for a missing matplotlib: a command that installs it into this Python, from a
+    checkout as from an index (the ``[plot]`` extra is matplotlib alone)."""
+    return (
+        f"--plot needs matplotlib: {shlex.quote(sys.executable)} -m pip install matplotlib "
+        "(what the [plot] extra installs)"
+    )
 
 
 def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ConfigurationError(PLOT_HINT) from None
+        raise ConfigurationError(plot_hint()) from None
 
 
 def plot_path(path) -> Path:

@@ -4,8 +4,8 @@ land.
 Two ways in. Direct reads: the store reads each missed expert straight into its slot's memory
 through a host view of the bank, on the cache's demand threads. Staged writes: bytes read in the
 background (lookahead, next wave, fill), or demand reads where the bank has no host view, land in
-staging buffers first and are copied into the slots (``_copy_in`` through the host views, or MLX
-slice updates: ``_install``).
+staging buffers first and are written into the slots (``_write``): through the banks' host views
+(``copy_in``, for staging buffers in host memory) or by MLX slice updates (``install``).
 
 ``landings`` is one load's reads, as ``concurrent.futures.as_completed`` hands out finished
 futures: a generator that the bank primes (its first step issues every read and yields None), then
@@ -301,7 +301,7 @@ def install(bank, groups) -> None:
     """Write staged rows into slots, one slice copy per run of consecutive slots, then evaluate.
 
     Slice copies run at memcpy speed on the CPU backend; a scatter with a slot index array was
-    measured ~7x slower (8 slots of 786 KB: 10 ms vs 1.4 ms)."""
+    slower (docs/benchmarks/README.md, "Behind the code's constants")."""
     start = time.perf_counter()
     parts = bank.layer.parts
     for batch, rows, slots in groups:
@@ -329,7 +329,7 @@ def copy_in(bank, groups) -> None:
     which no pending work reads. Used for batches with host buffers, which banks make on the CPU
     backend only (``LayerBank.stage``): there it is faster than MLX buffers and updates; on the
     H200 it was faster alone but slower inside decode, where the GPU last touched the slots'
-    memory (docs/benchmarks/README.md, superseded runs)."""
+    memory (docs/benchmarks/README.md, "Behind the code's constants")."""
     start = time.perf_counter()
     for batch, rows, slots in groups:
         runs = _runs(rows, slots)

@@ -110,7 +110,7 @@ class ByProjection(Direct):
     where partial calls are exact and the kernel runs the layer's stock ``SwitchGLU`` code: as an
     expert's gate and up projections land, their rows of this call are computed (``async_eval``);
     when its down projection lands, the rest. The ops are those of mlx-lm's ``SwitchGLU.__call__``
-    below ``SORT_THRESHOLD`` indices (``mlx_compat.switch_glu_*``), over the same rows and slots as
+    below ``SORT_THRESHOLD`` indices (``mlx_shims.switch_glu_*``), over the same rows and slots as
     ``rows`` would give it, so the result is the same bits. Measured: CPU Mixtral-shape cold
     decode closer to its I/O limit than experts read whole."""
 
