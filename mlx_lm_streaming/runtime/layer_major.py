@@ -181,6 +181,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             group, first = [], LayerPass(None, decoder[0])
             mx.clear_cache()
     stats.prompts += 1
+    runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
@@ -231,10 +232,6 @@ def note_fallback(state, why: str) -> None:
     if state.options.stats and why not in stats.said:
         stats.said.add(why)
         report.say(report.fallback_line(state, why))
-
-
-# the reason generate_step was left stock at patch time (``mlx_compat.generate_step_problem``)
-unpatched: Optional[str] = None
 
 
 def wrap_generate_step(stock):

@@ -239,7 +239,8 @@ class StreamingOptions:
     # does (integration/unstreamable.py)
     if_unstreamable: Optional[str] = None
     # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
-    # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
+    # ``direct_reads`` and ``layer_major_prefill`` are set from the options above); None: the
+    # defaults
     tuning: Any = field(default=None, repr=False, metadata={"internal": True})
 
     def __post_init__(self):

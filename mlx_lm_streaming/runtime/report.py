@@ -8,6 +8,8 @@ from . import memory
 from .options import StreamingOptions, decimal_gb
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
+# lines printed at exit before the stats lines, where any are printed (``note_at_exit``)
+_NOTES: list = []
 # set (integration.py) once an mlx-lm command's line or environment asked for streaming: loads then
 # say on stderr which budget they chose (``choice_line``)
 cli_streaming = False
@@ -185,6 +187,12 @@ def say_choice(options: StreamingOptions) -> bool:
     return options.verbose or cli_streaming
 
 
+def note_at_exit(line: str) -> None:
+    """A line for the stats printed at exit (before them, once), e.g. why a patch was left out."""
+    if line not in _NOTES:
+        _NOTES.append(line)
+
+
 def print_stats_at_exit(state) -> None:
     if not _REPORTING:
         atexit.register(_report_stats)
@@ -200,11 +208,8 @@ def _report_stats() -> None:
             # model's structure before loading the rank's part
             continue
         shown.append(state)
-    from . import layer_major
-
-    if shown and layer_major.unpatched is not None:
-        print(f"[streaming] layer-major prefill does not apply ({layer_major.unpatched}): long "
-              "prompts prefill chunk by chunk", file=sys.stderr, flush=True)
+    for line in _NOTES if shown else ():
+        print(line, file=sys.stderr, flush=True)
     for state in shown:
         print(stats_line(state, label=len(shown) > 1), file=sys.stderr, flush=True)
         if state.options.stats == "layers":
