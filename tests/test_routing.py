@@ -23,14 +23,7 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.runtime.policy import (
-    DEFAULT_POLICY,
-    POLICIES,
-    DecayPolicy,
-    LRUPolicy,
-    SlotTable,
-    make_policy,
-)
+from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, SlotTable
 from mlx_lm_streaming.tools.replay import belady, replay
 from mlx_lm_streaming.files.routing_trace import TraceError, TraceWriter, read_trace
 
@@ -84,10 +77,10 @@ def test_decay_keeps_a_frequent_expert_through_a_burst_that_lru_lets_evict_it():
 
 
 def test_scores_age_by_half_each_half_life():
-    policy = DecayPolicy(4, half_life=2.0)
-    policy.used(np.array([1]))
-    policy.used(np.array([2]))
-    policy.used(np.array([2]))
+    policy = EvictionPolicy(4, "decay", half_life=2.0)
+    policy.use(np.array([1]))
+    policy.use(np.array([2]))
+    policy.use(np.array([2]))
     assert policy.scores(np.array([1]))[0] == pytest.approx(0.5)
     assert policy.scores(np.array([2]))[0] == pytest.approx(1 + 0.5**0.5)
 
@@ -111,13 +104,13 @@ def test_too_few_unpinned_slots_is_an_error():
 
 
 def test_a_policy_choosing_a_pinned_expert_is_caught():
-    class Greedy(LRUPolicy):
+    class Greedy(EvictionPolicy):
         def victims(self, candidates, count):
             return np.arange(count)  # experts 0..count-1, resident or not, pinned or not
 
     table = SlotTable(8, "lru")
     table.reset(2)
-    table.policy = Greedy(8)
+    table.policy = Greedy(8, "lru")
     admit(table, [0, 1])
     with pytest.raises(RuntimeError, match="invalid victims"):
         table.admit(np.array([0, 2]))
@@ -125,7 +118,7 @@ def test_a_policy_choosing_a_pinned_expert_is_caught():
 
 def test_unknown_policy_names_the_known_ones():
     with pytest.raises(ConfigurationError, match="decay, decay_next, lru"):
-        make_policy("fifo", 8)
+        EvictionPolicy(8, "fifo")
 
 
 @settings(max_examples=200, deadline=None)
@@ -316,7 +309,7 @@ def test_every_policy_streams_the_stock_logits(checkpoint, policy):
         outs.append(steps)
     assert all(mx.array_equal(a, b).item() for a, b in zip(*outs))
     assert cache.stats.evictions > 0
-    assert all(type(b.table.policy) is POLICIES[policy] for b in cache.banks)
+    assert all(b.table.policy.name == policy for b in cache.banks)
 
 
 def test_an_unknown_cache_policy_is_refused():

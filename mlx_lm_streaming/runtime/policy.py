@@ -8,7 +8,11 @@ free slots first, then the policy's victims among the resident experts that neit
 layer's bank (``bank.LayerBank.reads``) reads the missing experts into those slots; a replay of a
 routing trace (``tools/replay.py``) drives the same code with no bytes read.
 
-Policies keep per-expert state across evictions (an expert read again keeps its history):
+The policies are one class, ``EvictionPolicy``, named at construction: its ``use`` is the whole
+record of one call (what followed the last call, the victims where the call must evict, the use),
+inline, so that a layer call that hits costs two Python calls here (``admit``, ``use``) and one that
+evicts five (``_evict``, ``victims``, ``rank``). They keep per-expert state across evictions (an expert read
+again keeps its history):
 
 - ``lru``: least recently used; within one call, the router's rank order (the first-ranked expert
   counts as used first).
@@ -26,7 +30,7 @@ Policies keep per-expert state across evictions (an expert read again keeps its 
 Pure Python and numpy: no threads, no MLX.
 """
 
-from typing import Dict, Sequence, Tuple, Type
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,150 +41,125 @@ HALF_LIFE = 16.0
 # how much the chance of a use in the next call weighs against ``decay``'s score (``decay_next``);
 # 1-8 all beat ``decay`` on the traces, 4 at 32 slots the most
 NEXT_WEIGHT = 4.0
+POLICIES = ("decay", "decay_next", "lru")
+DEFAULT_POLICY = "decay_next"
 
 
 class EvictionPolicy:
-    """Per-layer policy state, keyed by expert id. ``used`` sees every call's experts, in the
-    router's rank order; ``victims`` picks which resident experts to evict; ``evict`` is what the
-    slot table asks: prefetched experts not used since go first (``prefetched``)."""
+    """One layer's policy state, keyed by expert id, for the policy ``name`` (``POLICIES``). One
+    method per event, each doing its work inline (it runs for every call of every layer): ``use``
+    (a call's experts, in the router's rank order, and its victims if it must evict), ``prefetched``
+    (experts read ahead on a guess), ``victims`` (which resident experts to evict: those on
+    probation first, then ``rank``'s order)."""
 
-    name = ""
-
-    def __init__(self, num_experts: int):
+    def __init__(
+        self,
+        num_experts: int,
+        name: str = DEFAULT_POLICY,
+        half_life: float = HALF_LIFE,
+        weight: float = NEXT_WEIGHT,
+    ):
+        if name not in POLICIES:
+            raise ConfigurationError(
+                f"unknown cache policy {name!r}; known: {', '.join(sorted(POLICIES))}"
+            )
+        self.name = name
         self.num_experts = num_experts
         self.clock = 0  # calls of the layer
         self.order = 0  # uses, one per expert per call, in rank order
         self.last = np.full(num_experts, -1, dtype=np.int64)  # ``order`` of the last use
         # read ahead on a guess and not used since: on probation, evicted before any other
         self.probation = np.zeros(num_experts, dtype=bool)
+        # ``decay``, ``decay_next``: score as of call ``stamp``, aged lazily (only touched experts
+        # are updated); None for ``lru``
+        self.factor = 0.5 ** (1.0 / half_life)
+        self.score = self.stamp = None
+        if name != "lru":
+            self.score = np.zeros(num_experts, dtype=np.float64)
+            self.stamp = np.zeros(num_experts, dtype=np.int64)
+        # ``decay_next``: follows[a, b]: calls that used a followed by a call that used b; after[a]:
+        # calls that used a followed by any call; None for the others
+        self.weight = weight
+        self.follows = self.after = None
+        if name == "decay_next":
+            self.follows = np.zeros((num_experts, num_experts), dtype=np.float32)
+            self.after = np.zeros(num_experts, dtype=np.float32)
+        self.previous = None  # the last call's experts (``decay_next``)
+        self.current = None  # the experts of the call choosing victims (``decay_next``)
 
-    def used(self, experts: np.ndarray) -> None:
-        """One call of the layer uses ``experts`` (unique ids, rank order where known)."""
+    def use(
+        self, experts: np.ndarray, candidates: Optional[np.ndarray] = None, count: int = 0
+    ) -> Optional[np.ndarray]:
+        """One call of the layer uses ``experts`` (unique ids, rank order where known); where it
+        must evict, ``victims(candidates, count)`` is chosen first and returned (else None).
+
+        In order: what followed the last call is learnt (``decay_next``, before the victims are
+        chosen), the victims, then the use: recency, probation ended, the score."""
+        follows = self.follows
+        if follows is not None:
+            previous = self.previous
+            if previous is not None and len(previous):
+                self.after[previous] += 1.0
+                # ``follows[previous[:, None], experts] += 1`` through the flat view: the same
+                # elements (each pair once: both are unique ids), faster than numpy's 2-D fancy
+                # indexing
+                pairs = (previous[:, None] * self.num_experts + experts).reshape(-1)
+                follows.reshape(-1)[pairs] += 1.0
+            self.current = experts
+        chosen = self.victims(candidates, count) if count else None
         self.clock += 1
         n = len(experts)
         self.last[experts] = np.arange(self.order, self.order + n)
         self.order += n
         self.probation[experts] = False
-
-    def calling(self, experts: np.ndarray) -> None:
-        """A call of the layer is about to use ``experts`` (before its victims, if any, are
-        chosen); ``used`` follows once its slots are found."""
+        score = self.score
+        if score is not None:  # ``scores(experts) + 1``, spelt out
+            stamp = self.stamp
+            score[experts] = score[experts] * self.factor ** (self.clock - stamp[experts]) + 1.0
+            stamp[experts] = self.clock
+        if follows is not None:
+            self.current = None
+            self.previous = np.asarray(experts, dtype=np.int64)
+        return chosen
 
     def prefetched(self, experts: np.ndarray) -> None:
         """``experts`` were read ahead on a guess: not a use (no score, no recency), but on
         probation until a call uses them, so a wrong guess is the first to go."""
         self.probation[experts] = True
 
-    def evict(self, candidates: np.ndarray, count: int) -> np.ndarray:
-        """``victims``, taken first among the experts on probation."""
+    def victims(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """``count`` of the resident, unpinned expert ids ``candidates``, to evict: those on
+        probation first (in ``candidates``' order, ranked if more than ``count``), then the rest
+        in ``rank``'s order."""
         on = self.probation[candidates]
         first, rest = candidates[on], candidates[~on]
         if len(first) >= count:
-            return self.victims(first, count)
+            return self.rank(first, count)
         if len(first) == 0:
-            return self.victims(rest, count)
-        return np.concatenate([first, self.victims(rest, count - len(first))])
+            return self.rank(rest, count)
+        return np.concatenate([first, self.rank(rest, count - len(first))])
 
-    def victims(self, candidates: np.ndarray, count: int) -> np.ndarray:
-        """``count`` of the resident, unpinned expert ids ``candidates``, to evict."""
-        raise NotImplementedError
-
-
-class LRUPolicy(EvictionPolicy):
-    name = "lru"
-
-    def victims(self, candidates, count):
-        order = np.argsort(self.last[candidates], kind="stable")
+    def rank(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """The ``count`` of ``candidates`` the policy gives up first. ``lru``: least recently used.
+        ``decay``: lowest score, the least recently used among equals. ``decay_next``: the same,
+        with ``weight`` times the chance of a use in the next call (the sum over the current call's
+        experts ``a`` of P(next call uses it | a call used ``a``), smoothed: ``follows / (after +
+        1)``) added to the score."""
+        last = self.last[candidates]
+        if self.score is None:
+            order = np.argsort(last, kind="stable")
+            return candidates[order[:count]]
+        score = self.score[candidates] * self.factor ** (self.clock - self.stamp[candidates])
+        cur = self.current
+        if self.follows is not None and cur is not None and len(cur):
+            rows = self.follows[cur[:, None], candidates] / (self.after[cur] + 1.0)[:, None]
+            score = score + self.weight * rows.sum(axis=0)
+        order = np.lexsort((last, score))
         return candidates[order[:count]]
-
-
-class DecayPolicy(EvictionPolicy):
-    name = "decay"
-
-    def __init__(self, num_experts: int, half_life: float = HALF_LIFE):
-        super().__init__(num_experts)
-        self.factor = 0.5 ** (1.0 / half_life)
-        # score as of call ``stamp``; aged lazily (only touched experts are updated)
-        self.score = np.zeros(num_experts, dtype=np.float64)
-        self.stamp = np.zeros(num_experts, dtype=np.int64)
 
     def scores(self, experts: np.ndarray) -> np.ndarray:
+        """``decay``'s scores of ``experts`` as of now."""
         return self.score[experts] * self.factor ** (self.clock - self.stamp[experts])
-
-    def used(self, experts):
-        super().used(experts)
-        # ``scores(experts) + 1``, spelt out: once per layer call
-        self.score[experts] = (
-            self.score[experts] * self.factor ** (self.clock - self.stamp[experts]) + 1.0
-        )
-        self.stamp[experts] = self.clock
-
-    def victims(self, candidates, count):
-        # lowest score first, then least recently used
-        order = np.lexsort((self.last[candidates], self.scores(candidates)))
-        return candidates[order[:count]]
-
-
-class DecayNextPolicy(DecayPolicy):
-    name = "decay_next"
-
-    def __init__(self, num_experts: int, half_life: float = HALF_LIFE, weight: float = NEXT_WEIGHT):
-        super().__init__(num_experts, half_life)
-        self.weight = weight
-        # follows[a, b]: calls that used a followed by a call that used b; after[a]: calls that used
-        # a followed by any call
-        self.follows = np.zeros((num_experts, num_experts), dtype=np.float32)
-        self.after = np.zeros(num_experts, dtype=np.float32)
-        self.previous = None  # the last call's experts
-        self.current = None  # the experts of the call choosing victims
-
-    def calling(self, experts):
-        # what followed the last call is known now, before this call's victims are chosen
-        if self.previous is not None and len(self.previous):
-            self.after[self.previous] += 1.0
-            # ``follows[previous[:, None], experts] += 1`` through the flat view: the same
-            # elements (each pair once: both are unique ids), faster than numpy's 2-D fancy
-            # indexing, and this runs for every call of every layer
-            pairs = (self.previous[:, None] * self.num_experts + experts).reshape(-1)
-            self.follows.reshape(-1)[pairs] += 1.0
-        self.current = experts
-
-    def used(self, experts):
-        super().used(experts)
-        self.current = None
-        self.previous = np.asarray(experts, dtype=np.int64)
-
-    def next_use(self, candidates: np.ndarray) -> np.ndarray:
-        """Per candidate: the sum over the current call's experts ``a`` of P(next call uses it |
-        a call used ``a``), smoothed (``follows / (after + 1)``)."""
-        cur = self.current
-        if cur is None or len(cur) == 0:
-            return np.zeros(len(candidates))
-        rows = self.follows[cur[:, None], candidates] / (self.after[cur] + 1.0)[:, None]
-        return rows.sum(axis=0)
-
-    def victims(self, candidates, count):
-        score = self.scores(candidates) + self.weight * self.next_use(candidates)
-        order = np.lexsort((self.last[candidates], score))
-        return candidates[order[:count]]
-
-
-POLICIES: Dict[str, Type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "decay": DecayPolicy,
-    "decay_next": DecayNextPolicy,
-}
-DEFAULT_POLICY = "decay_next"
-
-
-def make_policy(name: str, num_experts: int) -> EvictionPolicy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ConfigurationError(
-            f"unknown cache policy {name!r}; known: {', '.join(sorted(POLICIES))}"
-        ) from None
-    return cls(num_experts)
 
 
 class SlotTable:
@@ -189,7 +168,7 @@ class SlotTable:
     def __init__(self, num_experts: int, policy: str = DEFAULT_POLICY):
         self.num_experts = num_experts
         self.policy_name = policy
-        self.policy = make_policy(policy, num_experts)
+        self.policy = EvictionPolicy(num_experts, policy)
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)
         self.expert_of = np.zeros(0, dtype=np.int64)
         self.identity = False
@@ -203,7 +182,7 @@ class SlotTable:
 
     def reset(self, slots: int) -> None:
         """Empty, with ``slots`` slots; ``slots == num_experts`` maps expert e to slot e."""
-        self.policy = make_policy(self.policy_name, self.num_experts)
+        self.policy = EvictionPolicy(self.num_experts, self.policy_name)
         self.slot_of[:] = -1
         self.expert_of = np.full(slots, -1, dtype=np.int64)
         self.identity = slots == self.num_experts
@@ -214,25 +193,32 @@ class SlotTable:
     ) -> Tuple[np.ndarray, np.ndarray, int]:
         """One call uses ``experts`` (unique ids): ``(missing experts, their slots, evicted)``.
 
-        The victims' slots are freed here (no slot names an evicted expert, even if the read that
+        Inline, as it runs for every call of every layer: the missing experts; free slots for
+        them; where too few are free, the policy's victims among the unpinned residents, chosen
+        within its record of the call's use (``EvictionPolicy.use``: one call to the policy). The
+        victims' slots are freed here (no slot names an evicted expert, even if the read that
         follows fails); ``place`` maps each missing expert once its bytes are in its slot."""
         experts = np.asarray(experts, dtype=np.int64)
-        if len(experts) > len(self.expert_of):
+        expert_of = self.expert_of
+        if len(experts) > len(expert_of):
             raise ValueError(
                 f"{len(experts)} experts asked for at once but only {self.slots} slots"
             )
         missing = experts[self.slot_of[experts] < 0]
-        self.policy.calling(experts)
         if len(missing) == 0 or self.identity:
-            self.policy.used(experts)
+            self.policy.use(experts)
             return missing, missing.copy(), 0
+        free = np.nonzero(expert_of < 0)[0][: len(missing)]
+        need = len(missing) - len(free)
+        if need == 0:
+            self.policy.use(experts)
+            return missing, free, 0
         pinned = np.zeros(self.num_experts, dtype=bool)
         pinned[experts] = True
         if len(keep):
             pinned[np.asarray(keep, dtype=np.int64)] = True
-        slots, evicted = self._take(len(missing), pinned)
-        self.policy.used(experts)
-        return missing, slots, evicted
+        taken = self._evict(pinned, len(missing), need, experts)
+        return missing, np.concatenate([free, taken]), need
 
     def prefetch(
         self, experts: np.ndarray, keep: Sequence[int] = ()
@@ -250,24 +236,30 @@ class SlotTable:
         missing = experts[self.slot_of[experts] < 0][: min(self.slots, room)]
         if len(missing) == 0 or self.identity:
             return missing, missing.copy(), 0
-        slots, evicted = self._take(len(missing), pinned)
+        slots = np.nonzero(self.expert_of < 0)[0][: len(missing)]
+        need = len(missing) - len(slots)
+        if need:
+            slots = np.concatenate([slots, self._evict(pinned, len(missing), need)])
         self.policy.prefetched(missing)
-        return missing, slots, evicted
+        return missing, slots, need
 
-    def _take(self, count: int, pinned: np.ndarray) -> Tuple[np.ndarray, int]:
-        """``count`` slots: free ones first, then the policy's victims among the unpinned."""
-        free = np.nonzero(self.expert_of < 0)[0]
-        slots = free[:count]
-        if len(slots) == count:
-            return slots, 0
+    def _evict(self, pinned: np.ndarray, count: int, need: int, experts=None) -> np.ndarray:
+        """The slots of ``need`` victims (for ``count`` missing experts) among the resident
+        experts that are not ``pinned``, freed: chosen by the policy within its record of the
+        call's use of ``experts`` (``EvictionPolicy.use``), or (None: a read ahead, not a use)
+        alone (``EvictionPolicy.victims``)."""
         resident = self.expert_of[self.expert_of >= 0]
         candidates = resident[~pinned[resident]]
-        need = count - len(slots)
         if len(candidates) < need:
             raise ValueError(
                 f"{count} experts to read but fewer slots are free of pinned and kept experts"
             )
-        chosen = np.asarray(self.policy.evict(candidates, need), dtype=np.int64)
+        policy = self.policy
+        if experts is None:
+            chosen = policy.victims(candidates, need)
+        else:
+            chosen = policy.use(experts, candidates, need)
+        chosen = np.asarray(chosen, dtype=np.int64)
         valid = len(np.unique(chosen)) == need and np.isin(chosen, candidates).all()
         if not valid:
             raise RuntimeError(f"policy {self.policy_name!r} chose invalid victims {chosen}")
@@ -275,7 +267,7 @@ class SlotTable:
         self.slot_of[chosen] = -1
         self.expert_of[taken] = -1
         self.version += 1
-        return np.concatenate([slots, taken]), need
+        return taken
 
     def place(self, experts, slots) -> None:
         """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
