@@ -151,7 +151,11 @@ class ExpertCache:
         self.timeline = None
         # verified_step.StepRunner of the model, whose ``this_thread.step`` a layer call joins
         self.steps = None
-        self._callers: set = set()  # threads that called a layer; direct reads need just one
+        # threads that called a layer (direct reads need just one), and whether the banks are
+        # planned: read by ``StreamingSwitchGLU``, which calls ``enter_call`` only while either is
+        # to be done
+        self.callers: set = set()
+        self.planned = False
         # True once layers were called from more than one thread: direct reads are then off
         self.shared = False
         self._demand_pool: Optional[ThreadPoolExecutor] = None
@@ -161,7 +165,6 @@ class ExpertCache:
         self._fill_queue: List[LayerBank] = []
         self._banks: "weakref.WeakSet[LayerBank]" = weakref.WeakSet()
         self._order: Optional[List[LayerBank]] = None
-        self._planned = False
         self._numbers: Dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -170,14 +173,14 @@ class ExpertCache:
     def register(self, layer: LayerExperts, glu) -> LayerBank:
         bank = LayerBank(self, layer, glu)
         self._banks.add(bank)
-        self._planned = False
+        self.planned = False
         self._order = None
         return bank
 
     def unregister(self, bank: LayerBank) -> None:
         """Drop a bank whose layer left the model (a pipeline stage keeps only its own layers)."""
         self._banks.discard(bank)
-        self._planned = False
+        self.planned = False
         self._order = None
 
     @property
@@ -200,18 +203,18 @@ class ExpertCache:
     def enter_call(self) -> None:
         """Before a layer call's schedule is chosen (a verified step's: once, before its forward):
         the banks planned (``ensure_planned``), the calling thread noted (``note_caller``)."""
-        if not self._planned:
+        if not self.planned:
             self.ensure_planned()
-        if threading.get_ident() not in self._callers:
+        if threading.get_ident() not in self.callers:
             self.note_caller()
 
     def note_caller(self) -> None:
         """Record the calling thread (``enter_call``)."""
         me = threading.get_ident()
-        if me not in self._callers:
+        if me not in self.callers:
             with self._lock:
-                self._callers.add(me)
-                self.shared = len(self._callers) > 1
+                self.callers.add(me)
+                self.shared = len(self.callers) > 1
 
     @property
     def bank_pool(self) -> ThreadPoolExecutor:
@@ -335,11 +338,11 @@ class ExpertCache:
             filler.join()
 
     def ensure_planned(self) -> None:
-        if not self._planned:
+        if not self.planned:
             with self._lock:
-                if not self._planned:
+                if not self.planned:
                     self._plan()
-                    self._planned = True
+                    self.planned = True
 
     def slots_for_budget(self) -> int:
         banks = self.banks

@@ -12,8 +12,6 @@ staging memory. A wrong guess costs a read, never exactness: a staged expert is 
 asks for it.
 """
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -48,18 +46,6 @@ def find_router(parent, num_experts: int):
     return None
 
 
-def predict(router, x: mx.array, k: int) -> Optional[mx.array]:
-    """Lazily: the ``k`` experts with the largest router logits for each row of ``x``."""
-    if router is None:
-        return None
-    logits = router(x)
-    num = logits.shape[-1]
-    k = min(k, num)
-    if k == num:
-        return None  # every expert: nothing to predict
-    return mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
-
-
 def guess(bank, x, indices):
     """``(next MoE layer's bank, its predicted expert ids, lazy)``, from its router applied to
     this layer's input, or None."""
@@ -70,8 +56,12 @@ def guess(bank, x, indices):
     # identity banks are filled in the background instead
     if nxt is None or nxt.identity or nxt.router is None or nxt.slots == 0:
         return None
-    guess = predict(nxt.router, x, indices.shape[-1])
-    return None if guess is None else (nxt, guess)
+    # the ``k`` experts with the largest logits for each row of ``x``, lazily
+    k = indices.shape[-1]
+    logits = nxt.router(x)
+    if k >= logits.shape[-1]:
+        return None  # every expert: nothing to predict
+    return nxt, mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
 
 
 def stage(bank, guess) -> None:

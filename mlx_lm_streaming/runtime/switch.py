@@ -12,6 +12,8 @@ experts are read in the background while this layer computes (``prefetch``). Eve
 row is computed exactly once, by the same kernel, so each schedule gives stock's bits.
 """
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -26,6 +28,9 @@ class StreamingSwitchGLU(nn.Module):
         # plain attributes, not parameters: the banks never appear in model.parameters()
         object.__setattr__(self, "bank", bank)
         object.__setattr__(self, "selector", selector)
+        # rows -> (the selector's kernel for this bank, whether its rows are ``subset_exact``),
+        # for calls of fewer than ``SORT_THRESHOLD`` rows (decode): a plain dict read by ``choose``
+        object.__setattr__(self, "kernels", {})
 
     @property
     def num_experts(self) -> int:
@@ -38,6 +43,8 @@ class StreamingSwitchGLU(nn.Module):
         cache = self.bank.cache
         steps = cache.steps  # the verified step this thread's model call runs, if any
         step = steps.this_thread.step if steps is not None else None
-        if step is None:  # (a verified step entered the cache once, before its forward)
+        # (a verified step entered the cache once, before its forward; ``enter_call``'s checks
+        # inline: once a thread has entered a planned cache, nothing is left to do)
+        if step is None and (not cache.planned or threading.get_ident() not in cache.callers):
             cache.enter_call()  # before the choice: a second calling thread turns direct reads off
         return schedules.choose(self, x, indices, step).run()

@@ -357,7 +357,7 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
         return
     cache.host_bytes = host
     cache.tiers = Tiers(placer, device, host)
-    cache._planned = False
+    cache.planned = False
 
 
 def plan_line(cache, backend: str, trace=None) -> str:

@@ -1,6 +1,7 @@
 """``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
 import threading
+import time
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -63,8 +64,9 @@ class LayerBank:
         # this layer's share of the cache's counters (``--streaming-stats layers``)
         self.hits = 0
         self.misses = 0
-        # (table, version, slot of each expert, whether each expert is missing): ``device_map``
-        self._device = None
+        # (table, version, slot of each expert, whether each expert is missing): ``device_map``'s
+        # last, which a caller may take as is while ``table`` and its version are the same
+        self.last_map = None
 
     @property
     def path(self) -> str:
@@ -76,12 +78,12 @@ class LayerBank:
         whenever the table changed: a graph that read one keeps the residency of its own moment,
         whatever the host does to the table after (mlx-lm builds step t+1 before step t ran)."""
         table = self.table
-        made = self._device
+        made = self.last_map
         if made is None or made[0] is not table or made[1] != table.version:
             slot_of = table.slot_of
             slots = mx.array(np.maximum(slot_of, 0).astype(np.uint32))
             missing = mx.array(slot_of < 0)
-            made = self._device = (table, table.version, slots, missing)
+            made = self.last_map = (table, table.version, slots, missing)
         return made[2], made[3]
 
     def allocate(self, slots: int) -> None:
@@ -191,7 +193,11 @@ class LayerBank:
         if not len(missing):
             self.hits += hits
             self.misses += misses
-            stats.add(hits, misses, evicted)
+            with stats.lock:  # (``stats.add``, spelt out: once per layer call)
+                stats.hits += hits
+                stats.misses += misses
+                stats.evictions += evicted
+            stats.last_request = time.perf_counter()
             if self.identity and not self.complete:
                 self.note_complete()
             return NOTHING_TO_READ
@@ -213,7 +219,8 @@ class LayerBank:
         guess for it (``load(..., guessed=True)``) count as its misses, the rest as hits; guesses it
         did not use end here. Returns ``(hits, misses)`` for the cache's counters."""
         with self.lock:
-            self.table.admit(experts)
+            # every one resident: ``table.admit``'s whole work is the policy's record of the use
+            self.table.policy.use(np.asarray(experts, dtype=np.int64))
             read = len(np.intersect1d(self._ahead_used, experts)) if self._ahead_used else 0
             self._ahead_used = []
             hits = len(experts) - read

@@ -43,14 +43,19 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
     bank = layer.bank
     selector = layer.selector
     rows = indices.size
-    kernel = selector.select(bank, rows)
+    chosen = layer.kernels.get(rows)  # (the selector's choice, kept on the layer for decode)
+    if chosen is None:
+        kernel = selector.select(bank, rows)
+        chosen = (kernel, kernel.subset_exact(selector.backend))
+        if rows < SORT_THRESHOLD:  # decode-sized: a few row counts
+            layer.kernels[rows] = chosen
+    kernel, exact_rows = chosen
     if not kernel.needs_host_slots:
         if bank.complete and bank.cache.recorder is None:  # (a recorder gets every call's ids)
             return StockGraph(layer, x, indices, kernel)
         if step is not None and bank.slots > 0:
             return Verified(layer, x, indices, kernel, step)
     if bank.direct:
-        exact_rows = kernel.subset_exact(selector.backend)
         least = bank.cache.tuning.phase_min_bytes  # (``CacheTuning.phase_min_bytes``)
         if rows >= SORT_THRESHOLD:
             cls = PrefillAsTheyLand if exact_rows else PrefillWaves
