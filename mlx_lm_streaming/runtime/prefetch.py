@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .host_views import staging_buffer
+from .no_timeline import NO_TIMELINE
 
 # priorities: lower runs first
 WAVE, LOOKAHEAD, FILL = 0, 1, 2
@@ -260,18 +261,16 @@ class ExpertPrefetcher:
                 _, _, batch = heapq.heappop(self._heap)
             if not batch.future.set_running_or_notify_cancel():
                 continue
-            tl = self.timeline
-            start = tl.now() if tl else 0
+            tl = self.timeline or NO_TIMELINE
+            start = tl.now()
             try:
                 self.store.read_many(batch.jobs())
             except BaseException as e:  # the load that wanted it reads again and reports
-                if tl:
-                    tl.batch_read(start, batch, error=e)
+                tl.batch_read(start, batch, error=e)
                 self.stats.fail(len(batch.experts), e)
                 batch.future.set_exception(e)
             else:
-                if tl:
-                    tl.batch_read(start, batch)
+                tl.batch_read(start, batch)
                 with self.stats.lock:
                     self.stats.read_bytes += batch.nbytes
                 batch.future.set_result(None)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...errors import ExpertIOError, StreamingError
 from ..index import PROJECTIONS
+from ..no_timeline import NO_TIMELINE
 from ..prefetch import StagedBatch
 from ..safetensors_header import mx_dtype
 
@@ -222,7 +223,8 @@ class DirectReads:
             ]
         else:
             groups = [(None, list(range(len(parts))))]
-        events, tl = self.events, bank.cache.timeline
+        # (a demand thread's: records unconditionally)
+        events, tl = self.events, bank.cache.timeline or NO_TIMELINE
 
         def read(pair):
             e, slot = pair
@@ -235,8 +237,7 @@ class DirectReads:
             except BaseException as exc:
                 events.put((pair, None, exc))
                 return
-            if tl:
-                tl.read(start, bank.path, e, bank.layer.expert_nbytes, "demand", slot=slot)
+            tl.read(start, bank.path, e, bank.layer.expert_nbytes, "demand", slot=slot)
             events.put((pair, None, None))
 
         def read_in_turn(batch):
