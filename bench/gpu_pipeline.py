@@ -41,13 +41,21 @@ import routing_replay  # noqa: E402
 from harness import GB, MB, Config, decode_block, log  # noqa: E402
 
 # harness.ARCHS's shapes; those of 128 experts at top-k 6, the routing traces' (a trace routes
-# only a checkpoint of its own expert count; "tiny": for trying the script on a CPU)
+# only a checkpoint of its own expert count; "tiny", "*_tiny": for trying the script on a CPU)
 SHAPES = tuple(harness.ARCHS)
 
 
 def trace_top_k(shape):
     return 6 if harness.ARCHS[shape]["overrides"]["experts"] == 128 else None
-TRACE = "trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
+
+
+def default_routings(shape):
+    """uniform, and the trace of the shape's family where its experts can replay one: gemma-4's
+    for the gemma4 shapes, Qwen3-30B-A3B's for the other 128-expert ones."""
+    if trace_top_k(shape) is None:
+        return ["uniform"]
+    trace = "gemma-4-26b-a4b" if shape.startswith("gemma4") else "qwen3-30b-a3b"
+    return ["uniform", f"trace:{ROOT / 'tests/data/routing' / trace}.jsonl"]
 
 # -- variants -------------------------------------------------------------------------------------
 
@@ -507,6 +515,8 @@ def text_tokens(path, prompt_len: int):
 def open_checkpoint(path, args, first_routing):
     """``(figures, shard files, stock models)`` of one checkpoint: its expert bytes, layers and
     experts, the disk and ram probes, and the stocks (routed through ``first_routing``)."""
+    from mlx_lm_streaming.tools.parity import vocab_size
+
     files = harness.shards(path)
     probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
     cache = probe.expert_streaming.cache
@@ -538,7 +548,7 @@ def open_checkpoint(path, args, first_routing):
         if name == "stock_synctoken":
             sync_per_token(model)
         stocks[name] = model
-    ck["vocab"] = config["vocab_size"]
+    ck["vocab"] = vocab_size(config)
     return ck, files, stocks
 
 
@@ -626,8 +636,8 @@ def parse_args(argv):
     add("--hit-budget", type=float, default=0.99)
     add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
     add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
-    add("--routings", type=_list(str), default="uniform," + TRACE,
-        help="uniform, trace:FILE, model:DIR")
+    add("--routings", type=_list(str), default=None,
+        help="uniform, trace:FILE, model:DIR (default: uniform and the shape's trace if any)")
     add("--variants", type=_list(str), default="default", help="(the module's docstring)")
     add("--tuning-variant", type=tuning_variant, action="append", default=[],
         metavar="NAME:field=value,...", help="a variant word setting CacheTuning fields")
@@ -648,6 +658,7 @@ def parse_args(argv):
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
+    args.routings = args.routings or default_routings(args.shape)
     if set(args.regimes) - set(REGIMES):
         raise SystemExit(f"--regimes {args.regimes}: known: {', '.join(REGIMES)}")
     TUNING_VARIANTS.update(args.tuning_variant)
