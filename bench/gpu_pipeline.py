@@ -518,16 +518,8 @@ def open_checkpoint(path, args, first_routing):
     from mlx_lm_streaming.tools.parity import vocab_size
 
     files = harness.shards(path)
-    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
-    cache = probe.expert_streaming.cache
-    bank = cache.banks[0]
-    ck = dict(
-        path=str(path), total_expert_bytes=cache.total_expert_bytes,
-        expert_bytes=bank.layer.expert_nbytes, moe_layers=len(cache.banks),
-        experts=bank.num_experts,
-    )
-    del probe, cache, bank
-    gc.collect()
+    ck = dict(path=str(path), **harness.expert_sizes(path))
+    gc.collect()  # the probe's model
     bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, args.probe_threads)
     ck.update(disk_gbps=bw, disk_best_gbps=max(v for v in bw.values() if v))
     log(f"{path}: disk GB/s: {bw}")
