@@ -354,6 +354,16 @@ def main(argv=None) -> int:
         return _stdout_closed()
     except StreamingError as e:
         exit_with(f"{parser.prog} {args.command}", e)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, and the status of a process interrupted by SIGINT (128 + 2)
+        left = INTERRUPTED.get(args.command, "")
+        sys.stderr.write(f"{parser.prog} {args.command}: interrupted{left}\n")
+        sys.stderr.flush()
+        return 130
+
+
+# what an interrupted subcommand leaves (a pack is written beside the old one and renamed over it)
+INTERRUPTED = {"pack": "; no pack was written, and a pack that was there is as it was"}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from support import (
 )
 
 from mlx_lm_streaming.kernels.gather import GatherKernel
+from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.runtime.options import ENV
 from synthetic import build_checkpoint
 
@@ -61,6 +62,14 @@ def stock_text(checkpoint, tmp_path_factory):
         return texts[arch]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def stats_lines_stay_in_their_test(monkeypatch):
+    """A model loaded in this process with ``stats=True`` prints its stats line when the process
+    exits, as it should for a user; in the suite that is after pytest's summary (issue 37, item
+    14). Each test gets its own list of models to report at exit, dropped when it ends."""
+    monkeypatch.setattr(report, "_REPORTING", [])
 
 
 @pytest.fixture

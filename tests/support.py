@@ -108,7 +108,8 @@ def with_slots(path, slots, **options):
 BIN = Path(sys.executable).parent
 PROMPT = "Tell me a story about a dragon"
 STATS = re.compile(
-    r"^\[streaming\] (?:[^:\n]+: )?hit rate [\d.]+%, experts read (\d+), [\d.]+ GB read, "
+    r"^\[streaming\] (?:[^:\n]+: )?hit rate [\d.]+%, experts read (\d+), [\d.]+ GB read"
+    r"(?: \([^)]*\))?, "
     r"[\d.]+ s in I/O",
     re.M,
 )

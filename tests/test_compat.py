@@ -196,3 +196,30 @@ def test_untested_mlx_lm_env_route_warns_in_scripts(checkpoint, tmp_path):
 def test_cli_entry_points_exist():
     # the commands the wrapper patches are console scripts of this mlx-lm
     assert (BIN / "mlx_lm.generate").exists()
+
+
+def test_a_generate_step_left_stock_says_why_with_the_stats(monkeypatch, capsys):
+    # a generate_step that is not as layer-major prefill expects stays stock; the stats printed
+    # at exit say so, once, before the stats lines
+    import types
+
+    from mlx_lm_streaming.integration import integration
+    from mlx_lm_streaming.runtime import report
+
+    def generate_step(prompt, model):  # (none of the parameters the prefill reads)
+        yield from ()
+
+    fake = types.SimpleNamespace(generate_step=generate_step)
+    monkeypatch.setattr(report, "_NOTES", [])
+    integration.wrap_generate_step(fake)
+    integration.wrap_generate_step(fake)
+    assert fake.generate_step is generate_step
+    options = types.SimpleNamespace(stats=True)
+    state = types.SimpleNamespace(stats=lambda: {"hits": 1, "misses": 0}, closed=False, options=options)
+    monkeypatch.setattr(report, "_REPORTING", [state])
+    monkeypatch.setattr(report, "stats_line", lambda state, label: "[streaming] stats")
+    report._report_stats()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[1] == "[streaming] stats", lines
+    assert lines[0].startswith("[streaming] layer-major prefill does not apply (")
+    assert lines[0].endswith("): long prompts prefill chunk by chunk")

@@ -159,6 +159,20 @@ def test_budget_below_one_expert_per_layer_shows_the_minimum(route, ckpt, tmp_pa
     assert one_line(info.value) in line
 
 
+def test_a_budget_just_below_the_minimum_reads_as_a_different_number(ckpt, tmp_path):
+    """``--expert-cache-gb 0.00786`` was "below the minimum of ... 0.00786 GB": the budget is named
+    as given, the minimum rounded up (issue 37, item 7)."""
+    model, _ = load_streaming(ckpt)
+    per_slot = sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
+    model.expert_streaming.close()
+    given = repr((per_slot - 1) / 1e9)  # one byte short
+    out = streaming("plan", ckpt, "--expert-cache-gb", given, cwd=tmp_path)
+    line = one_error_line(out, f"budget of {given} GB is below the minimum")
+    minimum = _budget_message_minimum(line)
+    assert f"one expert per MoE layer, {minimum!r} GB for 2 layers" in line, line
+    assert float(given) < per_slot / 1e9 <= minimum and repr(minimum) != given
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 

@@ -174,7 +174,8 @@ def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected,
     # few slots, a verified step at every call: a miss reads the experts the pass beyond it named
     # too (several banks at once), as guesses; the pass run again is stock's bits, and every
     # expert a call used is counted once, as a hit or a miss
-    tuning = CacheTuning(read_misses_together=together)
+    # (every guess read, good or not: ``StepRunner.guess_precision``)
+    tuning = CacheTuning(read_misses_together=together, lookahead_min_precision=0.0)
     model = with_slots(q3_path, 4, tuning=tuning)
     assert_same(expected, _every_call_verified(model))
     runner = model.expert_streaming.steps
@@ -208,11 +209,13 @@ def test_reading_together_lets_gpus_verify_whatever_the_misses(
     # a GPU's limits (the CPU's own taken out of the table), misses in most layers of most calls.
     # Read together, a token's misses cost about one more sync: every decode call stays a verified
     # step. Read layer by layer, the running share of layers that missed passes the GPU's limit
-    # and calls fall back to the per-layer schedule; so do they under a limit given in the tuning.
-    # Exact every way
+    # and calls fall back to the per-layer schedule; so do they, read together, under a limit of
+    # 0. Exact every way
     monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE", {})
+    if given is not None:
+        monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE_TOGETHER_GPU", given)
     tokens, want = varied
-    tuning = CacheTuning(read_misses_together=together, verify_max_missed_share=given)
+    tuning = CacheTuning(read_misses_together=together)
     model = with_slots(q3_path, 2, tuning=tuning)
     assert same(want, decode(model, tokens, steps=16))
     runner = model.expert_streaming.steps
@@ -234,10 +237,33 @@ def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monk
         return real(loads)
 
     monkeypatch.setattr(verified_step, "load_together", spy)
-    model = with_slots(q3_path, 4)
+    model = with_slots(q3_path, 4, tuning=CacheTuning(lookahead_min_precision=0.0))
     assert_same(expected, _every_call_verified(model))
     assert any(n > 1 and parallel for n, parallel in seen)  # on the bank threads
     assert model.expert_streaming.cache._bank_pool is not None
+
+
+def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, expected, monkeypatch):
+    # what the pass beyond a miss names (on a wrong input) is scored at every check that finds
+    # it, read or not, and read only while such guesses were mostly right: never at the start
+    from mlx_lm_streaming.runtime import verified_step
+
+    model = with_slots(q3_path, 4)
+    runner = model.expert_streaming.steps
+    assert runner.guess_precision == 0.0
+    seen = []
+    real = verified_step.load_together
+
+    def spy(loads):
+        seen.append((runner.guess_precision, len(loads) > 1))
+        return real(loads)
+
+    monkeypatch.setattr(verified_step, "load_together", spy)
+    assert_same(expected, _every_call_verified(model))
+    least = model.expert_streaming.cache.tuning.lookahead_min_precision
+    assert not any(guessed for precision, guessed in seen if precision < least), seen
+    assert len({precision for precision, _ in seen}) > 1, seen  # scored with nothing read
+    assert runner.named == 0 or any(guessed for _, guessed in seen)
 
 
 def test_a_pass_naming_more_experts_than_slots_guesses_nothing_there(q3_path, expected):

@@ -45,11 +45,11 @@ from ..errors import (
 )
 from ..runtime.safetensors_header import FileIdentity
 from .outputs import PACK_MAGIC
+from .pack_target import PACK_NAME, pack_path, pack_target, write_failed
 
 MAGIC = PACK_MAGIC
 VERSION = 1
 ALIGN = 4096
-PACK_NAME = "experts.pack"
 PREFIX = 48  # magic, header length, header sha256
 
 
@@ -72,15 +72,6 @@ def shard_fingerprint(path: Path) -> dict:
         "mtime_ns": st.st_mtime_ns,
         "header_sha256": hashlib.sha256(head + header).hexdigest(),
     }
-
-
-def pack_path(model_path, out=None) -> Path:
-    """Where the pack goes: ``out``, ``out/experts.pack`` when ``out`` is a directory, or
-    ``model_path/experts.pack``."""
-    if out is None:
-        return Path(model_path) / PACK_NAME
-    out = Path(out)
-    return out / PACK_NAME if out.is_dir() else out
 
 
 def check_free_space(out: Path, need: int) -> None:
@@ -279,19 +270,27 @@ def write_pack(
         )
     if out is not None and not str(out).strip():
         raise ConfigurationError("--out: an empty path; leave it out for MODEL/experts.pack")
-    out = pack_path(model_path, out)
-    if not out.parent.is_dir():
-        raise ExpertIOError(f"{out}: cannot write the pack: no directory {out.parent}")
-    # a file that is not a pack (a text, a shard, a device) is never overwritten; a pack is
-    # replaced as a whole, below
-    check_output(out, PACK, model_path)
+    out, folder = pack_target(model_path, out)
+    if folder is not None:
+        try:
+            folder.mkdir()
+        except OSError as e:
+            raise write_failed(folder, e, f"cannot make the directory {folder}") from None
     try:
+        # a file that is not a pack (a text, a shard, a device) is never overwritten; a pack is
+        # replaced as a whole, below
+        check_output(out, PACK, model_path)
         with lock_beside(out, PACK):
             return _write_pack(model_path, index, out, progress, force)
-    except OSError as e:
-        if isinstance(e, StreamingError):
-            raise
-        raise ExpertIOError(f"{out}: writing the pack failed ({e}); the checkpoint is untouched")
+    except BaseException as e:
+        if folder is not None:  # made for this pack, and left empty: take it away again
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        if isinstance(e, OSError) and not isinstance(e, StreamingError):
+            raise write_failed(out, e, "writing the pack failed") from None
+        raise
 
 
 def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool) -> Path:
@@ -417,10 +416,7 @@ def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool)
         except OSError:
             pass
         if isinstance(e, OSError) and not isinstance(e, StreamingError):
-            raise ExpertIOError(
-                f"{out}: writing the pack failed ({e}); no partial pack was left and the "
-                "checkpoint is untouched"
-            ) from e
+            raise write_failed(out, e, "writing the pack failed") from e
         raise
     finally:
         if bar is not None:

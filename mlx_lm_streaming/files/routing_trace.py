@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..errors import CheckpointError, open_output
+from ..errors import CheckpointError, ConfigurationError, open_output
 from .outputs import (
     ROUTING_TRACE,
     TRACE_FORMAT,
@@ -213,14 +213,38 @@ class TraceWriter:
         self.close()
 
 
+def check_same_model(path: Path, header: Dict) -> None:
+    """``ConfigurationError`` if ``path`` holds the routing trace of another model than the one
+    ``header`` is for (``model_path``; a trace without one by its ``model`` name), as ``pack``
+    refuses to replace another model's pack: a trace is not lost to a run of another model."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.loads(f.readline())
+    except (OSError, ValueError):
+        return  # no file, or nothing of a trace in it (check_output has judged it)
+    if not isinstance(old, dict):
+        return
+    key = "model_path" if "model_path" in old else "model"
+    theirs, ours = old.get(key), header.get(key)
+    if theirs is None or ours is None or theirs == ours:
+        return
+    raise ConfigurationError(
+        f"{path}: holds the routing trace of another model ({theirs}), not of "
+        f"{header.get('model_path', ours)}; refusing to replace it: give another path for the "
+        "routing trace, or remove the file to record over it"
+    )
+
+
 class RoutingRecorder:
     """Records a streaming model's routing: ``record(bank, idx)`` from each MoE layer's call.
 
     ``banks()`` gives the model's MoE layer banks in model order (each has ``num_experts``). A token's
     line is written once every MoE layer has reported its call, or when a layer reports twice (a layer
-    that did not run gets an empty list). A call of more than one token is ``prefill``, of one token
-    ``decode`` (mlx-lm runs the last prompt token in the first one-token step); each row of a batched
-    call is its own sequence, and a prefill after decoding starts new sequences.
+    that did not run gets an empty list). A prompt's tokens but its last are ``prefill`` whatever
+    the size of their calls (``prefill_ahead``, from the wrapped ``generate_step``); past them a
+    call of more than one token is ``prefill``, of one token ``decode`` (mlx-lm runs the last prompt
+    token in the first one-token step); each row of a batched call is its own sequence, and a
+    prefill after decoding starts new sequences.
 
     One recorder per file in a process: a second model asking for the same file (a draft model) is
     not recorded (``claimed``)."""
@@ -238,8 +262,12 @@ class RoutingRecorder:
         self.seq = 0
         self.width = 1  # sequences in the current batch
         self.phase = None
+        self.prompt_left = 0  # prompt tokens still to come before decoding (``prefill_ahead``)
         # a bad path fails at load; the file is opened at the first token, once the load passed
         check_output(self.path, ROUTING_TRACE, model_path)
+        if model_path is not None:
+            self.header["model_path"] = str(Path(model_path).resolve())
+            check_same_model(self.path, self.header)
         self.seen = identity(self.path)  # what may be replaced at the first token
         self.failed = False  # writing failed: the trace was given up (outputs.say_failed)
         RoutingRecorder._open.add(self.path.resolve())
@@ -287,7 +315,8 @@ class RoutingRecorder:
             return
         first = next(iter(self.pending.values()))
         batch, tokens = first.shape[0], first.shape[1]
-        phase = "prefill" if tokens > 1 else "decode"
+        phase = "prefill" if tokens > 1 or self.prompt_left > 0 else "decode"
+        self.prompt_left = max(0, self.prompt_left - tokens)
         if self.phase == "decode" and phase == "prefill":
             self.seq += self.width  # a new prompt
         self.phase, self.width = phase, batch
@@ -299,6 +328,12 @@ class RoutingRecorder:
                 ]
                 self.writer.token(self.seq + b, phase, rows)
         self.pending = {}
+
+    def prefill_ahead(self, tokens: int) -> None:
+        """The next ``tokens`` tokens are a prompt's (mlx-lm's ``generate_step`` prefills all but
+        its last token, in chunks of any size, one token too): recorded as prefill."""
+        with self.lock:
+            self.prompt_left = max(0, int(tokens))
 
     @classmethod
     def claimed(cls, path) -> bool:

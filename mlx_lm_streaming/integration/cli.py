@@ -101,6 +101,7 @@ def export_streaming_arguments(parser, namespace, environ=os.environ) -> None:
             "supported with streaming experts yet (docs/distributed.md)",
         )
     model = getattr(namespace, "model", None)
+    _check_distinct_outputs(parser, given, environ, namespace)
     _check_flags(parser, given, model, environ)
     for dest, value in given.items():
         environ[FLAG_ENV[dest]] = "1" if value is True else str(value)
@@ -157,6 +158,32 @@ def _check_outputs(options, model) -> None:
     for path, kind in ((options.record_routing, ROUTING_TRACE), (options.trace, TIMELINE)):
         if path:
             check_output(path, kind, _local_model(model))
+
+
+def _check_distinct_outputs(parser, given: dict, environ, namespace=None) -> None:
+    """Two files of one run on one path (``--record-routing X --streaming-trace X``, or either
+    on the command's own ``--prompt-cache-file``) would overwrite each other: refused at start,
+    naming both, by flag or by variable."""
+    from ..runtime.options import same_file
+
+    named = []
+    for dest in ("record_routing", "streaming_trace"):
+        option = FLAG_OPTION[dest]
+        if given.get(dest):
+            named.append((option.flag, str(given[dest])))
+        elif environ.get(option.env, "").strip():
+            named.append((option.env, environ[option.env]))
+    cache_file = getattr(namespace, "prompt_cache_file", None)
+    if isinstance(cache_file, str) and cache_file.strip():
+        named.append(("--prompt-cache-file", cache_file))
+    for i, (a, path) in enumerate(named):
+        for b, other in named[i + 1 :]:
+            if same_file(path, other):
+                fail(
+                    parser,
+                    f"{a} and {b} name one file, {path}: two files of one run cannot share a "
+                    "path; give each its own",
+                )
 
 
 def _check_store_options(options, from_environment: bool, environ) -> None:
@@ -326,6 +353,7 @@ def wrap_cli_main(module) -> None:
                 return stock_main(*args, **kwargs)
         except StreamingError as e:
             # only we raise these, and only when streaming was asked for: one line, no traceback
+            _end_text_line()
             exit_with(first.prog or os.path.basename(sys.argv[0]), e)
         finally:
             report.cli_streaming = said
@@ -333,6 +361,17 @@ def wrap_cli_main(module) -> None:
     main.mlx_lm_streaming = True
     main.stock = stock_main
     module.main = main
+
+
+def _end_text_line() -> None:
+    """Before the line of an error raised mid-generation: end the text printed so far with a
+    newline, so that the error starts on its own line (on a terminal both share one screen)."""
+    if report.generation_began():
+        try:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except Exception:  # stdout closed: the error line still goes out
+            pass
 
 
 def wrap_cli_main_refusing(module, message: str) -> None:

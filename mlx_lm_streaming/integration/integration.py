@@ -137,7 +137,7 @@ def wrap_generate_step(generate) -> None:
     where ``mlx_compat.generate_step_problem`` finds it as expected; else leave it stock and keep
     the reason for ``--streaming-stats``. Modules that import ``generate_step`` by name
     (``cache_prompt``) do so after this runs, and get the wrapper."""
-    from ..runtime import layer_major
+    from ..runtime import layer_major, report
     from ..runtime.mlx_compat import generate_step_problem
 
     stock = getattr(generate, "generate_step", None)
@@ -145,7 +145,8 @@ def wrap_generate_step(generate) -> None:
         return
     why = generate_step_problem(stock)
     if why is not None:
-        layer_major.unpatched = why
+        report.note_at_exit(f"[streaming] layer-major prefill does not apply ({why}): long "
+                            "prompts prefill chunk by chunk")
         return
     generate.generate_step = layer_major.wrap_generate_step(stock)
     wrap_other_prefills(generate)

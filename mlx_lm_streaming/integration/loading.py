@@ -122,8 +122,6 @@ class StreamingState:
             layer_major_prefill=options.use_layer_major_prefill(
                 options.tuning, self.selector.backend
             ),
-            # every call reports its ids when recording: complete banks must not skip the host sync
-            skip_sync=tuning.skip_sync and not recording,
         )
         self.cache = ExpertCache(self.store, budget, tuning, options.cache_policy)
         self.recorder = None

@@ -10,7 +10,8 @@ layer call that computes with them.
   ``verified_step`` (and ``step_caches``, the cache entries it puts back), ``layer_major`` (the
   prefill);
 - what that path itself reads, so it sits here and not above: ``options`` (what was asked;
-  ``expert_cache`` reads its sizes, and it names ``policy``'s policies), ``mlx_compat`` (mlx-lm's
+  ``expert_cache`` reads its sizes, and it names ``policy``'s policies; ``variables``, the
+  environment's names that look like ours and are not), ``mlx_compat`` (mlx-lm's
   internals behind the version guard; the schedules and the verified step call its shims),
   ``memory`` and ``devices`` (the machine), ``report`` (what a run says; ``layer_major`` says its
   fallback through it).

@@ -23,7 +23,7 @@ from ..errors import ConfigurationError, ExpertIOError
 from .bank import LayerBank
 from .counters import Counters
 from .index import LayerExperts, natural_key
-from .options import format_size, gb_at_least
+from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 
@@ -85,18 +85,17 @@ class CacheStats(Counters):
 class CacheTuning:
     """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
     drops work; none changes what is computed, and each is kept for a measured reason
-    (docs/benchmarks/README.md). Users choose ``direct_reads`` (``StreamingOptions``); loading
-    derives ``skip_sync``; the rest are defaults that benchmarks and tests vary (through the internal
+    (docs/benchmarks/README.md). Users choose ``direct_reads`` and ``layer_major_prefill``
+    (``StreamingOptions``); the rest are defaults that benchmarks and tests vary (through the internal
     ``tuning`` entry of the streaming options, not a user option)."""
 
     # demand reads straight into the banks (bank/reads.py); off: through staging buffers
     direct_reads: bool = True
     # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
-    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read)
+    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
+    # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
     lookahead: bool = True
     lookahead_min_precision: float = 0.5
-    # complete identity banks (their background fill done) skip the host sync
-    skip_sync: bool = True
     # decode-sized calls whose experts are all resident run with no host sync per layer, checked
     # once per call (``verified_step.py``)
     verified_steps: bool = True
@@ -104,9 +103,6 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
-    # verified steps while recent tokens missed in at most this share of the MoE layers; None:
-    # ``verified_step``'s per-backend default
-    verify_max_missed_share: Optional[float] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer
     # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
@@ -202,16 +198,15 @@ class ExpertCache:
         return order[i + 1] if i + 1 < len(order) else None
 
     def enter_call(self) -> None:
-        """Before a layer call's schedule is chosen: the banks planned (``ensure_planned``), the
-        calling thread noted (``note_caller``)."""
+        """Before a layer call's schedule is chosen (a verified step's: once, before its forward):
+        the banks planned (``ensure_planned``), the calling thread noted (``note_caller``)."""
         if not self._planned:
             self.ensure_planned()
         if threading.get_ident() not in self._callers:
             self.note_caller()
 
     def note_caller(self) -> None:
-        """Record the calling thread (every layer call, before its schedule is chosen:
-        ``enter_call``; a verified step, before its forward)."""
+        """Record the calling thread (``enter_call``)."""
         me = threading.get_ident()
         if me not in self._callers:
             with self._lock:
@@ -355,10 +350,10 @@ class ExpertCache:
         slots = self.slot_budget // per_slot
         if slots < 1:
             raise ConfigurationError(
-                f"expert cache budget of {format_size(self.budget_bytes)} is below the minimum "
-                f"of one expert per MoE layer, {format_size(per_slot)} for {len(banks)} layers: "
-                f"raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb to at "
-                f"least {gb_at_least(per_slot)} GB"
+                f"expert cache budget of {self.budget_bytes / 1e9:.12g} GB is below the minimum "
+                f"of one expert per MoE layer, {gb_at_least(per_slot)} GB for {len(banks)} "
+                "layers: raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb "
+                f"to at least {gb_at_least(per_slot)} GB"
             )
         return min(slots, most)
 

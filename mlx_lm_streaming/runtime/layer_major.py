@@ -181,6 +181,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             group, first = [], LayerPass(None, decoder[0])
             mx.clear_cache()
     stats.prompts += 1
+    runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
@@ -233,10 +234,6 @@ def note_fallback(state, why: str) -> None:
         report.say(report.fallback_line(state, why))
 
 
-# the reason generate_step was left stock at patch time (``mlx_compat.generate_step_problem``)
-unpatched: Optional[str] = None
-
-
 def wrap_generate_step(stock):
     """``generate_step`` with layer-major prefill for streaming models (module docstring); the
     stock function, unchanged, for every other model and where it does not apply."""
@@ -250,6 +247,7 @@ def wrap_generate_step(stock):
         model = a["model"]
         state = getattr(model, "expert_streaming", None)
         prompt, step = a["prompt"], a["prefill_step_size"]
+        prompt_ahead(model, prompt)
         if (
             state is None
             or not state.cache.tuning.layer_major_prefill
@@ -338,12 +336,21 @@ def wrap_speculative(stock):
         prompt = a["prompt"]
         tokens = prompt.size if isinstance(prompt, mx.array) else len(prompt)
         for model in (a["model"], a["draft_model"]):
+            prompt_ahead(model, prompt)
             note_elsewhere(model, tokens, a["prefill_step_size"], SPECULATIVE)
         yield from stock(*args, **kwargs)
 
     speculative_generate_step.mlx_lm_streaming = True
     speculative_generate_step.stock = stock
     return speculative_generate_step
+
+
+def prompt_ahead(model, prompt) -> None:
+    """Tell the routing recorder of a streamed ``model`` that the prompt but its last token is
+    prefill, however it is split into calls (a one-token chunk too)."""
+    recorder = getattr(getattr(model, "expert_streaming", None), "recorder", None)
+    if recorder is not None and isinstance(prompt, mx.array):
+        recorder.prefill_ahead(prompt.size - 1)
 
 
 def _after(head: mx.array, processor):

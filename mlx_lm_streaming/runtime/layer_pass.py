@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
+from .bank import LayerBank
 
 
 class Chunk:
@@ -22,12 +23,12 @@ class Chunk:
         return self.h.shape[1]
 
 
-_local = threading.local()
+class _ThisThread(threading.local):
+    # the layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None
+    layer: Optional["LayerPass"] = None
 
 
-def current() -> Optional["LayerPass"]:
-    """The layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None."""
-    return getattr(_local, "layer", None)
+this_thread = _ThisThread()
 
 
 class LayerPass:
@@ -68,13 +69,11 @@ class LayerPass:
         self.layer = layer
         self.thread = threading.get_ident()
         self.own = []
-        if layer is not None:
-            from .switch import StreamingSwitchGLU
-
+        if layer is not None:  # (a module holding streamed experts: a StreamingSwitchGLU's bank)
             self.own = [
                 m
                 for m in mlx_shims.child_modules(layer)
-                if not any(isinstance(n, StreamingSwitchGLU) for n in m.modules())
+                if not any(isinstance(getattr(n, "bank", None), LayerBank) for n in m.modules())
             ]
 
     def moe_call(self, module, x, indices):
@@ -125,12 +124,12 @@ class LayerPass:
         self.moe.append([])
         self.parts.append([])
         self.starts.append(mlx_shims.mark(self.entry))
-        _local.layer = self
+        this_thread.layer = self
         try:
             with mlx_shims.calls_through(self.own, self.part_call):
                 h = call(chunk.h, *args[1:], **kwargs)
         finally:
-            _local.layer = None
+            this_thread.layer = None
         self.ends.append(mlx_shims.mark(self.entry))
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
@@ -159,7 +158,7 @@ class LayerPass:
         )
         end = mlx_shims.mark(self.entry)
         self.routing = False
-        _local.layer = self
+        this_thread.layer = self
         try:
             with mlx_shims.calls_through(self.own, self.part_call):
                 for at, chunk in enumerate(self.chunks):
@@ -173,7 +172,7 @@ class LayerPass:
                     self.moe[at] = []
                     self.parts[at] = []
         finally:
-            _local.layer = None
+            this_thread.layer = None
         if self.entry is not None and mlx_shims.changed(self.entry, end):
             raise RuntimeError(
                 f"decoder layer {i}'s cache entry does not end where routing left it"

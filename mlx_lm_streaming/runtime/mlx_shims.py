@@ -43,11 +43,40 @@ def wrap_call(module, around) -> None:
     ``call(*args, **kwargs)`` is the stock call. The module gets a subclass of its own class, of the
     same name and module, with that one method: its parameters, attributes and every other method
     are untouched."""
+
+    def method(cls):
+        def __call__(self, *args, **kwargs):
+            return around(functools.partial(cls.__call__, self), args, kwargs)
+
+        return __call__
+
+    wrap_method(module, method)
+
+
+def wrap_layer(module, i: int, this_thread) -> None:
+    """Route calls of decoder layer ``module`` through ``this_thread.step.layer_call(i, call,
+    args, kwargs)`` while the calling thread runs a step (``verified_step.StepRunner``), stock
+    otherwise: ``wrap_call`` with the check in the method itself (one call fewer per layer)."""
+
+    def method(cls):
+        stock = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            step = this_thread.step
+            if step is None:
+                return stock(self, *args, **kwargs)
+            return step.layer_call(i, functools.partial(stock, self), args, kwargs)
+
+        return __call__
+
+    wrap_method(module, method)
+
+
+def wrap_method(module, method) -> None:
+    """Give ``module`` a subclass of its own class whose ``__call__`` is ``method(its class)``
+    (``wrap_call``)."""
     cls = type(module)
-
-    def __call__(self, *args, **kwargs):
-        return around(functools.partial(cls.__call__, self), args, kwargs)
-
+    __call__ = method(cls)
     sub = type(
         cls.__name__,
         (cls,),

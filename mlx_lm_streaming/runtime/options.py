@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigurationError
-from ..option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS, OTHER_ENV, PREFIX
+from ..option_table import ENV, GB, OFF_WORDS, ON_WORDS, OPTIONS
 from .policy import DEFAULT_POLICY, POLICIES
+from .variables import misspelt, unknown_variables
 
 CONFIG_KEY = "streaming_experts"
 TRUE = ON_WORDS
@@ -65,6 +66,15 @@ def missing_local_path(name: str) -> bool:
     )
 
 
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (spelt alike or not, through links, existing or
+    not yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def check_budget_gb(value) -> float:
     """A budget in decimal GB as a float: a positive, finite number (raises ``ConfigurationError``).
 
@@ -100,6 +110,13 @@ def check_host_gb(value) -> float:
         raise ConfigurationError(f"expert_host_gb {e}") from None
 
 
+# every spelling a yes/no value takes, for the message that refuses another
+SWITCH_WORDS = (
+    f"{', '.join(ON_WORDS[:-1])} or {ON_WORDS[-1]} (on), or {', '.join(OFF_WORDS[:-1])} or "
+    f"{OFF_WORDS[-1]} (off)"
+)
+
+
 def parse_switch(value, what: str) -> bool:
     """A yes/no option: a bool, 0 or 1, or one of the words of ``option_table``."""
     if isinstance(value, bool):
@@ -111,7 +128,7 @@ def parse_switch(value, what: str) -> bool:
         return True
     if word in OFF_WORDS:
         return False
-    raise ConfigurationError(f"{what} must be true or false (1 or 0), got {value!r}")
+    raise ConfigurationError(f"{what} must be {SWITCH_WORDS}, got {value!r}")
 
 
 def parse_stats(value):
@@ -125,7 +142,7 @@ def parse_stats(value):
         return True
     if word in FALSE:
         return False
-    raise ConfigurationError(f"stats must be true, false or 'layers', got {value!r}")
+    raise ConfigurationError(f"stats must be {SWITCH_WORDS}, or layers, got {value!r}")
 
 
 def _option_value(text: str):
@@ -180,7 +197,7 @@ def auto_switch(value, name: str) -> Optional[bool]:
         word = value.strip().lower()
         value = None if word == "auto" else True if word in TRUE else False if word in FALSE else value
     if value is not None and not isinstance(value, bool):
-        raise ConfigurationError(f"{name} must be true, false or auto, got {value!r}")
+        raise ConfigurationError(f"{name} must be {SWITCH_WORDS}, or auto, got {value!r}")
     return value
 
 
@@ -222,7 +239,8 @@ class StreamingOptions:
     # does (integration/unstreamable.py)
     if_unstreamable: Optional[str] = None
     # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
-    # ``direct_reads`` and ``skip_sync`` are set from the options above); None: the defaults
+    # ``direct_reads`` and ``layer_major_prefill`` are set from the options above); None: the
+    # defaults
     tuning: Any = field(default=None, repr=False, metadata={"internal": True})
 
     def __post_init__(self):
@@ -246,6 +264,11 @@ class StreamingOptions:
             if not str(value).strip():
                 raise ConfigurationError(f"{name}: an empty path; give a file path")
             setattr(self, name, str(value))
+        if self.record_routing and self.trace and same_file(self.record_routing, self.trace):
+            raise ConfigurationError(
+                f"record_routing and trace name one file, {self.trace}: two outputs of one run "
+                "cannot share a path; give each its own"
+            )
         if self.pack is not None:
             self._use_pack()
         if self.cache_policy not in POLICIES:
@@ -358,43 +381,24 @@ class StreamingOptions:
 
 def streaming_asked_by_environment(environ=os.environ) -> bool:
     """Whether ``MLX_LM_STREAMING_EXPERTS`` turns streaming on. A bad value, or an option variable
-    set while it is unset (like an option flag without ``--streaming-experts``), is an error."""
+    set while it is unset or off (like an option flag without ``--streaming-experts``), is an
+    error: ``=0`` is the same as unset, for the options as for the rest."""
     variable = ENV["enabled"]
     value = environ.get(variable, "")
-    if not value.strip():
+    try:
+        on = bool(value.strip()) and parse_switch(value, variable)
+    except ConfigurationError:
+        raise ConfigurationError(f"{variable}={value!r}: use {SWITCH_WORDS}") from None
+    if not on:
         given = [o.env for o in OPTIONS if o.name != "enabled" and environ.get(o.env, "")]
         if given:
             verb = "needs" if len(given) == 1 else "need"
+            now = f" (it is {value!r})" if value.strip() else ""
             raise ConfigurationError(
-                f"{', '.join(given)} {verb} {variable}=1 (or --streaming-experts); set it to "
-                "stream, or unset them"
+                f"{', '.join(given)} {verb} {variable}=1 (or --streaming-experts){now}; set it "
+                "to stream, or unset them"
             )
-        return False
-    try:
-        return parse_switch(value, variable)
-    except ConfigurationError:
-        raise ConfigurationError(f"{variable}={value!r}: use 1 or 0") from None
-
-
-def unknown_variables(environ=os.environ) -> list:
-    """The ``MLX_LM_STREAMING_*`` variables set in ``environ`` that are not ours, sorted."""
-    known = set(ENV.values()) | set(OTHER_ENV)
-    return sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
-
-
-def closest_variable(name: str) -> Optional[str]:
-    """The variable of ours whose name is closest to ``name`` (``difflib``), if any is close.
-    Compared without the common prefix, which would make every name look alike."""
-    import difflib
-
-    ours = {v[len(PREFIX) :]: v for v in sorted(set(ENV.values()) | set(OTHER_ENV))}
-    close = difflib.get_close_matches(name[len(PREFIX) :], list(ours), n=1, cutoff=0.6)
-    return ours[close[0]] if close else None
-
-
-def _misspelt(name: str) -> str:
-    closest = closest_variable(name)
-    return f"{name} (did you mean {closest}?)" if closest else f"{name} (misspelt?)"
+    return on
 
 
 _unknown_warned = False
@@ -411,7 +415,7 @@ def warn_unknown_variables(environ=os.environ) -> None:
     _unknown_warned = True
     noun = "variable" if len(unknown) == 1 else "variables"
     print(
-        f"mlx-lm-streaming: warning: unknown {noun} {', '.join(map(_misspelt, unknown))}: "
+        f"mlx-lm-streaming: warning: unknown {noun} {', '.join(map(misspelt, unknown))}: "
         "ignored, this model loads without streaming experts",
         file=sys.stderr,
         flush=True,
@@ -425,7 +429,7 @@ def environment_options(environ=os.environ) -> Dict[str, str]:
     if unknown:
         listed = ", ".join(sorted(o.env for o in OPTIONS))
         raise ConfigurationError(
-            f"unknown variable {_misspelt(unknown[0])}; the options are {listed}"
+            f"unknown variable {misspelt(unknown[0])}; the options are {listed}"
         )
     options = {}
     for option in OPTIONS:

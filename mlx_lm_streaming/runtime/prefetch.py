@@ -110,6 +110,7 @@ class PrefetchStats:
     def __init__(self):
         self.lock = threading.Lock()
         self.staged = {"lookahead": 0, "wave": 0, "fill": 0}  # experts read in the background
+        self.read_bytes = 0  # the bytes of those reads that completed
         self.used = {"lookahead": 0, "wave": 0, "fill": 0}  # of which a load used
         self.dropped = 0  # lookaheads that did not fit the staging bound
         self.predicted = 0
@@ -138,6 +139,7 @@ class PrefetchStats:
             "lookahead_precision": (self.predicted_hit / self.predicted if self.predicted else nan),
             "lookahead_recall": self.predicted_hit / self.demand if self.demand else nan,
             "staged_experts": dict(self.staged),
+            "background_gb": self.read_bytes / 1e9,
             "used_experts": dict(self.used),
             "dropped_lookaheads": self.dropped,
             "staged_wait_s": self.waited_s,
@@ -270,6 +272,8 @@ class ExpertPrefetcher:
             else:
                 if tl:
                     tl.batch_read(start, batch)
+                with self.stats.lock:
+                    self.stats.read_bytes += batch.nbytes
                 batch.future.set_result(None)
 
     def close(self, wait: bool = True) -> None:

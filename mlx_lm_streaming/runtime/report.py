@@ -8,6 +8,8 @@ from . import memory
 from .options import StreamingOptions, decimal_gb
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
+# lines printed at exit before the stats lines, where any are printed (``note_at_exit``)
+_NOTES: list = []
 # set (integration.py) once an mlx-lm command's line or environment asked for streaming: loads then
 # say on stderr which budget they chose (``choice_line``)
 cli_streaming = False
@@ -22,7 +24,7 @@ def stats_line(state, label: bool = False) -> str:
     name = f"{state.model_path.name}: " if label else ""
     line = (
         f"[streaming] {name}hit rate {rate}, experts read {s['experts_read']}, "
-        f"{s['gb_read']:.3f} GB read, {s['io_seconds']:.2f} s in I/O, "
+        f"{s['gb_read']:.3f} GB read{_read_split(s)}, {s['io_seconds']:.2f} s in I/O, "
         f"cache {s['cache_gb']:.3f} GB"
     )
     if "tier_device_gb" in s:
@@ -55,6 +57,30 @@ def stats_line(state, label: bool = False) -> str:
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
     return line
+
+
+def _read_split(s) -> str:
+    """Where background reads ran: the GB read split into those read for the experts asked for
+    (on demand) and those read ahead (lookahead, next wave, the fill of a bank of every expert)."""
+    background = min(s.get("background_gb", 0.0), s["gb_read"])
+    if not background:
+        return ""
+    demand = s["gb_read"] - background
+    return (
+        f" ({_gb(demand)} on demand, {_gb(background)} in the background: lookahead, next "
+        "wave, fill)"
+    )
+
+
+def _gb(gb: float) -> str:
+    return decimal_gb(gb * 1e9)
+
+
+def generation_began() -> bool:
+    """Whether a streaming model of this process was asked for experts yet (it ran a forward)."""
+    from .expert_cache import _LIVE
+
+    return any(cache.stats.first_request is not None for cache in list(_LIVE))
 
 
 def fallback_line(state, why: str) -> str:
@@ -161,6 +187,12 @@ def say_choice(options: StreamingOptions) -> bool:
     return options.verbose or cli_streaming
 
 
+def note_at_exit(line: str) -> None:
+    """A line for the stats printed at exit (before them, once), e.g. why a patch was left out."""
+    if line not in _NOTES:
+        _NOTES.append(line)
+
+
 def print_stats_at_exit(state) -> None:
     if not _REPORTING:
         atexit.register(_report_stats)
@@ -176,11 +208,8 @@ def _report_stats() -> None:
             # model's structure before loading the rank's part
             continue
         shown.append(state)
-    from . import layer_major
-
-    if shown and layer_major.unpatched is not None:
-        print(f"[streaming] layer-major prefill does not apply ({layer_major.unpatched}): long "
-              "prompts prefill chunk by chunk", file=sys.stderr, flush=True)
+    for line in _NOTES if shown else ():
+        print(line, file=sys.stderr, flush=True)
     for state in shown:
         print(stats_line(state, label=len(shown) > 1), file=sys.stderr, flush=True)
         if state.options.stats == "layers":

@@ -32,11 +32,12 @@ class StreamingSwitchGLU(nn.Module):
         return self.bank.num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        across = layer_pass.current()
+        across = layer_pass.this_thread.layer  # (an attribute: no call on the hot path)
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
         cache = self.bank.cache
-        cache.enter_call()  # before the choice: a second calling thread turns direct reads off
         steps = cache.steps  # the verified step this thread's model call runs, if any
         step = steps.this_thread.step if steps is not None else None
+        if step is None:  # (a verified step entered the cache once, before its forward)
+            cache.enter_call()  # before the choice: a second calling thread turns direct reads off
         return schedules.choose(self, x, indices, step).run()

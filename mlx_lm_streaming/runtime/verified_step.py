@@ -37,6 +37,7 @@ CPU); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import contextlib
+import operator
 import threading
 from typing import Dict, List, Optional
 
@@ -44,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
+from .bank import load_together
 from .step_caches import StepCaches
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
@@ -68,6 +70,7 @@ MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
 CLEAN_TOKEN_RETRIES = {"cpu": False}
 # weight of the newest token in the running mean of layers that missed
 MISSED_WEIGHT = 0.25
+_MISSES = operator.attrgetter("misses")
 
 
 class _Again(Exception):
@@ -110,6 +113,7 @@ class VerifiedStep:
         # word of a pass that ran beyond a miss (``load_together``)
         self.counts: Optional[np.ndarray] = None
         self.guessed: Dict[int, set] = {}
+        self.guesses_read = False
 
     def add(self, bank, indices: mx.array, missing: mx.array) -> None:
         self.calls.append((self.layer, bank, indices, missing))
@@ -193,8 +197,10 @@ class VerifiedStep:
     def named_after(self, first: int) -> List[tuple]:
         """``(bank, experts, load options)`` for each MoE call after ``calls[first]`` that the
         check found missing experts: those its ids (picked on a wrong input) name and its bank
-        lacks, to be read as guesses, the call's other experts kept."""
+        lacks, to be read as guesses, the call's other experts kept; none while the runner's
+        guesses scored badly (``StepRunner.guess_precision``: scored at ``commit`` either way)."""
         out = []
+        read = self.runner.guess_precision >= self.runner.min_precision
         for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
             _, bank, indices, _ = self.calls[j]
             named = np.unique(np.array(indices, copy=False).astype(np.int64))
@@ -202,8 +208,10 @@ class VerifiedStep:
             if len(lack) == 0 or id(bank) in self.loaded or len(named) > bank.slots:
                 continue  # (more than its slots: that call runs in waves, if it comes)
             self.guessed.setdefault(id(bank), set()).update(lack.tolist())
-            self.runner.named += len(lack)
-            out.append((bank, lack, {"keep": named, "guessed": True}))
+            if read:
+                self.runner.named += len(lack)
+                self.guesses_read = True
+                out.append((bank, lack, {"keep": named, "guessed": True}))
         return out
 
     def first_miss(self, out=None) -> Optional[int]:
@@ -233,7 +241,7 @@ class VerifiedStep:
         """The host work of a step found complete: each kept MoE call's uses told to its policy and
         counted as hits (unless a load in this step counted them), the routing recorded, identity
         banks' fill asked for."""
-        hits = misses = 0
+        hits = misses = named = used = 0
         # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
         flat = np.array(self.ids, copy=False).astype(np.int64)
         at = 0
@@ -243,8 +251,9 @@ class VerifiedStep:
             guessed = self.guessed.get(key)
             if key not in self.loaded or guessed:
                 experts = np.unique(idx)
-                if guessed:
-                    self.runner.named_used += len(guessed.intersection(experts.tolist()))
+                if guessed:  # the guess, read or not, against the experts the call used
+                    named += len(guessed)
+                    used += len(guessed.intersection(experts.tolist()))
             if key in self.loaded:
                 bank.drop_guesses()  # its load counted what it used
             else:
@@ -257,6 +266,10 @@ class VerifiedStep:
                 cache.request_fill(bank)
         cache.stats.start()
         cache.stats.add(hits, misses, 0)
+        runner = self.runner
+        if named:
+            runner.named_used += used if self.guesses_read else 0
+            runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
 
 
 class _ThisThread(threading.local):
@@ -283,6 +296,17 @@ class StepRunner:
         # how many experts were read so, and how many of those the pass run again used
         self.together = state.cache.tuning.read_misses_together
         self.named = self.named_used = 0
+        # running share of the experts so named that the pass run again used, scored from the
+        # first miss, read or not: they are read once it reaches ``CacheTuning.
+        # lookahead_min_precision`` (three good tokens from 0), as lookahead's guesses: a wrong
+        # guess costs a read and evicts an expert the step may want (issue 40)
+        self.guess_precision = 0.0
+        self.min_precision = state.cache.tuning.lookahead_min_precision
+        # decode-sized calls to run per layer whatever the share: the last prompt token's step
+        # after a layer-major prefill (``layer_major.prefill``), whose banks keep only the
+        # prompt's last waves: a verified step would miss in most layers and read, on the word of
+        # passes beyond a miss, experts the step does not use, evicting some that it does
+        self.per_layer_calls = 0
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -307,17 +331,8 @@ class StepRunner:
         if not isinstance(layers, list):
             return
         for i, layer in enumerate(layers):
-            mlx_shims.wrap_call(layer, self._layer_around(i))
+            mlx_shims.wrap_layer(layer, i, self.this_thread)
         self.layers = len(layers)
-
-    def _layer_around(self, i: int):
-        def around(call, args, kwargs):
-            step = self.this_thread.step
-            if step is None:
-                return call(*args, **kwargs)
-            return step.layer_call(i, call, args, kwargs)
-
-        return around
 
     def __call__(self, call, args, kwargs):
         inputs, kv = mlx_shims.call_inputs(args, kwargs)
@@ -325,12 +340,13 @@ class StepRunner:
         if tokens is None or tokens > VERIFY_MAX_TOKENS:
             self.flush()
             return call(*args, **kwargs)
-        if not self._may_verify(tokens, kv):
+        if self.per_layer_calls or not self._may_verify(tokens, kv):
+            self.per_layer_calls = max(0, self.per_layer_calls - 1)
             self.flush()
             banks = self.state.cache.banks
-            before = [b.misses for b in banks]
+            before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
             out = call(*args, **kwargs)
-            missed = sum([b.misses > m for b, m in zip(banks, before)])
+            missed = sum(map(operator.gt, map(_MISSES, banks), before))
             self._missed(missed / max(1, len(banks)))
             return out
         return self._verified(call, args, kwargs, kv, tokens)
@@ -342,9 +358,6 @@ class StepRunner:
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
-        given = self.state.cache.tuning.verify_max_missed_share
-        if given is not None:
-            return given
         gpu = MAX_MISSED_SHARE_TOGETHER_GPU if self.together else MAX_MISSED_SHARE_GPU
         return MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
@@ -369,7 +382,7 @@ class StepRunner:
 
     def _verified(self, call, args, kwargs, kv, tokens):
         cache = self.state.cache
-        cache.note_caller()
+        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
         step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
         try:
@@ -401,30 +414,6 @@ class StepRunner:
             missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
         self._missed(missed)
         return out
-
-
-def load_together(loads) -> None:
-    """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
-    threads where every bank reads directly into its slots and has no staged reads to install (an
-    MLX update, which must run on the calling thread); else one after another. All pending work
-    was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
-    has ended when this returns; the first error is raised then."""
-    banks = [bank for bank, _, _ in loads]
-    if len(loads) == 1 or not all(b.direct and not b.staged for b in banks):
-        for bank, experts, options in loads:
-            bank.load(experts, **options)
-        return
-    for bank in banks:
-        bank.last_stream = None
-    pool = banks[0].cache.bank_pool
-    # beside other banks' loads, a load's experts are never spread over the store's readers
-    futures = [
-        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
-    ]
-    errors = [f.exception() for f in futures]  # waits for each
-    for error in errors:
-        if error is not None:
-            raise error
 
 
 def miss_counts(calls) -> mx.array:

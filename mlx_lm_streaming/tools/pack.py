@@ -41,8 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help=f"pack file, or an existing directory to write {PACK_NAME} into (default: "
-        f"MODEL/{PACK_NAME}); another disk than the model's spreads the reads over both",
+        help=f"pack file (a new one needs an extension: DIR/q.pack), or a directory to write "
+        f"{PACK_NAME} into (a new one needs a trailing /: newdir/) (default: MODEL/{PACK_NAME}); "
+        "another disk than the model's spreads the reads over both",
     )
     parser.add_argument(
         "--force",

@@ -12,7 +12,8 @@ nothing is stacked or rebuilt per token.
 ``LayerBank.reads`` starts making a call's experts resident: it never evicts an expert the call
 pins (the experts it is about to compute), issues the reads of the others into their slots, and
 returns their landings, which the caller takes as they land (reads.py: ``landings``, a generator,
-as ``concurrent.futures.as_completed``); ``load`` does the same and waits. A bank with a slot per
+as ``concurrent.futures.as_completed``); ``load`` does the same and waits; ``load_together`` runs several banks' loads at once (a verified
+step's misses). A bank with a slot per
 expert (``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity): once every expert of
 the layer is resident the bank is ``complete``, and the layer passes the router's indices straight
 to the kernel with no host sync, the same graph as stock. ``stage`` starts background reads
@@ -31,6 +32,6 @@ Imports: the store interface through the cache, ``policy``, ``prefetch``, ``host
 ``lookahead`` (scoring guesses), ``index``; nothing of the schedules or the model.
 """
 
-from .layer_bank import LayerBank
+from .layer_bank import LayerBank, load_together
 
-__all__ = ["LayerBank"]
+__all__ = ["LayerBank", "load_together"]

@@ -324,3 +324,27 @@ class LayerBank:
             self.fill_requested = False
         for batch in batches.values():
             self.cache.release(batch, when_done=True)
+
+
+def load_together(loads) -> None:
+    """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
+    threads where every bank reads directly into its slots and has no staged reads to install (an
+    MLX update, which must run on the calling thread); else one after another. All pending work
+    was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
+    has ended when this returns; the first error is raised then."""
+    banks = [bank for bank, _, _ in loads]
+    if len(loads) == 1 or not all(b.direct and not b.staged for b in banks):
+        for bank, experts, options in loads:
+            bank.load(experts, **options)
+        return
+    for bank in banks:
+        bank.last_stream = None
+    pool = banks[0].cache.bank_pool
+    # beside other banks' loads, a load's experts are never spread over the store's readers
+    futures = [
+        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
+    ]
+    errors = [f.exception() for f in futures]  # waits for each
+    for error in errors:
+        if error is not None:
+            raise error

@@ -252,7 +252,8 @@ class DirectReads:
                     )
                     events.put((pair, None, error))
 
-        batches = [list(pairs)] if by_projection else [[p] for p in pairs]
+        # one batch of every pair, or a batch of one per pair (``zip``: no comprehension's call)
+        batches = [tuple(pairs)] if by_projection else list(zip(pairs))
         pool = bank.cache.demand_pool
         for batch in batches:
             pool.submit(read_in_turn, batch).add_done_callback(lambda f, b=batch: cancelled(f, b))

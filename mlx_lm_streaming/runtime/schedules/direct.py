@@ -68,15 +68,16 @@ class Direct(PerLayer):
         if bank.identity and not bank.complete:
             bank.cache.request_fill(bank)
         outs, rows_done = self.outs, self.rows_done
+        # every row submitted before the lock is let go: a later call's host sync on this stream
+        # then waits for it, so no pending work reads a slot that call rewrites
         if len(outs) == 1 and len(rows_done[0]) == flat.size:
-            y = outs[0]  # every row, in order
+            y = outs[0]  # every row, in order: submitted already (``rows``)
+            y = y.reshape(*idx.shape, y.shape[-1])
         else:
             order = np.argsort(np.concatenate(rows_done), kind="stable")
             y = mx.concatenate(outs, axis=0)[mx.array(order)]
-        y = y.reshape(*idx.shape, y.shape[-1])
-        # submitted before the lock is let go: a later call's host sync on this stream then waits
-        # for it, so no pending work reads a slot that call rewrites
-        submit(bank, y)
+            y = y.reshape(*idx.shape, y.shape[-1])
+            submit(bank, y)
         bank.last_stream = mx.default_stream(mx.default_device())
         return y
 

@@ -1,0 +1,158 @@
+"""Layer-major prefill at small expert counts (issue 40): what a long prompt and the steps after it
+read, against what they must read, and their bits against stock's.
+
+The case: a 97-token prompt, its first 96 tokens prefilled in 6 chunks of 16, 4 experts of each
+layer cached, the cache empty at the start. The prefill must read each expert its chunks use once;
+the last prompt token's own step (stock's, with the logits) and each decode step after it must read
+the experts they use that the banks lack then, and nothing else, whether steps are chosen as on
+the CPU (per layer after misses) or as on a GPU (verified steps whatever the misses). Bytes are
+counted by the store.
+"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support import load_stock, load_streaming
+
+from mlx_lm_streaming.runtime import verified_step
+from mlx_lm_streaming.tools.parity import budget_of_slots, difference
+from synthetic import build_checkpoint
+
+CASES = {
+    "qwen3_moe": {"experts": 16, "top_k": 4},
+    "mixtral": {},  # 8 experts, top-2
+    "deepseek_v3": {},  # 8 routed experts, top-2, a shared one; layer 0 dense
+}
+LAYERS = 4
+SLOTS = 4
+STEP = 16
+DECODE = 4  # decode steps after the prompt's
+# two prompts of 97 tokens: where the banks lack experts the last token's step uses in most
+# layers, and in few
+PROMPTS = [
+    [(7 * seed + 13 * i * i + 5 * i) % 512 for i in range(6 * STEP + 1)] for seed in (3, 4)
+]
+
+
+@pytest.fixture(scope="module")
+def small_experts(tmp_path_factory):
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            path = tmp_path_factory.mktemp("lm") / arch
+            built[arch] = build_checkpoint(path, arch, num_layers=LAYERS, overrides=CASES[arch])
+        return built[arch]
+
+    return get
+
+
+class Used:
+    """A routing recorder: the distinct experts each bank was asked for since ``start``."""
+
+    def __init__(self):
+        self.start()
+
+    def start(self):
+        self.used = {}
+
+    def record(self, bank, ids):
+        self.used.setdefault(id(bank), set()).update(np.asarray(ids).reshape(-1).tolist())
+
+    def close(self):
+        pass
+
+
+def _resident(banks):
+    return {id(b): set(np.nonzero(b.slot_of >= 0)[0].tolist()) for b in banks}
+
+
+def _lacking(banks, used, resident) -> int:
+    """Bytes of the experts in ``used`` that ``resident`` did not hold."""
+    return sum(len(used.get(id(b), set()) - resident[id(b)]) * b.layer.expert_nbytes for b in banks)
+
+
+def run(path, generate_step, prompt, monkeypatch, tuning=None):
+    """The prompt and ``DECODE`` decode steps through ``generate_step`` over a streaming model with
+    ``SLOTS`` experts per layer: per part (the prefill, then each model call after it), the bytes
+    read and the bytes it must read; per model call the layers run again; the log-probabilities."""
+    from dataclasses import replace
+
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    tuning = replace(tuning or CacheTuning(), layer_major_prefill=True)
+    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+    state = model.expert_streaming
+    cache, store = state.cache, state.cache.store
+    banks = cache.banks
+    cache.recorder = used = Used()
+    parts = []  # (bytes read, bytes it must read)
+    again = []  # per model call after the prefill: the layers it ran again (verified steps)
+    at = {"read": 0, "resident": _resident(banks)}
+
+    def close_part():
+        read = store.stats.bytes_read
+        parts.append((read - at["read"], _lacking(banks, used.used, at["resident"])))
+        at["read"], at["resident"] = read, _resident(banks)
+        used.start()
+
+    def progress(done, total):
+        if done == total - 1 and not parts:  # the prefill's end (the last token is stock's)
+            close_part()
+
+    real = verified_step.StepRunner.__call__
+
+    def model_call(runner, call, args, kwargs):
+        replays = runner.replays
+        out = real(runner, call, args, kwargs)
+        runner.flush()  # (a verified step's routing record: at its host work)
+        close_part()
+        again.append(runner.replays - replays)
+        return out
+
+    monkeypatch.setattr(verified_step.StepRunner, "__call__", model_call)
+    steps = generate_step(prompt, model, max_tokens=DECODE, prefill_step_size=STEP,
+                          prompt_progress_callback=progress)  # fmt: skip
+    out = [lp for _, lp in steps]
+    mx.eval(out)
+    monkeypatch.undo()
+    assert (state.prefill.prompts, state.prefill.fallbacks) == (1, 0)
+    state.close()
+    return parts, again, out
+
+
+@pytest.mark.parametrize("limits", ["cpu", "gpu"])
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+@pytest.mark.parametrize("arch", list(CASES))
+def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch, prompt, limits,
+                                                             monkeypatch):
+    import mlx_lm.generate  # noqa: F401 (mlx_lm's __init__ shadows the name with a function)
+
+    generate = sys.modules["mlx_lm.generate"]
+    if limits == "gpu":  # a GPU's choice of steps: verified whatever the misses (read together)
+        monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE", {})
+        monkeypatch.setattr(verified_step, "CLEAN_TOKEN_RETRIES", {})
+    path = small_experts(arch)
+    prompt = mx.array(PROMPTS[prompt])
+    parts, again, out = run(path, generate.generate_step, prompt, monkeypatch)
+    (prefill_read, must), (last_read, last_lacks), *decode = parts
+    assert must > 0 and last_lacks + sum(lacks for _, lacks in decode) > 0, parts
+    # the prefill: each expert its chunks use once
+    assert prefill_read <= 1.05 * must, (arch, prefill_read / must)
+    # the last prompt token's step and the decode steps: the experts they lack, no more (a
+    # verified step's guesses made on a wrong input are not read while they score badly)
+    assert all(read == lacks for read, lacks in parts[1:]), parts
+    # the last token's step, whose banks keep only the prompt's last waves, runs per layer: one
+    # forward, no layer run again after a miss
+    assert again[0] == 0, again
+    total = prefill_read + last_read
+    assert total <= 1.05 * must + last_lacks, (arch, total / must)
+    stock, _ = load_stock(path)
+    ref = [lp for _, lp in generate.generate_step.stock(prompt, stock, max_tokens=DECODE,
+                                                        prefill_step_size=STEP)]  # fmt: skip
+    assert difference(ref, out) is None, (arch, difference(ref, out))
