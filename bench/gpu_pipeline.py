@@ -50,12 +50,11 @@ def trace_top_k(shape):
 
 
 def default_routings(shape):
-    """uniform, and the trace of the shape's family where its experts can replay one: gemma-4's
-    for the gemma4 shapes, Qwen3-30B-A3B's for the other 128-expert ones."""
-    if trace_top_k(shape) is None:
-        return ["uniform"]
+    """uniform, and where the shape's experts can replay it its family's trace (gemma-4's for the
+    gemma4 shapes, Qwen3-30B-A3B's for the other 128-expert ones)."""
     trace = "gemma-4-26b-a4b" if shape.startswith("gemma4") else "qwen3-30b-a3b"
-    return ["uniform", f"trace:{ROOT / 'tests/data/routing' / trace}.jsonl"]
+    traced = [f"trace:{ROOT}/tests/data/routing/{trace}.jsonl"] if trace_top_k(shape) else []
+    return ["uniform", *traced]
 
 # -- variants -------------------------------------------------------------------------------------
 
@@ -604,8 +603,7 @@ def ram_probe(path, files, ck, args):
 
 QUICK = dict(
     shape="tiny", layers=4, rounds=2, block=2, warmup=2, user_tokens=6, probe_mb=8, prompt=6,
-    probe_threads="1,4",
-    ram_probe_mb=2, variants="default,default_tl", budgets="0.25,0.5",
+    probe_threads="1,4", ram_probe_mb=2, variants="default,default_tl", budgets="0.25,0.5",
     ckpt_dir="/tmp/bench_ckpt_quick",
 )
 
@@ -679,9 +677,8 @@ def main(argv=None):
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
         machine=platform.node(), shape=args.shape, layers=args.layers, dtype=dtype,
         expert_host_gb=args.expert_host_gb, rounds=args.rounds, block=args.block,
-        warmup=args.warmup, user_tokens=args.user_tokens,
-        tuning_variants=TUNING_VARIANTS, checkpoints={},
-        groups=[],
+        warmup=args.warmup, user_tokens=args.user_tokens, tuning_variants=TUNING_VARIANTS,
+        checkpoints={}, groups=[],
     )
     # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
     synthetic = [r for r in args.routings if not r.startswith("model:")]

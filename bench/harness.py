@@ -66,8 +66,7 @@ ARCHS = {
     # the Qwen3 layout at small dims: long prompts (4K-32K tokens) prefill in minutes on the CPU
     "small": _shape("small (Qwen3 layout)", "qwen3_moe", 2, hidden=256, moe_intermediate=128,
                     experts=64, top_k=4, heads=2, kv_heads=1, head_dim=32),
-    # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too),
-    # and the hybrids' layouts (experts, heads, layer pattern) at tiny dims
+    # tiny dims for --quick runs on a CPU: the Qwen3 layout, the others' (experts, heads, layers)
     "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
                    experts=128, top_k=6),
     "qwen35_tiny": _shape("tiny (Qwen3.5 layout)", "qwen3_5_moe", 4, **QWEN35 | TINY | dict(
@@ -438,24 +437,23 @@ def decode_block(cfg, n):
     return [seconds / steps] * steps
 
 
-def load_stock(path):
-    import mlx_lm.utils
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    model, config = mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": False})
-    assert not hasattr(model, "expert_streaming")
-    return model, config
-
-
-def load_streaming(path, **options):
+def _load(path, options):
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration.integration import install
 
     install()
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
+
+
+def load_stock(path):
+    model, config = _load(path, False)
+    assert not hasattr(model, "expert_streaming")
+    return model, config
+
+
+def load_streaming(path, **options):
+    return _load(path, options)
 
 
 def expert_sizes(path):

@@ -102,15 +102,13 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
 )
 def test_quick_new_families(tmp_path, shape, layers, experts, traced):
     # the Qwen3.5/3.6 hybrid (three Gated DeltaNet layers and one of full attention) and gemma-4
-    # (five sliding-window layers and one global) at tiny dims: every regime exact against stock,
-    # per layer and in verified steps allowed however many layers miss (``ver``), whose replays
-    # put the hybrid's linear-attention state back; --layers counts decoder layers, each MoE
+    # (five sliding-window layers and one global) at tiny dims, each routing (gemma-4's own trace
+    # too): every regime exact against stock; --layers counts decoder layers, each an MoE layer
     out = tmp_path / "out"
     cmd = [
         sys.executable, SCRIPT, "--quick", "--shape", shape, "--layers", str(layers),
         "--regimes", "hit,ram,cold", "--budgets", "0.25", "--ckpt-dir", tmp_path / "ckpt",
-        "--out", out, "--tag", "quick", "--tuning-variant", "ver:verify_max_missed_share=1",
-        "--variants", "default,ver",
+        "--out", out, "--tag", "quick", "--variants", "default",
     ]  # fmt: skip
     run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
     res = json.loads((out / "quick.json").read_text())
@@ -123,7 +121,5 @@ def test_quick_new_families(tmp_path, shape, layers, experts, traced):
         for key, c in g["configs"].items():
             if key != "stock_own":
                 assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
-        assert g["configs"]["default"]["hit_rate"] == 1.0 or g["regime"] != "hit", where
-        ver = g["configs"]["ver"]
-        if shape == "qwen35_tiny" and g["regime"] != "hit":
-            assert ver["verified_share"] > 0 and ver["replays_per_token"] > 0, where
+        hit = g["configs"]["default"]["hit_rate"]
+        assert hit == 1.0 if g["regime"] == "hit" else hit < 1, where
