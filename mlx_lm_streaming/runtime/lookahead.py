@@ -1,7 +1,7 @@
 """The next-layer lookahead, whole: find a layer's router, guess the next layer's experts, read
 them ahead, score the guesses.
 
-At layer L's host sync (``PerLayer.sync``) layer L+1's router (``find_router``, kept as
+At layer L's host sync (``PerLayer.run``) layer L+1's router (``find_router``, kept as
 ``LayerBank.router``) is applied to layer L's input (``guess``), evaluated in the same sync as layer
 L's ids. Once layer L's own reads are issued, the guessed experts that layer L+1 does not hold are read
 into staging buffers in the background (``stage``: ``prefetch.ExpertPrefetcher``, priority

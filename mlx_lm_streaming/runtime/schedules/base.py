@@ -32,8 +32,9 @@ class Schedule:
 
 class PerLayer(Schedule):
     """A schedule that starts from the layer's one host sync: the call's experts made resident on
-    the host's word. ``run`` is the call top to bottom: the sync (``sync``), the call's work
-    (``compute``: under the bank's lock where ``locked``), the bookkeeping after it."""
+    the host's word. ``run`` is the call top to bottom: the sync (the router's ids and the next
+    layer's guess), the call's work (``compute(ids, the call's distinct experts, the guess or
+    None)``: under the bank's lock where ``locked``), the bookkeeping after it."""
 
     abstract = True
     locked = True
@@ -44,7 +45,18 @@ class PerLayer(Schedule):
         tl = cache.timeline
         start = tl.now() if tl else 0
         misses = cache.stats.misses
-        idx, experts, ahead = self.sync()
+        # the layer's one host sync: the router's ids read back, with the next MoE layer's
+        # lookahead guess evaluated in the same sync, and recorded
+        self.indices = indices = mx.stop_gradient(self.indices)
+        ahead = lookahead.guess(bank, self.x, indices)
+        if ahead is not None:
+            mx.eval(indices, ahead[1])  # one sync for the ids and the guess
+        idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
+        if tl:
+            tl.span("host sync", start, "sync", layer=bank.path)
+        if cache.recorder is not None:
+            cache.recorder.record(bank, idx)
+        experts = np.unique(idx)
         try:
             if self.locked:
                 with bank.lock:
@@ -56,25 +68,6 @@ class PerLayer(Schedule):
             if tl:
                 tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
                 tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
-
-    def sync(self):
-        """The layer's one host sync: the router's ids read back, with the next MoE layer's
-        lookahead guess evaluated in the same sync, and recorded. ``(ids, the call's distinct
-        experts, the guess or None)``."""
-        bank = self.bank
-        cache = bank.cache
-        tl = cache.timeline
-        start = tl.now() if tl else 0
-        self.indices = indices = mx.stop_gradient(self.indices)
-        ahead = lookahead.guess(bank, self.x, indices)
-        if ahead is not None:
-            mx.eval(indices, ahead[1])  # one sync for the ids and the guess
-        idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
-        if tl:
-            tl.span("host sync", start, "sync", layer=bank.path)
-        if cache.recorder is not None:
-            cache.recorder.record(bank, idx)
-        return idx, np.unique(idx), ahead
 
     def compute(self, idx, experts, ahead) -> mx.array:
         raise NotImplementedError
