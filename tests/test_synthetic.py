@@ -214,6 +214,10 @@ def test_overrides_and_errors(tmp_path):
     cfg = make_config("deepseek_v41", 5)
     assert cfg["compress_ratios"] == [0, 4, 0, 4, 0]
     assert cfg["kv_source_layer_ids"] == [1, 3]
+    # gemma-4's top-k by its own name; a layer pattern given is stretched to the layers as well
+    pattern = ["sliding_attention"] * 2 + ["full_attention"]
+    cfg = make_config("gemma4_text", 7, {"top_k": 4, "layer_types": pattern})
+    assert cfg["top_k_experts"] == 4 and cfg["layer_types"] == (pattern * 3)[:7]
 
     path = build_checkpoint(tmp_path / "q", "qwen3_moe", overrides=big)
     model, _ = mlx_lm.load(str(path))
