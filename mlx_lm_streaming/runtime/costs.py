@@ -1,0 +1,304 @@
+"""What a decode call costs on this machine, measured as the run goes, and the mode it leads to.
+
+A decode-sized model call runs as a verified step (one host sync per token, a miss paid with a
+sync, its reads and the layers after it computed again: ``verified_step.py``) or with the
+per-layer schedule (one host sync per MoE layer, nothing computed twice). Which is quicker depends
+on the machine: on a GPU (and on a Mac) a host sync costs about what a layer's compute does, on
+the CPU a sync is cheap and compute dear. ``DecodeCosts`` measures, with ``time.perf_counter``
+around what the call does anyway (no host sync added, but for one probe at the run's first decode
+call):
+
+- ``sync``: the host sync's cost: the probe (a wait on a fresh tiny array, the least of a few),
+  then, once both modes ran, the extra time a per-layer call takes per MoE layer over a verified
+  step that missed nowhere (``(per_layer - verified) / (layers - 1)``: the sync a per-layer call
+  makes, with the host work that goes with it);
+- ``verified``: a verified call that missed nowhere (a sync and every layer's compute), and
+  ``replay``: what each layer run again after a miss adds (its check's sync and the layers after it
+  computed again), both from a running least-squares fit of the verified calls' times (their reads
+  taken out) on their replays;
+- ``per_layer``: a per-layer call, its reads taken out;
+- ``read_verified`` / ``read_per_layer``: seconds per expert read in each mode (a verified step's
+  misses of a token read together, on the bank threads; a per-layer call's by its layer:
+  ``CacheStats``' wait and install time);
+- ``experts_per_miss`` and ``replays_per_miss``: experts read per MoE layer that missed, replays
+  per layer that missed (under 1 where a token's misses are read together).
+
+Each is a running mean (the newest call weighs ``WEIGHT``; the fit forgets at ``DECAY``), so the
+costs follow the run. ``limit`` is the choice: with ``k = share * layers`` MoE layers expected to
+miss (``share``: ``StepRunner.missed_share``, the running share of MoE layers that missed),
+
+    verified(share)  = verified + k * (replays_per_miss * replay + experts_per_miss * read_verified)
+    per_layer(share) = per_layer + k * experts_per_miss * read_per_layer
+
+and the call is a verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the
+share where the two meet. What is not measured yet comes from what is: a per-layer call is
+``verified + (layers - 1) * sync``, a replay is ``sync`` and half the layers' compute; before any
+call was measured (the starting prior) every eligible call is tried as a verified step, which
+measures both its clean cost and what a miss adds. A mode not run for ``REFRESH`` calls runs once
+(a measurement that chose the other mode once is not trusted for ever).
+"""
+
+import math
+import time
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+# weight of the newest call in each running mean; the fit of verified calls' times keeps this
+# share of its sums at each call (a window of about ten calls)
+WEIGHT = 0.25
+DECAY = 0.9
+# calls of each mode left out at the start: the first calls of a shape build kernels and fill
+# the allocator's pools (measured: the first decode call 3-20x the later ones on the CPU)
+WARMUP = 1
+# a call that takes more than this many times its mode's estimate is left out (a pause of the
+# host, another process)
+OUTLIER = 20.0
+# calls in the other mode after which the chooser runs one verified call again, to measure it
+REFRESH = 64
+# waits on a tiny array that the probe takes the least of
+PROBE_REPEATS = 5
+MODES = ("verified", "per_layer")
+
+# how a backend's decode calls choose between a verified step and the per-layer schedule, where
+# ``CacheTuning.verify_choice`` does not say: "costs", by this run's measured costs
+# (``costs.DecodeCosts``: measured against each mode forced on the CPU, docs/benchmarks/README.md,
+# "The decode chooser"); "limits", by the share limits below (``MAX_MISSED_SHARE``...), kept on
+# GPUs (CUDA, Metal), where the chooser was not measured this far (there it is opt-in:
+# ``verify_choice="costs"``); "always": every call that may be a verified step is one
+CHOICE = {"cpu": "costs"}
+CHOICE_ELSE = "limits"
+CHOICES = ("costs", "limits", "always")
+
+# The limits ("limits"), measured once on the CPU and the H200, kept where the chooser was not.
+# Verified steps while recent tokens missed in at most this share of the MoE layers: each layer
+# that misses costs a host sync and the layers after it computed again, so with misses in most
+# layers the per-layer schedule (one sync per layer, nothing computed twice) is cheaper. On a GPU a
+# host sync costs as much as a layer's compute; on the CPU compute is dear and a sync cheap, so
+# there verified steps are tried only after a run of tokens that missed nowhere (measured:
+# docs/benchmarks/README.md, "Decode regimes")
+MAX_MISSED_SHARE = {"cpu": 0.01}
+MAX_MISSED_SHARE_GPU = 0.35
+# the same on a GPU when a token's misses are read together: a token that missed costs about one
+# more sync and a partial forward, not one per layer that missed
+MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
+# on a GPU, a token that missed in no layer lets the next one be a verified step, whatever the
+# running share says: after a burst of misses (a new topic, the cache filling) the running share
+# kept the per-layer schedule, slower than a verified step, for the tokens it took to decay
+# (docs/benchmarks/README.md, "Behind the code's constants"). Not on the CPU, where a verified step
+# that misses costs more than the sync it saves.
+CLEAN_TOKEN_RETRIES = {"cpu": False}
+
+
+def way(given: Optional[str], backend: str, verified_steps: bool = True):
+    """How a model's decode calls choose their mode: ``(choice, DecodeCosts or None, the
+    runner's limit or None: the share limits, whether a clean token retries a verified step)``
+    for ``CacheTuning.verify_choice`` ``given`` (None: ``CHOICE``) on ``backend`` (nothing to
+    measure where ``CacheTuning.verified_steps`` is off). By costs, a
+    clean token retries where a verified step that misses in one layer is still the quicker
+    (``StepRunner._missed``)."""
+    choice = given or CHOICE.get(backend, CHOICE_ELSE)
+    if choice not in CHOICES:
+        raise ValueError(f"verify_choice {choice!r} is none of {', '.join(CHOICES)}")
+    if choice == "costs" and verified_steps:  # (nothing to choose with verified steps off)
+        costs = DecodeCosts()
+        return choice, costs, costs.limit, True
+    retries = CLEAN_TOKEN_RETRIES.get(backend, True)
+    return choice, None, _every_share if choice == "always" else None, retries
+
+
+def _every_share() -> float:
+    """``StepRunner.limit`` where every call that may be a verified step is one."""
+    return math.inf
+
+
+def probe_sync(repeats: int = PROBE_REPEATS) -> float:
+    """Seconds of the host's wait on a tiny array evaluated on the device: the least of
+    ``repeats``."""
+    a = mx.zeros((1,))
+    mx.eval(a)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a = a + 1
+        mx.eval(a)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class DecodeCosts:
+    """Running measurements of a model's decode calls in each mode, and ``limit``: the share of
+    missed MoE layers up to which a verified step is the quicker."""
+
+    def __init__(self, layers: int = 0):
+        self.layers = layers  # MoE layers
+        self.probe: Optional[float] = None
+        # running means, None until measured
+        self.per_layer_s: Optional[float] = None
+        self.read_s = {"verified": None, "per_layer": None}
+        self.experts_per_miss: Optional[float] = None
+        self.replays_per_miss: Optional[float] = None
+        # the verified calls' fit: decayed sums of 1, replays, replays^2, seconds, replays*seconds
+        self.fit = [0.0] * 5
+        self.calls = {m: 0 for m in MODES}  # calls measured or not, by mode
+        self.since = {m: 0 for m in MODES}  # calls of the other mode since each last ran
+        self.cache_limit: Optional[float] = None  # ``limit`` until the next measurement
+        self.estimate: Dict[str, Optional[float]] = dict.fromkeys(("verified", "replay"))
+
+    def start(self, layers: int) -> None:
+        """At the run's first decode call: the MoE layers, and the sync probe."""
+        self.layers = max(1, layers)
+        self.probe = probe_sync()
+
+    # the estimates, from what was measured
+
+    def costs(self) -> Dict[str, Optional[float]]:
+        """Every estimate in seconds (measured, or derived from what was): ``sync``, ``layer``
+        (one MoE layer's share of a clean verified call), ``verified`` (a clean verified call),
+        ``per_layer``, ``replay``, ``read_verified``, ``read_per_layer``; None where nothing
+        tells it yet. (One function: the chooser calls it once per decode call.)"""
+        layers = self.layers or 1
+        sync = self.probe
+        # the fit of verified calls' seconds on their replays: intercept a clean call, slope a
+        # replay's extra, where the replays varied; a clean call alone where none replayed
+        clean = replay = None
+        n, sr, srr, st, srt = self.fit
+        if n > 0:
+            mean_r, mean_t = sr / n, st / n
+            var = srr / n - mean_r * mean_r
+            slope = (srt / n - mean_r * mean_t) / var if var > 1e-3 else -1.0
+            if slope >= 0:
+                clean, replay = max(0.0, mean_t - slope * mean_r), slope
+            elif mean_r < 1e-3:
+                clean = mean_t
+            elif sync is not None:
+                # the same replays in every call: split by the prior (a replay is a sync and
+                # half the layers' compute, a clean call a sync and every layer's)
+                compute = max(0.0, mean_t - sync * (1 + mean_r)) / (layers * (1 + mean_r / 2))
+                clean, replay = sync + layers * compute, sync + compute * layers / 2
+        per_layer = self.per_layer_s
+        if clean is not None and per_layer is not None and layers > 1:
+            sync = max(sync or 0.0, (per_layer - clean) / (layers - 1))
+        if clean is None and per_layer is not None and sync is not None:
+            clean = max(0.0, per_layer - (layers - 1) * sync)
+        if per_layer is None and clean is not None and sync is not None:
+            per_layer = clean + (layers - 1) * sync
+        layer = None if clean is None else max(0.0, clean - (sync or 0.0)) / layers
+        if replay is None and layer is not None:
+            replay = (sync or 0.0) + layer * layers / 2
+        reads = self.read_s
+        read_v = reads["verified"] if reads["verified"] is not None else reads["per_layer"]
+        read_p = reads["per_layer"] if reads["per_layer"] is not None else reads["verified"]
+        return {
+            "sync": sync, "layer": layer, "verified": clean, "per_layer": per_layer,
+            "replay": replay, "read_verified": read_v, "read_per_layer": read_p,
+        }  # fmt: skip
+
+    def expected(self, share: float):
+        """``(verified, per_layer)``: the expected seconds of the next call in each mode with a
+        running share ``share`` of MoE layers that missed; None where not known yet."""
+        c = self.costs()
+        if c["verified"] is None or c["per_layer"] is None:
+            return None, None
+        gap, slope = self._gap_slope(c)
+        return c["verified"] + share * slope[0], c["per_layer"] + share * slope[1]
+
+    def _gap_slope(self, c):
+        """What a per-layer call costs more than a verified one with no miss, and each mode's
+        extra seconds at a share of 1 (every MoE layer missed)."""
+        k = self.layers or 1
+        e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
+        rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
+        read_v, read_p = c["read_verified"] or 0.0, c["read_per_layer"] or 0.0
+        return c["per_layer"] - c["verified"], (k * (rho * c["replay"] + e * read_v), k * e * read_p)
+
+    def limit(self) -> float:
+        """The share of missed MoE layers up to which the next decode call should be a verified
+        step: 1.0 (every share) before any measurement and when verified calls were not run
+        for ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
+        if self.since["verified"] >= REFRESH:
+            return 1.0
+        limit = self.cache_limit
+        if limit is None:
+            c = self.estimate = self.costs()
+            if c["verified"] is None or c["per_layer"] is None:
+                limit = 1.0  # the starting prior: try verified steps, and measure them
+            else:
+                gap, (extra_v, extra_p) = self._gap_slope(c)
+                slope = extra_v - extra_p
+                if slope <= 0:
+                    limit = 1.0 if gap >= 0 else -1.0
+                else:
+                    limit = min(1.0, gap / slope)
+            self.cache_limit = limit
+        return limit
+
+    # the measurements, once per decode call
+
+    def add(self, verified: bool, seconds: Optional[float], reads: float, experts: int,
+            missed: int, replays: int = 0) -> None:
+        """A decode call: in the mode ``verified`` or not, ``seconds`` long (None: not to measure,
+        e.g. a verified step run again per layer), ``reads`` of them reading ``experts`` experts
+        for the ``missed`` MoE layers that missed, ``replays`` layers run again."""
+        mode = "verified" if verified else "per_layer"
+        other = "per_layer" if verified else "verified"
+        self.calls[mode] += 1
+        self.since[mode] = 0
+        self.since[other] += 1
+        self.cache_limit = None
+        if seconds is None or self.calls[mode] <= WARMUP:
+            return
+        if experts and reads > 0:
+            self.read_s[mode] = _mean(self.read_s[mode], reads / experts)
+        if missed:
+            self.experts_per_miss = _mean(self.experts_per_miss, experts / missed)
+            if verified:
+                self.replays_per_miss = _mean(self.replays_per_miss, replays / missed)
+        work = max(0.0, seconds - reads)
+        c = self.estimate  # (as the last choice saw them)
+        if verified:
+            guess = (c["verified"] or 0.0) + replays * (c["replay"] or 0.0)
+            if guess > 0 and work > OUTLIER * guess:
+                return
+            fit = self.fit
+            for i, v in enumerate((1.0, replays, replays * replays, work, replays * work)):
+                fit[i] = DECAY * fit[i] + v
+        else:
+            if self.per_layer_s is not None and work > OUTLIER * self.per_layer_s:
+                return
+            self.per_layer_s = _mean(self.per_layer_s, work)
+
+    def summary(self) -> Dict[str, object]:
+        """For ``--streaming-stats``: the costs in seconds (None: not measured), the calls of each
+        mode, the share limit now."""
+        return {
+            **{k: v for k, v in self.costs().items()},
+            "probe": self.probe,
+            "calls": dict(self.calls),
+            "limit": self.limit() if self.layers else None,
+        }
+
+
+def summary(runner) -> Dict[str, object]:
+    """The decode calls' part of ``--streaming-stats``' counters (``ExpertCache.summary``) for a
+    model's ``verified_step.StepRunner`` (None: none yet)."""
+    r = runner
+    return {
+        # calls run as verified steps (verified_step.py), and layers run again in them
+        "verified_steps": r.verified if r is not None else 0,
+        "verified_replays": r.replays if r is not None else 0,
+        # experts read on the word of a pass beyond a miss, and those the pass run again used
+        "verified_named": r.named if r is not None else 0,
+        "verified_named_used": r.named_used if r is not None else 0,
+        # decode-sized calls run per layer; how each call's mode was chosen; the costs measured
+        # for the choice (``DecodeCosts.summary``; None: not chosen by costs, or no decode yet)
+        "per_layer_decodes": r.per_layer_decodes if r is not None else 0,
+        "decode_choice": r.choice if r is not None else None,
+        "decode_costs": (
+            r.costs.summary() if r is not None and r.costs is not None and r.moe else None
+        ),
+    }
+
+
+def _mean(old: Optional[float], new: float) -> float:
+    return new if old is None else old + WEIGHT * (new - old)
