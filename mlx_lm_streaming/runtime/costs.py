@@ -16,7 +16,9 @@ call):
   ``replay``: what each layer run again after a miss adds (its check's sync and the layers after it
   computed again), both from a running least-squares fit of the verified calls' times (their reads
   taken out) on their replays;
-- ``per_layer``: a per-layer call, its reads taken out;
+- ``per_layer``: a per-layer call that missed nowhere, and ``per_layer_miss``: what each MoE layer
+  that missed adds beside its reads (the host work of a miss), from the same fit of the per-layer
+  calls' times on their MoE layers that missed;
 - ``read_verified`` / ``read_per_layer``: seconds per expert read in each mode (a verified step's
   misses of a token read together, on the bank threads; a per-layer call's by its layer:
   ``CacheStats``' wait and install time);
@@ -28,14 +30,14 @@ costs follow the run. ``limit`` is the choice: with ``k = share * layers`` MoE l
 miss (``share``: ``StepRunner.missed_share``, the running share of MoE layers that missed),
 
     verified(share)  = verified + k * (replays_per_miss * replay + experts_per_miss * read_verified)
-    per_layer(share) = per_layer + k * experts_per_miss * read_per_layer
+    per_layer(share) = per_layer + k * (per_layer_miss + experts_per_miss * read_per_layer)
 
 and the call is a verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the
 share where the two meet. What is not measured yet comes from what is: a per-layer call is
 ``verified + (layers - 1) * sync``, a replay is ``sync`` and half the layers' compute; before any
 call was measured (the starting prior) every eligible call is tried as a verified step, which
-measures both its clean cost and what a miss adds. A mode not run for ``REFRESH`` calls runs once
-(a measurement that chose the other mode once is not trusted for ever).
+measures both its clean cost and what a miss adds. After ``REFRESH`` calls without a verified one,
+one runs (a measurement that chose the per-layer schedule once is not trusted for ever).
 """
 
 import math
@@ -59,6 +61,8 @@ REFRESH = 64
 # waits on a tiny array that the probe takes the least of
 PROBE_REPEATS = 5
 MODES = ("verified", "per_layer")
+ESTIMATES = ("sync", "layer", "verified", "per_layer", "replay", "per_layer_miss",
+             "read_verified", "read_per_layer")  # fmt: skip
 
 # how a backend's decode calls choose between a verified step and the per-layer schedule, where
 # ``CacheTuning.verify_choice`` does not say: "costs", by this run's measured costs
@@ -133,50 +137,61 @@ class DecodeCosts:
     def __init__(self, layers: int = 0):
         self.layers = layers  # MoE layers
         self.probe: Optional[float] = None
-        # running means, None until measured
-        self.per_layer_s: Optional[float] = None
-        self.read_s = {"verified": None, "per_layer": None}
+        # per mode, decayed sums of a fit of a call's seconds (its reads taken out) on its
+        # replays (verified) or its MoE layers that missed (per layer): sums of 1, x, x*x, y, x*y
+        self.fits = {m: [0.0] * 5 for m in MODES}
+        # running means, None until measured: seconds per expert read in each mode, experts read
+        # per MoE layer that missed, replays per MoE layer that missed (verified)
+        self.read_s = dict.fromkeys(MODES)
         self.experts_per_miss: Optional[float] = None
         self.replays_per_miss: Optional[float] = None
-        # the verified calls' fit: decayed sums of 1, replays, replays^2, seconds, replays*seconds
-        self.fit = [0.0] * 5
         self.calls = {m: 0 for m in MODES}  # calls measured or not, by mode
-        self.since = {m: 0 for m in MODES}  # calls of the other mode since each last ran
+        self.since_verified = 0  # calls since the last verified one
         self.cache_limit: Optional[float] = None  # ``limit`` until the next measurement
-        self.estimate: Dict[str, Optional[float]] = dict.fromkeys(("verified", "replay"))
+        self.estimate: Dict[str, Optional[float]] = dict.fromkeys(ESTIMATES)
 
     def start(self, layers: int) -> None:
         """At the run's first decode call: the MoE layers, and the sync probe."""
         self.layers = max(1, layers)
         self.probe = probe_sync()
 
-    # the estimates, from what was measured
+    def limit(self) -> float:
+        """The share of missed MoE layers up to which the next decode call should be a verified
+        step: 1.0 (every share) before any measurement and when no verified call ran for
+        ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
+        if self.since_verified >= REFRESH:
+            return 1.0
+        limit = self.cache_limit
+        if limit is None:
+            limit = self.cache_limit = self._limit()
+        return limit
 
-    def costs(self) -> Dict[str, Optional[float]]:
-        """Every estimate in seconds (measured, or derived from what was): ``sync``, ``layer``
-        (one MoE layer's share of a clean verified call), ``verified`` (a clean verified call),
-        ``per_layer``, ``replay``, ``read_verified``, ``read_per_layer``; None where nothing
-        tells it yet. (One function: the chooser calls it once per decode call.)"""
-        layers = self.layers or 1
-        sync = self.probe
-        # the fit of verified calls' seconds on their replays: intercept a clean call, slope a
-        # replay's extra, where the replays varied; a clean call alone where none replayed
-        clean = replay = None
-        n, sr, srr, st, srt = self.fit
-        if n > 0:
-            mean_r, mean_t = sr / n, st / n
-            var = srr / n - mean_r * mean_r
-            slope = (srt / n - mean_r * mean_t) / var if var > 1e-3 else -1.0
-            if slope >= 0:
-                clean, replay = max(0.0, mean_t - slope * mean_r), slope
-            elif mean_r < 1e-3:
-                clean = mean_t
-            elif sync is not None:
-                # the same replays in every call: split by the prior (a replay is a sync and
-                # half the layers' compute, a clean call a sync and every layer's)
-                compute = max(0.0, mean_t - sync * (1 + mean_r)) / (layers * (1 + mean_r / 2))
-                clean, replay = sync + layers * compute, sync + compute * layers / 2
-        per_layer = self.per_layer_s
+    def _limit(self) -> float:
+        """``limit`` from the measurements; the estimates behind it kept (``estimate``). One
+        function, the fits solved inline: it runs once per decode call."""
+        layers, sync = self.layers or 1, self.probe
+        fitted = {}
+        for mode, (n, sx, sxx, sy, sxy) in self.fits.items():
+            clean = extra = None
+            if n > 0:
+                mean_x, mean_y = sx / n, sy / n
+                var = sxx / n - mean_x * mean_x
+                slope = (sxy / n - mean_x * mean_y) / var if var > 1e-3 and n >= 2 else -1.0
+                if slope >= 0:
+                    clean, extra = max(0.0, mean_y - slope * mean_x), slope
+                elif mean_x < 1e-3:  # calls that missed nowhere
+                    clean = mean_y
+                elif mode == "verified" and sync is not None:
+                    # the same replays in every call: split by the prior (a replay is a sync
+                    # and half the layers' compute, a clean call a sync and every layer's)
+                    compute = max(0.0, mean_y - sync * (1 + mean_x)) / (layers * (1 + mean_x / 2))
+                    clean, extra = sync + layers * compute, sync + compute * layers / 2
+                else:  # per layer, the same misses in every call: their host work unknown
+                    clean = mean_y
+            fitted[mode] = (clean, extra)
+        (clean, replay), (per_layer, host) = fitted["verified"], fitted["per_layer"]
+        # the sync a per-layer call makes: what it costs more than a clean verified call, per
+        # MoE layer but one; the probe until both were measured
         if clean is not None and per_layer is not None and layers > 1:
             sync = max(sync or 0.0, (per_layer - clean) / (layers - 1))
         if clean is None and per_layer is not None and sync is not None:
@@ -186,97 +201,83 @@ class DecodeCosts:
         layer = None if clean is None else max(0.0, clean - (sync or 0.0)) / layers
         if replay is None and layer is not None:
             replay = (sync or 0.0) + layer * layers / 2
-        reads = self.read_s
-        read_v = reads["verified"] if reads["verified"] is not None else reads["per_layer"]
-        read_p = reads["per_layer"] if reads["per_layer"] is not None else reads["verified"]
-        return {
+        read_v, read_p = self.read_s["verified"], self.read_s["per_layer"]
+        read_v, read_p = (read_v if read_v is not None else read_p), (read_p or read_v)
+        self.estimate = {
             "sync": sync, "layer": layer, "verified": clean, "per_layer": per_layer,
-            "replay": replay, "read_verified": read_v, "read_per_layer": read_p,
+            "replay": replay, "per_layer_miss": host, "read_verified": read_v,
+            "read_per_layer": read_p,
         }  # fmt: skip
-
-    def expected(self, share: float):
-        """``(verified, per_layer)``: the expected seconds of the next call in each mode with a
-        running share ``share`` of MoE layers that missed; None where not known yet."""
-        c = self.costs()
-        if c["verified"] is None or c["per_layer"] is None:
-            return None, None
-        gap, slope = self._gap_slope(c)
-        return c["verified"] + share * slope[0], c["per_layer"] + share * slope[1]
-
-    def _gap_slope(self, c):
-        """What a per-layer call costs more than a verified one with no miss, and each mode's
-        extra seconds at a share of 1 (every MoE layer missed)."""
-        k = self.layers or 1
+        if clean is None or per_layer is None:
+            return 1.0  # the starting prior: try verified steps, and measure them
+        # each mode's extra seconds at a share of 1 (every MoE layer missed)
         e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
         rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
-        read_v, read_p = c["read_verified"] or 0.0, c["read_per_layer"] or 0.0
-        return c["per_layer"] - c["verified"], (k * (rho * c["replay"] + e * read_v), k * e * read_p)
+        extra_v = layers * (rho * replay + e * (read_v or 0.0))
+        extra_p = layers * ((host or 0.0) + e * (read_p or 0.0))
+        gap, slope = per_layer - clean, extra_v - extra_p
+        if slope <= 0:
+            return 1.0 if gap >= 0 else -1.0
+        return min(1.0, gap / slope)
 
-    def limit(self) -> float:
-        """The share of missed MoE layers up to which the next decode call should be a verified
-        step: 1.0 (every share) before any measurement and when verified calls were not run
-        for ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
-        if self.since["verified"] >= REFRESH:
-            return 1.0
-        limit = self.cache_limit
-        if limit is None:
-            c = self.estimate = self.costs()
-            if c["verified"] is None or c["per_layer"] is None:
-                limit = 1.0  # the starting prior: try verified steps, and measure them
-            else:
-                gap, (extra_v, extra_p) = self._gap_slope(c)
-                slope = extra_v - extra_p
-                if slope <= 0:
-                    limit = 1.0 if gap >= 0 else -1.0
-                else:
-                    limit = min(1.0, gap / slope)
-            self.cache_limit = limit
-        return limit
+    def expected(self, share: float):
+        """``(verified, per_layer)``: the expected seconds of the next call in each mode at a
+        running share ``share`` of MoE layers that missed (the terms of ``_limit``); None where
+        not known yet."""
+        self._limit()
+        c = self.estimate
+        if c["verified"] is None or c["per_layer"] is None:
+            return None, None
+        k = share * self.layers
+        e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
+        rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
+        verified = c["verified"] + k * (rho * c["replay"] + e * (c["read_verified"] or 0.0))
+        per_layer = c["per_layer"] + k * ((c["per_layer_miss"] or 0.0)
+                                          + e * (c["read_per_layer"] or 0.0))  # fmt: skip
+        return verified, per_layer
 
     # the measurements, once per decode call
 
     def add(self, verified: bool, seconds: Optional[float], reads: float, experts: int,
             missed: int, replays: int = 0) -> None:
-        """A decode call: in the mode ``verified`` or not, ``seconds`` long (None: not to measure,
-        e.g. a verified step run again per layer), ``reads`` of them reading ``experts`` experts
-        for the ``missed`` MoE layers that missed, ``replays`` layers run again."""
+        """A decode call: in the mode ``verified`` or not, ``seconds`` long (None: not to measure),
+        ``reads`` of them reading ``experts`` experts for the ``missed`` MoE layers that missed,
+        ``replays`` layers run again (verified)."""
         mode = "verified" if verified else "per_layer"
-        other = "per_layer" if verified else "verified"
         self.calls[mode] += 1
-        self.since[mode] = 0
-        self.since[other] += 1
+        self.since_verified = 0 if verified else self.since_verified + 1
         self.cache_limit = None
         if seconds is None or self.calls[mode] <= WARMUP:
             return
         if experts and reads > 0:
-            self.read_s[mode] = _mean(self.read_s[mode], reads / experts)
+            old = self.read_s[mode]
+            self.read_s[mode] = reads / experts if old is None else old + WEIGHT * (
+                reads / experts - old)
         if missed:
-            self.experts_per_miss = _mean(self.experts_per_miss, experts / missed)
+            old = self.experts_per_miss
+            new = experts / missed
+            self.experts_per_miss = new if old is None else old + WEIGHT * (new - old)
             if verified:
-                self.replays_per_miss = _mean(self.replays_per_miss, replays / missed)
+                old, new = self.replays_per_miss, replays / missed
+                self.replays_per_miss = new if old is None else old + WEIGHT * (new - old)
         work = max(0.0, seconds - reads)
+        x = replays if verified else missed
         c = self.estimate  # (as the last choice saw them)
-        if verified:
-            guess = (c["verified"] or 0.0) + replays * (c["replay"] or 0.0)
-            if guess > 0 and work > OUTLIER * guess:
-                return
-            fit = self.fit
-            for i, v in enumerate((1.0, replays, replays * replays, work, replays * work)):
-                fit[i] = DECAY * fit[i] + v
-        else:
-            if self.per_layer_s is not None and work > OUTLIER * self.per_layer_s:
-                return
-            self.per_layer_s = _mean(self.per_layer_s, work)
+        guess = c["verified" if verified else "per_layer"]
+        if guess and work > OUTLIER * (guess + x * (c["replay" if verified else "sync"] or 0.0)):
+            return
+        fit = self.fits[mode]
+        fit[0] = DECAY * fit[0] + 1.0
+        fit[1] = DECAY * fit[1] + x
+        fit[2] = DECAY * fit[2] + x * x
+        fit[3] = DECAY * fit[3] + work
+        fit[4] = DECAY * fit[4] + x * work
 
     def summary(self) -> Dict[str, object]:
-        """For ``--streaming-stats``: the costs in seconds (None: not measured), the calls of each
-        mode, the share limit now."""
-        return {
-            **{k: v for k, v in self.costs().items()},
-            "probe": self.probe,
-            "calls": dict(self.calls),
-            "limit": self.limit() if self.layers else None,
-        }
+        """For ``--streaming-stats``: the estimates in seconds (None: not measured), the probe,
+        the calls of each mode, the share limit now."""
+        limit = self.limit()
+        return {**self.estimate, "probe": self.probe, "calls": dict(self.calls), "limit": limit}
 
 
 def summary(runner) -> Dict[str, object]:
@@ -298,7 +299,3 @@ def summary(runner) -> Dict[str, object]:
             r.costs.summary() if r is not None and r.costs is not None and r.moe else None
         ),
     }
-
-
-def _mean(old: Optional[float], new: float) -> float:
-    return new if old is None else old + WEIGHT * (new - old)
