@@ -145,6 +145,10 @@ class DecodeCosts:
         self.read_s = dict.fromkeys(MODES)
         self.experts_per_miss: Optional[float] = None
         self.replays_per_miss: Optional[float] = None
+        self.replays_per_call: Optional[float] = None  # per verified call that missed
+        # whether a token's misses are read together, guesses and all (``StepRunner``: one
+        # replay per call that misses, not one per layer)
+        self.together = False
         self.calls = {m: 0 for m in MODES}  # calls measured or not, by mode
         self.since_verified = 0  # calls since the last verified one
         self.cache_limit: Optional[float] = None  # ``limit`` until the next measurement
@@ -210,28 +214,41 @@ class DecodeCosts:
         }  # fmt: skip
         if clean is None or per_layer is None:
             return 1.0  # the starting prior: try verified steps, and measure them
-        # each mode's extra seconds at a share of 1 (every MoE layer missed)
+        # the largest share up to which a verified call is expected the quicker: ``expected``'s
+        # terms, inline (no call per share tried), over shares in steps of 1/64
         e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
         rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
-        extra_v = layers * (rho * replay + e * (read_v or 0.0))
-        extra_p = layers * ((host or 0.0) + e * (read_p or 0.0))
-        gap, slope = per_layer - clean, extra_v - extra_p
-        if slope <= 0:
-            return 1.0 if gap >= 0 else -1.0
-        return min(1.0, gap / slope)
+        rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
+        per_v, per_p = e * (read_v or 0.0), (host or 0.0) + e * (read_p or 0.0)
+        best = -1.0
+        for step in range(65):
+            share = step / 64
+            k = share * layers
+            r = rho_call * (1 - (1 - share) ** layers) if self.together else rho * k
+            if clean + r * replay + k * per_v > per_layer + k * per_p:
+                break
+            best = share
+        return best
 
     def expected(self, share: float):
         """``(verified, per_layer)``: the expected seconds of the next call in each mode at a
-        running share ``share`` of MoE layers that missed (the terms of ``_limit``); None where
-        not known yet."""
+        running share ``share`` of MoE layers that missed; None where not known yet. With ``k =
+        share * layers`` MoE layers expected to miss, a verified call runs ``replays_per_miss *
+        k`` layers again (read together, one replay per call that misses: ``replays_per_call *
+        (1 - (1 - share) ** layers)``) and reads ``experts_per_miss * k`` experts."""
         self._limit()
         c = self.estimate
         if c["verified"] is None or c["per_layer"] is None:
             return None, None
-        k = share * self.layers
+        layers = self.layers or 1
+        k = share * layers
         e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
-        rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
-        verified = c["verified"] + k * (rho * c["replay"] + e * (c["read_verified"] or 0.0))
+        if self.together:
+            rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
+            replays = rho_call * (1 - (1 - share) ** layers)
+        else:
+            replays = (self.replays_per_miss if self.replays_per_miss is not None else 1.0) * k
+        verified = c["verified"] + replays * c["replay"] + k * e * (c["read_verified"] or 0.0)
         per_layer = c["per_layer"] + k * ((c["per_layer_miss"] or 0.0)
                                           + e * (c["read_per_layer"] or 0.0))  # fmt: skip
         return verified, per_layer
@@ -260,6 +277,8 @@ class DecodeCosts:
             if verified:
                 old, new = self.replays_per_miss, replays / missed
                 self.replays_per_miss = new if old is None else old + WEIGHT * (new - old)
+                old = self.replays_per_call
+                self.replays_per_call = replays if old is None else old + WEIGHT * (replays - old)
         work = max(0.0, seconds - reads)
         x = replays if verified else missed
         c = self.estimate  # (as the last choice saw them)

@@ -368,6 +368,7 @@ class StepRunner:
         share = min(1.0, missed / self.moe)
         self.missed_share += MISSED_WEIGHT * (share - self.missed_share)
         if self.costs is not None:
+            self.costs.together = self.together and self.guess_precision >= self.min_precision
             self.costs.add(verified, seconds, reads, experts, missed, replays)
         if share == 0 and not verified and self.clean_retries:
             limit = self.limit()
