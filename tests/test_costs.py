@@ -1,4 +1,4 @@
-"""The decode chooser (runtime/costs.py): a verified step or the per-layer schedule, by measured costs.
+"""The decode chooser (runtime/costs.py): a verified step or per layer, by measured costs.
 
 A simulation of each mode's time under a machine's cost profile (sync, a layer's compute, a read)
 feeds ``DecodeCosts`` the call times it would measure; the chooser's pick at each running share of
@@ -53,7 +53,8 @@ def simulate(profile, verified, missed):
 
 def mean_time(profile, verified, share, calls=400):
     rng = np.random.default_rng(1)
-    return np.mean([simulate(profile, verified, missed_layers(rng, share))[0] for _ in range(calls)])
+    times = [simulate(profile, verified, missed_layers(rng, share))[0] for _ in range(calls)]
+    return np.mean(times)
 
 
 def trained(profile, per_layer_calls=True, seed=0):
@@ -177,3 +178,15 @@ def test_the_stats_say_the_measured_costs(q3_path, varied):
     assert limits.expert_streaming.stats()["decode_costs"] is None
     assert "per layer (by share limits)" in limits.expert_streaming.stats_line()
     limits.expert_streaming.close()
+
+
+def test_verified_calls_that_run_again_whole_choose_the_per_layer_schedule():
+    # a miss where layers cannot be run again (``verified_step._Again``): the call runs again
+    # whole, per layer, after its forward; where most verified calls end so, none is chosen
+    chooser = trained(PROFILES["metal_together"])
+    assert chooser.limit() == 1.0
+    for _ in range(10):
+        chooser.add(True, None, 0.0, 0, LAYERS, again=True)
+    assert chooser.limit() < 0
+    verified, per_layer = chooser.expected(0.0)
+    assert verified > per_layer

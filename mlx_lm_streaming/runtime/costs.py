@@ -74,6 +74,9 @@ CHOICE = {"cpu": "costs"}
 CHOICE_ELSE = "limits"
 CHOICES = ("costs", "limits", "always")
 
+# weight of the newest call in the running share of MoE layers that missed (``note_call``)
+MISSED_WEIGHT = 0.25
+
 # The limits ("limits"), measured once on the CPU and the H200, kept where the chooser was not.
 # Verified steps while recent tokens missed in at most this share of the MoE layers: each layer
 # that misses costs a host sync and the layers after it computed again, so with misses in most
@@ -92,6 +95,25 @@ MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
 # (docs/benchmarks/README.md, "Behind the code's constants"). Not on the CPU, where a verified step
 # that misses costs more than the sync it saves.
 CLEAN_TOKEN_RETRIES = {"cpu": False}
+
+
+def note_call(runner, missed, verified, seconds=None, reads=0.0, experts=0, replays=0,
+              again=False) -> None:
+    """A decode-sized call of ``runner`` (``verified_step.StepRunner``) that ``missed`` in that
+    many MoE layers, as a verified step or not (``again``: one run again whole, per layer),
+    ``seconds`` long (None: not measured), ``reads`` of them reading ``experts`` experts,
+    ``replays`` layers run again: the runner's running share of MoE layers that missed, its costs
+    (where it chooses by them), and a clean token's retry."""
+    share = min(1.0, missed / runner.moe)
+    runner.missed_share += MISSED_WEIGHT * (share - runner.missed_share)
+    costs = runner.costs
+    if costs is not None:
+        costs.together = runner.together and runner.guess_precision >= runner.min_precision
+        costs.add(verified, None if again else seconds, reads, experts, missed, replays, again)
+    if share == 0 and not verified and runner.clean_retries:
+        limit = runner.limit()
+        if costs is None or limit >= 1 / runner.moe:
+            runner.missed_share = min(runner.missed_share, limit)
 
 
 def way(given: Optional[str], backend: str, verified_steps: bool = True):
@@ -149,6 +171,10 @@ class DecodeCosts:
         # whether a token's misses are read together, guesses and all (``StepRunner``: one
         # replay per call that misses, not one per layer)
         self.together = False
+        # running share of verified calls that ran again whole, per layer (``verified_step.
+        # _Again``: a miss where layers cannot be run again): such a call costs a per-layer one
+        # and the forward before it
+        self.again = 0.0
         self.calls = {m: 0 for m in MODES}  # calls measured or not, by mode
         self.since_verified = 0  # calls since the last verified one
         self.cache_limit: Optional[float] = None  # ``limit`` until the next measurement
@@ -213,19 +239,22 @@ class DecodeCosts:
             "read_per_layer": read_p,
         }  # fmt: skip
         if clean is None or per_layer is None:
-            return 1.0  # the starting prior: try verified steps, and measure them
+            # the starting prior: try verified steps, and measure them; where they ran again
+            # whole (not measured), per-layer calls
+            return 1.0 if self.again < 0.5 else -1.0
         # the largest share up to which a verified call is expected the quicker: ``expected``'s
         # terms, inline (no call per share tried), over shares in steps of 1/64
         e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
         rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
         rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
         per_v, per_p = e * (read_v or 0.0), (host or 0.0) + e * (read_p or 0.0)
-        best = -1.0
+        best, again = -1.0, self.again
         for step in range(65):
             share = step / 64
             k = share * layers
             r = rho_call * (1 - (1 - share) ** layers) if self.together else rho * k
-            if clean + r * replay + k * per_v > per_layer + k * per_p:
+            p = per_layer + k * per_p
+            if (1 - again) * (clean + r * replay + k * per_v) + again * (p + clean) > p:
                 break
             best = share
         return best
@@ -251,17 +280,21 @@ class DecodeCosts:
         verified = c["verified"] + replays * c["replay"] + k * e * (c["read_verified"] or 0.0)
         per_layer = c["per_layer"] + k * ((c["per_layer_miss"] or 0.0)
                                           + e * (c["read_per_layer"] or 0.0))  # fmt: skip
-        return verified, per_layer
+        # a share ``again`` of verified calls runs again whole: a per-layer call after a forward
+        again = self.again
+        return (1 - again) * verified + again * (per_layer + c["verified"]), per_layer
 
     # the measurements, once per decode call
 
     def add(self, verified: bool, seconds: Optional[float], reads: float, experts: int,
-            missed: int, replays: int = 0) -> None:
+            missed: int, replays: int = 0, again: bool = False) -> None:
         """A decode call: in the mode ``verified`` or not, ``seconds`` long (None: not to measure),
         ``reads`` of them reading ``experts`` experts for the ``missed`` MoE layers that missed,
-        ``replays`` layers run again (verified)."""
+        ``replays`` layers run again (verified; ``again``: the call ran again whole, per layer)."""
         mode = "verified" if verified else "per_layer"
         self.calls[mode] += 1
+        if verified:
+            self.again += WEIGHT * (again - self.again)
         self.since_verified = 0 if verified else self.since_verified + 1
         self.cache_limit = None
         if seconds is None or self.calls[mode] <= WARMUP:

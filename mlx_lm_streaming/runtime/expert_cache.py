@@ -105,9 +105,9 @@ class CacheTuning:
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
     # how a decode-sized call chooses between a verified step and the per-layer schedule
-    # (``verified_step.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
+    # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
     # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
-    # wherever one may run; None: the backend's default (``verified_step.CHOICE``)
+    # wherever one may run; None: the backend's default (``costs.CHOICE``)
     verify_choice: Optional[str] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer

@@ -54,8 +54,7 @@ from .step_caches import StepCaches
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
 VERIFY_MAX_TOKENS = 4
-# weight of the newest token in the running mean of layers that missed
-MISSED_WEIGHT = 0.25
+MISSED_WEIGHT = costs.MISSED_WEIGHT  # (the running means' weight of the newest call)
 _MISSES = operator.attrgetter("misses")
 
 
@@ -352,8 +351,9 @@ class StepRunner:
             out = call(*args, **kwargs)
             missed = sum(map(operator.gt, map(_MISSES, banks), before))
             self.per_layer_decodes += 1
+            seconds = perf_counter() - start
             waited = stats.io_wait_seconds + stats.install_seconds - waited
-            self._missed(missed, False, perf_counter() - start, waited, stats.misses - misses)
+            costs.note_call(self, missed, False, seconds, waited, stats.misses - misses)
             return out
         return self._verified(call, args, kwargs, kv, tokens, start)
 
@@ -362,18 +362,6 @@ class StepRunner:
         self.moe = max(1, len(self.state.cache.banks))
         if self.costs is not None:
             self.costs.start(self.moe)
-
-    def _missed(self, missed, verified, seconds=None, reads=0.0, experts=0, replays=0) -> None:
-        """A decode-sized call that ``missed`` in that many MoE layers: the share, the costs."""
-        share = min(1.0, missed / self.moe)
-        self.missed_share += MISSED_WEIGHT * (share - self.missed_share)
-        if self.costs is not None:
-            self.costs.together = self.together and self.guess_precision >= self.min_precision
-            self.costs.add(verified, seconds, reads, experts, missed, replays)
-        if share == 0 and not verified and self.clean_retries:
-            limit = self.limit()
-            if self.costs is None or limit >= 1 / self.moe:
-                self.missed_share = min(self.missed_share, limit)
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
@@ -405,8 +393,6 @@ class StepRunner:
         step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
         reads, experts = self.read_seconds, self.read_experts
-        stats = cache.stats
-        waited, misses = stats.io_wait_seconds + stats.install_seconds, stats.misses
         try:
             out = call(*args, **kwargs)
             if step.kept:
@@ -433,15 +419,14 @@ class StepRunner:
             out = call(*args, **kwargs)
         finally:
             self.this_thread.step = None
-        seconds = perf_counter() - start
-        if missed is not None:  # measured as a verified step that ran every layer again
-            waited = stats.io_wait_seconds + stats.install_seconds - waited
-            self._missed(missed, True, seconds, waited, stats.misses - misses, self.moe)
+        if missed is not None:
+            costs.note_call(self, missed, True, again=True)
             return out
         # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
         missed = len(step.loaded | step.guessed.keys())
         reads, experts = self.read_seconds - reads, self.read_experts - experts
-        self._missed(missed, True, seconds, reads, experts, self.replays - replays)
+        seconds = perf_counter() - start
+        costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
         return out
 
 
