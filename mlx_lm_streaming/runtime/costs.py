@@ -22,22 +22,30 @@ call):
 - ``read_verified`` / ``read_per_layer``: seconds per expert read in each mode (a verified step's
   misses of a token read together, on the bank threads; a per-layer call's by its layer:
   ``CacheStats``' wait and install time);
-- ``experts_per_miss`` and ``replays_per_miss``: experts read per MoE layer that missed, replays
-  per layer that missed (under 1 where a token's misses are read together).
+- ``experts_per_miss``, ``replays_per_miss``, ``replays_per_call``: experts read per MoE layer that
+  missed, replays per layer that missed, replays per verified call that missed; ``again``: the
+  share of verified calls run again whole, per layer (``verified_step._Again``).
 
 Each is a running mean (the newest call weighs ``WEIGHT``; the fit forgets at ``DECAY``), so the
 costs follow the run. ``limit`` is the choice: with ``k = share * layers`` MoE layers expected to
 miss (``share``: ``StepRunner.missed_share``, the running share of MoE layers that missed),
 
-    verified(share)  = verified + k * (replays_per_miss * replay + experts_per_miss * read_verified)
+    verified(share)  = verified + replays * replay + k * experts_per_miss * read_verified
     per_layer(share) = per_layer + k * (per_layer_miss + experts_per_miss * read_per_layer)
 
-and the call is a verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the
-share where the two meet. What is not measured yet comes from what is: a per-layer call is
+with ``replays = replays_per_miss * k``, or, where a token's misses are read together (guesses
+and all: one replay per call that misses), ``replays_per_call * (1 - (1 - share) ** layers)``; a
+share ``again`` of verified calls costs a per-layer call and a forward instead. The call is a
+verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the largest such share. What is not measured yet comes from what is: a per-layer call is
 ``verified + (layers - 1) * sync``, a replay is ``sync`` and half the layers' compute; before any
 call was measured (the starting prior) every eligible call is tried as a verified step, which
 measures both its clean cost and what a miss adds. After ``REFRESH`` calls without a verified one,
 one runs (a measurement that chose the per-layer schedule once is not trusted for ever).
+
+The chooser is the default on the CPU only (``CHOICE``), where it was measured against each mode
+forced (docs/benchmarks/README.md, "The decode chooser"). On CUDA and Metal it is unverified: the
+share limits (``MAX_MISSED_SHARE``...) decide there unless ``CacheTuning.verify_choice`` asks for
+``"costs"`` (docs/design.md, "Which mode a decode call takes").
 """
 
 import math
@@ -122,7 +130,7 @@ def way(given: Optional[str], backend: str, verified_steps: bool = True):
     for ``CacheTuning.verify_choice`` ``given`` (None: ``CHOICE``) on ``backend`` (nothing to
     measure where ``CacheTuning.verified_steps`` is off). By costs, a
     clean token retries where a verified step that misses in one layer is still the quicker
-    (``StepRunner._missed``)."""
+    (``note_call``)."""
     choice = given or CHOICE.get(backend, CHOICE_ELSE)
     if choice not in CHOICES:
         raise ValueError(f"verify_choice {choice!r} is none of {', '.join(CHOICES)}")
