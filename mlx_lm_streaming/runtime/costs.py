@@ -36,7 +36,7 @@ miss (``share``: ``StepRunner.missed_share``, the running share of MoE layers th
 with ``replays = replays_per_miss * k``, or, where a token's misses are read together (guesses
 and all: one replay per call that misses), ``replays_per_call * (1 - (1 - share) ** layers)``; a
 share ``again`` of verified calls costs a per-layer call and a forward instead. The call is a
-verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the largest such share. What is not measured yet comes from what is: a per-layer call is
+verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the share where they meet. What is not measured yet comes from what is: a per-layer call is
 ``verified + (layers - 1) * sync``, a replay is ``sync`` and half the layers' compute; before any
 call was measured (the starting prior) every eligible call is tried as a verified step, which
 measures both its clean cost and what a miss adds. After ``REFRESH`` calls without a verified one,
@@ -250,22 +250,26 @@ class DecodeCosts:
             # the starting prior: try verified steps, and measure them; where they ran again
             # whole (not measured), per-layer calls
             return 1.0 if self.again < 0.5 else -1.0
-        # the largest share up to which a verified call is expected the quicker: ``expected``'s
-        # terms, inline (no call per share tried), over shares in steps of 1/64
+        # the share up to which a verified call is expected the quicker: ``expected``'s terms,
+        # inline (no call per share tried): at 0, at 1, then halving the interval between
         e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
         rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
         rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
         per_v, per_p = e * (read_v or 0.0), (host or 0.0) + e * (read_p or 0.0)
-        best, again = -1.0, self.again
-        for step in range(65):
-            share = step / 64
+        lo, hi, share, again = 0.0, 1.0, 0.0, self.again
+        for i in range(16):
             k = share * layers
             r = rho_call * (1 - (1 - share) ** layers) if self.together else rho * k
             p = per_layer + k * per_p
-            if (1 - again) * (clean + r * replay + k * per_v) + again * (p + clean) > p:
-                break
-            best = share
-        return best
+            quicker = (1 - again) * (clean + r * replay + k * per_v) + again * (p + clean) <= p
+            if i == 0 and not quicker:
+                return -1.0  # per layer even where nothing misses
+            if i == 1 and quicker:
+                return 1.0
+            if i > 1:
+                lo, hi = (share, hi) if quicker else (lo, share)
+            share = 1.0 if i == 0 else (lo + hi) / 2
+        return lo
 
     def expected(self, share: float):
         """``(verified, per_layer)``: the expected seconds of the next call in each mode at a
