@@ -6,7 +6,7 @@
 Runs ``mlx_lm_streaming.tools.parity`` as tests/test_parity.py does on a small table of
 architectures, variants and activation dtypes (``CASES``) on the default device; prints one line
 per case and writes a JSON summary (after each case too). What is compared:
-docs/benchmarks/methods.md (cuda_parity.py). Run by bench/gpu.sh and bench/gpu_trace.sh.
+docs/benchmarks/methods.md (cuda_parity.py). Run by bench/gpu.sh.
 """
 
 import argparse

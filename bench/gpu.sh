@@ -4,6 +4,9 @@
 #   bash bench/gpu.sh [prefill.py args...]                       # e.g. prefill.md's H200 run
 #   BENCH=memory bash bench/gpu.sh [memory.py args...]            # peak RSS
 #   BENCH=pipeline bash bench/gpu.sh [gpu_pipeline.py args...]    # the decode regimes
+#   BENCH=pipeline PARITY_TIMEOUT=320 PARITY_ARGS='--cases 1 --prompt-by-token --direct on,off
+#     --overrides {"hidden":256,"moe_intermediate":128}' bash bench/gpu.sh --layers 16 --rounds 3
+#     --block 6 --probe-mb 512 --regimes cold       # cold decode, then parity direct on and off
 # Each gets --ckpt-dir /root/ckpt --out $OUT (prefill and memory: --device-kind gpu too).
 # GPU_BENCH=0 skips the benchmark, PARITY_TIMEOUT=0 the parity check; BENCH_TIMEOUT; PARITY_ARGS:
 # cuda_parity.py's, e.g. "--cases 2 --direct on".

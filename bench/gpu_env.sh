@@ -1,4 +1,4 @@
-# Sourced by bench/gpu.sh and bench/gpu_trace.sh on the device machine: the mlx-cuda wheels (made by
+# Sourced by bench/gpu.sh on the device machine: the mlx-cuda wheels (made by
 # ../shared/tools/mlx-cuda-wheels.sh, the first part copied to /root/stash by an earlier call, the
 # second carried as .dev/b) installed into /root/site, and PYTHONPATH pointing there and here.
 mkdir -p /root/stash "$OUT"

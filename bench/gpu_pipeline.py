@@ -41,13 +41,20 @@ import routing_replay  # noqa: E402
 from harness import GB, MB, Config, decode_block, log  # noqa: E402
 
 # harness.ARCHS's shapes; those of 128 experts at top-k 6, the routing traces' (a trace routes
-# only a checkpoint of its own expert count; "tiny": for trying the script on a CPU)
+# only a checkpoint of its own expert count; "tiny", "*_tiny": for trying the script on a CPU)
 SHAPES = tuple(harness.ARCHS)
 
 
 def trace_top_k(shape):
     return 6 if harness.ARCHS[shape]["overrides"]["experts"] == 128 else None
-TRACE = "trace:" + str(ROOT / "tests/data/routing/qwen3-30b-a3b.jsonl")
+
+
+def default_routings(shape):
+    """uniform, and where the shape's experts can replay it its family's trace (gemma-4's for the
+    gemma4 shapes, Qwen3-30B-A3B's for the other 128-expert ones)."""
+    trace = "gemma-4-26b-a4b" if shape.startswith("gemma4") else "qwen3-30b-a3b"
+    traced = [f"trace:{ROOT}/tests/data/routing/{trace}.jsonl"] if trace_top_k(shape) else []
+    return ["uniform", *traced]
 
 # -- variants -------------------------------------------------------------------------------------
 
@@ -507,17 +514,11 @@ def text_tokens(path, prompt_len: int):
 def open_checkpoint(path, args, first_routing):
     """``(figures, shard files, stock models)`` of one checkpoint: its expert bytes, layers and
     experts, the disk and ram probes, and the stocks (routed through ``first_routing``)."""
+    from mlx_lm_streaming.tools.parity import vocab_size
+
     files = harness.shards(path)
-    probe, _ = harness.load_streaming(path, expert_cache_gb=1e6)
-    cache = probe.expert_streaming.cache
-    bank = cache.banks[0]
-    ck = dict(
-        path=str(path), total_expert_bytes=cache.total_expert_bytes,
-        expert_bytes=bank.layer.expert_nbytes, moe_layers=len(cache.banks),
-        experts=bank.num_experts,
-    )
-    del probe, cache, bank
-    gc.collect()
+    ck = dict(path=str(path), **harness.expert_sizes(path))
+    gc.collect()  # the probe's model
     bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, args.probe_threads)
     ck.update(disk_gbps=bw, disk_best_gbps=max(v for v in bw.values() if v))
     log(f"{path}: disk GB/s: {bw}")
@@ -538,7 +539,7 @@ def open_checkpoint(path, args, first_routing):
         if name == "stock_synctoken":
             sync_per_token(model)
         stocks[name] = model
-    ck["vocab"] = config["vocab_size"]
+    ck["vocab"] = vocab_size(config)
     return ck, files, stocks
 
 
@@ -602,8 +603,7 @@ def ram_probe(path, files, ck, args):
 
 QUICK = dict(
     shape="tiny", layers=4, rounds=2, block=2, warmup=2, user_tokens=6, probe_mb=8, prompt=6,
-    probe_threads="1,4",
-    ram_probe_mb=2, variants="default,default_tl", budgets="0.25,0.5",
+    probe_threads="1,4", ram_probe_mb=2, variants="default,default_tl", budgets="0.25,0.5",
     ckpt_dir="/tmp/bench_ckpt_quick",
 )
 
@@ -626,8 +626,8 @@ def parse_args(argv):
     add("--hit-budget", type=float, default=0.99)
     add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
     add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
-    add("--routings", type=_list(str), default="uniform," + TRACE,
-        help="uniform, trace:FILE, model:DIR")
+    add("--routings", type=_list(str), default=None,
+        help="uniform, trace:FILE, model:DIR (default: uniform and the shape's trace if any)")
     add("--variants", type=_list(str), default="default", help="(the module's docstring)")
     add("--tuning-variant", type=tuning_variant, action="append", default=[],
         metavar="NAME:field=value,...", help="a variant word setting CacheTuning fields")
@@ -648,6 +648,7 @@ def parse_args(argv):
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
+    args.routings = args.routings or default_routings(args.shape)
     if set(args.regimes) - set(REGIMES):
         raise SystemExit(f"--regimes {args.regimes}: known: {', '.join(REGIMES)}")
     TUNING_VARIANTS.update(args.tuning_variant)
@@ -676,9 +677,8 @@ def main(argv=None):
         date=time.strftime("%Y-%m-%d %H:%M"), device=str(mx.default_device()), mlx=mx.__version__,
         machine=platform.node(), shape=args.shape, layers=args.layers, dtype=dtype,
         expert_host_gb=args.expert_host_gb, rounds=args.rounds, block=args.block,
-        warmup=args.warmup, user_tokens=args.user_tokens,
-        tuning_variants=TUNING_VARIANTS, checkpoints={},
-        groups=[],
+        warmup=args.warmup, user_tokens=args.user_tokens, tuning_variants=TUNING_VARIANTS,
+        checkpoints={}, groups=[],
     )
     # the synthetic checkpoint's routings first, then each model:DIR's on its own checkpoint
     synthetic = [r for r in args.routings if not r.startswith("model:")]

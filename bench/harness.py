@@ -31,8 +31,21 @@ def _shape(label, arch, layers, **overrides):
     return dict(label=label, arch=arch, layers=layers, overrides=overrides)
 
 
-# name -> the real model's expert shape at ``layers`` MoE layers (the real ones have 48, 32, 27)
+# name -> the real model's expert shape at ``layers`` MoE layers (the real ones have 48, 32, 27;
+# the hybrids' 40 and 30 decoder layers are each an MoE layer, their attention pattern kept)
 ATTN = dict(heads=32, head_dim=128)
+# Qwen3.5/3.6-35B-A3B (qwen3_5_moe: qwen3_next's sparse block and a shared expert in every layer,
+# three Gated DeltaNet layers then one of full attention); gemma-4-26B-A4B (gemma4_text: experts
+# beside a dense MLP in every layer, five sliding-window layers then one global)
+QWEN35 = dict(hidden=2048, moe_intermediate=512, experts=256, top_k=8, heads=16, kv_heads=2,
+              head_dim=256, shared_expert_intermediate_size=512, full_attention_interval=4,
+              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+              linear_value_head_dim=128)
+GEMMA4 = dict(hidden=2816, moe_intermediate=704, experts=128, top_k=8, heads=16, kv_heads=8,
+              head_dim=256, intermediate_size=2112, global_head_dim=512, sliding_window=1024,
+              num_global_key_value_heads=2, attention_k_eq_v=True,
+              layer_types=["sliding_attention"] * 5 + ["full_attention"])
+TINY = dict(hidden=128, moe_intermediate=64, head_dim=32)
 ARCHS = {
     "qwen3": _shape(
         "Qwen3-30B-A3B", "qwen3_moe", 4, hidden=2048, moe_intermediate=768, experts=128, top_k=8,
@@ -48,12 +61,18 @@ ARCHS = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
         n_group=1, topk_group=1, first_k_dense_replace=0,
     ),
+    "qwen35": _shape("Qwen3.5/3.6-35B-A3B", "qwen3_5_moe", 4, **QWEN35),
+    "gemma4": _shape("gemma-4-26B-A4B", "gemma4_text", 6, **GEMMA4),
     # the Qwen3 layout at small dims: long prompts (4K-32K tokens) prefill in minutes on the CPU
     "small": _shape("small (Qwen3 layout)", "qwen3_moe", 2, hidden=256, moe_intermediate=128,
                     experts=64, top_k=4, heads=2, kv_heads=1, head_dim=32),
-    # the Qwen3 layout at tiny dims, for --quick runs on a CPU (gpu_pipeline.py's tiny shape too)
+    # tiny dims for --quick runs on a CPU: the Qwen3 layout, the others' (experts, heads, layers)
     "tiny": _shape("tiny (Qwen3 layout)", "qwen3_moe", 2, hidden=128, moe_intermediate=64,
                    experts=128, top_k=6),
+    "qwen35_tiny": _shape("tiny (Qwen3.5 layout)", "qwen3_5_moe", 4, **QWEN35 | TINY | dict(
+        shared_expert_intermediate_size=64, linear_key_head_dim=32, linear_value_head_dim=32)),
+    "gemma4_tiny": _shape("tiny (gemma-4 layout)", "gemma4_text", 6, **GEMMA4 | TINY | dict(
+        intermediate_size=128, global_head_dim=64, sliding_window=16)),
 }  # fmt: skip
 
 
@@ -418,24 +437,23 @@ def decode_block(cfg, n):
     return [seconds / steps] * steps
 
 
-def load_stock(path):
-    import mlx_lm.utils
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    model, config = mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": False})
-    assert not hasattr(model, "expert_streaming")
-    return model, config
-
-
-def load_streaming(path, **options):
+def _load(path, options):
     import mlx_lm.utils
 
     from mlx_lm_streaming.integration.integration import install
 
     install()
     return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
+
+
+def load_stock(path):
+    model, config = _load(path, False)
+    assert not hasattr(model, "expert_streaming")
+    return model, config
+
+
+def load_streaming(path, **options):
+    return _load(path, options)
 
 
 def expert_sizes(path):

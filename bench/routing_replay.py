@@ -171,7 +171,8 @@ def _expert_counts(model):
         if source is None:
             continue
         experts = _first(source, ("num_experts", "num_local_experts", "n_routed_experts"))
-        top_k = _first(source, ("num_experts_per_tok", "top_k", "num_experts_per_token"))
+        top_k = _first(source, ("num_experts_per_tok", "top_k", "num_experts_per_token",
+                                 "top_k_experts"))
         if experts and top_k:
             return experts, top_k
     raise TraceError("cannot tell the model's experts per layer and per token from its arguments")

@@ -569,7 +569,7 @@ _ALIASES = {
         "n_routed_experts",
         "moe_num_experts",
     ),
-    "top_k": ("num_experts_per_tok", "moe_k", "num_experts_per_token"),
+    "top_k": ("num_experts_per_tok", "moe_k", "num_experts_per_token", "top_k_experts"),
     "heads": ("num_attention_heads",),
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),
@@ -646,11 +646,14 @@ def make_config(arch: str, num_layers: int = 2, overrides: Optional[dict] = None
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     config = copy.deepcopy(ARCHITECTURES[arch])
-    _fit_layers(config, max(num_layers, _MIN_LAYERS.get(arch, 1)))
+    layers = max(num_layers, _MIN_LAYERS.get(arch, 1))
+    _fit_layers(config, layers)
     for key, value in (overrides or {}).items():
         name = _resolve_key(config, key)
         if "text_config" in config and name != "model_type":
             config["text_config"][name] = value
         else:
             config[name] = value
+    if any(key in PER_LAYER_LISTS for key in overrides or {}):  # a pattern given: stretched too
+        _fit_layers(config, layers)
     return config

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from support import clean_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +94,32 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
         assert f"### {regime}" in proc.stdout
     assert "stock_synclayer" in md and "nolk_tl" in md
     assert "as a user sees it (stream_generate)" in md and "the injected ids cost" in md
+
+
+@pytest.mark.parametrize(
+    "shape, layers, experts, traced",
+    [("qwen35_tiny", 4, 256, False), ("gemma4_tiny", 6, 128, True)],
+)
+def test_quick_new_families(tmp_path, shape, layers, experts, traced):
+    # the Qwen3.5/3.6 hybrid (three Gated DeltaNet layers and one of full attention) and gemma-4
+    # (five sliding-window layers and one global) at tiny dims, each routing (gemma-4's own trace
+    # too): every regime exact against stock; --layers counts decoder layers, each an MoE layer
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, SCRIPT, "--quick", "--shape", shape, "--layers", str(layers),
+        "--regimes", "hit,ram,cold", "--budgets", "0.25", "--ckpt-dir", tmp_path / "ckpt",
+        "--out", out, "--tag", "quick", "--variants", "default",
+    ]  # fmt: skip
+    run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
+    res = json.loads((out / "quick.json").read_text())
+    assert (res["moe_layers"], res["experts"]) == (layers, experts)
+    routings = {g["routing"].split(":")[0] for g in res["groups"]}
+    assert routings == ({"uniform", "trace"} if traced else {"uniform"})
+    assert len(res["groups"]) == 3 * len(routings)
+    for g in res["groups"]:
+        where = f"{g['regime']} {g['routing']} {g['budget']}"
+        for key, c in g["configs"].items():
+            if key != "stock_own":
+                assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
+        hit = g["configs"]["default"]["hit_rate"]
+        assert hit == 1.0 if g["regime"] == "hit" else hit < 1, where

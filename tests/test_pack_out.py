@@ -52,7 +52,7 @@ def test_a_new_directory_is_made_only_inside_an_existing_one(ckpt, tmp_path):
 def test_a_directory_made_for_a_pack_that_fails_is_taken_away(ckpt, tmp_path):
     dense = build_dense_checkpoint(tmp_path / "dense", ckpt)
     out = pack(dense, "newdir/", tmp_path)
-    one_error_line(out, "no streaming adapter")
+    one_error_line(out, "is not a Mixture-of-Experts model")
     assert not (tmp_path / "newdir").exists()
 
 

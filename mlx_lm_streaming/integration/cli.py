@@ -44,12 +44,13 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
         "loading them into memory. Each flag sets the environment variable named in its help.",
     )
     for option in FLAG_OPTION.values():
+        text = option.help.replace("%", "%%")  # argparse formats help with %
         if option.metavar is None:
             group.add_argument(
                 option.flag,
                 action="store_true",
                 default=None,
-                help=f"{option.help} ({option.env}=1).",
+                help=f"{text} ({option.env}=1).",
             )
         elif option.metavar == "?":
             group.add_argument(
@@ -58,11 +59,11 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                 const=True,
                 default=None,
                 metavar="layers",
-                help=f"{option.help} ({option.env}=1 or layers).",
+                help=f"{text} ({option.env}=1 or layers).",
             )
         else:
             group.add_argument(
-                option.flag, metavar=option.metavar, help=f"{option.help} ({option.env})."
+                option.flag, metavar=option.metavar, help=f"{text} ({option.env})."
             )
 
 

@@ -7,8 +7,7 @@ checks the values, whichever way they came.
 
 The environment applies wherever streaming is asked for: ``MLX_LM_STREAMING_EXPERTS=1`` turns it on for
 every load; for a load that asks for streaming itself (``model_config``, ``mlx_lm_streaming.load``) the
-other variables give the values that the load does not give. ``{"streaming_experts": False}`` turns
-streaming off for a load even when the environment asks for it.
+other variables give the values it does not; ``{"streaming_experts": False}`` turns it off for a load.
 """
 
 import math
