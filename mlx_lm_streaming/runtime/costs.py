@@ -168,8 +168,12 @@ class DecodeCosts:
         self.layers = layers  # MoE layers
         self.probe: Optional[float] = None
         # per mode, decayed sums of a fit of a call's seconds (its reads taken out) on its
-        # replays (verified) or its MoE layers that missed (per layer): sums of 1, x, x*x, y, x*y
-        self.fits = {m: [0.0] * 5 for m in MODES}
+        # replays (verified) or its MoE layers that missed (per layer): sums of 1, x, x*x, y, x*y,
+        # and of the calls with x = 0 (the fit's intercept is trusted only with some of those)
+        self.fits = {m: [0.0] * 6 for m in MODES}
+        # a per-layer call missed nowhere since the last verified call, while no verified call
+        # that missed nowhere was measured lately: the next call is a verified one, to measure it
+        self.clean_per_layer = False
         # running means, None until measured: seconds per expert read in each mode, experts read
         # per MoE layer that missed, replays per MoE layer that missed (verified)
         self.read_s = dict.fromkeys(MODES)
@@ -197,7 +201,9 @@ class DecodeCosts:
         """The share of missed MoE layers up to which the next decode call should be a verified
         step: 1.0 (every share) before any measurement and when no verified call ran for
         ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
-        if self.since_verified >= REFRESH:
+        if self.since_verified >= REFRESH or (
+            self.clean_per_layer and self.fits["verified"][5] < 0.5
+        ):
             return 1.0
         limit = self.cache_limit
         if limit is None:
@@ -209,19 +215,21 @@ class DecodeCosts:
         function, the fits solved inline: it runs once per decode call."""
         layers, sync = self.layers or 1, self.probe
         fitted = {}
-        for mode, (n, sx, sxx, sy, sxy) in self.fits.items():
+        for mode, (n, sx, sxx, sy, sxy, n0) in self.fits.items():
             clean = extra = None
             if n > 0:
                 mean_x, mean_y = sx / n, sy / n
                 var = sxx / n - mean_x * mean_x
-                slope = (sxy / n - mean_x * mean_y) / var if var > 1e-3 and n >= 2 else -1.0
+                # (an intercept extrapolated far from every call is not trusted)
+                fits = var > 1e-3 and n >= 2 and (n0 >= 0.5 or mode == "per_layer")
+                slope = (sxy / n - mean_x * mean_y) / var if fits else -1.0
                 if slope >= 0:
                     clean, extra = max(0.0, mean_y - slope * mean_x), slope
                 elif mean_x < 1e-3:  # calls that missed nowhere
                     clean = mean_y
                 elif mode == "verified" and sync is not None:
-                    # the same replays in every call: split by the prior (a replay is a sync
-                    # and half the layers' compute, a clean call a sync and every layer's)
+                    # no clean call lately: split by the prior (a replay is a sync and half the
+                    # layers' compute, a clean call a sync and every layer's)
                     compute = max(0.0, mean_y - sync * (1 + mean_x)) / (layers * (1 + mean_x / 2))
                     clean, extra = sync + layers * compute, sync + compute * layers / 2
                 else:  # per layer, the same misses in every call: their host work unknown
@@ -307,6 +315,7 @@ class DecodeCosts:
         self.calls[mode] += 1
         if verified:
             self.again += WEIGHT * (again - self.again)
+        self.clean_per_layer = not verified and (self.clean_per_layer or missed == 0)
         self.since_verified = 0 if verified else self.since_verified + 1
         self.cache_limit = None
         if seconds is None or self.calls[mode] <= WARMUP:
@@ -336,6 +345,7 @@ class DecodeCosts:
         fit[2] = DECAY * fit[2] + x * x
         fit[3] = DECAY * fit[3] + work
         fit[4] = DECAY * fit[4] + x * work
+        fit[5] = DECAY * fit[5] + (x == 0)
 
     def summary(self) -> Dict[str, object]:
         """For ``--streaming-stats``: the estimates in seconds (None: not measured), the probe,
