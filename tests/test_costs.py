@@ -165,7 +165,8 @@ def test_the_stats_say_the_measured_costs(q3_path, varied):
     state = model.expert_streaming
     stats = state.stats()
     c = stats["decode_costs"]
-    assert c["probe"] > 0 and c["sync"] >= c["probe"] and c["layer"] > 0
+    # (a layer's share may come out 0 where the measured sync is most of a clean call)
+    assert c["probe"] > 0 and c["sync"] >= c["probe"] and c["layer"] >= 0
     assert c["calls"]["verified"] == stats["verified_steps"] > 0
     line = state.stats_line()
     verified, per_layer = stats["verified_steps"], stats["per_layer_decodes"]
