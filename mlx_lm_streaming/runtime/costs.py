@@ -66,6 +66,8 @@ WARMUP = 1
 OUTLIER = 20.0
 # calls in the other mode after which the chooser runs one verified call again, to measure it
 REFRESH = 64
+# clean verified calls (decayed) the fit wants before a clean per-layer call stops trying one
+CLEAN_POINTS = 2.0
 # waits on a tiny array that the probe takes the least of
 PROBE_REPEATS = 5
 MODES = ("verified", "per_layer")
@@ -171,8 +173,9 @@ class DecodeCosts:
         # replays (verified) or its MoE layers that missed (per layer): sums of 1, x, x*x, y, x*y,
         # and of the calls with x = 0 (the fit's intercept is trusted only with some of those)
         self.fits = {m: [0.0] * 6 for m in MODES}
-        # a per-layer call missed nowhere since the last verified call, while no verified call
-        # that missed nowhere was measured lately: the next call is a verified one, to measure it
+        # a per-layer call missed nowhere since the last verified call, while fewer than
+        # ``CLEAN_POINTS`` verified calls that missed nowhere were measured lately: the next call
+        # is a verified one, to measure it
         self.clean_per_layer = False
         # running means, None until measured: seconds per expert read in each mode, experts read
         # per MoE layer that missed, replays per MoE layer that missed (verified)
@@ -202,7 +205,7 @@ class DecodeCosts:
         step: 1.0 (every share) before any measurement and when no verified call ran for
         ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
         if self.since_verified >= REFRESH or (
-            self.clean_per_layer and self.fits["verified"][5] < 0.5
+            self.clean_per_layer and self.fits["verified"][5] < CLEAN_POINTS
         ):
             return 1.0
         limit = self.cache_limit
