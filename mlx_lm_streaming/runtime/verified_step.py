@@ -32,10 +32,9 @@ Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry sha
 written outside them), a miss puts every cache entry back and runs the whole call per layer
 instead. ``StepRunner`` chooses per model call: verified steps for calls of up to
 ``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
-pipeline stages, while recent tokens missed in few enough layers: by this run's measured costs
-(``costs.DecodeCosts``: the default on the CPU) or by share limits (``costs.MAX_MISSED_SHARE``:
-kept on GPUs, where the chooser is opt-in, not measured there yet); the per-layer schedule
-otherwise (prefill, cold caches).
+pipeline stages, while recent tokens missed in few enough layers: by share limits
+(``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
+opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import contextlib
