@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.runtime import verified_step
+from mlx_lm_streaming.runtime import costs, verified_step
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
 from synthetic import build_checkpoint
 
@@ -135,8 +135,9 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
 
     generate = sys.modules["mlx_lm.generate"]
     if limits == "gpu":  # a GPU's choice of steps: verified whatever the misses (read together)
-        monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE", {})
-        monkeypatch.setattr(verified_step, "CLEAN_TOKEN_RETRIES", {})
+        monkeypatch.setattr(costs, "CHOICE", {})  # (by the limits: the chooser is opt-in there)
+        monkeypatch.setattr(costs, "MAX_MISSED_SHARE", {})
+        monkeypatch.setattr(costs, "CLEAN_TOKEN_RETRIES", {})
     path = small_experts(arch)
     prompt = mx.array(PROMPTS[prompt])
     parts, again, out = run(path, generate.generate_step, prompt, monkeypatch)

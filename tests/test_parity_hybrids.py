@@ -14,6 +14,7 @@ from support import load_stock, with_slots
 from test_parity import PREFILL_STEP, check_parity, generate_step_module, run_generate_step
 
 from mlx_lm_streaming.runtime import mlx_shims
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import difference
 from synthetic import build_checkpoint
 
@@ -82,6 +83,10 @@ def hybrid_paths(tmp_path_factory):
     return Paths()
 
 
+# a verified step wherever one may run, whatever the measured costs say (``costs.way``)
+ALWAYS = CacheTuning(verify_choice="always")
+
+
 def generated(model, every_call_verified=False):
     """Tokens and log-probabilities of greedy decoding through mlx-lm's ``generate_step`` (which
     builds step t+1's graph before step t is evaluated); ``every_call_verified``: a verified step
@@ -120,7 +125,7 @@ def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arc
     path = hybrid_paths[arch]
     stock, _ = load_stock(path)
     expected = generated(stock)
-    model = with_slots(path, 3)
+    model = with_slots(path, 3, tuning=ALWAYS)
     assert mlx_shims.rewindable(make_prompt_cache(model), 1)
     seen = put_backs(monkeypatch)
     got = generated(model, every_call_verified=True)
@@ -147,7 +152,7 @@ def test_a_recurrent_state_left_as_the_missed_pass_wrote_it_is_not_stock(hybrid_
     monkeypatch.setattr(
         mlx_shims, "put_back", lambda e, m: None if isinstance(m, list) else real(e, m)
     )
-    got = generated(with_slots(path, 3), every_call_verified=True)
+    got = generated(with_slots(path, 3, tuning=ALWAYS), every_call_verified=True)
     assert any(not np.array_equal(a, b) for (_, a), (_, b) in zip(expected, got))
 
 
@@ -211,7 +216,7 @@ def test_verified_steps_of_several_tokens_run_layers_again_with_their_first_argu
     # a wrong shape)
     path = hybrid_paths[arch]
     runs = []
-    for model in (load_stock(path)[0], with_slots(path, 6)):
+    for model in (load_stock(path)[0], with_slots(path, 6, tuning=ALWAYS)):
         kv = make_prompt_cache(model)
         mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=kv))
         logits = []

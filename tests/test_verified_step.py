@@ -12,11 +12,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from support import decode, load_stock, same, with_slots
 
-from mlx_lm_streaming.runtime import mlx_shims, verified_step
+from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
+# a verified step wherever one may run, whatever the measured costs say (``costs.way``)
+ALWAYS = CacheTuning(verify_choice="always")
 
 
 def generated(model, steps=STEPS):
@@ -53,8 +55,9 @@ def test_verified_steps_match_stock_through_generate_step(q3_path, expected):
 
 def _every_call_verified(model):
     """Tokens and log-probabilities through ``generate_step`` with a verified step tried at every
-    call, whatever the misses of the calls before."""
+    call, whatever the misses of the calls before (``verify_choice="always"``)."""
     runner = model.expert_streaming.steps
+    assert runner.choice == "always"
     got = []
     runner.missed_share = 0.0
     for (token, logprobs), _ in zip(generate_step(PROMPT, model, max_tokens=STEPS), range(STEPS)):
@@ -65,7 +68,7 @@ def _every_call_verified(model):
 
 def test_misses_in_many_layers_are_replayed_exactly(q3_path, expected):
     # few slots: nearly every verified step misses, often in several layers, each replayed
-    model = with_slots(q3_path, 3)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
     assert_same(expected, _every_call_verified(model))
     runner = model.expert_streaming.steps
     assert runner.replays >= STEPS // 2
@@ -73,7 +76,7 @@ def test_misses_in_many_layers_are_replayed_exactly(q3_path, expected):
 
 
 def test_a_miss_where_layers_cannot_be_replayed_runs_the_call_again(q3_path, expected):
-    model = with_slots(q3_path, 3)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
     runner = model.expert_streaming.steps
     runner.layers = 0  # as for a model whose decoder layers could not be wrapped
     assert_same(expected, _every_call_verified(model))
@@ -91,8 +94,8 @@ def test_misses_in_most_layers_choose_the_per_layer_schedule(q3_path, expected):
 @pytest.mark.parametrize("retries", [True, False])
 def test_a_token_that_missed_nowhere_tries_a_verified_step_on_gpus(q3_path, retries):
     # GPUs (``clean_retries``): after a per-layer token that missed in no layer, the next call is
-    # a verified step whatever the misses before; the CPU keeps the running share
-    model = with_slots(q3_path, 15)
+    # a verified step whatever the misses before; the CPU keeps the running share (by the limits)
+    model = with_slots(q3_path, 15, tuning=CacheTuning(verify_choice="limits"))
     runner = model.expert_streaming.steps
     runner.clean_retries = retries
     kv = make_prompt_cache(model)
@@ -110,7 +113,7 @@ def test_a_token_that_missed_nowhere_tries_a_verified_step_on_gpus(q3_path, retr
 
 
 def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
-    model = with_slots(q3_path, 15)
+    model = with_slots(q3_path, 15, tuning=ALWAYS)
     cache = model.expert_streaming.cache
     mx.eval(model(PROMPT[None], cache=(kv := make_prompt_cache(model))))
     bank = cache.banks[0]
@@ -152,7 +155,7 @@ def test_rewindable_caches():
 
 
 def test_a_cache_that_cannot_be_rewound_runs_per_layer(q3_path):
-    model = with_slots(q3_path, 15)
+    model = with_slots(q3_path, 15, tuning=ALWAYS)
     runner = model.expert_streaming.steps
     cache = make_prompt_cache(model)
     mx.eval(model(PROMPT[None], cache=cache))
@@ -175,7 +178,9 @@ def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected,
     # too (several banks at once), as guesses; the pass run again is stock's bits, and every
     # expert a call used is counted once, as a hit or a miss
     # (every guess read, good or not: ``StepRunner.guess_precision``)
-    tuning = CacheTuning(read_misses_together=together, lookahead_min_precision=0.0)
+    tuning = CacheTuning(
+        read_misses_together=together, lookahead_min_precision=0.0, verify_choice="always"
+    )
     model = with_slots(q3_path, 4, tuning=tuning)
     assert_same(expected, _every_call_verified(model))
     runner = model.expert_streaming.steps
@@ -211,11 +216,11 @@ def test_reading_together_lets_gpus_verify_whatever_the_misses(
     # step. Read layer by layer, the running share of layers that missed passes the GPU's limit
     # and calls fall back to the per-layer schedule; so do they, read together, under a limit of
     # 0. Exact every way
-    monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE", {})
+    monkeypatch.setattr(costs, "MAX_MISSED_SHARE", {})
     if given is not None:
-        monkeypatch.setattr(verified_step, "MAX_MISSED_SHARE_TOGETHER_GPU", given)
+        monkeypatch.setattr(costs, "MAX_MISSED_SHARE_TOGETHER_GPU", given)
     tokens, want = varied
-    tuning = CacheTuning(read_misses_together=together)
+    tuning = CacheTuning(read_misses_together=together, verify_choice="limits")
     model = with_slots(q3_path, 2, tuning=tuning)
     assert same(want, decode(model, tokens, steps=16))
     runner = model.expert_streaming.steps
@@ -237,7 +242,8 @@ def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monk
         return real(loads)
 
     monkeypatch.setattr(verified_step, "load_together", spy)
-    model = with_slots(q3_path, 4, tuning=CacheTuning(lookahead_min_precision=0.0))
+    tuning = CacheTuning(lookahead_min_precision=0.0, verify_choice="always")
+    model = with_slots(q3_path, 4, tuning=tuning)
     assert_same(expected, _every_call_verified(model))
     assert any(n > 1 and parallel for n, parallel in seen)  # on the bank threads
     assert model.expert_streaming.cache._bank_pool is not None
@@ -248,7 +254,7 @@ def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, exp
     # it, read or not, and read only while such guesses were mostly right: never at the start
     from mlx_lm_streaming.runtime import verified_step
 
-    model = with_slots(q3_path, 4)
+    model = with_slots(q3_path, 4, tuning=ALWAYS)
     runner = model.expert_streaming.steps
     assert runner.guess_precision == 0.0
     seen = []
@@ -269,5 +275,5 @@ def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, exp
 def test_a_pass_naming_more_experts_than_slots_guesses_nothing_there(q3_path, expected):
     # two slots, three experts a token: the pass beyond a miss names more experts than a bank holds;
     # those banks are not read ahead (their call runs in waves), and the result is stock's
-    model = with_slots(q3_path, 2)
+    model = with_slots(q3_path, 2, tuning=ALWAYS)
     assert_same(expected, _every_call_verified(model))

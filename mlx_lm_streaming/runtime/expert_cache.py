@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..errors import ConfigurationError, ExpertIOError
+from . import costs
 from .bank import LayerBank
 from .counters import Counters
 from .index import LayerExperts, natural_key
@@ -103,6 +104,11 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
+    # how a decode-sized call chooses between a verified step and the per-layer schedule
+    # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
+    # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
+    # wherever one may run; None: the backend's default (``costs.CHOICE``)
+    verify_choice: Optional[str] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer
     # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
@@ -425,12 +431,7 @@ class ExpertCache:
             "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),
             "cache_gb": self.resident_bytes / 1e9,
             "complete_layers": sum(b.complete for b in self.banks),
-            # model calls run as verified steps (verified_step.py), and layers run again in them
-            "verified_steps": self.steps.verified if self.steps is not None else 0,
-            "verified_replays": self.steps.replays if self.steps is not None else 0,
-            # experts read on the word of a pass beyond a miss, and those the pass run again used
-            "verified_named": self.steps.named if self.steps is not None else 0,
-            "verified_named_used": self.steps.named_used if self.steps is not None else 0,
+            **costs.summary(self.steps),
             "per_layer": [b.summary() for b in self.banks],
             **(self.tiers.summary() if self.tiers is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),

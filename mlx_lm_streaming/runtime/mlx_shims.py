@@ -91,10 +91,14 @@ def wrap_method(module, method) -> None:
 
 
 def call_inputs(args, kwargs):
-    """``(inputs, cache)`` of a model call ``model(inputs, cache=None, ...)``."""
+    """``(tokens per sequence or None, cache)`` of a model call ``model(inputs, cache=None,
+    ...)`` (``inputs``: ``(batch, tokens)`` or ``(tokens,)``)."""
     inputs = args[0] if args else kwargs.get("inputs")
     cache = args[1] if len(args) > 1 else kwargs.get("cache")
-    return inputs, cache
+    shape = getattr(inputs, "shape", None)
+    if not shape:
+        return None, cache
+    return int(shape[-1]) if len(shape) >= 2 else int(shape[0]), cache
 
 
 def rewindable(cache, tokens: int) -> bool:

@@ -50,6 +50,7 @@ def stats_line(state, label: bool = False) -> str:
             f"({p.chunks} chunks in {p.groups} group{'s' if p.groups > 1 else ''}, "
             f"{p.held_bytes / 1e9:.3f} GB of hidden states held at most)"
         )
+    line += _decode_part(s)
     if s["span_seconds"] > 0:
         line += (
             f"; {s['span_seconds']:.2f} s from first to last expert request: "
@@ -57,6 +58,32 @@ def stats_line(state, label: bool = False) -> str:
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
     return line
+
+
+def _decode_part(s) -> str:
+    """How many decode-sized calls ran as verified steps and per layer, how that was chosen, and
+    the costs measured for the choice (``costs.DecodeCosts``)."""
+    verified, per_layer = s.get("verified_steps", 0), s.get("per_layer_decodes", 0)
+    if not verified + per_layer:
+        return ""
+    part = f", decode calls: {verified} verified steps, {per_layer} per layer"
+    c = s.get("decode_costs")
+    if c is None:
+        how = {"always": "verified wherever possible"}.get(s.get("decode_choice"), "share limits")
+        return part + f" (by {how})"
+    ms = [
+        f"{what} {c[key] * 1e3:.3f} ms" if c[key] is not None else f"{what} n/a"
+        for what, key in (("host sync", "sync"), ("MoE layer", "layer"),
+                          ("read", "read_per_layer"))
+    ]  # fmt: skip
+    limit = c["limit"]
+    if limit is None or limit < 0:
+        upto = "never"
+    elif limit >= 1:
+        upto = "whatever the misses"
+    else:
+        upto = f"while at most {limit:.1%} of MoE layers miss"
+    return part + f" (by measured costs: {', '.join(ms)} an expert; verified steps {upto})"
 
 
 def _read_split(s) -> str:

@@ -32,44 +32,28 @@ Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry sha
 written outside them), a miss puts every cache entry back and runs the whole call per layer
 instead. ``StepRunner`` chooses per model call: verified steps for calls of up to
 ``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
-pipeline stages, while recent tokens missed in few layers (``MAX_MISSED_SHARE``: fewer on the
-CPU); the per-layer schedule otherwise (prefill, cold caches).
+pipeline stages, while recent tokens missed in few enough layers: by share limits
+(``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
+opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
 """
 
 import contextlib
 import operator
 import threading
+from time import perf_counter
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import mlx_shims
+from . import costs, mlx_shims
 from .bank import load_together
 from .step_caches import StepCaches
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
 VERIFY_MAX_TOKENS = 4
-# verified steps while recent tokens missed in at most this share of the MoE layers: each layer
-# that misses costs a host sync and the layers after it computed again, so with misses in most
-# layers the per-layer schedule (one sync per layer, nothing computed twice) is cheaper. On a GPU a
-# host sync costs as much as a layer's compute; on the CPU compute is dear and a sync cheap, so
-# there verified steps are tried only after a run of tokens that missed nowhere (measured:
-# docs/benchmarks/README.md, "Decode regimes")
-MAX_MISSED_SHARE = {"cpu": 0.01}
-MAX_MISSED_SHARE_GPU = 0.35
-# the same on a GPU when a token's misses are read together: a token that missed costs about one
-# more sync and a partial forward, not one per layer that missed
-MAX_MISSED_SHARE_TOGETHER_GPU = 1.0
-# on a GPU, a token that missed in no layer lets the next one be a verified step, whatever the
-# running share says: after a burst of misses (a new topic, the cache filling) the running share
-# kept the per-layer schedule, slower than a verified step, for the tokens it took to decay
-# (docs/benchmarks/README.md, "Behind the code's constants"). Not on the CPU, where a verified step
-# that misses costs more than the sync it saves.
-CLEAN_TOKEN_RETRIES = {"cpu": False}
-# weight of the newest token in the running mean of layers that missed
-MISSED_WEIGHT = 0.25
+MISSED_WEIGHT = costs.MISSED_WEIGHT  # (the running means' weight of the newest call)
 _MISSES = operator.attrgetter("misses")
 
 
@@ -184,9 +168,13 @@ class VerifiedStep:
         mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
         tl = bank.cache.timeline
         start = tl.now() if tl else 0
-        guesses = self.named_after(first) if self.runner.together else []
-        # reads what is missing; counts the call's hits and misses
+        runner = self.runner
+        guesses = self.named_after(first) if runner.together else []
+        # reads what is missing; counts the call's hits and misses (timed for ``costs``)
+        began = perf_counter()
         load_together([(bank, experts, {})] + guesses)
+        runner.read_seconds += perf_counter() - began
+        runner.read_experts += len(experts) + sum(len(g[1]) for g in guesses)
         self.loaded.add(id(bank))
         if tl:
             tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
@@ -284,14 +272,22 @@ class StepRunner:
         # ``.step``: the step (``running``) this thread's model call runs, None outside one
         self.this_thread = _ThisThread()
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
+        self.moe = 0  # MoE layers (banks), counted at the first decode-sized call
         # running mean of the share of MoE layers that missed, per decode-sized call
         self.missed_share = 0.0
-        # calls run as verified steps; layers run again after a miss; calls run again whole
-        self.verified = self.replays = self.recomputed = 0
+        # calls run as verified steps; layers run again; calls run again whole; calls per layer
+        self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
+        self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
+        # how a decode call's mode is chosen (``costs.way``), the costs measured for it, and
+        # whether a token that missed nowhere brings the running share down to the limit
+        tuning = state.cache.tuning
+        self.choice, self.costs, limit, self.clean_retries = costs.way(
+            tuning.verify_choice, state.selector.backend, tuning.verified_steps
+        )
+        if limit is not None:
+            self.limit = limit  # (by costs, a bound method: one call per decode call)
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
-        # whether a token that missed nowhere brings the running share down to the limit
-        self.clean_retries = CLEAN_TOKEN_RETRIES.get(state.selector.backend, True)
         # whether a miss reads the experts the pass beyond it named too (``load_together``), and
         # how many experts were read so, and how many of those the pass run again used
         self.together = state.cache.tuning.read_misses_together
@@ -335,39 +331,49 @@ class StepRunner:
         self.layers = len(layers)
 
     def __call__(self, call, args, kwargs):
-        inputs, kv = mlx_shims.call_inputs(args, kwargs)
-        tokens = _tokens(inputs)
+        tokens, kv = mlx_shims.call_inputs(args, kwargs)
         if tokens is None or tokens > VERIFY_MAX_TOKENS:
             self.flush()
             return call(*args, **kwargs)
+        if not self.moe:
+            self.start()
+        start = perf_counter()
         if self.per_layer_calls or not self._may_verify(tokens, kv):
             self.per_layer_calls = max(0, self.per_layer_calls - 1)
-            self.flush()
-            banks = self.state.cache.banks
+            if self.pending is not None:
+                self.flush()
+            cache = self.state.cache
+            stats = cache.stats
+            banks = cache.banks
             before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
+            misses, waited = stats.misses, stats.io_wait_seconds + stats.install_seconds
             out = call(*args, **kwargs)
             missed = sum(map(operator.gt, map(_MISSES, banks), before))
-            self._missed(missed / max(1, len(banks)))
+            self.per_layer_decodes += 1
+            seconds = perf_counter() - start
+            waited = stats.io_wait_seconds + stats.install_seconds - waited
+            costs.note_call(self, missed, False, seconds, waited, stats.misses - misses)
             return out
-        return self._verified(call, args, kwargs, kv, tokens)
+        return self._verified(call, args, kwargs, kv, tokens, start)
 
-    def _missed(self, share: float) -> None:
-        self.missed_share += MISSED_WEIGHT * (share - self.missed_share)
-        if share == 0 and self.clean_retries:
-            self.missed_share = min(self.missed_share, self.limit())
+    def start(self) -> None:
+        """At the first decode-sized call: the MoE layers counted, the costs' probe taken."""
+        self.moe = max(1, len(self.state.cache.banks))
+        if self.costs is not None:
+            self.costs.start(self.moe)
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
-        gpu = MAX_MISSED_SHARE_TOGETHER_GPU if self.together else MAX_MISSED_SHARE_GPU
-        return MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
+        gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
+        return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
         return (
-            self.missed_share <= self.limit()
-            and cache.tuning.verified_steps
+            cache.tuning.verified_steps
             and self.state.pipeline is None
             and not cache.shared
+            and self.missed_share <= self.limit()
             and mlx_shims.rewindable(kv, tokens)
         )
 
@@ -375,16 +381,17 @@ class StepRunner:
         """MoE calls between two checks of a verified step: all of them while tokens miss nowhere;
         with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
         miss runs the layers since the one that missed again)."""
-        moe = max(1, len(self.state.cache.banks))
+        moe = self.moe or max(1, len(self.state.cache.banks))
         if self.together:  # the pass beyond a miss names the later misses: check once, at the end
             return moe
         return max(1, round(moe / (1 + self.missed_share * moe)))
 
-    def _verified(self, call, args, kwargs, kv, tokens):
+    def _verified(self, call, args, kwargs, kv, tokens, start):
         cache = self.state.cache
         cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
         step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
         replays, missed = self.replays, None
+        reads, experts = self.read_seconds, self.read_experts
         try:
             out = call(*args, **kwargs)
             if step.kept:
@@ -397,7 +404,8 @@ class StepRunner:
                     step.replay_below = layer
                     self.replays += 1
                     out = call(*args, **kwargs)
-                self.flush()
+                if self.pending is not None:  # (the first check did it, unless none ran)
+                    self.flush()
                 if cache.recorder is not None:
                     step.commit(cache)  # the routing record holds every token once its call ends
                 else:
@@ -405,14 +413,19 @@ class StepRunner:
         except _Again:
             self.this_thread.step = None
             self.recomputed += 1
-            missed = 1.0  # the per-layer schedule suits this model or cache better
+            missed = self.moe  # the per-layer schedule suits this model or cache better
             step.caches.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
             self.this_thread.step = None
-        if missed is None:
-            missed = min(1.0, (self.replays - replays) / max(1, len(cache.banks)))
-        self._missed(missed)
+        if missed is not None:
+            costs.note_call(self, missed, True, again=True)
+            return out
+        # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
+        missed = len(step.loaded | step.guessed.keys())
+        reads, experts = self.read_seconds - reads, self.read_experts - experts
+        seconds = perf_counter() - start
+        costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
         return out
 
 
@@ -430,10 +443,3 @@ def miss_counts(calls) -> mx.array:
         return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
     return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
 
-
-def _tokens(inputs) -> Optional[int]:
-    """Tokens per sequence of a model call's ``inputs`` (``(batch, tokens)``), or None."""
-    shape = getattr(inputs, "shape", None)
-    if not shape:
-        return None
-    return int(shape[-1]) if len(shape) >= 2 else int(shape[0])
