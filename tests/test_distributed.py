@@ -41,7 +41,8 @@ GB = 10**9  # the budget options count decimal GB
 ARCHS = ["qwen3_moe", "deepseek_v3"]
 STATS_LINE = re.compile(
     r"^\[streaming\] hit rate [\d.]+%, experts read (\d+), .*, "
-    r"pipeline rank (\d+)/(\d+) \(layers (\d+)-(\d+)\)(?:; .* everything else)?$",
+    r"pipeline rank (\d+)/(\d+) \(layers (\d+)-(\d+)\)(?:, decode calls: [^;]*)?"
+    r"(?:; .* everything else)?$",
     re.M,
 )
 
