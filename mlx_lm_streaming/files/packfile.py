@@ -410,14 +410,12 @@ def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool)
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except BaseException as e:
+    except BaseException:
         try:
             tmp.unlink()
         except OSError:
             pass
-        if isinstance(e, OSError) and not isinstance(e, StreamingError):
-            raise write_failed(out, e, "writing the pack failed") from e
-        raise
+        raise  # (an OSError is the disk's or the path's: ``write_pack`` says which)
     finally:
         if bar is not None:
             bar.close()

@@ -5,11 +5,11 @@ them in one line each, and turns them into the environment variables of ``option
 
 import argparse
 import functools
-import json
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from ..option_table import OPTIONS
 from ..runtime import report
@@ -136,8 +136,9 @@ def _refuse_a_listed_model(parser, model, environ) -> None:
     if environ.get(ENV["if_unstreamable"], "").strip().lower() != REFUSE or not _local_model(model):
         return
     try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+        from mlx_lm.utils import load_config  # (the config as the load reads it)
+
+        config = load_config(Path(model))
         model_class, _ = model_classes()(config=config)
     except Exception:  # the load names what is wrong with the checkpoint
         return

@@ -55,6 +55,8 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from ..errors import ConfigurationError
+
 # weight of the newest call in each running mean; the fit of verified calls' times keeps this
 # share of its sums at each call (a window of about ten calls)
 WEIGHT = 0.25
@@ -137,7 +139,7 @@ def way(given: Optional[str], backend: str, verified_steps: bool = True):
     (``note_call``)."""
     choice = given or CHOICE.get(backend, CHOICE_ELSE)
     if choice not in CHOICES:
-        raise ValueError(f"verify_choice {choice!r} is none of {', '.join(CHOICES)}")
+        raise ConfigurationError(f"verify_choice {choice!r} is none of {', '.join(CHOICES)}")
     if choice == "costs" and verified_steps:  # (nothing to choose with verified steps off)
         costs = DecodeCosts()
         return choice, costs, costs.limit, True

@@ -408,8 +408,8 @@ def warn_unknown_variables(environ=os.environ) -> None:
     ``MLX_LM_STREAMING_*`` variable that is not ours (``MLX_LM_STREAMING_EXPERT=1``, the S missing,
     would otherwise load every expert without a word). Nothing else changes: the load is stock."""
     global _unknown_warned
-    unknown = unknown_variables(environ)
-    if _unknown_warned or not unknown:
+    unknown = [] if _unknown_warned else unknown_variables(environ)
+    if not unknown:
         return
     _unknown_warned = True
     noun = "variable" if len(unknown) == 1 else "variables"
