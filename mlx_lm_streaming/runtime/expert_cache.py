@@ -144,9 +144,9 @@ class ExpertCache:
         self.store = store
         self.budget_bytes = budget_bytes
         # on mlx-cuda: host memory for the experts the device budget cannot hold, and the two
-        # tiers' placement (``tiers.Tiers``; set at load by ``tiers.set_up``), else 0 and None
-        self.host_bytes = 0
-        self.tiers = None
+        # tiers' placement (``tiers.Tiers``; set at load by ``tiers.set_up``), else 0 and None;
+        # every bank complete (``LayerBank.note_complete``): a model call runs stock's graph whole
+        self.host_bytes, self.tiers, self.all_complete = 0, None, False
         self.tuning = tuning
         self.stats = CacheStats()
         # which resident expert a bank evicts (``policy.POLICIES``)

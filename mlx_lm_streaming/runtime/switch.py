@@ -40,7 +40,11 @@ class StreamingSwitchGLU(nn.Module):
         across = layer_pass.this_thread.layer  # (an attribute: no call on the hot path)
         if across is not None:  # a layer of a long prompt's chunks, its experts read once
             return across.moe_call(self, x, indices)
-        cache = self.bank.cache
+        bank = self.bank
+        complete = bank.stock_call  # a complete bank: stock's graph, nothing to choose
+        if complete is not None:
+            return complete(x, indices)
+        cache = bank.cache
         steps = cache.steps  # the verified step this thread's model call runs, if any
         step = steps.this_thread.step if steps is not None else None
         # (a verified step entered the cache once, before its forward; ``enter_call``'s checks

@@ -41,6 +41,10 @@ _ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy
 _LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
 _LOCATION_HOST = 2  # cudaMemLocationTypeHost
 _CPU_DEVICE_ID = -1  # cudaCpuDeviceId (the runtime's older, int-device calls)
+# cudaMemRangeAttributePreferredLocationType, ...LastPrefetchLocationType (CUDA >= 12.2), and the
+# cudaMemLocationType values they give
+_ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE = 5, 7
+_LOCATIONS = {1: "device", 2: "host", 3: "host", 4: "host"}
 
 
 class _Location(ctypes.Structure):
@@ -84,6 +88,20 @@ class CudaPlacer:
 
     def wait(self) -> None:
         self.lib.cudaStreamSynchronize(self.stream)
+
+    def where(self, address: int, nbytes: int) -> tuple:
+        """``(preferred location, last prefetch location)`` of a managed range as the runtime
+        reports them: "device", "host" or None (none set, or not known)."""
+        get = self.lib.cudaMemRangeGetAttribute
+        out = []
+        for attribute in _ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE:
+            value = ctypes.c_int(0)
+            err = get(ctypes.byref(value), ctypes.c_size_t(4), attribute,
+                      ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+            if err != 0:
+                self.lib.cudaGetLastError()
+            out.append(None if err else _LOCATIONS.get(value.value))
+        return tuple(out)
 
 
 def cuda_placer() -> Optional[CudaPlacer]:
@@ -262,6 +280,23 @@ class Tiers:
 
     # -- the figures -------------------------------------------------------------------------
 
+    def check(self) -> Optional[str]:
+        """Where the runtime says each bank's first device-tier and first host-tier expert live
+        (their first part's range), against the tier each is in: "k of n as planned" (a placer
+        that cannot tell: None). On the model's thread (``ranges``)."""
+        where = getattr(self.placer, "where", None)
+        if where is None:
+            return None
+        ok = n = 0
+        for tier in self.banks.values():
+            for flag in (True, False):
+                picked = np.flatnonzero(tier.device == flag)[:1]
+                ranges = self.ranges(tier.bank, picked) if len(picked) else []
+                if ranges:
+                    n += 1
+                    ok += where(*ranges[0]) == (("device",) * 2 if flag else ("host",) * 2)
+        return f"{ok} of {n} as planned"
+
     def summary(self) -> dict:
         device = sum(int(t.device.sum()) * t.bank.layer.expert_nbytes for t in self.banks.values())
         total = sum(t.bank.num_experts * t.bank.layer.expert_nbytes for t in self.banks.values())
@@ -274,6 +309,7 @@ class Tiers:
             "tier_sampled_uses": on + off,
             "tier_moves": self.moves,
             "tier_error": self.error,
+            "tier_placed": self.check(),
         }
 
 

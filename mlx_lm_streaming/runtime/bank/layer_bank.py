@@ -34,6 +34,8 @@ class LayerBank:
         # slots == num_experts: expert e lives in slot e; complete once all are resident
         self.identity = False
         self.complete = False
+        # once complete: the layer's whole call (``complete_call``), or None
+        self.stock_call = None
         # expert -> StagedBatch read in the background, written into a slot by ``load``
         self.staged: Dict[int, StagedBatch] = {}
         # x -> router logits of this layer (for lookahead from the layer before), or None; the
@@ -100,6 +102,8 @@ class LayerBank:
         self.slots = slots
         self.identity = slots == self.num_experts
         self.complete = False
+        self.stock_call = None
+        self.cache.all_complete = False
         self.fill_requested = False
         self.table = SlotTable(self.num_experts, self.cache.policy)
         self.table.reset(slots)
@@ -237,6 +241,25 @@ class LayerBank:
         """An identity bank is ``complete`` once every expert is resident (checked after a change)."""
         if self.identity and not self.complete:
             self.complete = bool((self.slot_of >= 0).all())
+            if self.complete:
+                cache = self.cache
+                cache.all_complete = all(b.complete for b in cache.banks)
+
+    def complete_call(self):
+        """A complete bank's whole call, which ``StreamingSwitchGLU`` runs before anything else
+        once ``schedules.choose`` has found it applies (``stock_call``): stock's ``SwitchGLU`` over
+        the bank with the router's ids, as ``StockGraph`` runs it; with two tiers a sample of the
+        uses noted first (``tiers``)."""
+        glu, tiers = self.glu, self.cache.tiers
+        if tiers is None:
+            return glu
+        note, bank = tiers.note, self
+
+        def call(x, indices):
+            note(bank, indices)
+            return glu(x, indices)
+
+        return call
 
     def _load_guessed(self, experts: np.ndarray, keep, alone) -> None:
         """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting

@@ -10,11 +10,12 @@ compute. Each computes every (token, expert) row exactly once, by the call's ker
 slot bank, so each gives stock's bits. Each is kept for a measured reason
 (docs/benchmarks/README.md; docs/design.md's table lists them, with the figures).
 
-``choose`` takes, in order: ``StockGraph`` (a complete identity bank), ``Verified`` (inside a
-verified step); otherwise a per-layer schedule (one host sync per call): with direct reads
-``PrefillWaves``, ``PrefillAsTheyLand``, ``ByProjection`` or ``AsTheyLand`` by the call's size, the
-experts' size and the kernel; without, ``OneCall`` where the call's experts surely fit the slots,
-else ``Waves``.
+``choose`` takes, in order: ``StockGraph`` (a complete identity bank; where its kernel runs stock's
+``SwitchGLU`` code, the layer's later calls skip ``choose``: ``LayerBank.stock_call``),
+``Verified`` (inside a verified step); otherwise a per-layer schedule (one host sync per call):
+with direct reads ``PrefillWaves``, ``PrefillAsTheyLand``, ``ByProjection`` or ``AsTheyLand`` by
+the call's size, the experts' size and the kernel; without, ``OneCall`` where the call's experts
+surely fit the slots, else ``Waves``.
 
 The schedules, by the host work they start from: ``sync_free.py`` (none), ``per_layer.py`` (the
 layer's one host sync; staged reads without direct ones), ``direct.py`` (direct reads, taken as
@@ -52,6 +53,8 @@ def choose(layer, x: mx.array, indices: mx.array, step=None) -> "Schedule":
     kernel, exact_rows = chosen
     if not kernel.needs_host_slots:
         if bank.complete and bank.cache.recorder is None:  # (a recorder gets every call's ids)
+            if kernel.runs_switch_glu:  # stock's code: the layer's later calls go straight to it
+                bank.stock_call = bank.complete_call()
             return StockGraph(layer, x, indices, kernel)
         if step is not None and bank.slots > 0:
             return Verified(layer, x, indices, kernel, step)
