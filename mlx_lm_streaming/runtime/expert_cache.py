@@ -277,7 +277,7 @@ class ExpertCache:
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
         budget = self.total_expert_bytes
         if self.budget_bytes is not None:  # a budget is a cap: above every expert, every expert
-            budget = min(self.budget_bytes, budget)
+            budget = min(self.slot_budget, budget)  # (with two tiers, the host's too)
         floor = 0 if self.tuning.direct_reads else 2 * biggest
         return int(max(STAGING_SHARE * budget, floor))
 

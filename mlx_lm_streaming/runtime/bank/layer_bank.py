@@ -250,16 +250,8 @@ class LayerBank:
         once ``schedules.choose`` has found it applies (``stock_call``): stock's ``SwitchGLU`` over
         the bank with the router's ids, as ``StockGraph`` runs it; with two tiers a sample of the
         uses noted first (``tiers``)."""
-        glu, tiers = self.glu, self.cache.tiers
-        if tiers is None:
-            return glu
-        note, bank = tiers.note, self
-
-        def call(x, indices):
-            note(bank, indices)
-            return glu(x, indices)
-
-        return call
+        tiers = self.cache.tiers
+        return self.glu if tiers is None else tiers.caller(self, self.glu)
 
     def _load_guessed(self, experts: np.ndarray, keep, alone) -> None:
         """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting
