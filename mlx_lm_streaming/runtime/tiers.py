@@ -17,12 +17,11 @@ with a decay; the bank's hottest experts by that count are placed on the device 
 the host, in the background, an expert displacing a colder one only by a margin. A move changes
 where bytes live, never what they are.
 
-Everything except the CUDA calls (``CudaPlacer``) runs anywhere: tests use a placer that records
+Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
 what it was asked. The option is refused off CUDA (``options``: unified memory, where the cache
 already is host memory).
 """
 
-import ctypes
 import threading
 from typing import Dict, List, Optional
 
@@ -33,96 +32,11 @@ import numpy as np
 # tier re-chosen; counts decay by DECAY at each choice; an expert takes a device slot from a colder
 # one only where its count beats that one's by SWAP_RATIO and SWAP_MIN (no churn between near ties:
 # measured on the H200, 1,400-1,800 moves in 500 tokens without it)
-MOVE_EVERY = 64
-DECAY = 0.9
+MOVE_EVERY = 16
+DECAY = 0.8
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
-
-_ADVISE_PREFERRED = 3  # cudaMemAdviseSetPreferredLocation
-_ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy
-_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
-_LOCATION_HOST = 2  # cudaMemLocationTypeHost
-_CPU_DEVICE_ID = -1  # cudaCpuDeviceId (the runtime's older, int-device calls)
-# cudaMemRangeAttributePreferredLocationType, ...LastPrefetchLocationType (CUDA >= 12.2), and the
-# cudaMemLocationType values they give
-_ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE = 5, 7
-_LOCATIONS = {1: "device", 2: "host", 3: "host", 4: "host"}
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class CudaPlacer:
-    """Advice and prefetch of managed byte ranges through the CUDA runtime (``cuda_copy``'s
-    library): ``place(ranges, on_device)``, each range ``(address, nbytes)``."""
-
-    def __init__(self, lib, device: int = 0):
-        self.lib, self.device = lib, device
-        p, size, i, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
-        version = ctypes.c_int()
-        lib.cudaRuntimeGetVersion(ctypes.byref(version))
-        self.version = version.value
-        # CUDA 13: cudaMemAdvise / cudaMemPrefetchAsync take a cudaMemLocation; CUDA 12: the
-        # _v2 calls do
-        self.advise = getattr(lib, "cudaMemAdvise" if self.version >= 13000 else "cudaMemAdvise_v2")
-        self.advise.argtypes = [p, size, i, _Location]
-        prefetch = "cudaMemPrefetchAsync" if self.version >= 13000 else "cudaMemPrefetchAsync_v2"
-        self.prefetch = getattr(lib, prefetch)
-        self.prefetch.argtypes = [p, size, _Location, u, p]
-        self.stream = ctypes.c_void_p()
-        if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1) != 0:
-            raise OSError("cudaStreamCreateWithFlags failed")
-
-    def place(self, ranges, on_device: bool) -> None:
-        device = _Location(_LOCATION_DEVICE, self.device)
-        where = device if on_device else _Location(_LOCATION_HOST, 0)
-        for address, nbytes in ranges:
-            for advice, loc in ((_ADVISE_PREFERRED, where), (_ADVISE_ACCESSED_BY, device)):
-                err = self.advise(address, nbytes, advice, loc)
-                if err != 0:
-                    self.lib.cudaGetLastError()
-                    raise OSError(f"cudaMemAdvise({advice}) failed (CUDA error {err})")
-            err = self.prefetch(address, nbytes, where, 0, self.stream)
-            if err != 0:
-                self.lib.cudaGetLastError()
-                raise OSError(f"cudaMemPrefetchAsync failed (CUDA error {err})")
-
-    def wait(self) -> None:
-        self.lib.cudaStreamSynchronize(self.stream)
-
-    def where(self, address: int, nbytes: int) -> tuple:
-        """``(preferred location, last prefetch location)`` of a managed range as the runtime
-        reports them: "device", "host" or None (none set, or not known)."""
-        get = self.lib.cudaMemRangeGetAttribute
-        out = []
-        for attribute in _ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE:
-            value = ctypes.c_int(0)
-            err = get(ctypes.byref(value), ctypes.c_size_t(4), attribute,
-                      ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
-            if err != 0:
-                self.lib.cudaGetLastError()
-            out.append(None if err else _LOCATIONS.get(value.value))
-        return tuple(out)
-
-
-def cuda_placer() -> Optional[CudaPlacer]:
-    """The placer where MLX runs on CUDA and the runtime has the calls, else None."""
-    import mlx.core as mx
-
-    from . import cuda_copy
-
-    if mx.default_device().type != mx.gpu or not cuda_copy._cuda_backend(mx):
-        return None
-    lib = cuda_copy._load_runtime()
-    if lib is None:
-        return None
-    try:
-        return CudaPlacer(lib)
-    except (OSError, AttributeError):
-        return None
-
 
 def device_slots(banks, device_bytes: int) -> List[int]:
     """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
@@ -153,7 +67,7 @@ class BankTier:
 
 
 class Tiers:
-    """The two tiers of one model's banks (module docstring). ``placer``: ``CudaPlacer`` or any
+    """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
     def __init__(self, placer, device_bytes: int, host_bytes: int):
@@ -414,6 +328,8 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     host = split(total, device, given_gb, available)
     if host == 0:
         return
+    from .cuda_placer import cuda_placer
+
     placer = placer if placer is not None else cuda_placer()
     if placer is None:
         return
