@@ -46,14 +46,6 @@ def blocks(cfg, routing, tokens, block, t0):
     return rows
 
 
-def recovered(rows, steady, block):
-    """Tokens until the first block at >= 90% of ``steady`` tok/s (None: never)."""
-    for i, row in enumerate(rows):
-        if row["tok_s"] >= 0.9 * steady:
-            return (i + 1) * block
-    return None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt-dir", default="/tmp/bench_ckpt")
@@ -73,10 +65,8 @@ def main(argv=None):
     if args.try_on_cpu:
         from mlx_lm_streaming.runtime import tiers
 
-        set_up = tiers.set_up
-        placed = []
-        recorder = type("Recorder", (), {"place": lambda self, r, on_device: placed.append(1)})
-        tiers.set_up = lambda cache, gb, backend, **k: set_up(cache, gb, "cuda", recorder())
+        set_up, placer = tiers.set_up, type("Placer", (), {"place": lambda *a, **k: None})()
+        tiers.set_up = lambda cache, gb, backend, **k: set_up(cache, gb, "cuda", placer)
         shape, args.layers, args.tokens, args.block = "tiny", 4, 24, 4
     dtype = "bfloat16" if mx.default_device().type == mx.gpu else "float32"
     path = harness.checkpoint(Path(args.ckpt_dir), shape, dtype, layers=args.layers, top_k=6)
@@ -120,7 +110,8 @@ def main(argv=None):
         first_full = next((r["at_s"] for r in ours if r["tok_s"] >= 0.9 * steady), None)
         res[f"phase{i}"] = dict(steady_tok_s=steady, stock_tok_s=stock_tok_s,
                                 of_stock=steady / stock_tok_s,
-                                tokens_to_90=recovered(ours, steady, args.block),
+                                tokens_to_90=next(((j + 1) * args.block for j, r in enumerate(ours)
+                                                   if r["tok_s"] >= 0.9 * steady), None),
                                 seconds_from_load_to_90=first_full)
         log(f"phase {i}: {res[f'phase{i}']}")
     log(f"exact: {res['exact_steps']}/{res['steps']}")
