@@ -7,6 +7,7 @@ token stream are forced, how decode is timed: docs/benchmarks/methods.md (harnes
 """
 
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -302,7 +303,7 @@ class ForcedRouting:
         from routing_replay import taken
 
         call = self.calls.get(layer_no, 0)
-        if int(np.prod(shape[:-1])) == 1:
+        if math.prod(shape[:-1]) == 1:
             # a one-row call: a slice of a block of calls sent to the device once (issue 36)
             first = call - call % self.DEVICE_BLOCK
             key = (layer_no, tuple(shape), first)
@@ -333,7 +334,7 @@ class ForcedRouting:
         import numpy as np
 
         rng = np.random.default_rng([self.seed, layer_no, call])
-        rows = int(np.prod(shape[:-1]))
+        rows = math.prod(shape[:-1])
         pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
         return pick.astype(np.uint32).reshape(shape)
 

@@ -9,6 +9,7 @@ their logits stay comparable bit for bit. The rules (layers, top-k, cursors):
 docs/benchmarks/methods.md (harness.py).
 """
 
+import math
 import time
 from typing import Dict, List, Optional
 
@@ -86,7 +87,7 @@ class TraceRouting:
         import mlx.core as mx
 
         table = self.table[layer_no]
-        rows = int(np.prod(shape[:-1]))
+        rows = math.prod(shape[:-1])
         start = self.cursor.get(layer_no, 0)
         if rows == 1 and shape[-1] == self.top_k:
             # a decode call: one of the rows sent to the device once, each an evaluated array of
@@ -129,7 +130,7 @@ class TraceRouting:
                 f"the trace has {self.top_k}"
             )
         table = self.table[layer_no]
-        rows = int(np.prod(shape[:-1]))
+        rows = math.prod(shape[:-1])
         start = self.cursor.get(layer_no, 0)
         return table[np.arange(start, start + rows) % len(table)].reshape(shape)
 
