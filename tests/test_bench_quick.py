@@ -92,6 +92,17 @@ def test_gpu_pipeline(tmp_path):
         assert group["configs"]["default"]["hit_rate"] < 1
 
 
+def test_tiers_shift(tmp_path):
+    # the two tiers at tiny size with the CUDA placement replaced by a record: two routing traces
+    # one after the other, every step stock's, both tiers in the tiered run's summary
+    bench(BENCH / "tiers_shift.py", "--try-on-cpu", "--ckpt-dir", tmp_path / "ckpt", "--out",
+          tmp_path, "--tag", "shift")
+    report = json.loads((tmp_path / "shift.json").read_text())
+    assert report["exact_steps"] == report["steps"] == 48
+    assert report["runs"]["tiers"]["summary"]["tier_host_gb"] > 0
+    assert len(report["runs"]["tiers"]["phases"]) == 2 and report["phase1"]["steady_tok_s"] > 0
+
+
 def test_timeline_png_and_summary(q3_path, tmp_path):
     # a timeline of the per-layer schedule at 4 slots a layer (its layers miss), drawn and summed
     import mlx.core as mx
