@@ -9,7 +9,7 @@ from support import decode, load_streaming, per_slot, same
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
-from mlx_lm_streaming.runtime import report, tiers
+from mlx_lm_streaming.runtime import memory, report, tiers
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
@@ -187,3 +187,18 @@ def test_plan_line_names_both_tiers_and_the_traces_share(q3_path, tmp_path):
     assert tiers.trace_share(cache, trace) == 1.0
     line = tiers.plan_line(cache, "cuda", trace)
     assert "device" in line and "host" in line and "served by the device tier: 100.0%" in line
+
+
+def test_the_device_tier_never_exceeds_the_free_device_memory(q3_path):
+    class Small(Recorder):
+        def free_device_bytes(self):
+            return 10 * per
+
+    model, _ = load_streaming(q3_path)
+    cache = model.expert_streaming.cache
+    per = cache.banks[0].layer.expert_nbytes
+    cache.budget_bytes = cache.total_expert_bytes // 2  # asked: far more than is free
+    tiers.set_up(cache, 1000.0, "cuda", placer=Small(), available=1000 * GB)
+    capped = int(10 * per * memory.CUDA_CACHE_SHARE)
+    assert cache.tiers.device_bytes == capped
+    assert cache.host_bytes == cache.total_expert_bytes - capped

@@ -58,6 +58,14 @@ class CudaPlacer:
     def wait(self) -> None:
         self.lib.cudaStreamSynchronize(self.stream)
 
+    def free_device_bytes(self) -> Optional[int]:
+        """The device's free memory (``cudaMemGetInfo``), or None."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if self.lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+            self.lib.cudaGetLastError()
+            return None
+        return free.value
+
     def where(self, address: int, nbytes: int) -> tuple:
         """``(preferred location, last prefetch location)`` of a managed range as the runtime
         reports them: "device", "host" or None (none set, or not known)."""

@@ -328,11 +328,20 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     host = split(total, device, given_gb, available)
     if host == 0:
         return
+    from . import memory
     from .cuda_placer import cuda_placer
 
     placer = placer if placer is not None else cuda_placer()
     if placer is None:
         return
+    # never more device memory for the device tier than the device has free (a managed range
+    # prefetched beyond it can hang the GPU): at most the default budget's share of it
+    free = getattr(placer, "free_device_bytes", lambda: None)()
+    if free is not None and device > int(free * memory.CUDA_CACHE_SHARE):
+        device = int(free * memory.CUDA_CACHE_SHARE)
+        host = split(total, device, given_gb, available)
+        if host == 0:
+            return
     cache.host_bytes = host
     cache.tiers = Tiers(placer, device, host)
     cache.planned = False
