@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_pipeline  # noqa: E402
 import harness  # noqa: E402
 import routing_replay  # noqa: E402
-from harness import GB, Config, decode_block, log  # noqa: E402
+from harness import BUDGET_GB, Config, decode_block, log  # noqa: E402
 
 TRACES = ROOT / "tests" / "data" / "routing"
 
@@ -84,7 +84,7 @@ def main(argv=None):
         if name == "stock":
             model, _ = harness.load_stock(path)
         else:
-            gb = args.budget * ck["total_expert_bytes"] / GB
+            gb = args.budget * ck["total_expert_bytes"] / BUDGET_GB
             model, _ = harness.load_streaming(path, expert_cache_gb=gb, expert_host_gb=1e4)
         load_s = time.perf_counter() - t0
         cfg = Config(name, model)
