@@ -28,15 +28,11 @@ from mlx_lm_streaming.tools import parity  # noqa: E402
 from synthetic import build_checkpoint  # noqa: E402
 
 CASES = [
-    ("qwen3_moe", "affine4", "bfloat16"),
-    ("qwen3_moe", "affine4", "float16"),
-    ("qwen3_moe", "affine4", "float32"),
-    ("mixtral", "mxfp4", "bfloat16"),
-    ("deepseek_v2", "affine8", "bfloat16"),
-    ("deepseek_v3", "nvfp4", "bfloat16"),
-    ("qwen3_moe", "nvfp4_global", "bfloat16"),
-    ("qwen3_moe", "float32_hf", "float32"),
-]
+    ("qwen3_moe", "affine4", "bfloat16"), ("qwen3_moe", "affine4", "float16"),
+    ("qwen3_moe", "affine4", "float32"), ("mixtral", "mxfp4", "bfloat16"),
+    ("deepseek_v2", "affine8", "bfloat16"), ("deepseek_v3", "nvfp4", "bfloat16"),
+    ("qwen3_moe", "nvfp4_global", "bfloat16"), ("qwen3_moe", "float32_hf", "float32"),
+]  # fmt: skip
 
 
 def stock_run_to_run(path, by_token):

@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ARCHS, drop_page_cache, shards  # noqa: E402 (stdlib only at import)
+from harness import ARCHS, drop_page_cache, shards  # (stdlib only at import)
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # mlx.launch's own entry point (an mlx installed with pip --target has no console script)
@@ -57,9 +56,8 @@ def free_port_pair() -> int:
 def run(model: Path, ranks: int, budget_gb, args, workdir: Path) -> dict:
     """One generation (``budget_gb=None``: stock, no streaming): each rank's report, wall time."""
     stats = workdir / f"n{ranks}-b{budget_gb}-rank{{rank}}.json"
-    command = ["-m", "mlx_lm_streaming.pipeline_generate", "--model", str(model)]
-    command += ["--prompt", PROMPT, "--max-tokens", str(args.max_tokens)]
-    command += ["--stats-json", str(stats)]
+    command = ["-m", "mlx_lm_streaming.pipeline_generate", "--stats-json", str(stats)]
+    command += ["--model", str(model), "--prompt", PROMPT, "--max-tokens", str(args.max_tokens)]
     if budget_gb is not None:
         command += ["--streaming-experts", "--expert-cache-gb", repr(budget_gb)]
     if args.device is not None:
@@ -94,22 +92,16 @@ def rows_of(result: dict) -> list:
     """One row a rank; the tok/s are rank 0's (``stream_generate``'s)."""
     r0 = result["reports"][0]
     return [
-        {
-            "ranks": result["ranks"],
-            "budget_gb_per_rank": result["budget_gb"],
-            "rank": rank,
-            "layers": f"{r['layers'][0]}-{r['layers'][1] - 1}",
-            "slots": sorted(set(r.get("slots", {}).values())),
-            "decode_tok_s": r0["generation_tps"],
-            "prompt_tok_s": r0["prompt_tps"],
-            "hit_rate": r.get("hit_rate"),
-            "experts_read": r.get("experts_read"),
+        dict(
+            ranks=result["ranks"], budget_gb_per_rank=result["budget_gb"], rank=rank,
+            layers=f"{r['layers'][0]}-{r['layers'][1] - 1}",
+            slots=sorted(set(r.get("slots", {}).values())), decode_tok_s=r0["generation_tps"],
+            prompt_tok_s=r0["prompt_tps"], hit_rate=r.get("hit_rate"),
+            experts_read=r.get("experts_read"),
             # read ahead by the prefetcher (used later, or dropped)
-            "experts_staged": sum(r["staged_experts"].values()) if "staged_experts" in r else None,
-            "gb_read": r.get("gb_read"),
-            "io_s": r.get("io_seconds"),
-            "wall_s": result["wall_s"],
-        }
+            experts_staged=sum(r["staged_experts"].values()) if "staged_experts" in r else None,
+            gb_read=r.get("gb_read"), io_s=r.get("io_seconds"), wall_s=result["wall_s"],
+        )
         for rank, r in sorted(result["reports"].items())
     ]
 
@@ -158,10 +150,8 @@ def main() -> None:
             print(f"done: {ranks} rank(s), {what}", file=sys.stderr, flush=True)
 
     cache = "warm" if args.warm else "dropped before each run"
-    print(
-        f"model: {model}  tokens: {args.max_tokens}  cpu cores: {os.cpu_count()}  "
-        f"device: {args.device or 'default'}  page cache: {cache}"
-    )
+    print(f"model: {model}  tokens: {args.max_tokens}  cpu cores: {os.cpu_count()}  "
+          f"device: {args.device or 'default'}  page cache: {cache}")
     print(f"same text in every run and rank: {len(texts) == 1}")
     print(
         "| ranks | GB/rank | rank | layers | slots/layer | decode tok/s | prompt tok/s | hit rate "

@@ -22,7 +22,6 @@ the regimes, ratios, limits, floors and columns are: docs/benchmarks/methods.md 
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import platform
@@ -32,20 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import harness  # noqa: E402
-import routing_replay  # noqa: E402
-from harness import GB, MB, Config, decode_block, log  # noqa: E402
-
-# harness.ARCHS's shapes; those of 128 experts at top-k 6, the routing traces' (a trace routes
-# only a checkpoint of its own expert count; "tiny", "*_tiny": for trying the script on a CPU)
-SHAPES = tuple(harness.ARCHS)
+import harness
+import routing_replay
+from harness import GB, MB, ROOT, Config, decode_block, log
 
 
 def trace_top_k(shape):
+    """The top-k of a ``harness.ARCHS`` shape's checkpoint: those of 128 experts at 6, the routing
+    traces' (a trace routes only a checkpoint of its own expert count); None: the shape's own."""
     return 6 if harness.ARCHS[shape]["overrides"]["experts"] == 128 else None
 
 
@@ -109,53 +102,6 @@ def variant_tuning(name: str):
     return timeline, CacheTuning(**tuning) if tuning else None
 
 
-# -- routing --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _graph_routed_class():
-    base = type(routing_replay.routed(None, None, 0))
-
-    class GraphRouted(base):
-        """The routing's ids, in a streaming model made to depend on the layer's router
-        (``mx.depends``: no kernel): the values are the routing's, but a host readback of them
-        waits for the graph up to that router, as with a trained model. Stock's graph reads no
-        ids on the host and gets them as they are."""
-
-        def __call__(self, x, indices):
-            import mlx.core as mx
-
-            routing, start = self._routing, time.perf_counter()
-            ids = routing.indices(self._layer_no, indices.shape)
-            if self._depends:  # (stock reads no ids on the host: its graph needs no tie)
-                ids = mx.depends(ids, indices)
-            out = self._inner(x, ids)
-            seconds = time.perf_counter() - start
-            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + seconds
-            return out
-
-    return GraphRouted
-
-
-def wrap(model, routing):
-    """Route ``model`` through ``routing`` (``routing.call_seconds``: host time in its modules); a
-    model routed before (a stock, kept from group to group) is pointed at it."""
-    cls = _graph_routed_class()
-    routed = [module for _, module in model.named_modules() if isinstance(module, cls)]
-    for module in routed:
-        object.__setattr__(module, "_routing", routing)
-    if routed:
-        return
-    found = routing_replay.expert_modules(model)
-    if hasattr(routing, "check"):
-        routing.check(len(found), *routing_replay._expert_counts(model))
-    # a streaming model reads its ids on the host: tied to the router, as a trained model's are
-    depends = hasattr(model, "expert_streaming")
-    for layer_no, (parent, name, module) in enumerate(found):
-        parent[name] = cls(module, routing, layer_no)
-        object.__setattr__(parent[name], "_depends", depends)
-
-
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
 
 FLOORS = ("stock_synclayer", "stock_synctoken")
@@ -217,14 +163,6 @@ def warm_page_cache(files) -> float:
     return time.perf_counter() - start
 
 
-def counters(cfg):
-    c = cfg.counters()
-    if cfg.cache is not None:
-        c["store_reads"] = cfg.cache.store.stats.reads
-    c["call_seconds"] = getattr(cfg.routing, "call_seconds", 0.0)
-    return c
-
-
 def user_seconds(model, tokenizer, prompt, tokens):
     """Stock as a user sees it: ``tokens`` tokens of ``mlx_lm.stream_generate`` (greedy, own
     router, new KV cache) timed first token to last (mlx-lm's generation_tps: n / (n - 1) higher);
@@ -250,23 +188,22 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     configs = {name: Config(name, model) for name, model in stocks.items()}
     kind, _, where = spec.partition(":")
     group = f"{regime}-{kind}{'-' + Path(where).stem if where else ''}-{int(round(budget * 100))}"
-    timelines = {}
+    timelines = {v: Path(args.out) / f"{args.tag}-{group}-{v}.trace.json" for v in args.variants}
+    gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
+    host = {} if args.expert_host_gb is None else dict(expert_host_gb=args.expert_host_gb)
     for v in args.variants:
-        timelines[v] = Path(args.out) / f"{args.tag}-{group}-{v}.trace.json"
         timelines[v].unlink(missing_ok=True)
         traced, tuning = variant_tuning(v)
-        gb = budget * ck["total_expert_bytes"] / harness.BUDGET_GB
         trace = str(timelines[v]) if traced else None
-        host = {} if args.expert_host_gb is None else dict(expert_host_gb=args.expert_host_gb)
-        model, _ = harness.load_streaming(
-            path, expert_cache_gb=gb, trace=trace, tuning=tuning, **host
-        )
+        model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning,
+                                          **host)
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         own = cfg.name == "stock_own"  # the router's own ids: what the injection costs
         cfg.routing = None if own else harness.make_routing(spec, ck["experts"], ck["moe_layers"])
         if cfg.routing is not None:  # (None: model:DIR, its own router)
-            wrap(cfg.model, cfg.routing)
+            # a streaming model reads its ids on the host: tied to the router, as a trained model's
+            routing_replay.wrap(cfg.model, cfg.routing, depends=cfg.cache is not None)
     warm_s = 0.0 if mode["cold"] else warm_page_cache(files)
 
     def start(cfg):  # the prompt one token at a time, into a new KV cache
@@ -302,7 +239,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
                 for k, v in state.items():
                     setattr(routing, k, dict(v))
         cfg.tokens, cfg.decode_s = [], []
-        cfg.stats0 = counters(cfg)
+        cfg.stats0 = cfg.counters()
     # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,
     # warmed like the others, then timed once a round among them
     user_model = configs["stock_own" if "stock_own" in configs else "stock"].model
@@ -364,8 +301,7 @@ def stock_basis(configs, rounds, user):
                     why="stream_generate stopped before 3 tokens (an end-of-sequence token)")
     out["user_tok_s"] = user_tok_s = len(user_s) / sum(user_s)
     out["user_tok_s_rounds"] = [1 / s for s in user_s]
-    off = harness_tok_s / user_tok_s - 1
-    out["harness_off"] = off
+    out["harness_off"] = off = harness_tok_s / user_tok_s - 1
     if abs(off) <= AGREE:
         return dict(out, used="stock", why=f"the harness's stock is {off:+.1%} off stock as a "
                     f"user sees it (within {AGREE:.0%})")
@@ -391,7 +327,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
     for hit and ram, to the limit for cold (stock configurations: to stock); ram rows get the ram
     limit where the checkpoint has a ram probe."""
     n = len(cfg.decode_s)
-    c = harness.delta(cfg.stats0, counters(cfg))
+    c = harness.delta(cfg.stats0, cfg.counters())
     ref = stock.tokens
     same = [a == b for a, b in zip(cfg.tokens, ref)]
     # (the own-router stock computes other experts: not compared)
@@ -534,7 +470,8 @@ def open_checkpoint(path, args, first_routing):
         places = routing_replay.expert_modules(model)
         routing = harness.make_routing(first_routing, ck["experts"], ck["moe_layers"])
         if routing is not None and name != "stock_own":
-            wrap(model, routing)  # before the floors: their readback is of the router's real ids
+            # before the floors: their readback is of the router's real ids
+            routing_replay.wrap(model, routing)
         if name == "stock_synclayer":
             sync_per_layer(places)
         if name == "stock_synctoken":
@@ -619,7 +556,7 @@ def parse_args(argv):
     add("--ckpt-dir", default="/tmp/bench_ckpt")
     add("--out", default=str(ROOT / "docs" / "benchmarks"))
     add("--tag", default="gpu-trace")
-    add("--shape", default="qwen3", choices=SHAPES)
+    add("--shape", default="qwen3", choices=tuple(harness.ARCHS), help="tiny, *_tiny: for a CPU")
     add("--layers", type=int, default=16)
     add("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     add("--regimes", type=_list(str), default="hit,ram,cold", help="of hit, ram, cold")
@@ -689,8 +626,7 @@ def main(argv=None):
     bad = []  # configurations not exact
     for model_spec, specs in runs:
         if model_spec is None:
-            ckpt_dir = Path(args.ckpt_dir)
-            path = harness.checkpoint(ckpt_dir, args.shape, dtype, layers=args.layers,
+            path = harness.checkpoint(Path(args.ckpt_dir), args.shape, dtype, layers=args.layers,
                                       top_k=trace_top_k(args.shape))
         else:
             path = Path(model_spec[len("model:") :])
@@ -795,8 +731,7 @@ def markdown(res):
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
         f"steps per configuration after {res.get('warmup')} untimed; stock as a user sees it: "
         f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios, "
-        "floors and columns are: "
-        "docs/benchmarks/methods.md (gpu_pipeline.py).",
+        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).",
         "",
     ]
     for name, ck in res["checkpoints"].items():

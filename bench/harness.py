@@ -105,28 +105,23 @@ def log(*a):
 # -- checkpoints and the page cache ---------------------------------------------------------------
 
 
-def checkpoint(
-    ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None, experts=None
-) -> Path:
-    """The checkpoint of shape ``name`` (``layers``, ``top_k``, ``experts`` per layer: other than
-    the shape's, for trace routing), built once."""
+def checkpoint(ckpt_dir: Path, name: str, dtype: str, layers=None, top_k=None) -> Path:
+    """The checkpoint of shape ``name`` (``layers``, ``top_k``: other than the shape's, for trace
+    routing), built once."""
     spec = ARCHS[name]
     layers = layers or spec["layers"]
     overrides = dict(spec["overrides"])
     k = "" if top_k in (None, overrides["top_k"]) else f"-k{top_k}"
-    e = "" if experts in (None, overrides["experts"]) else f"-e{experts}"
     overrides["top_k"] = top_k or overrides["top_k"]
-    overrides["experts"] = experts or overrides["experts"]
-    path = ckpt_dir / f"{name}-{layers}l{k}{e}-{dtype}"
+    path = ckpt_dir / f"{name}-{layers}l{k}-{dtype}"
     if (path / ".complete").is_file():
         return path
     from synthetic import build_checkpoint
 
     log(f"building {path} ({spec['label']} experts, {layers} layers, {dtype}) ...")
     start = time.time()
-    build_checkpoint(
-        path, spec["arch"], "affine4", num_layers=layers, overrides=overrides, dtype=dtype
-    )
+    build_checkpoint(path, spec["arch"], "affine4", num_layers=layers, overrides=overrides,
+                     dtype=dtype)
     (path / ".complete").write_text("ok")
     log(f"built in {time.time() - start:.0f} s")
     return path
@@ -210,13 +205,10 @@ class Config:
         self.model = model
         self.cold = cold
         self.files = files
-        self.kv = None
-        self.routing = None
-        self.stream = None
+        self.kv = self.routing = self.stream = self.stats0 = None
         self.pos = 0
         self.decode_s = []  # per token
         self.tokens = []
-        self.stats0 = None
 
     @property
     def cache(self):
@@ -224,41 +216,33 @@ class Config:
         return None if state is None else state.cache
 
     def counters(self):
-        cache = self.cache
-        if cache is None:
-            return {}
-        s = cache.summary()
-        return {
-            "hits": s["hits"],
-            "misses": s["misses"],
-            "bytes_read": cache.store.stats.bytes_read,
-            "store_read_seconds": cache.store.stats.seconds,
-            "io_wait_seconds": s["io_wait_seconds"],
-            "install_seconds": s["install_seconds"],
-            "prefetch": _prefetch_counts(cache),
-            # verified steps, the layers they ran again, the experts read on a pass's word and
-            # those used (verified_step.py)
-            **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
-                                         "verified_named_used")},
-        }
+        """The cache's counters (stock: none), and the routing's host time in its modules."""
+        cache, out = self.cache, {}
+        if cache is not None:
+            s, io = cache.summary(), cache.store.stats
+            out = dict(
+                hits=s["hits"], misses=s["misses"], bytes_read=io.bytes_read,
+                store_read_seconds=io.seconds, io_wait_seconds=s["io_wait_seconds"],
+                install_seconds=s["install_seconds"], prefetch=_prefetch_counts(cache),
+                # verified steps, the layers they ran again, the experts read on a pass's word and
+                # those used (verified_step.py)
+                **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
+                                             "verified_named_used")},
+                store_reads=io.reads,
+            )
+        return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))
 
 
 def _prefetch_counts(cache):
-    p = cache._prefetcher
-    if p is None:
+    if cache._prefetcher is None:
         return {}
-    st = p.stats
-    return {
-        "lookahead_staged": st.staged["lookahead"],
-        "lookahead_used": st.used["lookahead"],
-        "wave_staged": st.staged["wave"],
-        "wave_used": st.used["wave"],
-        "predicted": st.predicted,
-        "predicted_hit": st.predicted_hit,
-        "demand": st.demand,
-        "dropped": st.dropped,
-        "staged_wait_s": st.waited_s,
-    }
+    st = cache._prefetcher.stats
+    return dict(
+        lookahead_staged=st.staged["lookahead"], lookahead_used=st.used["lookahead"],
+        wave_staged=st.staged["wave"], wave_used=st.used["wave"], predicted=st.predicted,
+        predicted_hit=st.predicted_hit, demand=st.demand, dropped=st.dropped,
+        staged_wait_s=st.waited_s,
+    )
 
 
 def precision_recall(p):
@@ -284,14 +268,6 @@ class ForcedRouting:
         self.seed = seed
         self.calls = {}
         self._blocks = {}  # (layer, top-k, first call) -> DEVICE_BLOCK calls' ids on the device
-
-    def wrap(self, model):
-        from routing_replay import expert_modules, routed
-
-        found = expert_modules(model)
-        for layer_no, (parent, name, module) in enumerate(found):
-            parent[name] = routed(module, self, layer_no)
-        return len(found)
 
     def reset(self):
         self.calls = {}
@@ -464,10 +440,8 @@ def expert_sizes(path):
     banks = state.cache.banks
     sizes = dict(
         total_expert_bytes=state.cache.total_expert_bytes,
-        expert_bytes=banks[0].layer.expert_nbytes,
-        moe_layers=len(banks),
-        experts=banks[0].num_experts,
-        resident_bytes=state.resident_bytes,
+        expert_bytes=banks[0].layer.expert_nbytes, moe_layers=len(banks),
+        experts=banks[0].num_experts, resident_bytes=state.resident_bytes,
     )
     state.close()
     return sizes

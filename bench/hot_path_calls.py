@@ -79,11 +79,8 @@ def count(model, case):
         # a verified step that found every expert resident, after one that did too (its host work
         # is done at the next token's check: the token counted does one step's worth of it)
         clean = runner.verified == verified + 1 and runner.replays == replays and not any(missed)
-        found = {
-            "verified": clean and clean_before,
-            "per_layer_hit": not any(missed),
-            "per_layer_miss": all(missed),
-        }[case]
+        found = {"verified": clean and clean_before, "per_layer_hit": not any(missed),
+                 "per_layer_miss": all(missed)}[case]  # fmt: skip
         if token >= WARMUP_TOKENS and found:
             return dict(calls)
         clean_before = clean

@@ -20,14 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (  # noqa: E402
+from harness import (
     ARCHS, BUDGET_GB, GB, ForcedRouting, checkpoint, common_arguments, drop_page_cache,
     expert_sizes, load_stock, load_streaming, log, machine, shards, use_device,
 )  # fmt: skip
 
-from mlx_lm_streaming.tools.parity import vocab_size  # noqa: E402
+from mlx_lm_streaming.tools.parity import vocab_size
 
 COLD_SHARE = 0.25
 REAL_SHAPES = ["qwen3", "mixtral", "dsv2"]  # the default --archs (not "tiny")
@@ -70,7 +68,7 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
     vocab = vocab_size(config)
     rng = random.Random(1)
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
-    ForcedRouting(routing_replay._expert_counts(model)[0]).wrap(model)
+    routing_replay.wrap(model, ForcedRouting(routing_replay._expert_counts(model)[0]))
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
     out.update(peak_rss=peak_rss(), rss_after_imports=base, mlx_peak=mx.get_peak_memory())
@@ -110,15 +108,12 @@ def rss_figures(args, dtype: str) -> None:
     archs = args.archs.split(",") if args.archs else (["tiny"] if args.quick else REAL_SHAPES)
     tag = args.tag or f"rss-{args.device_kind}{'-quick' if args.quick else ''}"
     tokens = int(args.prefill_tokens or (512 if args.device_kind == "gpu" else 64))
-    report = {
-        "tag": tag,
-        "device": args.device_kind,
-        "command": " ".join(["python", "bench/memory.py"] + sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(args.device_kind),
-        "prefill_tokens": tokens,
-        "archs": [],
-    }
+    report = dict(
+        tag=tag, device=args.device_kind,
+        command=" ".join(["python", "bench/memory.py"] + sys.argv[1:]),
+        when=time.strftime("%Y-%m-%d %H:%M"), machine=machine(args.device_kind),
+        prefill_tokens=tokens, archs=[],
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in archs:

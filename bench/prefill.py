@@ -20,14 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (  # noqa: E402
+from harness import (
     ARCHS, BUDGET_GB, GB, MB, checkpoint, common_arguments, drop_page_cache, expert_sizes,
     load_stock, load_streaming, log, machine, probe_disk, shards, use_device,
 )  # fmt: skip
 
-from mlx_lm_streaming.tools.parity import vocab_size  # noqa: E402
+from mlx_lm_streaming.tools.parity import vocab_size
 
 
 class RoutedExperts:
@@ -45,9 +43,6 @@ class RoutedExperts:
 
     def bytes(self) -> int:
         return sum(len(s) * b.layer.expert_nbytes for b, s in self.used.values())
-
-    def close(self):
-        pass
 
 
 def layer_major_figures(args, dtype: str) -> None:
@@ -141,10 +136,9 @@ def layer_major_figures(args, dtype: str) -> None:
             s = state.stats()
             asked = s["hits"] - h0 + s["misses"] - m0
             out["decode_hit_rate"] = (s["hits"] - h0) / asked if asked else None
-            out["held_gb"] = state.prefill.held_bytes / 1e9
-            out["groups"] = state.prefill.groups
-            out["layer_major_prompts"] = state.prefill.prompts
-            out["fallbacks"] = state.prefill.fallbacks
+            prefill = state.prefill
+            out.update(held_gb=prefill.held_bytes / 1e9, groups=prefill.groups,
+                       layer_major_prompts=prefill.prompts, fallbacks=prefill.fallbacks)
             state.cache.recorder = None
         return out
 
@@ -249,16 +243,15 @@ def prefill_table(res) -> str:
         f"chunks of {res['prefill_step']} tokens, cold; disk "
         f"{res['disk_bytes_per_s'] / 1e9:.2f} GB/s",
         "| tokens | budget | prefill | GB read | x must read (all but last token) | x uncached "
-        "| tok/s | of limit "
-        "| TTFT s | x stock TTFT | held GB | peak GB | decode hits | tokens = stock |",
+        "| tok/s | of limit | TTFT s | x stock TTFT | held GB | peak GB | decode hits "
+        "| tokens = stock |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         if r["mode"] == "stock":
             lines.append(
                 f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} "
-                f"| - "
-                f"| {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
+                f"| - | {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
                 + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
                    if "stock_run_to_run_tokens_equal" in r else "| - |")
             )
@@ -284,18 +277,14 @@ def prefill_table(res) -> str:
             by.setdefault((tokens, share), []).append(
                 p["chunked"]["ttft_s"] / p["layer_major"]["ttft_s"])
     for (tokens, share), ratios_ in sorted(by.items()):
-        lines.append(
-            f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, per "
-            "round: "
-            + ", ".join(f"{x:.2f}" for x in ratios_)
-        )
+        lines.append(f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, "
+                     "per round: " + ", ".join(f"{x:.2f}" for x in ratios_))
     h = res.get("hold")
     if h:
         lines.append(
             f"\n{h['tokens']} tokens, layer-major at {h['share']:.0%}: {h['held_gb']:.3f} GB of "
-            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, "
-            f"{h['groups']} groups), "
-            f"MLX peak {h['peak_prefill_gb']:.2f} GB, {h['prefill_tok_s']:.1f} tok/s, "
+            f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, {h['groups']} "
+            f"groups), MLX peak {h['peak_prefill_gb']:.2f} GB, {h['prefill_tok_s']:.1f} tok/s, "
             f"{h['gb_read']:.3f} GB read ({h['must_read_gb']:.3f} must be read)"
         )
     return "\n".join(lines)

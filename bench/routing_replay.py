@@ -9,6 +9,7 @@ their logits stay comparable bit for bit. The rules (layers, top-k, cursors):
 docs/benchmarks/methods.md (harness.py).
 """
 
+import functools
 import math
 import time
 from typing import Dict, List, Optional
@@ -28,6 +29,7 @@ class TraceRouting:
 
     def __init__(self, trace: RoutingTrace, layers: Optional[int] = None):
         self.trace = trace
+        self.top_k, self.num_experts = trace.top_k, trace.num_experts
         self.layers = trace.num_layers if layers is None else layers
         if not 0 < self.layers <= trace.num_layers:
             raise TraceError(
@@ -43,14 +45,6 @@ class TraceRouting:
         # per layer: the table on the device, its first ``DEVICE_PAD`` rows repeated at its end,
         # sent once and sliced per call (made on first use)
         self._device: Dict[int, object] = {}
-
-    @property
-    def top_k(self) -> int:
-        return self.trace.top_k
-
-    @property
-    def num_experts(self) -> int:
-        return self.trace.num_experts
 
     def reset(self) -> None:
         self.cursor = {}
@@ -75,12 +69,7 @@ class TraceRouting:
 
     def wrap(self, model) -> int:
         """Route every MoE layer of ``model`` through this trace; returns the layers wrapped."""
-        found = expert_modules(model)
-        num_experts, top_k = _expert_counts(model)
-        self.check(len(found), num_experts, top_k)
-        for layer_no, (parent, name, module) in enumerate(found):
-            parent[name] = routed(module, self, layer_no)
-        return len(found)
+        return wrap(model, self)
 
     def indices(self, layer_no: int, shape):
         """The trace's next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
@@ -136,10 +125,8 @@ class TraceRouting:
 
     def decode_rows(self):
         """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""
-        for i, row in enumerate(self.trace.rows):
-            if row.phase == "decode":
-                return i
-        return len(self.trace.rows)
+        rows = self.trace.rows
+        return next((i for i, row in enumerate(rows) if row.phase == "decode"), len(rows))
 
 
 def expert_modules(model):
@@ -222,36 +209,48 @@ def unwind_on_rewind() -> None:
     mlx_shims.rewind = rewind_and_unwind
 
 
+@functools.cache
 def _routed_class():
+    import mlx.core as mx
     import mlx.nn as nn
 
     class RoutedSwitch(nn.Module):
         """An expert module whose ``indices`` are replaced by a routing source's choice."""
 
-        def __init__(self, inner, routing, layer_no):
+        def __init__(self, inner, routing, layer_no, depends):
             super().__init__()
             object.__setattr__(self, "_inner", inner)
             object.__setattr__(self, "_routing", routing)
             object.__setattr__(self, "_layer_no", layer_no)
+            object.__setattr__(self, "_depends", depends)
 
         def __call__(self, x, indices):
-            start = time.perf_counter()
-            out = self._inner(x, self._routing.indices(self._layer_no, indices.shape))
+            routing, start = self._routing, time.perf_counter()
+            ids = routing.indices(self._layer_no, indices.shape)
+            out = self._inner(x, mx.depends(ids, indices) if self._depends else ids)
             # host time in the expert module (its host sync and reads included)
-            routing = self._routing
-            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + (
-                time.perf_counter() - start
-            )
+            seconds = time.perf_counter() - start
+            routing.call_seconds = getattr(routing, "call_seconds", 0.0) + seconds
             return out
 
     return RoutedSwitch
 
 
-_ROUTED = None
-
-
-def routed(inner, routing, layer_no):
-    global _ROUTED
-    if _ROUTED is None:
-        _ROUTED = _routed_class()
-    return _ROUTED(inner, routing, layer_no)
+def wrap(model, routing, depends=False) -> int:
+    """Route every MoE layer of ``model`` through ``routing`` (its ``check`` first, where it has
+    one); returns the layers routed. A model routed before is pointed at ``routing`` instead.
+    ``depends``: the ids made to depend on the layer's router (``mx.depends``: no kernel): the
+    values are the routing's, but a host readback of them waits for the graph up to that router,
+    as with a trained model (a streaming model reads its ids on the host; stock reads none)."""
+    cls = _routed_class()
+    routed = [module for _, module in model.named_modules() if isinstance(module, cls)]
+    for module in routed:
+        object.__setattr__(module, "_routing", routing)
+    if routed:
+        return len(routed)
+    found = expert_modules(model)
+    if hasattr(routing, "check"):
+        routing.check(len(found), *_expert_counts(model))
+    for layer_no, (parent, name, module) in enumerate(found):
+        parent[name] = cls(module, routing, layer_no, depends)
+    return len(found)

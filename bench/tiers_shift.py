@@ -18,14 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_pipeline  # noqa: E402
-import harness  # noqa: E402
-import routing_replay  # noqa: E402
-from harness import BUDGET_GB, Config, decode_block, log  # noqa: E402
+import harness
+import routing_replay
+from harness import BUDGET_GB, ROOT, Config, decode_block, log
 
 TRACES = ROOT / "tests" / "data" / "routing"
 
@@ -33,7 +28,7 @@ TRACES = ROOT / "tests" / "data" / "routing"
 def blocks(cfg, routing, tokens, block, t0):
     """``tokens`` decode steps in blocks of ``block`` under ``routing``: per block the seconds
     since ``t0`` at its end, its tok/s, the layers complete and the device tier's share."""
-    gpu_pipeline.wrap(cfg.model, routing)
+    routing_replay.wrap(cfg.model, routing, depends=cfg.cache is not None)
     rows = []
     for _ in range(tokens // block):
         times = decode_block(cfg, block - 1)
@@ -107,12 +102,12 @@ def main(argv=None):
     for i, (ours, stock) in enumerate(zip(tiers_run["phases"], stock_run["phases"])):
         steady = statistics.median(r["tok_s"] for r in ours[-5:])
         stock_tok_s = statistics.median(r["tok_s"] for r in stock[-5:])
-        first_full = next((r["at_s"] for r in ours if r["tok_s"] >= 0.9 * steady), None)
-        res[f"phase{i}"] = dict(steady_tok_s=steady, stock_tok_s=stock_tok_s,
-                                of_stock=steady / stock_tok_s,
-                                tokens_to_90=next(((j + 1) * args.block for j, r in enumerate(ours)
-                                                   if r["tok_s"] >= 0.9 * steady), None),
-                                seconds_from_load_to_90=first_full)
+        j = next((j for j, r in enumerate(ours) if r["tok_s"] >= 0.9 * steady), None)
+        res[f"phase{i}"] = dict(
+            steady_tok_s=steady, stock_tok_s=stock_tok_s, of_stock=steady / stock_tok_s,
+            tokens_to_90=None if j is None else (j + 1) * args.block,
+            seconds_from_load_to_90=None if j is None else ours[j]["at_s"],
+        )
         log(f"phase {i}: {res[f'phase{i}']}")
     log(f"exact: {res['exact_steps']}/{res['steps']}")
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,10 @@ matplotlib (``pip install matplotlib``).
 """
 
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timeline_summary import load_events  # noqa: E402
+from timeline_summary import load_events
 
 # category -> (colour, legend); a thread's lane has one row per group of categories
 CATEGORIES = {

@@ -17,18 +17,11 @@ from collections import defaultdict
 INSIDE = ("host sync", "wait read", "wait staged", "wait compute", "submit", "install")
 
 # span name -> its part of the per-layer split
-PART_OF = {
-    "host sync": "ids wait",
-    "wait read": "reads",
-    "wait staged": "reads",
-    "wait ahead": "reads",
-    "install": "installs",
-    "submit": "compute",
-    "wait compute": "compute",
-}
-SPLIT_KEYS = (
-    "ids wait", "host to submit", "reads", "installs", "compute", "rest", "between layers"
-)
+PART_OF = {"host sync": "ids wait", "wait read": "reads", "wait staged": "reads",
+           "wait ahead": "reads", "install": "installs", "submit": "compute",
+           "wait compute": "compute"}  # fmt: skip
+SPLIT_KEYS = ("ids wait", "host to submit", "reads", "installs", "compute", "rest",
+              "between layers")  # fmt: skip
 
 
 def load_events(path):
