@@ -64,12 +64,19 @@ def test_budget_split():
     assert tiers.host_room(None) == 0 and tiers.host_room(3 * GB) == 0
 
 
-def test_no_host_tier_unless_asked_while_the_default_is_off(q3_path):
+def test_the_default_host_tier_holds_the_rest_where_host_ram_allows(q3_path):
     model, _ = load_streaming(q3_path)
     cache = model.expert_streaming.cache
     cache.budget_bytes = cache.total_expert_bytes // 4
     tiers.set_up(cache, None, "cuda", placer=Recorder(), available=1000 * GB)
-    assert (cache.tiers is not None) == tiers.DEFAULT_ON
+    assert cache.tiers is not None and tiers.DEFAULT_ON
+    assert cache.host_bytes == cache.total_expert_bytes - cache.budget_bytes
+    # host RAM that cannot hold the rest: no host tier, misses stream from disk
+    model, _ = load_streaming(q3_path)
+    cache = model.expert_streaming.cache
+    cache.budget_bytes = cache.total_expert_bytes // 4
+    tiers.set_up(cache, None, "cuda", placer=Recorder(), available=1)
+    assert cache.tiers is None and cache.host_bytes == 0
 
 
 def tiered(path, device_experts, placer):

@@ -253,11 +253,11 @@ class Tiers:
         }
 
 
-# the host tier when --expert-host-gb is not given: off until a device run shows the fix of the
-# placement thread (``ranges``) on the H200; issue 39 asks for "every expert where host RAM allows"
-# (``split``'s default), which two of three H200 runs could not give: a decode stopped. On, the
-# default is ``split``'s
-DEFAULT_ON = False
+# the host tier when --expert-host-gb is not given: ``split``'s default (every expert the device
+# cannot hold, where host RAM less a margin allows it), since an H200 run placed both tiers as
+# planned and decoded bit-exact at 0.67-0.97 of stock where streaming misses from the page cache
+# gave 0.13 at a 25% budget (docs/benchmarks/README.md, "Two tiers on mlx-cuda")
+DEFAULT_ON = True
 # of the host RAM the OS calls available, this much stays free for the OS, other programs and the
 # page cache when the default host tier is sized (the larger of the two)
 HOST_MARGIN_BYTES = 4 * 10**9
@@ -357,7 +357,7 @@ def plan_line(cache, backend: str, trace=None) -> str:
     device = min(cache.budget_bytes or 0, total)
     host = split(total, device, None, available_host_bytes())
     line = (
-        f"two tiers (--expert-host-gb, off unless given): device {device / 1e9:.3f} GB, host "
+        f"two tiers (--expert-host-gb): device {device / 1e9:.3f} GB, host "
         f"{host / 1e9:.3f} GB"
     )
     if not host and device < total:
