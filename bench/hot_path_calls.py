@@ -34,7 +34,8 @@ MAX_TOKENS = 200
 # decode tokens before any is counted: first calls of a row count choose their kernel once
 WARMUP_TOKENS = 3
 # case -> (slots a layer, verified steps on)
-CASES = {"verified": (15, True), "per_layer_hit": (15, False), "per_layer_miss": (3, False)}
+CASES = {"verified": (15, True), "per_layer_hit": (15, False), "per_layer_miss": (3, False),
+         "complete": (16, True)}  # (every bank complete: stock's graph)
 
 
 @contextlib.contextmanager
@@ -72,6 +73,7 @@ def count(model, case):
         if case == "verified":
             runner.missed_share = 0.0  # as after tokens that missed nowhere (the CPU's rule)
         verified, replays, misses = runner.verified, runner.replays, [b.misses for b in banks]
+        stock = all(b.stock_call is not None for b in banks)  # every layer straight to stock's
         calls = collections.Counter()
         with counting(calls):
             mx.eval(model(mx.array([[(37 * token + 11) % 512]]), cache=kv))
@@ -80,7 +82,7 @@ def count(model, case):
         # is done at the next token's check: the token counted does one step's worth of it)
         clean = runner.verified == verified + 1 and runner.replays == replays and not any(missed)
         found = {"verified": clean and clean_before, "per_layer_hit": not any(missed),
-                 "per_layer_miss": all(missed)}[case]  # fmt: skip
+                 "per_layer_miss": all(missed), "complete": stock}[case]  # fmt: skip
         if token >= WARMUP_TOKENS and found:
             return dict(calls)
         clean_before = clean

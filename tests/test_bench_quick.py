@@ -150,7 +150,7 @@ def test_hot_path_calls():
     counts = json.loads(bench(BENCH / "hot_path_calls.py"))["per_moe_layer_call"]
     page = json.loads((ROOT / "docs/benchmarks/hot-path-calls.json").read_text())
     recorded = page.get("after", page["before"])["per_moe_layer_call"]
-    assert set(counts) == {"verified", "per_layer_hit", "per_layer_miss"}
+    assert set(counts) == {"verified", "per_layer_hit", "per_layer_miss", "complete"}
     for case, calls in counts.items():
         assert 0 < calls <= recorded[case], (case, calls, recorded[case])
 
