@@ -275,10 +275,11 @@ class ExpertCache:
         if self.tuning.staging_bytes is not None:
             return int(self.tuning.staging_bytes)
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
-        budget = self.total_expert_bytes
-        if self.budget_bytes is not None:  # a budget is a cap: above every expert, every expert
-            budget = min(self.slot_budget, budget)  # (with two tiers, the host's too)
+        total = self.total_expert_bytes  # a budget is a cap: above every expert, every expert
+        budget = total if self.budget_bytes is None else min(self.budget_bytes, total)
         floor = 0 if self.tuning.direct_reads else 2 * biggest
+        if self.tiers is not None:  # the fill completes the banks: room for its chunks of 8
+            floor = 32 * biggest
         return int(max(STAGING_SHARE * budget, floor))
 
     def release(self, batch: StagedBatch, when_done: bool = False) -> None:
