@@ -209,3 +209,12 @@ def test_the_device_tier_never_exceeds_the_free_device_memory(q3_path):
     capped = int(10 * per * memory.CUDA_CACHE_SHARE)
     assert cache.tiers.device_bytes == capped
     assert cache.host_bytes == cache.total_expert_bytes - capped
+
+
+def test_a_small_device_tier_still_fills_its_banks_in_chunks(q3_path):
+    # a device budget of one expert a layer: the staging bound is 5% of it (less than an expert),
+    # but the fill of the identity banks needs room for its chunks of 8; without the floor the
+    # H200 run at 1% never completed a bank
+    model, cache = tiered(q3_path, 1, Recorder())
+    biggest = max(b.layer.expert_nbytes for b in cache.banks)
+    assert cache._staging_limit() >= 32 * biggest
