@@ -32,7 +32,7 @@ def stats_line(state, label: bool = False) -> str:
         served = "n/a" if share != share else f"{share:.1%} / {1 - share:.1%}"
         line += (
             f" (tiers: device {s['tier_device_gb']:.3f} GB, host {s['tier_host_gb']:.3f} GB read "
-            f"in place; uses served device / host {served} of {s['tier_sampled_uses']} sampled; "
+            f"in place; uses served device / host {served} of {s['tier_sampled_uses']} counted; "
             f"{s['tier_moves']} experts moved)"
         )
     if s.get("failed_background_reads"):

@@ -248,8 +248,8 @@ class LayerBank:
     def complete_call(self):
         """A complete bank's whole call, which ``StreamingSwitchGLU`` runs before anything else
         once ``schedules.choose`` has found it applies (``stock_call``): stock's ``SwitchGLU`` over
-        the bank with the router's ids, as ``StockGraph`` runs it; with two tiers a sample of the
-        uses noted first (``tiers``)."""
+        the bank with the router's ids, as ``StockGraph`` runs it; with two tiers the ids kept
+        first for the device tier's count (``tiers.Tiers.caller``)."""
         tiers = self.cache.tiers
         return self.glu if tiers is None else tiers.caller(self, self.glu)
 

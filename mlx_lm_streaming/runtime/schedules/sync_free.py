@@ -14,7 +14,7 @@ class StockGraph(Schedule):
 
     def run(self):
         tiers = self.bank.cache.tiers
-        if tiers is not None:  # two tiers: a sample of the uses, read later (``tiers``)
+        if tiers is not None:  # two tiers: the ids kept for the device tier's count (``tiers``)
             tiers.note(self.bank, self.indices)
         return self.kernel(self.x, self.indices, None, self.bank)
 
