@@ -218,3 +218,36 @@ def test_a_small_device_tier_still_fills_its_banks_in_chunks(q3_path):
     model, cache = tiered(q3_path, 1, Recorder())
     biggest = max(b.layer.expert_nbytes for b in cache.banks)
     assert cache._staging_limit() >= 32 * biggest
+
+
+class _Runtime:
+    """What ``CudaPlacer`` asks of the CUDA runtime, answered in Python; ``concurrent``: the
+    device's concurrent managed access."""
+
+    def __init__(self, concurrent):
+        self.concurrent = concurrent
+        self.cudaMemAdvise = self.cudaMemPrefetchAsync = lambda *a: 0
+
+    def cudaRuntimeGetVersion(self, version):
+        version._obj.value = 13000
+        return 0
+
+    def cudaDeviceGetAttribute(self, value, attribute, device):
+        value._obj.value = self.concurrent if attribute == 89 else 0
+        return 0
+
+    def cudaGetLastError(self):
+        return 0
+
+    def cudaStreamCreateWithFlags(self, stream, flags):
+        return 0
+
+
+def test_no_two_tiers_without_concurrent_managed_access():
+    # WSL2 and Windows: a kernel launch would migrate every managed page to the device, so
+    # advice cannot keep a host tier; the placer refuses and the loader keeps today's path
+    from mlx_lm_streaming.runtime.cuda_placer import CudaPlacer
+
+    with pytest.raises(OSError, match="concurrent managed access"):
+        CudaPlacer(_Runtime(concurrent=0))
+    assert CudaPlacer(_Runtime(concurrent=1)).version == 13000

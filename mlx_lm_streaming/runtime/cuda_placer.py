@@ -13,6 +13,7 @@ _CPU_DEVICE_ID = -1  # cudaCpuDeviceId (the runtime's older, int-device calls)
 # cudaMemRangeAttributePreferredLocationType, ...LastPrefetchLocationType (CUDA >= 12.2), and the
 # cudaMemLocationType values they give
 _ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE = 5, 7
+_ATTR_CONCURRENT_MANAGED = 89  # cudaDevAttrConcurrentManagedAccess
 _LOCATIONS = {1: "device", 2: "host", 3: "host", 4: "host"}
 
 
@@ -37,6 +38,13 @@ class CudaPlacer:
         prefetch = "cudaMemPrefetchAsync" if self.version >= 13000 else "cudaMemPrefetchAsync_v2"
         self.prefetch = getattr(lib, prefetch)
         self.prefetch.argtypes = [p, size, _Location, u, p]
+        # advice works only where the GPU and the CPU may touch managed memory at once (not on
+        # WSL2 or Windows, where a kernel launch migrates every managed page to the device)
+        concurrent = ctypes.c_int(0)
+        err = lib.cudaDeviceGetAttribute(ctypes.byref(concurrent), _ATTR_CONCURRENT_MANAGED, device)
+        if err != 0 or concurrent.value != 1:
+            lib.cudaGetLastError()
+            raise OSError("the device has no concurrent managed access: no two tiers")
         self.stream = ctypes.c_void_p()
         if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1) != 0:
             raise OSError("cudaStreamCreateWithFlags failed")
