@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from support import decode, load_stock, same, with_slots
+from support import decode, load_stock, load_streaming, same, with_slots
 
 from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
@@ -277,3 +277,24 @@ def test_a_pass_naming_more_experts_than_slots_guesses_nothing_there(q3_path, ex
     # those banks are not read ahead (their call runs in waves), and the result is stock's
     model = with_slots(q3_path, 2, tuning=ALWAYS)
     assert_same(expected, _every_call_verified(model))
+
+
+def test_complete_banks_run_stocks_graph_whole(q3):
+    # every expert resident in its own slot: the model call skips the verified step and each layer
+    # goes straight to stock's SwitchGLU over its bank, with stock's bits
+    path, tokens, want = q3
+    model, _ = load_streaming(path, expert_cache_gb=1e3)
+    state = model.expert_streaming
+    cache = state.cache
+    cache.ensure_planned()
+    for bank in cache.banks:
+        bank.load(np.arange(bank.num_experts))
+    assert cache.all_complete
+    assert same(want, decode(model, tokens))
+    assert all(b.stock_call is b.glu for b in cache.banks)  # set by the first call's choice
+    verified = state.steps.verified
+    assert same(want, decode(model, tokens)) and state.steps.verified == verified
+    # a bank planned again is not complete until its experts are back: the mode ends with it
+    cache.banks[0].allocate(cache.banks[0].num_experts)
+    assert not cache.all_complete and cache.banks[0].stock_call is None
+    assert same(want, decode(model, tokens))
