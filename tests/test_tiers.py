@@ -1,6 +1,6 @@
 """Two tiers (runtime/tiers.py, issue 39): what is not CUDA-specific, on the CPU. The CUDA calls
-(``cuda_placer.CudaPlacer``) are replaced by a placer that records what it was asked; the banks, the budget
-split, the counting of uses, the moves and the figures are the package's own."""
+(``cuda_placer.CudaPlacer``) are replaced by a placer that records what it was asked; the banks,
+the budget split, the counting of uses, the moves and the figures are the package's own."""
 
 import mlx.core as mx
 import numpy as np

@@ -9,7 +9,6 @@ _ADVISE_PREFERRED = 3  # cudaMemAdviseSetPreferredLocation
 _ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy
 _LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
 _LOCATION_HOST = 2  # cudaMemLocationTypeHost
-_CPU_DEVICE_ID = -1  # cudaCpuDeviceId (the runtime's older, int-device calls)
 # cudaMemRangeAttributePreferredLocationType, ...LastPrefetchLocationType (CUDA >= 12.2), and the
 # cudaMemLocationType values they give
 _ATTR_PREFERRED_TYPE, _ATTR_PREFETCHED_TYPE = 5, 7
