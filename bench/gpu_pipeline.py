@@ -275,7 +275,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
                        f"{entry['hit_rate']} (not 1.0; slots {slots} per layer)")
             log(warning)
             out.setdefault("warnings", []).append(warning)
-        if cfg.cache is not None and cfg.cache.timeline is not None:
+        if cfg.cache is not None and cfg.cache.timeline:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]

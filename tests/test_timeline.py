@@ -132,7 +132,7 @@ def test_nothing_is_recorded_without_the_option(q3, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path, want = q3
     model = with_slots(path, 4)
-    assert model.expert_streaming.cache.timeline is None
+    assert not model.expert_streaming.cache.timeline  # (the null one: records nothing)
     assert same(want, decode(model, TOKENS))
     model.expert_streaming.close()
     assert list(tmp_path.iterdir()) == []

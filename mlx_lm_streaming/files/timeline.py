@@ -14,8 +14,8 @@ writes the ``]``, so a finished file is plain JSON. The file is opened at the fi
 load passed; a write that fails (a full disk) gives the timeline up with one line on stderr, and the
 run goes on (``outputs.py``).
 
-Off by default: the hooks in ``schedules``, ``bank`` and ``prefetch`` check ``cache.timeline`` for
-``None`` and do nothing else. Recording never changes what is read or computed.
+Off by default: ``cache.timeline`` is then ``runtime.no_timeline.NO_TIMELINE``, whose recording calls
+do nothing (no Python call). Recording never changes what is read or computed.
 """
 
 import json

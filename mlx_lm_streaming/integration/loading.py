@@ -141,8 +141,8 @@ class StreamingState:
         self.timeline = open_timeline(
             options.trace, f"mlx-lm-streaming {self.model_path.name}", self.model_path
         )
-        self.cache.timeline = self.timeline
-        if self.timeline is not None:
+        if self.timeline is not None:  # (else the cache keeps its null timeline)
+            self.cache.timeline = self.timeline
             atexit.register(self.timeline.close)
         self.resident_bytes = 0
         # what layer-major prefill did, or why it did not apply (layer_major.py)

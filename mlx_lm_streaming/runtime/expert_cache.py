@@ -24,6 +24,7 @@ from . import costs
 from .bank import LayerBank
 from .counters import Counters
 from .index import LayerExperts, natural_key
+from .no_timeline import NO_TIMELINE
 from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
@@ -153,8 +154,9 @@ class ExpertCache:
         self.policy = policy
         # routing_trace.RoutingRecorder that each layer call reports its expert ids to, or None
         self.recorder = None
-        # timeline.Timeline that reads, installs, syncs and compute are recorded on, or None
-        self.timeline = None
+        # timeline.Timeline that reads, installs, syncs and compute are recorded on, or the null
+        # one (``NO_TIMELINE``: its calls record nothing)
+        self.timeline = NO_TIMELINE
         # verified_step.StepRunner of the model, whose ``this_thread.step`` a layer call joins
         self.steps = None
         # threads that called a layer (direct reads need just one), and whether the banks are

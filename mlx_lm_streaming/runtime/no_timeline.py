@@ -1,13 +1,17 @@
 """``NO_TIMELINE``: the timeline's recording methods, recording nothing (no ``--streaming-trace``).
 
-``files.timeline.Timeline`` records a run; ``ExpertCache.timeline`` is that recorder or None. Code
-off the calling thread's per-layer path (the background readers, the demand threads' reads) takes
-``cache.timeline or NO_TIMELINE`` and records unconditionally: a call that does nothing costs
-nothing there beside a read. The calling thread's per-layer code keeps its ``if tl`` branches: there
-a branch is cheaper than a call, and each call is counted (``bench/hot_path_calls.py``).
+``files.timeline.Timeline`` records a run; ``ExpertCache.timeline`` is that recorder or
+``NO_TIMELINE``, and every hook records unconditionally: ``tl.span(...)``, ``tl.layer(...)``, with
+no ``if tl`` branch (issue 40). Here each recording method is ``"".format``, a method of C that takes
+any arguments and returns the empty string: no Python call on the hot path (the calls
+``bench/hot_path_calls.py`` counts stay as they were with the branches), and ``now`` is the
+timeline's own clock (a C function). The object is false, for the few places that do more than
+record where a timeline is set (``bool(cache.timeline)``).
 """
 
 import time
+
+_NOTHING = "".format  # (C: any positional and keyword arguments, no work, no Python frame)
 
 
 class NoTimeline:
@@ -15,21 +19,10 @@ class NoTimeline:
 
     # the same clock as ``Timeline.now`` (a C function: no Python call)
     now = staticmethod(time.perf_counter)
+    span = read = batch_read = layer = staticmethod(_NOTHING)
 
     def __bool__(self) -> bool:
         return False
-
-    def span(self, name, start, cat, **args) -> None:
-        pass
-
-    def read(self, start, layer, expert, nbytes, kind, **args) -> None:
-        pass
-
-    def batch_read(self, start, batch, error=None) -> None:
-        pass
-
-    def layer(self, start, path, tokens, **args) -> None:
-        pass
 
 
 NO_TIMELINE = NoTimeline()

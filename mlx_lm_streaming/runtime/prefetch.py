@@ -165,7 +165,8 @@ class ExpertPrefetcher:
         self._idle = 0
         self._bytes = 0  # staged or in flight, not yet released
         self._closed = False
-        self.timeline = None  # timeline.Timeline the reads are recorded on, or None
+        # timeline.Timeline the reads are recorded on, or the null one (records nothing)
+        self.timeline = NO_TIMELINE
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class ExpertPrefetcher:
                 _, _, batch = heapq.heappop(self._heap)
             if not batch.future.set_running_or_notify_cancel():
                 continue
-            tl = self.timeline or NO_TIMELINE
+            tl = self.timeline
             start = tl.now()
             try:
                 self.store.read_many(batch.jobs())

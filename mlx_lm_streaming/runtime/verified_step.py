@@ -167,7 +167,7 @@ class VerifiedStep:
         # no pending work may read a slot the load writes
         mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
         tl = bank.cache.timeline
-        start = tl.now() if tl else 0
+        start = tl.now()
         runner = self.runner
         guesses = self.named_after(first) if runner.together else []
         # reads what is missing; counts the call's hits and misses (timed for ``costs``)
@@ -176,9 +176,8 @@ class VerifiedStep:
         runner.read_seconds += perf_counter() - began
         runner.read_experts += len(experts) + sum(len(g[1]) for g in guesses)
         self.loaded.add(id(bank))
-        if tl:
-            tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
-                    guessed=sum(len(g[1]) for g in guesses))
+        tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
+                guessed=sum(len(g[1]) for g in guesses))
         self.calls = []
         return layer
 
@@ -218,10 +217,9 @@ class VerifiedStep:
         mx.async_eval(*pending, counts)
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
-        start = tl.now() if tl else 0
+        start = tl.now()
         counts = self.counts = np.array(counts, copy=False)
-        if tl:
-            tl.span("verify", start, "sync", calls=len(self.calls))
+        tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None
 

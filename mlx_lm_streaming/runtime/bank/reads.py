@@ -25,7 +25,6 @@ import numpy as np
 
 from ...errors import ExpertIOError, StreamingError
 from ..index import PROJECTIONS
-from ..no_timeline import NO_TIMELINE
 from ..prefetch import StagedBatch
 from ..safetensors_header import mx_dtype
 
@@ -76,8 +75,7 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
             good = batch.ok(wait=True)
             with stats.lock:
                 stats.waited_s += time.perf_counter() - waited
-            if tl:
-                tl.span("wait staged", waited, "wait", layer=bank.path, expert=e)
+            tl.span("wait staged", waited, "wait", layer=bank.path, expert=e)
             if good:
                 by_batch.setdefault(id(batch), (batch, [], []))
                 by_batch[id(batch)][1].append(batch.row[e])
@@ -108,8 +106,7 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
                     t = time.perf_counter()
                     pair, proj, exc = events.get()
                     reads.waited += time.perf_counter() - t
-                    if tl:
-                        tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
+                    tl.span("wait read", t, "wait", layer=bank.path, expert=pair[0], part=proj)
                     if proj is not None:
                         if reads.error is None:
                             yield [pair[0]], proj, pair[1]
@@ -135,8 +132,7 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
                 batch = StagedBatch(bank.layer, np.array([e for e, _ in part]), "demand")
                 bank.cache.store.read_many(batch.jobs())
                 io += time.perf_counter() - t
-                if tl:
-                    tl.batch_read(t, batch)
+                tl.batch_read(t, batch)
                 if groups:  # staged ones after the first read: it overlaps the layer's work
                     install += _write(bank, groups)
                     yield _place(bank, groups), None, None
@@ -224,7 +220,7 @@ class DirectReads:
         else:
             groups = [(None, list(range(len(parts))))]
         # (a demand thread's: records unconditionally)
-        events, tl = self.events, bank.cache.timeline or NO_TIMELINE
+        events, tl = self.events, bank.cache.timeline
 
         def read(pair):
             e, slot = pair
@@ -318,9 +314,8 @@ def install(bank, groups) -> None:
     mx.eval([bank.array(spec.proj, spec.part) for spec in parts])
     if bank.views is not None:
         bank.refresh_views()
-    if bank.cache.timeline:
-        experts = sum(len(rows) for _, rows, _ in groups)
-        bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)
+    experts = sum(len(rows) for _, rows, _ in groups)
+    bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)
 
 
 def copy_in(bank, groups) -> None:
@@ -337,9 +332,8 @@ def copy_in(bank, groups) -> None:
         for view, staged in zip(bank.views, batch.buffers):
             for r, s, n in runs:
                 view[s : s + n] = staged[r : r + n]
-    if bank.cache.timeline:
-        experts = sum(len(rows) for _, rows, _ in groups)
-        bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)
+    experts = sum(len(rows) for _, rows, _ in groups)
+    bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=experts)
 
 
 def install_finished(bank) -> None:

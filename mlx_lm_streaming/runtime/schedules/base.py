@@ -43,7 +43,7 @@ class PerLayer(Schedule):
         bank = self.bank
         cache = bank.cache
         tl = cache.timeline
-        start = tl.now() if tl else 0
+        start = tl.now()
         misses = cache.stats.misses
         # the layer's one host sync: the router's ids read back, with the next MoE layer's
         # lookahead guess evaluated in the same sync, and recorded
@@ -52,8 +52,7 @@ class PerLayer(Schedule):
         if ahead is not None:
             mx.eval(indices, ahead[1])  # one sync for the ids and the guess
         idx = np.array(indices, copy=False).astype(np.int64)  # the one host sync
-        if tl:
-            tl.span("host sync", start, "sync", layer=bank.path)
+        tl.span("host sync", start, "sync", layer=bank.path)
         if cache.recorder is not None:
             cache.recorder.record(bank, idx)
         experts = np.unique(idx)
@@ -65,9 +64,8 @@ class PerLayer(Schedule):
         finally:  # (also after an error)
             if bank.staged and not bank.identity:
                 bank.drop_staged()  # staged experts the call did not use
-            if tl:
-                tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
-                tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
+            tokens, read = idx.size // idx.shape[-1], cache.stats.misses - misses
+            tl.layer(start, bank.path, tokens, experts=len(experts), misses=read)
 
     def compute(self, idx, experts, ahead) -> mx.array:
         raise NotImplementedError
@@ -108,18 +106,14 @@ def member(ids: np.ndarray, of: np.ndarray, num_experts: int) -> np.ndarray:
 def submit(bank, y) -> None:
     """``mx.async_eval(y)``: the layer's compute handed to MLX (a timeline span if recorded)."""
     tl = bank.cache.timeline
-    if tl:
-        start = tl.now()
-        mx.async_eval(y)
-        tl.span("submit", start, "compute", layer=bank.path)
-    else:
-        mx.async_eval(y)
+    start = tl.now()
+    mx.async_eval(y)
+    tl.span("submit", start, "compute", layer=bank.path)
 
 
 def wait(bank, y) -> None:
     """``mx.eval(y)`` where the layer waits for its own compute (a timeline span if recorded)."""
     tl = bank.cache.timeline
-    start = tl.now() if tl else 0
+    start = tl.now()
     mx.eval(y)
-    if tl:
-        tl.span("wait compute", start, "wait", layer=bank.path)
+    tl.span("wait compute", start, "wait", layer=bank.path)

@@ -88,10 +88,10 @@ class Direct(PerLayer):
         mask[ids] = True
         rows = np.nonzero(mask[self.flat])[0]
         y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel, self.pad)
-        if bank.cache.timeline is None:
-            mx.async_eval(y)  # (``submit``, spelt out: once per landing)
-        else:
-            submit(bank, y)
+        tl = bank.cache.timeline
+        start = tl.now()
+        mx.async_eval(y)  # (``submit``, spelt out: once per landing)
+        tl.span("submit", start, "compute", layer=bank.path)
         self.rows_done.append(rows)
         self.outs.append(y)
 
