@@ -22,6 +22,7 @@ class LayerBank:
     def __init__(self, cache, layer: LayerExperts, glu):  # cache: expert_cache.ExpertCache
         self.cache = cache
         self.layer = layer
+        self.path = layer.path  # (an attribute: the timeline's hooks read it on every call)
         self.glu = glu  # the stock SwitchGLU whose arrays become our banks
         self.num_experts = layer.num_experts
         self.slots = 0
@@ -69,10 +70,6 @@ class LayerBank:
         # (table, version, slot of each expert, whether each expert is missing): ``device_map``'s
         # last, which a caller may take as is while ``table`` and its version are the same
         self.last_map = None
-
-    @property
-    def path(self) -> str:
-        return self.layer.path
 
     def device_map(self):
         """``(slots, missing)``: the slot table as two device arrays indexed by expert id, the slot
