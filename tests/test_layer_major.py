@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.runtime import costs, verified_step
+from mlx_lm_streaming.runtime import costs
+from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
 from synthetic import build_checkpoint
 
@@ -105,7 +106,7 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
         if done == total - 1 and not parts:  # the prefill's end (the last token is stock's)
             close_part()
 
-    real = verified_step.StepRunner.__call__
+    real = StepRunner.__call__
 
     def model_call(runner, call, args, kwargs):
         replays = runner.replays
@@ -115,7 +116,7 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
         again.append(runner.replays - replays)
         return out
 
-    monkeypatch.setattr(verified_step.StepRunner, "__call__", model_call)
+    monkeypatch.setattr(StepRunner, "__call__", model_call)
     steps = generate_step(prompt, model, max_tokens=DECODE, prefill_step_size=STEP,
                           prompt_progress_callback=progress)  # fmt: skip
     out = [lp for _, lp in steps]

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from support import decode, load_stock, load_streaming, same, with_slots
 
 from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
+from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
@@ -293,8 +294,8 @@ def test_complete_banks_run_stocks_graph_whole(q3, monkeypatch):
     assert same(want, decode(model, tokens))
     assert all(b.stock_call is b.glu for b in cache.banks)  # set by the first call's choice
     steps = []  # no verified step is even set up once every bank is complete
-    run = verified_step.StepRunner._verified
-    monkeypatch.setattr(verified_step.StepRunner, "_verified",
+    run = StepRunner._verified
+    monkeypatch.setattr(StepRunner, "_verified",
                         lambda self, *a: steps.append(1) or run(self, *a))
     assert same(want, decode(model, tokens)) and steps == []
     # a bank planned again is not complete until its experts are back: the mode ends with it

@@ -41,7 +41,7 @@ from ..runtime.options import (
     decimal_gb,
 )
 from ..runtime.switch import StreamingSwitchGLU
-from ..runtime.verified_step import StepRunner
+from ..runtime.runner import StepRunner
 from .unstreamable import adapter_for, model_module, refuse_listed
 
 
@@ -147,7 +147,7 @@ class StreamingState:
         self.resident_bytes = 0
         # what layer-major prefill did, or why it did not apply (layer_major.py)
         self.prefill = PrefillStats()
-        # verified_step.StepRunner (set once the model is built)
+        # runner.StepRunner (set once the model is built)
         self.steps = None
         # memory the resident weights leave free, where the default budget was derived from it
         self.free_bytes: Optional[int] = None

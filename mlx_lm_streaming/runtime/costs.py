@@ -113,7 +113,7 @@ CLEAN_TOKEN_RETRIES = {"cpu": False}
 
 def note_call(runner, missed, verified, seconds=None, reads=0.0, experts=0, replays=0,
               again=False) -> None:
-    """A decode-sized call of ``runner`` (``verified_step.StepRunner``) that ``missed`` in that
+    """A decode-sized call of ``runner`` (``runner.StepRunner``) that ``missed`` in that
     many MoE layers, as a verified step or not (``again``: one run again whole, per layer),
     ``seconds`` long (None: not measured), ``reads`` of them reading ``experts`` experts,
     ``replays`` layers run again: the runner's running share of MoE layers that missed, its costs
@@ -363,7 +363,7 @@ class DecodeCosts:
 
 def summary(runner) -> Dict[str, object]:
     """The decode calls' part of ``--streaming-stats``' counters (``ExpertCache.summary``) for a
-    model's ``verified_step.StepRunner`` (None: none yet)."""
+    model's ``runner.StepRunner`` (None: none yet)."""
     r = runner
     return {
         # calls run as verified steps (verified_step.py), and layers run again in them

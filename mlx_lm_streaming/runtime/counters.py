@@ -1,7 +1,10 @@
-"""Counters that several threads add to: one lock, one ``add`` (the cache's and the stores' stats)."""
+"""Counters that several threads add to: one lock, one ``add`` (the cache's and the stores' stats);
+the cache's, ``CacheStats``."""
 
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -13,3 +16,44 @@ class Counters:
         with self.lock:
             for name, value in deltas.items():
                 setattr(self, name, getattr(self, name) + value)
+
+
+@dataclass
+class CacheStats(Counters):
+    """Expert requests served from the banks (hits) or read from the store (misses)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    # seconds the calling thread waited for expert bytes (reads and staged reads), and spent
+    # writing them into the banks
+    io_wait_seconds: float = 0.0
+    install_seconds: float = 0.0
+    # perf_counter() at the start of the first expert request and the end of the last one: the
+    # span that the time split of ``--streaming-stats`` divides
+    first_request: Optional[float] = None
+    last_request: Optional[float] = None
+
+    def start(self) -> None:
+        if self.first_request is None:
+            with self.lock:
+                if self.first_request is None:
+                    self.first_request = time.perf_counter()
+
+    def add(self, hits: int, misses: int, evictions: int) -> None:
+        with self.lock:  # (``add_counts``, spelt out: once per layer call)
+            self.hits += hits
+            self.misses += misses
+            self.evictions += evictions
+        self.last_request = time.perf_counter()
+
+    @property
+    def span_seconds(self) -> float:
+        if self.first_request is None or self.last_request is None:
+            return 0.0
+        return max(0.0, self.last_request - self.first_request)
+
+    def add_time(self, io_wait: float, install: float) -> None:
+        with self.lock:  # (``add_counts``, spelt out: once per load)
+            self.io_wait_seconds += io_wait
+            self.install_seconds += install

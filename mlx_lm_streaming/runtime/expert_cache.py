@@ -9,9 +9,9 @@ banks, the settings that turn each of them on or off (``CacheTuning``), and the 
 ``--streaming-stats``.
 """
 
+import contextlib
 import math
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,8 +22,9 @@ import numpy as np
 from ..errors import ConfigurationError, ExpertIOError
 from . import costs
 from .bank import LayerBank
-from .counters import Counters
+from .counters import CacheStats
 from .index import LayerExperts, natural_key
+from .modes import PER_LAYER
 from .no_timeline import NO_TIMELINE
 from .options import gb_at_least
 from .policy import DEFAULT_POLICY
@@ -40,47 +41,6 @@ BANK_THREADS = 8
 PHASE_MIN_BYTES = 16 << 20
 # every cache that may have background threads, for ``close_all`` at interpreter exit
 _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
-
-
-@dataclass
-class CacheStats(Counters):
-    """Expert requests served from the banks (hits) or read from the store (misses)."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    # seconds the calling thread waited for expert bytes (reads and staged reads), and spent
-    # writing them into the banks
-    io_wait_seconds: float = 0.0
-    install_seconds: float = 0.0
-    # perf_counter() at the start of the first expert request and the end of the last one: the
-    # span that the time split of ``--streaming-stats`` divides
-    first_request: Optional[float] = None
-    last_request: Optional[float] = None
-
-    def start(self) -> None:
-        if self.first_request is None:
-            with self.lock:
-                if self.first_request is None:
-                    self.first_request = time.perf_counter()
-
-    def add(self, hits: int, misses: int, evictions: int) -> None:
-        with self.lock:  # (``add_counts``, spelt out: once per layer call)
-            self.hits += hits
-            self.misses += misses
-            self.evictions += evictions
-        self.last_request = time.perf_counter()
-
-    @property
-    def span_seconds(self) -> float:
-        if self.first_request is None or self.last_request is None:
-            return 0.0
-        return max(0.0, self.last_request - self.first_request)
-
-    def add_time(self, io_wait: float, install: float) -> None:
-        with self.lock:  # (``add_counts``, spelt out: once per load)
-            self.io_wait_seconds += io_wait
-            self.install_seconds += install
 
 
 @dataclass(frozen=True)
@@ -157,8 +117,10 @@ class ExpertCache:
         # timeline.Timeline that reads, installs, syncs and compute are recorded on, or the null
         # one (``NO_TIMELINE``: its calls record nothing)
         self.timeline = NO_TIMELINE
-        # verified_step.StepRunner of the model, whose ``this_thread.step`` a layer call joins
+        # runner.StepRunner of the model, which chooses each decode call's mode
         self.steps = None
+        # the running model call's mode (``modes``): what each MoE layer call does
+        self.mode = PER_LAYER
         # threads that called a layer (direct reads need just one), and whether the banks are
         # planned: read by ``StreamingSwitchGLU``, which calls ``enter_call`` only while either is
         # to be done
@@ -215,6 +177,26 @@ class ExpertCache:
             self.ensure_planned()
         if threading.get_ident() not in self.callers:
             self.note_caller()
+
+    def install(self, mode) -> bool:
+        """Make ``mode`` the running model call's (``modes``) where no other is (the mode is
+        ``PER_LAYER``): whether it was. The caller puts ``PER_LAYER`` back after its call
+        (``running``)."""
+        with self._lock:
+            if self.mode is not PER_LAYER:
+                return False
+            self.mode = mode
+            return True
+
+    @contextlib.contextmanager
+    def running(self, mode):
+        """``mode`` the running model call's for the block (``install``); yields whether it is."""
+        installed = self.install(mode)
+        try:
+            yield installed
+        finally:
+            if installed:
+                self.mode = PER_LAYER
 
     def note_caller(self) -> None:
         """Record the calling thread (``enter_call``)."""

@@ -40,12 +40,19 @@ it. mlx-lm's prefills outside ``generate_step`` (``BatchGenerator``: the server'
 import functools
 import inspect
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import List, Optional
 
 import mlx.core as mx
 
 from . import mlx_shims, report
 from .layer_pass import Chunk, LayerPass
+from .modes import Mode
+
+
+# why a chunk prefills as stock: its call could not take the mode (``modes``) while another
+# thread's model call held it
+ANOTHER_CALL = "another thread's model call was running"
 
 
 class Fallback(Exception):
@@ -71,11 +78,14 @@ class PrefillStats:
     said: set = field(default_factory=set)
 
 
-class Recorder:
+class Recorder(Mode):
     """One chunk's model call with every decoder layer skipped: each layer's call is recorded
-    (``StepRunner``'s layer wrappers call ``layer_call`` while this is the thread's step)."""
+    (the call's mode, ``modes``: the decoder layers' wrappers call ``layer_call``)."""
+
+    wraps = True
 
     def __init__(self):
+        self.owner = get_ident()
         self.calls: List[tuple] = []  # (layer index, stock call, args, kwargs)
 
     def layer_call(self, i, call, args, kwargs):
@@ -147,19 +157,22 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     starts = list(range(0, total, step))
     group: List[Chunk] = []
     decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``)
-    first = LayerPass(None, decoder[0])  # layer 0 of the group being recorded (its entry: route)
+    cache = state.cache
+    # layer 0 of the group being recorded (its entry: ``route``)
+    first = LayerPass(cache, None, decoder[0])
     done = 0  # tokens of the groups finished
     for c, start in enumerate(starts):
         tokens = prompt[start : start + step]
         recorder = Recorder()
         runner.flush()
         try:
-            with runner.running(recorder):
-                mlx_shims.stock_call(model, tokens[None], cache=kv)
+            with cache.running(recorder) as installed:
+                if installed:  # (else another thread's model call runs: its mode stays)
+                    mlx_shims.stock_call(model, tokens[None], cache=kv)
         except Exception as e:  # a forward that cannot run with its layers skipped
             why = f"the model's forward cannot run with its layers skipped ({type(e).__name__})"
         else:
-            why = recorder.problem(layers, kv)
+            why = recorder.problem(layers, kv) if installed else ANOTHER_CALL
         if why is not None:
             if c == 0:
                 raise Fallback(why)
@@ -178,7 +191,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
         held = sum(ch.h.nbytes for ch in group) * (5 + first.top_k)
         if c == len(starts) - 1 or (limit is not None and held >= limit):
             done = _finish(group, first, kv, decoder, stats, progress, done)
-            group, first = [], LayerPass(None, decoder[0])
+            group, first = [], LayerPass(cache, None, decoder[0])
             mx.clear_cache()
     stats.prompts += 1
     runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
@@ -208,7 +221,7 @@ def _finish(group, first, kv, decoder, stats, progress, done) -> int:
     if progress is not None:
         progress(done + tokens // layers)
     for i in range(1, layers):
-        layer = LayerPass(None, decoder[i])
+        layer = LayerPass(first.cache, None, decoder[i])
         for chunk in group:
             layer.route(chunk, i)
         _count(stats, layer, layer.finish(i))

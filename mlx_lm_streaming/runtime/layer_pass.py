@@ -1,14 +1,15 @@
 """One decoder layer over a group of a long prompt's chunks, its experts read once for all of them
 (``LayerPass``): the expert-major half of layer-major prefill (``layer_major.py`` drives it)."""
 
-import threading
-from typing import List, Optional
+from threading import get_ident
+from typing import List
 
 import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
 from .bank import LayerBank
+from .modes import Mode
 
 
 class Chunk:
@@ -23,16 +24,9 @@ class Chunk:
         return self.h.shape[1]
 
 
-class _ThisThread(threading.local):
-    # the layer pass whose MoE calls this thread's ``StreamingSwitchGLU`` calls go to, or None
-    layer: Optional["LayerPass"] = None
-
-
-this_thread = _ThisThread()
-
-
-class LayerPass:
-    """One decoder layer over a group of chunks, its experts read once for all of them.
+class LayerPass(Mode):
+    """One decoder layer over a group of chunks, its experts read once for all of them: the mode
+    of the layer's calls (``modes``), installed on ``cache`` while it routes and while it gives.
 
     ``route``: each chunk through the layer with its MoE calls recorded (their input and the
     router's ids) and answered with zeros: the layer's KV entries are right (they do not depend on
@@ -51,7 +45,8 @@ class LayerPass:
     again, at the same place); after it, the entry is put where routing left it (a recurrent
     mixer given back its output did not advance its state again)."""
 
-    def __init__(self, entry, layer=None):
+    def __init__(self, cache, entry, layer=None):
+        self.cache = cache  # the model's ExpertCache, whose mode this is while it runs
         # the layer's cache entry: a KVCache, a recurrent state (ArraysCache) or None (none)
         self.entry = entry
         self.routing = True
@@ -67,7 +62,7 @@ class LayerPass:
         self.replayed = 0  # part calls given back their recorded output
         self.rerun = 0  # part calls given the layer's KV entry run again (attention)
         self.layer = layer
-        self.thread = threading.get_ident()
+        self.owner = get_ident()
         self.own = []
         if layer is not None:  # (a module holding streamed experts: a StreamingSwitchGLU's bank)
             self.own = [
@@ -89,16 +84,13 @@ class LayerPass:
                 if mx.array_equal(x0, x).item() and mx.array_equal(idx0, indices).item():
                     return y
                 break
-        from . import schedules
-
-        with schedules.choose(module, x, indices) as schedule:
-            return schedule.run()
+        return Mode.moe_call(self, module, x, indices)  # a call routing did not see: on its own
 
     def part_call(self, module, call, args, kwargs):
         """A call of one of the layer's parts: recorded while routing, answered with its recorded
         output when given the same arguments again (``_same``). Another thread's calls of the
         same modules run stock."""
-        if threading.get_ident() != self.thread:
+        if get_ident() != self.owner:
             return call(*args, **kwargs)
         if self.routing:
             out = call(*args, **kwargs)
@@ -124,12 +116,10 @@ class LayerPass:
         self.moe.append([])
         self.parts.append([])
         self.starts.append(mlx_shims.mark(self.entry))
-        this_thread.layer = self
-        try:
-            with mlx_shims.calls_through(self.own, self.part_call):
-                h = call(chunk.h, *args[1:], **kwargs)
-        finally:
-            this_thread.layer = None
+        with self.cache.running(self), mlx_shims.calls_through(self.own, self.part_call):
+            # (not installed, where another thread's call runs: the MoE calls computed, none
+            # recorded, and the layer's output right, as a layer with no MoE call)
+            h = call(chunk.h, *args[1:], **kwargs)
         self.ends.append(mlx_shims.mark(self.entry))
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
@@ -158,21 +148,18 @@ class LayerPass:
         )
         end = mlx_shims.mark(self.entry)
         self.routing = False
-        this_thread.layer = self
-        try:
-            with mlx_shims.calls_through(self.own, self.part_call):
-                for at, chunk in enumerate(self.chunks):
-                    self.at, self.given = at, 0
-                    mlx_shims.seek(self.entry, self.starts[at])
-                    _, call, args, kwargs = chunk.calls[i]
-                    h = call(chunk.h, *args[1:], **kwargs)
-                    mlx_shims.seek(self.entry, self.ends[at])
-                    mx.eval(h, mlx_shims.kv_state(self.entry))
-                    chunk.h = h
-                    self.moe[at] = []
-                    self.parts[at] = []
-        finally:
-            this_thread.layer = None
+        with self.cache.running(self), mlx_shims.calls_through(self.own, self.part_call):
+            # (not installed, where another thread's call runs: each MoE call computed on its own)
+            for at, chunk in enumerate(self.chunks):
+                self.at, self.given = at, 0
+                mlx_shims.seek(self.entry, self.starts[at])
+                _, call, args, kwargs = chunk.calls[i]
+                h = call(chunk.h, *args[1:], **kwargs)
+                mlx_shims.seek(self.entry, self.ends[at])
+                mx.eval(h, mlx_shims.kv_state(self.entry))
+                chunk.h = h
+                self.moe[at] = []
+                self.parts[at] = []
         if self.entry is not None and mlx_shims.changed(self.entry, end):
             raise RuntimeError(
                 f"decoder layer {i}'s cache entry does not end where routing left it"

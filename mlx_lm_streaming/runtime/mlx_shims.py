@@ -11,6 +11,7 @@ version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``gener
 
 import contextlib
 import functools
+from threading import get_ident
 from typing import Optional
 
 def is_stock_switch_glu(module) -> bool:
@@ -53,19 +54,20 @@ def wrap_call(module, around) -> None:
     wrap_method(module, method)
 
 
-def wrap_layer(module, i: int, this_thread) -> None:
-    """Route calls of decoder layer ``module`` through ``this_thread.step.layer_call(i, call,
-    args, kwargs)`` while the calling thread runs a step (``verified_step.StepRunner``), stock
-    otherwise: ``wrap_call`` with the check in the method itself (one call fewer per layer)."""
+def wrap_layer(module, i: int, cache) -> None:
+    """Route calls of decoder layer ``module`` through ``cache.mode.layer_call(i, call, args,
+    kwargs)`` while the running model call's mode takes its layers' calls (``modes.Mode.wraps``:
+    a verified step, layer-major prefill's recorder) and is this thread's, stock otherwise:
+    ``wrap_call`` with the check in the method itself (one call fewer per layer)."""
 
     def method(cls):
         stock = cls.__call__
 
         def __call__(self, *args, **kwargs):
-            step = this_thread.step
-            if step is None:
-                return stock(self, *args, **kwargs)
-            return step.layer_call(i, functools.partial(stock, self), args, kwargs)
+            mode = cache.mode
+            if mode.wraps and mode.owner == get_ident():
+                return mode.layer_call(i, functools.partial(stock, self), args, kwargs)
+            return stock(self, *args, **kwargs)
 
         return __call__
 

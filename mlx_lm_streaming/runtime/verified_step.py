@@ -30,41 +30,36 @@ step runs the forward with each MoE layer's ids turned into slot ids on the devi
 
 Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry shared by layers or
 written outside them), a miss puts every cache entry back and runs the whole call per layer
-instead. ``StepRunner`` chooses per model call: verified steps for calls of up to
-``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
-pipeline stages, while recent tokens missed in few enough layers: by share limits
-(``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
-opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
+instead. Which decode calls are verified steps: ``runner.StepRunner``.
 """
 
-import contextlib
-import operator
-import threading
+from threading import get_ident
 from time import perf_counter
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import costs, mlx_shims
+from . import costs, schedules
 from .bank import load_together
+from .modes import Mode
 from .step_caches import StepCaches
 
-# calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
-# be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
-VERIFY_MAX_TOKENS = 4
 MISSED_WEIGHT = costs.MISSED_WEIGHT  # (the running means' weight of the newest call)
-_MISSES = operator.attrgetter("misses")
 
 
 class _Again(Exception):
     """A miss the step cannot take back layer by layer: the call runs again whole, per layer."""
 
 
-class VerifiedStep:
-    """One model call run as a verified step: its MoE calls, its decoder layers' calls and outputs."""
+class VerifiedStep(Mode):
+    """One model call run as a verified step (the mode of that call: ``modes``): its MoE calls,
+    its decoder layers' calls and outputs."""
+
+    wraps = True  # its decoder layers' calls are recorded (``layer_call``), to be run again
 
     def __init__(self, runner, kv, tokens: int, every: int):
+        self.owner = get_ident()  # (``modes``: another thread's layer calls run per layer)
         self.runner = runner
         self.kv = kv
         self.layers = runner.layers  # decoder layers wrapped in the model, or 0
@@ -99,9 +94,38 @@ class VerifiedStep:
         self.guessed: Dict[int, set] = {}
         self.guesses_read = False
 
-    def add(self, bank, indices: mx.array, missing: mx.array) -> None:
+    def moe_call(self, layer, x, indices):
+        """Chosen for a bank with slots and a kernel that takes the ids on the device: the
+        router's ids mapped to slot ids on the device, with no host sync, and the bank's device
+        map of missing experts kept for the check, which counts every layer's misses at once
+        after the forward. Elsewhere (a complete bank, a kernel that wants the slots on the host,
+        no slots) the layer's own schedule (``Mode.moe_call``). Measured: the per-layer host sync
+        costs more than the layer on a GPU."""
+        bank = layer.bank
+        kernel = (layer.kernels.get(indices.size) or schedules.kernel_of(layer, indices.size))[0]
+        if kernel.needs_host_slots or bank.slots == 0 or bank.complete:
+            return Mode.moe_call(self, layer, x, indices)
+        tl = bank.cache.timeline
+        start = tl.now()
+        indices = mx.stop_gradient(indices)
+        with bank.lock:
+            if bank.identity and bank.staged:
+                # the fill's reads that landed: into slots no resident expert has, which no pending
+                # work reads but for rows a miss makes wrong anyway (dropped at the check)
+                bank.install_finished()
+                bank.note_complete()
+            made, table = bank.last_map, bank.table
+            if made is not None and made[0] is table and made[1] == table.version:
+                slots, missing = made[2], made[3]  # (``device_map``'s check, inline)
+            else:
+                slots, missing = bank.device_map()
+            y = kernel(x, slots[indices], None, bank)
         self.calls.append((self.layer, bank, indices, missing))
         self.kept[id(bank)] = (bank, indices)
+        bank.last_stream = mx.default_stream(mx.default_device())
+        # its ids are not on the host: its experts and misses are the step's to count
+        tl.layer(start, bank.path, indices.size // indices.shape[-1], verified=True)
+        return y
 
     def layer_call(self, i: int, call, args, kwargs):
         """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
@@ -256,179 +280,6 @@ class VerifiedStep:
         if named:
             runner.named_used += used if self.guesses_read else 0
             runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
-
-
-class _ThisThread(threading.local):
-    step = None
-
-
-class StepRunner:
-    """Runs each call of a streaming model as a verified step or with the per-layer schedule."""
-
-    def __init__(self, state):  # loading.StreamingState
-        self.state = state
-        # ``.step``: the step (``running``) this thread's model call runs, None outside one
-        self.this_thread = _ThisThread()
-        self.layers = 0  # decoder layers wrapped (``wrap_layers``)
-        self.moe = 0  # MoE layers (banks), counted at the first decode-sized call
-        # running mean of the share of MoE layers that missed, per decode-sized call
-        self.missed_share = 0.0
-        # calls run as verified steps; layers run again; calls run again whole; calls per layer
-        self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
-        self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
-        # how a decode call's mode is chosen (``costs.way``), the costs measured for it, and
-        # whether a token that missed nowhere brings the running share down to the limit
-        tuning = state.cache.tuning
-        self.choice, self.costs, limit, self.clean_retries = costs.way(
-            tuning.verify_choice, state.selector.backend, tuning.verified_steps
-        )
-        if limit is not None:
-            self.limit = limit  # (by costs, a bound method: one call per decode call)
-        # the last verified step found complete, whose host work (``commit``) is still to do
-        self.pending: Optional[VerifiedStep] = None
-        # whether a miss reads the experts the pass beyond it named too (``load_together``), and
-        # how many experts were read so, and how many of those the pass run again used
-        self.together = state.cache.tuning.read_misses_together
-        self.named = self.named_used = 0
-        # running share of the experts so named that the pass run again used, scored from the
-        # first miss, read or not: they are read once it reaches ``CacheTuning.
-        # lookahead_min_precision`` (three good tokens from 0), as lookahead's guesses: a wrong
-        # guess costs a read and evicts an expert the step may want (issue 40)
-        self.guess_precision = 0.0
-        self.min_precision = state.cache.tuning.lookahead_min_precision
-        # decode-sized calls to run per layer whatever the share: the last prompt token's step
-        # after a layer-major prefill (``layer_major.prefill``), whose banks keep only the
-        # prompt's last waves: a verified step would miss in most layers and read, on the word of
-        # passes beyond a miss, experts the step does not use, evicting some that it does
-        self.per_layer_calls = 0
-
-    def flush(self) -> None:
-        """Do the host work of the last complete verified step (before any load can evict, and
-        before the counters are read)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.commit(self.state.cache)
-
-    @contextlib.contextmanager
-    def running(self, step):
-        """Make ``step`` (whatever has a ``layer_call``: a ``VerifiedStep``, the layer-major
-        prefill's ``Recorder``) the one this thread's decoder layers call."""
-        self.this_thread.step = step
-        try:
-            yield step
-        finally:
-            self.this_thread.step = None
-
-    def wrap_layers(self, model) -> None:
-        """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, list):
-            return
-        for i, layer in enumerate(layers):
-            mlx_shims.wrap_layer(layer, i, self.this_thread)
-        self.layers = len(layers)
-
-    def __call__(self, call, args, kwargs):
-        if self.state.cache.all_complete:  # every bank complete: stock's graph, nothing to verify
-            if self.pending is not None:
-                self.flush()
-            return call(*args, **kwargs)
-        tokens, kv = mlx_shims.call_inputs(args, kwargs)
-        if tokens is None or tokens > VERIFY_MAX_TOKENS:
-            self.flush()
-            return call(*args, **kwargs)
-        if not self.moe:
-            self.start()
-        start = perf_counter()
-        if self.per_layer_calls or not self._may_verify(tokens, kv):
-            self.per_layer_calls = max(0, self.per_layer_calls - 1)
-            if self.pending is not None:
-                self.flush()
-            cache = self.state.cache
-            stats = cache.stats
-            banks = cache.banks
-            before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
-            misses, waited = stats.misses, stats.io_wait_seconds + stats.install_seconds
-            out = call(*args, **kwargs)
-            missed = sum(map(operator.gt, map(_MISSES, banks), before))
-            self.per_layer_decodes += 1
-            seconds = perf_counter() - start
-            waited = stats.io_wait_seconds + stats.install_seconds - waited
-            costs.note_call(self, missed, False, seconds, waited, stats.misses - misses)
-            return out
-        return self._verified(call, args, kwargs, kv, tokens, start)
-
-    def start(self) -> None:
-        """At the first decode-sized call: the MoE layers counted, the costs' probe taken."""
-        self.moe = max(1, len(self.state.cache.banks))
-        if self.costs is not None:
-            self.costs.start(self.moe)
-
-    def limit(self) -> float:
-        """The running share of layers that missed up to which calls may be verified steps."""
-        gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
-        return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
-
-    def _may_verify(self, tokens: int, kv) -> bool:
-        cache = self.state.cache
-        return (
-            cache.tuning.verified_steps
-            and self.state.pipeline is None
-            and not cache.shared
-            and self.missed_share <= self.limit()
-            and mlx_shims.rewindable(kv, tokens)
-        )
-
-    def every(self) -> int:
-        """MoE calls between two checks of a verified step: all of them while tokens miss nowhere;
-        with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
-        miss runs the layers since the one that missed again)."""
-        moe = self.moe or max(1, len(self.state.cache.banks))
-        if self.together:  # the pass beyond a miss names the later misses: check once, at the end
-            return moe
-        return max(1, round(moe / (1 + self.missed_share * moe)))
-
-    def _verified(self, call, args, kwargs, kv, tokens, start):
-        cache = self.state.cache
-        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
-        step = self.this_thread.step = VerifiedStep(self, kv, tokens, self.every())
-        replays, missed = self.replays, None
-        reads, experts = self.read_seconds, self.read_experts
-        try:
-            out = call(*args, **kwargs)
-            if step.kept:
-                self.verified += 1
-                while True:  # the check after the forward: a miss runs it again from its layer
-                    layer = step.read_missing(out)
-                    if layer is None:
-                        break
-                    step.caches.rewind(layer, step.ran + 1)
-                    step.replay_below = layer
-                    self.replays += 1
-                    out = call(*args, **kwargs)
-                if self.pending is not None:  # (the first check did it, unless none ran)
-                    self.flush()
-                if cache.recorder is not None:
-                    step.commit(cache)  # the routing record holds every token once its call ends
-                else:
-                    self.pending = step  # its host work: while the next step computes
-        except _Again:
-            self.this_thread.step = None
-            self.recomputed += 1
-            missed = self.moe  # the per-layer schedule suits this model or cache better
-            step.caches.rewind_all()  # every entry as it was before the step
-            out = call(*args, **kwargs)
-        finally:
-            self.this_thread.step = None
-        if missed is not None:
-            costs.note_call(self, missed, True, again=True)
-            return out
-        # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
-        missed = len(step.loaded | step.guessed.keys())
-        reads, experts = self.read_seconds - reads, self.read_experts - experts
-        seconds = perf_counter() - start
-        costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
-        return out
 
 
 def miss_counts(calls) -> mx.array:

@@ -14,11 +14,11 @@ class Schedule:
 
     abstract = True
 
-    def __init__(self, layer, x, indices, kernel, step=None, pad=None):
+    def __init__(self, layer, x, indices, kernel, pad=None):
         self.layer, self.bank, self.x, self.indices = layer, layer.bank, x, indices
         # ``pad``: partial calls padded to the call's rows (the kernel's rows are not
         # ``subset_exact`` here; None: not known yet)
-        self.kernel, self.step, self.pad = kernel, step, pad
+        self.kernel, self.pad = kernel, pad
 
     def __enter__(self):
         return self

@@ -1,0 +1,193 @@
+"""The runner of a streaming model's calls: each model call's mode, chosen once for the call.
+
+``StepRunner.__call__`` is the model's call (``mlx_shims.wrap_call``). It puts the call's mode on the
+cache (``modes``; ``ExpertCache.install``) for its length: stock's graph where every bank is complete
+(``modes.COMPLETE``), a verified step (``verified_step.VerifiedStep``) or each layer on its own
+(``modes.PER_LAYER``). It chooses verified steps for calls of up to
+``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
+pipeline stages, while recent tokens missed in few enough layers: by share limits
+(``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
+opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
+"""
+
+import operator
+from time import perf_counter
+from typing import Optional
+
+from . import costs, mlx_shims
+from .modes import COMPLETE, PER_LAYER
+from .verified_step import VerifiedStep, _Again
+
+# calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
+# be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
+VERIFY_MAX_TOKENS = 4
+_MISSES = operator.attrgetter("misses")
+
+
+class StepRunner:
+    """Runs each call of a streaming model as a verified step or with the per-layer schedule."""
+
+    def __init__(self, state):  # loading.StreamingState
+        self.state = state
+        self.layers = 0  # decoder layers wrapped (``wrap_layers``)
+        self.moe = 0  # MoE layers (banks), counted at the first decode-sized call
+        # running mean of the share of MoE layers that missed, per decode-sized call
+        self.missed_share = 0.0
+        # calls run as verified steps; layers run again; calls run again whole; calls per layer
+        self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
+        self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
+        # how a decode call's mode is chosen (``costs.way``), the costs measured for it, and
+        # whether a token that missed nowhere brings the running share down to the limit
+        tuning = state.cache.tuning
+        self.choice, self.costs, limit, self.clean_retries = costs.way(
+            tuning.verify_choice, state.selector.backend, tuning.verified_steps
+        )
+        if limit is not None:
+            self.limit = limit  # (by costs, a bound method: one call per decode call)
+        # the last verified step found complete, whose host work (``commit``) is still to do
+        self.pending: Optional[VerifiedStep] = None
+        # whether a miss reads the experts the pass beyond it named too (``load_together``), and
+        # how many experts were read so, and how many of those the pass run again used
+        self.together = state.cache.tuning.read_misses_together
+        self.named = self.named_used = 0
+        # running share of the experts so named that the pass run again used, scored from the
+        # first miss, read or not: they are read once it reaches ``CacheTuning.
+        # lookahead_min_precision`` (three good tokens from 0), as lookahead's guesses: a wrong
+        # guess costs a read and evicts an expert the step may want (issue 40)
+        self.guess_precision = 0.0
+        self.min_precision = state.cache.tuning.lookahead_min_precision
+        # decode-sized calls to run per layer whatever the share: the last prompt token's step
+        # after a layer-major prefill (``layer_major.prefill``), whose banks keep only the
+        # prompt's last waves: a verified step would miss in most layers and read, on the word of
+        # passes beyond a miss, experts the step does not use, evicting some that it does
+        self.per_layer_calls = 0
+
+    def flush(self) -> None:
+        """Do the host work of the last complete verified step (before any load can evict, and
+        before the counters are read)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.commit(self.state.cache)
+
+    def wrap_layers(self, model) -> None:
+        """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, list):
+            return
+        for i, layer in enumerate(layers):
+            mlx_shims.wrap_layer(layer, i, self.state.cache)
+        self.layers = len(layers)
+
+    def __call__(self, call, args, kwargs):
+        """A model call (``mlx_shims.wrap_call``), in the mode chosen for it (``modes``): stock's
+        graph where every bank is complete, else a verified step where one may run, else per
+        layer."""
+        cache = self.state.cache
+        if cache.all_complete:  # every bank complete: stock's graph, nothing to verify
+            if self.pending is not None:
+                self.flush()
+            if not cache.install(COMPLETE):
+                return call(*args, **kwargs)  # (another thread's call runs: its mode stays)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                cache.mode = PER_LAYER
+        tokens, kv = mlx_shims.call_inputs(args, kwargs)
+        if tokens is None or tokens > VERIFY_MAX_TOKENS:
+            self.flush()
+            return call(*args, **kwargs)
+        if not self.moe:
+            self.start()
+        start = perf_counter()
+        if self.per_layer_calls or not self._may_verify(tokens, kv):
+            self.per_layer_calls = max(0, self.per_layer_calls - 1)
+            if self.pending is not None:
+                self.flush()
+            cache = self.state.cache
+            stats = cache.stats
+            banks = cache.banks
+            before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
+            misses, waited = stats.misses, stats.io_wait_seconds + stats.install_seconds
+            out = call(*args, **kwargs)
+            missed = sum(map(operator.gt, map(_MISSES, banks), before))
+            self.per_layer_decodes += 1
+            seconds = perf_counter() - start
+            waited = stats.io_wait_seconds + stats.install_seconds - waited
+            costs.note_call(self, missed, False, seconds, waited, stats.misses - misses)
+            return out
+        return self._verified(call, args, kwargs, kv, tokens, start)
+
+    def start(self) -> None:
+        """At the first decode-sized call: the MoE layers counted, the costs' probe taken."""
+        self.moe = max(1, len(self.state.cache.banks))
+        if self.costs is not None:
+            self.costs.start(self.moe)
+
+    def limit(self) -> float:
+        """The running share of layers that missed up to which calls may be verified steps."""
+        gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
+        return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
+
+    def _may_verify(self, tokens: int, kv) -> bool:
+        cache = self.state.cache
+        return (
+            cache.tuning.verified_steps
+            and self.state.pipeline is None
+            and not cache.shared
+            and self.missed_share <= self.limit()
+            and mlx_shims.rewindable(kv, tokens)
+        )
+
+    def every(self) -> int:
+        """MoE calls between two checks of a verified step: all of them while tokens miss nowhere;
+        with ``m`` layers expected to miss, about ``layers / (1 + m)`` (each check that finds a
+        miss runs the layers since the one that missed again)."""
+        moe = self.moe or max(1, len(self.state.cache.banks))
+        if self.together:  # the pass beyond a miss names the later misses: check once, at the end
+            return moe
+        return max(1, round(moe / (1 + self.missed_share * moe)))
+
+    def _verified(self, call, args, kwargs, kv, tokens, start):
+        cache = self.state.cache
+        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
+        step = VerifiedStep(self, kv, tokens, self.every())
+        if not cache.install(step):  # another thread's call runs: this one per layer
+            return call(*args, **kwargs)
+        replays, missed = self.replays, None
+        reads, experts = self.read_seconds, self.read_experts
+        try:
+            out = call(*args, **kwargs)
+            if step.kept:
+                self.verified += 1
+                while True:  # the check after the forward: a miss runs it again from its layer
+                    layer = step.read_missing(out)
+                    if layer is None:
+                        break
+                    step.caches.rewind(layer, step.ran + 1)
+                    step.replay_below = layer
+                    self.replays += 1
+                    out = call(*args, **kwargs)
+                if self.pending is not None:  # (the first check did it, unless none ran)
+                    self.flush()
+                if cache.recorder is not None:
+                    step.commit(cache)  # the routing record holds every token once its call ends
+                else:
+                    self.pending = step  # its host work: while the next step computes
+        except _Again:
+            cache.mode = PER_LAYER
+            self.recomputed += 1
+            missed = self.moe  # the per-layer schedule suits this model or cache better
+            step.caches.rewind_all()  # every entry as it was before the step
+            out = call(*args, **kwargs)
+        finally:
+            if cache.mode is step:
+                cache.mode = PER_LAYER
+        if missed is not None:
+            costs.note_call(self, missed, True, again=True)
+            return out
+        # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
+        missed = len(step.loaded | step.guessed.keys())
+        reads, experts = self.read_seconds - reads, self.read_experts - experts
+        seconds = perf_counter() - start
+        costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
+        return out
