@@ -8,8 +8,10 @@ import mlx.core as mx
 import numpy as np
 
 from . import mlx_shims
-from .bank import LayerBank
+from .bank import LayerBank, waves
+from .bank.waves import submit, wait
 from .modes import Mode
+from .schedules import kernel_rows, member
 
 
 class Chunk:
@@ -175,95 +177,70 @@ class LayerPass(Mode):
             _expert_major(items)
 
 
+class _ChunkRows:
+    """The wave engine's ``work`` (``bank.waves``) for one MoE module's calls over a group of
+    chunks: an expert's rows of every chunk's call computed at once."""
+
+    def __init__(self, items, idx, each: bool):
+        self.items, self.idx = items, idx
+        self.flats = [ids.reshape(-1) for ids in idx]
+        self.parts = [([], []) for _ in items]  # per call: rows done, their outputs
+        self.outs, self.waiting = [], []
+        self.each = each  # each landed expert's rows alone (partial calls exact), else per wave
+
+    def rows(self, ids) -> None:
+        module = self.items[0][0]
+        num_experts = module.bank.num_experts
+        for (_, x, _, _), call_ids, flat, (rows_done, ys) in zip(
+            self.items, self.idx, self.flats, self.parts
+        ):
+            rows = np.nonzero(member(flat, ids, num_experts))[0]
+            if len(rows):
+                y = kernel_rows(module, x, call_ids, rows)
+                submit(module.bank, y)
+                rows_done.append(rows)
+                ys.append(y)
+                self.outs.append(y)
+
+    def landed(self, ids, proj, slot) -> None:
+        if self.each:
+            for e in ids:
+                self.rows(np.array([e]))
+        else:
+            self.waiting.extend(ids)
+
+
 def _expert_major(items) -> None:
     """The rows of one MoE module's calls ``items`` (``[module, x, indices, None]``, one per
-    chunk), expert-major, each expert read once: ``item[3]`` set to the call's output.
-
-    With direct reads (``LayerBank.direct``), as the ``Direct`` schedules do it within one call:
-    resident experts first (computed while the others are read), then waves of at most half the
-    slots, each read into the slots the wave two back used once it finished computing, so a
-    wave's reads overlap the wave before's compute; each read expert's rows computed as it lands
+    chunk), expert-major, each expert read once, through the bank's wave engine (``bank.waves``):
+    ``item[3]`` set to the call's output. Resident experts first (computed while the others are
+    read), then the others from the least used by the prompt to the most used: the last waves stay
+    in the slots, and the prompt's most used experts are the likeliest to be wanted next (the last
+    token's step, decode). With direct reads each read expert's rows are computed as it lands
     where partial calls are exact (the CPU), else a wave's rows once it landed (partial calls
-    padded: GPUs). Without, waves of the bank's slots, each loaded, then computed and evaluated
-    before the next takes the slots."""
-    from .schedules import kernel_rows, member, submit, wait
-    from .schedules.direct import take_staged
-
+    padded: GPUs)."""
     module = items[0][0]
     bank = module.bank
     cache = bank.cache
     cache.ensure_planned()
     idx = [np.array(i, copy=False).astype(np.int64) for _, _, i, _ in items]
-    flats = [ids.reshape(-1) for ids in idx]
     if cache.recorder is not None:
         for ids in idx:
             cache.recorder.record(bank, ids)
-    experts, uses = np.unique(np.concatenate(flats), return_counts=True)
-    parts = [([], []) for _ in items]
-    outs = []
-
-    def rows_of(ids) -> None:
-        for (_, x, _, _), call_ids, flat, (rows_done, ys) in zip(items, idx, flats, parts):
-            rows = np.nonzero(member(flat, ids, bank.num_experts))[0]
-            if len(rows):
-                y = kernel_rows(module, x, call_ids, rows)
-                submit(bank, y)
-                rows_done.append(rows)
-                ys.append(y)
-                outs.append(y)
-
+    experts, uses = np.unique(np.concatenate([i.reshape(-1) for i in idx]), return_counts=True)
+    selector = module.selector
+    kernel = selector.select(bank, max(i.size for i in idx))
+    work = _ChunkRows(items, idx, kernel.subset_exact(selector.backend))
     with bank.lock:
-        # resident experts first (no read), then the others from the least used by the prompt to
-        # the most used: the last waves stay in the slots, and the prompt's most used experts are
-        # the likeliest to be wanted next (the last token's step, decode)
         resident = bank.slot_of[experts] >= 0
         rest = experts[~resident][np.argsort(uses[~resident], kind="stable")]
         experts = np.concatenate([experts[resident], rest])
-        if not bank.direct:
-            for start in range(0, len(experts), bank.slots):
-                wave = experts[start : start + bank.slots]
-                bank.load(wave)
-                rows_of(wave)
-                wait(bank, outs)  # before the next wave takes the slots
+        if bank.direct:
+            waves.direct(bank, experts, work)
         else:
-            # each landed expert's rows alone where a partial call gives those rows' stock bits
-            kernel = module.selector.select(bank, max(f.size for f in flats))
-            each = kernel.subset_exact(module.selector.backend)
-            if len(experts) <= bank.slots:
-                size, overlap = len(experts), False
-            else:
-                size = max(1, bank.slots // 2)
-                overlap = 2 * size <= bank.slots
-            waves = [experts[i : i + size] for i in range(0, len(experts), size)]
-            ends = []
-            for w, wave in enumerate(waves):
-                back = w - 2 if overlap else w - 1
-                if back >= 0:  # the wave whose slots this one may take has finished
-                    wait(bank, outs[: ends[back]])
-                keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
-                if w == 0:
-                    take_staged(bank, wave, keep)
-                elif bank.staged:
-                    bank.discard_staged()  # (installing them would copy the bank: read again)
-                landed = []
-                hit = wave[bank.slot_of[wave] >= 0]
-                landings = bank.reads(wave, keep)  # issued
-                try:
-                    if len(hit):
-                        rows_of(hit)  # while they are read
-                    for ids, _, _ in landings:
-                        if each:
-                            for e in ids:
-                                rows_of(np.array([e]))
-                        else:
-                            landed.extend(ids)
-                finally:
-                    landings.close()  # (after an error: every read has ended)
-                if landed:
-                    rows_of(np.array(landed))
-                ends.append(len(outs))
-            wait(bank, outs)
-    for item, ids, (rows_done, ys) in zip(items, idx, parts):
+            waves.staged(bank, experts, work)
+        wait(bank, work.outs)
+    for item, ids, (rows_done, ys) in zip(items, idx, work.parts):
         order = np.argsort(np.concatenate(rows_done), kind="stable")
         y = mx.concatenate(ys, axis=0)[mx.array(order)]
         item[3] = y.reshape(*ids.shape, y.shape[-1])

@@ -27,15 +27,16 @@ they land); what they share, ``base.py``.
 import mlx.core as mx
 
 from .. import mlx_shims
+from ..bank.waves import submit, wait
 from ..mlx_compat import SORT_THRESHOLD
-from .base import PerLayer, Schedule, kernel_rows, member, submit, wait
+from .base import ExpertRows, PerLayer, Schedule, kernel_rows, member
 from .direct import AsTheyLand, ByProjection, Direct, PrefillAsTheyLand, PrefillWaves
 from .per_layer import OneCall, Waves
 from .sync_free import StockGraph
 
 __all__ = [
     "choose", "kernel_of", "names", "kernel_rows", "member", "submit", "wait", "Schedule",
-    "PerLayer", "StockGraph", "OneCall", "Waves", "Direct", "AsTheyLand", "ByProjection",
+    "PerLayer", "ExpertRows", "StockGraph", "OneCall", "Waves", "Direct", "AsTheyLand", "ByProjection",
     "PrefillAsTheyLand", "PrefillWaves",
 ]  # fmt: skip
 

@@ -1,10 +1,13 @@
 """What the schedules share: the ``Schedule`` base, the per-layer schedules' ``PerLayer`` (the
-layer's one host sync, then its work), and the kernel over some of a call's rows."""
+layer's one host sync, then its work), ``ExpertRows`` (the rows of a call, expert by expert, through
+the bank's wave engine), and the kernel over some of a call's rows."""
 
 import mlx.core as mx
 import numpy as np
 
 from .. import lookahead
+from ..bank import waves
+from ..bank.waves import submit
 
 
 class Schedule:
@@ -71,6 +74,71 @@ class PerLayer(Schedule):
         raise NotImplementedError
 
 
+class ExpertRows(PerLayer):
+    """A per-layer schedule that computes the call's rows expert by expert through the bank's wave
+    engine (``bank.waves``): this object is the engine's ``work`` (``rows``, ``landed``, ``outs``,
+    ``waiting``). ``compute`` is the call's work top to bottom: the engine (``direct`` with direct
+    reads, the experts ordered; ``staged`` without), then the rows put back in the call's
+    order."""
+
+    abstract = True
+    staged_reads = False  # True: without direct reads (``bank.waves.staged``)
+    by_projection = False  # landings a projection at a time (``ByProjection``)
+
+    def compute(self, idx, experts, ahead):
+        bank = self.bank
+        self.idx, self.flat = idx, idx.reshape(-1)
+        self.outs, self.rows_done = outs, rows_done = [], []
+        self.waiting = []  # landed experts whose rows wait for the end of their wave
+        if self.staged_reads:
+            waves.staged(bank, experts, self, ahead)
+        else:
+            if len(experts) > bank.slots:
+                # resident experts first (no read), then those read in the background (installed
+                # with the first wave, before any of this call's work is pending), then the rest
+                resident = bank.slot_of[experts] >= 0
+                staged = np.array([e in bank.staged for e in experts.tolist()], dtype=bool)
+                staged &= ~resident
+                experts = np.concatenate(
+                    [experts[resident], experts[staged], experts[~resident & ~staged]]
+                )
+            waves.direct(bank, experts, self, self.by_projection)
+            if ahead is not None:
+                lookahead.stage(*ahead)
+            if bank.identity and not bank.complete:
+                bank.cache.request_fill(bank)
+            bank.last_stream = mx.default_stream(mx.default_device())
+        # every row submitted before the lock is let go: a later call's host sync on this stream
+        # then waits for it, so no pending work reads a slot that call rewrites
+        if len(outs) == 1 and len(rows_done[0]) == self.flat.size:
+            y = outs[0]  # every row, in order: submitted already (``rows``)
+            return y.reshape(*idx.shape, y.shape[-1])
+        order = np.argsort(np.concatenate(rows_done), kind="stable")
+        y = mx.concatenate(outs, axis=0)[mx.array(order)]
+        y = y.reshape(*idx.shape, y.shape[-1])
+        submit(bank, y)
+        return y
+
+    def rows(self, ids) -> None:
+        """The rows of experts ``ids`` computed and submitted."""
+        bank = self.bank
+        mask = np.zeros(bank.num_experts, dtype=bool)
+        mask[ids] = True
+        rows = np.nonzero(mask[self.flat])[0]
+        y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel, self.pad)
+        tl = bank.cache.timeline
+        start = tl.now()
+        mx.async_eval(y)  # (``submit``, spelt out: once per landing)
+        tl.span("submit", start, "compute", layer=bank.path)
+        self.rows_done.append(rows)
+        self.outs.append(y)
+
+    def landed(self, ids, proj, slot) -> None:
+        """Experts ``ids`` landed (``proj`` None; else a projection of one: ``ByProjection``):
+        their rows computed now (or, in a subclass, at the end of the wave: ``waiting``)."""
+        self.rows(ids)
+
+
 def kernel_rows(layer, x, idx, rows, kernel=None, pad=None):
     """The call's kernel (``kernel``; None: the selector's for the call) over the (token, expert)
     rows ``rows`` of the flattened call ``idx``, ``(n, D)``.
@@ -101,19 +169,3 @@ def member(ids: np.ndarray, of: np.ndarray, num_experts: int) -> np.ndarray:
     mask = np.zeros(num_experts, dtype=bool)
     mask[of] = True
     return mask[ids]
-
-
-def submit(bank, y) -> None:
-    """``mx.async_eval(y)``: the layer's compute handed to MLX (a timeline span if recorded)."""
-    tl = bank.cache.timeline
-    start = tl.now()
-    mx.async_eval(y)
-    tl.span("submit", start, "compute", layer=bank.path)
-
-
-def wait(bank, y) -> None:
-    """``mx.eval(y)`` where the layer waits for its own compute (a timeline span if recorded)."""
-    tl = bank.cache.timeline
-    start = tl.now()
-    mx.eval(y)
-    tl.span("wait compute", start, "wait", layer=bank.path)

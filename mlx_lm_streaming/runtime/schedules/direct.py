@@ -1,104 +1,23 @@
-"""The per-layer schedules with direct reads: per wave, the reads issued, the hits submitted while
-they are read, then each read expert taken as it lands (``LayerBank.reads``), its rows computed."""
+"""The per-layer schedules with direct reads: per wave (``bank.waves.direct``), the reads issued, the
+hits submitted while they are read, then each read expert taken as it lands (``LayerBank.reads``),
+its rows computed."""
 
 import mlx.core as mx
 import numpy as np
 
-from .. import lookahead, mlx_shims
-from .base import PerLayer, kernel_rows, submit, wait
+from .. import mlx_shims
+from ..bank.waves import submit
+from .base import ExpertRows
 
 
-class Direct(PerLayer):
-    """Direct reads (``LayerBank.direct``): per wave, the reads issued, the resident experts' rows
-    submitted while they are read, then each landing taken as it comes (``landed``). With more
-    experts than slots, waves of at most half the slots, so that a wave's reads go into the other
-    half while the wave before computes. The subclasses differ in what they do with a landing."""
+class Direct(ExpertRows):
+    """Direct reads (``LayerBank.direct``) through the wave engine (``bank.waves.direct``): per
+    wave, the reads issued, the resident experts' rows submitted while they are read, then each
+    landing taken as it comes (``landed``). With more experts than slots, waves of at most half
+    the slots, so that a wave's reads go into the other half while the wave before computes. The
+    subclasses differ in what they do with a landing."""
 
     abstract = True
-    by_projection = False  # landings a projection at a time (``ByProjection``)
-
-    def compute(self, idx, experts, ahead):
-        bank = self.bank
-        self.flat = flat = idx.reshape(-1)
-        self.idx = idx
-        self.outs, self.rows_done = [], []
-        self.waiting = []  # landed experts whose rows wait for the end of their wave
-        if len(experts) <= bank.slots:
-            waves, overlap = [experts], False
-        else:
-            # resident experts first (no read), then those read in the background (installed with
-            # the first wave, before any of this call's work is pending), then the rest
-            resident = bank.slot_of[experts] >= 0
-            staged = np.array([e in bank.staged for e in experts.tolist()], dtype=bool) & ~resident
-            ordered = np.concatenate(
-                [experts[resident], experts[staged], experts[~resident & ~staged]]
-            )
-            size = max(1, bank.slots // 2)
-            overlap = 2 * size <= bank.slots  # room for a wave next to the one computing
-            waves = [ordered[i : i + size] for i in range(0, len(ordered), size)]
-        ends = []  # len(outs) after each wave
-        for w, wave in enumerate(waves):
-            # the wave whose slots this one may take has finished computing
-            back = w - 2 if overlap else w - 1
-            if back >= 0:
-                wait(bank, self.outs[: ends[back]])
-            keep = np.concatenate([waves[w - 1], wave]) if overlap and w > 0 else wave
-            if bank.staged:
-                if w == 0:
-                    take_staged(bank, wave, keep)
-                else:
-                    # installing them now (an MLX update of a bank that pending work reads) would
-                    # copy the whole bank: read them again directly instead
-                    bank.discard_staged()
-            hit = wave[bank.slot_of[wave] >= 0]
-            landings = bank.reads(wave, keep, by_projection=self.by_projection)  # issued
-            try:
-                if len(hit):
-                    self.rows(hit)  # while they are read
-                for ids, proj, slot in landings:
-                    self.landed(ids, proj, slot)
-            finally:
-                landings.close()  # (after an error: every read has ended)
-            if self.waiting:
-                self.rows(np.array(self.waiting))
-                self.waiting = []
-            ends.append(len(self.outs))
-        if ahead is not None:
-            lookahead.stage(*ahead)
-        if bank.identity and not bank.complete:
-            bank.cache.request_fill(bank)
-        outs, rows_done = self.outs, self.rows_done
-        # every row submitted before the lock is let go: a later call's host sync on this stream
-        # then waits for it, so no pending work reads a slot that call rewrites
-        if len(outs) == 1 and len(rows_done[0]) == flat.size:
-            y = outs[0]  # every row, in order: submitted already (``rows``)
-            y = y.reshape(*idx.shape, y.shape[-1])
-        else:
-            order = np.argsort(np.concatenate(rows_done), kind="stable")
-            y = mx.concatenate(outs, axis=0)[mx.array(order)]
-            y = y.reshape(*idx.shape, y.shape[-1])
-            submit(bank, y)
-        bank.last_stream = mx.default_stream(mx.default_device())
-        return y
-
-    def rows(self, ids) -> None:
-        """The rows of experts ``ids`` computed and submitted."""
-        bank = self.bank
-        mask = np.zeros(bank.num_experts, dtype=bool)
-        mask[ids] = True
-        rows = np.nonzero(mask[self.flat])[0]
-        y = kernel_rows(self.layer, self.x, self.idx, rows, self.kernel, self.pad)
-        tl = bank.cache.timeline
-        start = tl.now()
-        mx.async_eval(y)  # (``submit``, spelt out: once per landing)
-        tl.span("submit", start, "compute", layer=bank.path)
-        self.rows_done.append(rows)
-        self.outs.append(y)
-
-    def landed(self, ids, proj, slot) -> None:
-        """Experts ``ids`` landed (``proj`` None; else a projection of one: ``ByProjection``):
-        their rows computed now, or (``waiting``) at the end of the wave."""
-        self.rows(ids)
 
 
 class AsTheyLand(Direct):
@@ -170,15 +89,3 @@ class PrefillWaves(Direct):
 
     def landed(self, ids, proj, slot):
         self.waiting.extend(ids)
-
-
-def take_staged(bank, experts, keep) -> None:
-    """Before any of this call's work is pending: write the experts read in the background into
-    their slots (an MLX update, which would copy a bank that pending work reads)."""
-    if bank.identity:
-        bank.install_finished()
-    staged = [e for e in experts.tolist() if e in bank.staged]
-    if staged:
-        # counted once, as misses, by the call's own load of ``experts`` (not as a miss here
-        # and a hit there), and one call to the policy
-        bank.load(np.array(staged, dtype=np.int64), keep=keep, guessed=True)

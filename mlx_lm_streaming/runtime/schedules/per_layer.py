@@ -5,8 +5,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import lookahead
-from ..prefetch import WAVE
-from .base import PerLayer, kernel_rows, member, wait
+from .base import ExpertRows, PerLayer
 
 
 class OneCall(PerLayer):
@@ -30,40 +29,12 @@ class OneCall(PerLayer):
         return self.kernel(self.x, slots, slots_np, bank)
 
 
-class Waves(PerLayer):
+class Waves(ExpertRows):
     """Chosen without direct reads when the call's experts may not fit the bank's slots (prefill
-    with a small budget): waves of ``slots`` experts, each loaded (never evicting one the wave
-    uses), computed and evaluated before the next, whose experts are read in the background
-    meanwhile. Expert-major: each expert is read at most once per call. Runs outside the bank's
-    lock but for each wave. Measured: CPU cold prefill near its I/O limit."""
+    with a small budget): waves of ``slots`` experts (``bank.waves.staged``), each loaded (never
+    evicting one the wave uses), computed and evaluated before the next, whose experts are read in
+    the background meanwhile. Expert-major: each expert is read at most once per call. Runs
+    outside the bank's lock but for each wave. Measured: CPU cold prefill near its I/O limit."""
 
     locked = False
-
-    def compute(self, idx, experts, ahead):
-        bank = self.bank
-        flat = idx.reshape(-1)
-        size = bank.slots
-        waves = [experts[i : i + size] for i in range(0, len(experts), size)]
-        outs, rows_done = [], []
-        for w, wave in enumerate(waves):
-            rows = np.nonzero(member(flat, wave, bank.num_experts))[0]
-            last = w + 1 == len(waves)
-            with bank.lock:
-                bank.load(wave)
-                # read ahead while this wave computes: the next wave, or after the last one the
-                # next layer's guess
-                if not last:
-                    bank.stage(waves[w + 1], "wave", WAVE, fit=True)
-                elif ahead is not None:
-                    lookahead.stage(*ahead)
-                yw = kernel_rows(self.layer, self.x, idx, rows, self.kernel)
-                if not last:
-                    wait(bank, yw)  # finish this wave before the next one reuses the slots
-            outs.append(yw)
-            rows_done.append(rows)
-        if len(outs) == 1:
-            y = outs[0]  # every row, in order
-        else:
-            order = np.argsort(np.concatenate(rows_done), kind="stable")
-            y = mx.concatenate(outs, axis=0)[mx.array(order)]
-        return y.reshape(*idx.shape, y.shape[-1])
+    staged_reads = True
