@@ -11,6 +11,7 @@ from support import decode, load_stock, load_streaming, per_slot, same
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.runtime import report, tiers
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9
 
@@ -129,6 +130,10 @@ def test_misses_the_host_holds_are_copied_not_read(q3_path):
     assert len(kept) == 2 and set(kept) <= {4, 5, 6, 7}
     assert load([8, 9, 10, 11]) == [8, 9, 10, 11]  # misses in both: from disk
     assert held() == sorted([0, 1, 2, 3] + kept)  # 0-3 evicted again, all kept
+    # nor read ahead (a guess of the next layer's): copied from the host when used
+    del read[:]
+    assert bank.stage(np.array(kept + [12]), "lookahead", LOOKAHEAD, block=True) == 1
+    assert set(bank.staged) == {12} and bank.staged[12].ok(wait=True) and read == [12]
     # the bytes copied back from the host are the checkpoint's
     assert load(kept) == [] and cache.host_cache.hits == 6
     for e in kept:
