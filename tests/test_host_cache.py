@@ -157,3 +157,11 @@ def test_stats_say_what_the_host_served(q3):
     line = report.stats_line(model.expert_streaming)
     assert f"{s['host_cache_hits']} of the {s['misses']} misses copied from it" in line
     assert "host cache" in report.choice_line(model.expert_streaming)
+
+
+def test_plan_says_the_rest_a_host_cache_would_sit_below(q3_path, monkeypatch):
+    model, cache = cached(q3_path, 4, 6)
+    monkeypatch.setattr(tiers, "available_host_bytes", lambda: 1)  # host RAM holds nothing
+    rest = cache.total_expert_bytes - cache.budget_bytes
+    line = tiers.plan_line(cache, "cuda")
+    assert f"cannot hold the rest, {rest / 1e9:.3f} GB" in line and "host cache" in line

@@ -367,7 +367,10 @@ def plan_line(cache, backend: str, trace=None) -> str:
         f"{host / 1e9:.3f} GB"
     )
     if not host and device < total:
-        line += " (host RAM cannot hold the rest)"
+        line += (
+            f" (host RAM cannot hold the rest, {(total - device) / 1e9:.3f} GB: a value below it "
+            "gives a host cache between the device's slots and disk)"
+        )
     if trace is not None and device < total:
         share = trace_share(cache, trace)
         line += f"; the trace's decode uses served by the device tier: {share:.1%}"
