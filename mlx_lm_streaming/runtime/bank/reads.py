@@ -91,9 +91,9 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
     io = time.perf_counter() - start
     install = 0.0
     host, held = bank.cache.host_cache, ()
-    if host is not None:  # before any slot is written: the victims kept, the misses it holds
-        rest, held = host.take(bank, rest, counts[2])
     try:
+        if host is not None:  # before any slot is written: the victims kept, the misses it holds
+            rest, held = host.take(bank, rest, counts[2])
         if bank.direct:
             installed = []
             if groups:  # first: their MLX update must not race with the direct writes
