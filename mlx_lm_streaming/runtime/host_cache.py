@@ -190,8 +190,7 @@ class HostCache:
         """A copy's seconds: installing, in the stats' split and on the timeline."""
         cache = bank.cache
         cache.stats.add_time(0.0, time.perf_counter() - start)
-        if cache.timeline:
-            cache.timeline.span(name, start, "install", layer=bank.path, experts=experts)
+        cache.timeline.span(name, start, "install", layer=bank.path, experts=experts)
 
     def summary(self) -> dict:
         size = sum(h.table.slots * h.bank.layer.expert_nbytes for h in self.banks.values())
