@@ -73,8 +73,9 @@ OPTIONS = (
         "--expert-host-gb",
         "GB",
         "mlx-cuda only: host memory in decimal GB for the experts the device budget cannot hold, "
-        "read by the GPU in place; 0: none (misses stream from disk). Default: every expert where "
-        "free host RAM less a margin allows, else 0",
+        "read by the GPU in place; given below what they need: a host cache between the device's "
+        "slots and disk; 0: none (misses stream from disk). Default: every expert where free "
+        "host RAM less a margin allows, else 0",
     ),
     Option(
         "store",

@@ -104,10 +104,10 @@ class ExpertCache:
     ):
         self.store = store
         self.budget_bytes = budget_bytes
-        # on mlx-cuda: host memory for the experts the device budget cannot hold, and the two
-        # tiers' placement (``tiers.Tiers``; set at load by ``tiers.set_up``), else 0 and None;
-        # every bank complete (``LayerBank.note_complete``): a model call runs stock's graph whole
-        self.host_bytes, self.tiers, self.all_complete = 0, None, False
+        # on mlx-cuda: host memory for the experts the device budget cannot hold and the two tiers
+        # (``tiers.Tiers``), or a host cache below that (``host_cache``), set at load by
+        # ``tiers.set_up``; every bank complete (``note_complete``): a call runs stock's graph whole
+        self.host_bytes, self.tiers, self.host_cache, self.all_complete = 0, None, None, False
         self.tuning = tuning
         self.stats = CacheStats()
         # which resident expert a bank evicts (``policy.POLICIES``)
@@ -376,8 +376,8 @@ class ExpertCache:
         banks = self.banks
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
-        if self.tiers is not None:
-            self.tiers.plan(banks)
+        for tier in filter(None, (self.tiers, self.host_cache)):
+            tier.plan(banks)
         for bank, nxt in zip(banks, banks[1:] + [None]):
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
@@ -407,7 +407,7 @@ class ExpertCache:
             "hits": s.hits,
             "misses": s.misses,
             "evictions": s.evictions,
-            "experts_read": s.misses,
+            "experts_read": s.misses - (self.host_cache.hits if self.host_cache else 0),
             "gb_read": st.bytes_read / 1e9,
             "io_seconds": st.seconds,
             "io_wait_seconds": s.io_wait_seconds,
@@ -418,7 +418,7 @@ class ExpertCache:
             "complete_layers": sum(b.complete for b in self.banks),
             **costs.summary(self.steps),
             "per_layer": [b.summary() for b in self.banks],
-            **(self.tiers.summary() if self.tiers is not None else {}),
+            **(t.summary() if (t := self.tiers or self.host_cache) is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
         }
 

@@ -175,6 +175,7 @@ class SlotTable:
         # bumped by every change of the maps: a device copy of ``slot_of`` made at one version is
         # the residency of that version only (``LayerBank.device_map``)
         self.version = 0
+        self.evicted = (np.zeros(0, dtype=np.int64),) * 2  # (``_evict``)
 
     @property
     def slots(self) -> int:
@@ -267,10 +268,20 @@ class SlotTable:
         self.slot_of[chosen] = -1
         self.expert_of[taken] = -1
         self.version += 1
+        # the last victims and their slots: a host cache keeps their bytes before the slots are
+        # written (``host_cache``)
+        self.evicted = (chosen, taken)
         return taken
 
     def place(self, experts, slots) -> None:
         """``experts`` are now resident in ``slots`` (as ``admit`` gave them)."""
         self.slot_of[experts] = slots
         self.expert_of[slots] = experts
+        self.version += 1
+
+    def drop(self, experts) -> None:
+        """``experts`` (resident) are resident no more; their slots are free. The policy keeps
+        their history."""
+        self.expert_of[self.slot_of[experts]] = -1
+        self.slot_of[experts] = -1
         self.version += 1

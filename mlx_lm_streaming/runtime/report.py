@@ -35,6 +35,11 @@ def stats_line(state, label: bool = False) -> str:
             f"in place; uses served device / host {served} of {s['tier_sampled_uses']} counted; "
             f"{s['tier_moves']} experts moved)"
         )
+    if "host_cache_gb" in s:
+        line += (
+            f" (host cache {s['host_cache_gb']:.3f} GB: {s['host_cache_hits']} of the "
+            f"{s['misses']} misses copied from it, {s['host_cache_served_gb']:.3f} GB, not read)"
+        )
     if s.get("failed_background_reads"):
         line += (
             f", background reads of {s['failed_background_reads']} experts failed (read "
@@ -190,6 +195,8 @@ def choice_line(state) -> str:
             f"{decimal_gb(cache.total_expert_bytes - device)} in host memory read in place)"
         )
         how = f"{how}; host {decimal_gb(cache.host_bytes)}"
+    elif cache.host_cache is not None:
+        tier = f" (a host cache of {decimal_gb(cache.host_cache.host_bytes)} behind them)"
     return (
         f"[streaming] {state.model_path.name}: expert cache "
         f"{decimal_gb(cache_bytes(cache, cache.slot_budget))} ({how}), {slots} of {experts} "

@@ -309,8 +309,10 @@ def split(total: int, device: int, given_gb, available: Optional[int]) -> int:
 
 def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     """Give ``cache`` its host tier (``split``) and ``Tiers`` where it is on mlx-cuda and the two
-    tiers hold every expert; elsewhere nothing changes. A host budget given off CUDA is refused in
-    one line (``ConfigurationError``)."""
+    tiers hold every expert; where a host budget is given below what they would need, a host
+    cache between the device's slots and disk (``host_cache``: off by default, not yet measured
+    on a GPU); elsewhere nothing changes. A host budget given off CUDA is refused in one line
+    (``ConfigurationError``)."""
     from ..errors import ConfigurationError
 
     if backend != "cuda":
@@ -326,9 +328,10 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     device = min(cache.budget_bytes, total)
     available = available_host_bytes() if available is None else available
     host = split(total, device, given_gb, available)
-    if host == 0:
+    if host == 0 and not given_gb:
         return
-    from . import memory
+    from ..option_table import GB
+    from . import host_cache, memory
     from .cuda_placer import cuda_placer
 
     placer = placer if placer is not None else cuda_placer()
@@ -337,11 +340,14 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     # never more device memory for the device tier than the device has free (a managed range
     # prefetched beyond it can hang the GPU): at most the default budget's share of it
     free = getattr(placer, "free_device_bytes", lambda: None)()
-    if free is not None and device > int(free * memory.CUDA_CACHE_SHARE):
+    slots = device  # today's slot banks' budget, where there are no two tiers
+    if host and free is not None and device > int(free * memory.CUDA_CACHE_SHARE):
         device = int(free * memory.CUDA_CACHE_SHARE)
         host = split(total, device, given_gb, available)
-        if host == 0:
-            return
+    if host == 0:  # given below the rest: today's slot banks, a host cache behind them
+        if given_gb and total > slots:
+            host_cache.set_up(cache, min(int(given_gb * GB), total - slots), placer)
+        return
     cache.host_bytes = host
     cache.tiers = Tiers(placer, device, host)
     cache.planned = False
@@ -361,7 +367,10 @@ def plan_line(cache, backend: str, trace=None) -> str:
         f"{host / 1e9:.3f} GB"
     )
     if not host and device < total:
-        line += " (host RAM cannot hold the rest)"
+        line += (
+            f" (host RAM cannot hold the rest, {(total - device) / 1e9:.3f} GB: a value below it "
+            "gives a host cache between the device's slots and disk)"
+        )
     if trace is not None and device < total:
         share = trace_share(cache, trace)
         line += f"; the trace's decode uses served by the device tier: {share:.1%}"

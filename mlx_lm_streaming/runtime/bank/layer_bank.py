@@ -290,6 +290,10 @@ class LayerBank:
                 return 0
             experts = np.asarray(experts, dtype=np.int64)
             want = [e for e in experts.tolist() if self.slot_of[e] < 0 and e not in self.staged]
+            host = self.cache.host_cache
+            held = host.held(self) if host is not None and want else None
+            if held is not None:  # a host cache's experts are copied from it, not read
+                want = [e for e in want if held[e] < 0]
             if not want:
                 return 0
             if not self.identity:
@@ -348,11 +352,13 @@ class LayerBank:
 def load_together(loads) -> None:
     """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
     threads where every bank reads directly into its slots and has no staged reads to install (an
-    MLX update, which must run on the calling thread); else one after another. All pending work
+    MLX update, which must run on the calling thread) and the model has no host cache (whose
+    copies are MLX updates); else one after another. All pending work
     was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
     has ended when this returns; the first error is raised then."""
     banks = [bank for bank, _, _ in loads]
-    if len(loads) == 1 or not all(b.direct and not b.staged for b in banks):
+    serial = len(loads) == 1 or banks[0].cache.host_cache is not None
+    if serial or not all(b.direct and not b.staged for b in banks):
         for bank, experts, options in loads:
             bank.load(experts, **options)
         return

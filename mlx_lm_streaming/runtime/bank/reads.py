@@ -5,7 +5,9 @@ Two ways in. Direct reads: the store reads each missed expert straight into its 
 through a host view of the bank, on the cache's demand threads. Staged writes: bytes read in the
 background (lookahead, next wave, fill), or demand reads where the bank has no host view, land in
 staging buffers first and are written into the slots (``_write``): through the banks' host views
-(``copy_in``, for staging buffers in host memory) or by MLX slice updates (``install``).
+(``copy_in``, for staging buffers in host memory) or by MLX slice updates (``install``). With a
+host cache (host_cache.py) a third: misses it holds are copied from it by MLX updates, and are not
+read; the load's victims are copied into it before any slot is written.
 
 ``landings`` is one load's reads, as ``concurrent.futures.as_completed`` hands out finished
 futures: a generator that the bank primes (its first step issues every read and yields None), then
@@ -88,12 +90,17 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
     groups = list(by_batch.values())
     io = time.perf_counter() - start
     install = 0.0
+    host, held = bank.cache.host_cache, ()
     try:
+        if host is not None:  # before any slot is written: the victims kept, the misses it holds
+            rest, held = host.take(bank, rest, counts[2])
         if bank.direct:
             installed = []
             if groups:  # first: their MLX update must not race with the direct writes
                 install += _write(bank, groups)
                 installed = _place(bank, groups)
+            if held:  # (an MLX update too)
+                installed += host.serve(bank, held)
             reads = DirectReads(bank, rest, by_projection, alone)
             try:
                 yield None  # issued
@@ -123,6 +130,8 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
                 io += reads.finish()
         else:
             yield None  # nothing is read before the caller asks for the first landing
+            if held:
+                yield host.serve(bank, held), None, None
             # the rest from the store, in chunks of at most the staging bound (a prefill wave
             # can miss a whole bank's worth of experts: its bytes need not all be staged at once)
             chunk = max(1, bank.cache.staging_limit // max(1, bank.layer.expert_nbytes))
