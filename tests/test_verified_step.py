@@ -13,8 +13,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from support import decode, load_stock, load_streaming, same, with_slots
 
 from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
-from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.modes import PER_LAYER, Mode
+from mlx_lm_streaming.runtime.runner import StepRunner
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
@@ -139,6 +140,49 @@ def test_off_means_a_host_sync_in_every_layer(q3_path, expected):
     model = with_slots(q3_path, 15, tuning=CacheTuning(verified_steps=False))
     assert_same(expected, generated(model))
     assert model.expert_streaming.steps.verified == 0
+
+
+class _Foreign(Mode):
+    """A mode another thread's model call holds: it keeps state, and takes its layers' calls."""
+
+    wraps = True
+
+    def __init__(self):
+        self.owner = -1  # no thread of this process
+        self.joined = 0
+
+    def moe_call(self, layer, x, indices):
+        self.joined += 1
+        raise AssertionError("a MoE call joined another thread's mode")
+
+    def layer_call(self, i, call, args, kwargs):
+        self.joined += 1
+        raise AssertionError("a decoder layer call joined another thread's mode")
+
+
+def test_no_call_joins_another_threads_mode(q3, expected):
+    # while another thread's model call holds the cache's mode, this thread's calls can install
+    # none of their own and run per layer, exact, none of them through that mode (modes.py: an
+    # owner instead of thread-locals)
+    path, tokens, want = q3
+    model = with_slots(path, 15, tuning=ALWAYS)
+    cache, runner = model.expert_streaming.cache, model.expert_streaming.steps
+    assert cache.mode is PER_LAYER
+    foreign = _Foreign()
+    assert cache.install(foreign)
+    assert not cache.install(_Foreign())  # one mode at a time
+    with cache.running(_Foreign()) as installed:
+        assert not installed
+    try:
+        runner.missed_share = 0.0
+        assert same(want, decode(model, tokens))
+        assert_same(expected, generated(model))
+        assert foreign.joined == 0 and cache.mode is foreign
+        assert runner.verified == 0  # (no verified step could take the cache)
+    finally:
+        cache.mode = PER_LAYER
+    assert_same(expected, generated(model))
+    assert runner.verified > 0 and cache.mode is PER_LAYER  # each step's mode given back
 
 
 def test_rewindable_caches():
