@@ -48,12 +48,9 @@ class RoutedExperts:
 def layer_major_figures(args, dtype: str) -> None:
     """Each prompt of ``--prefill-tokens`` cold at each budget of
     ``--shares``, chunk by chunk against layer-major, beside stock (docs/benchmarks/methods.md)."""
-    from dataclasses import replace
-
     import mlx.core as mx
 
     from mlx_lm_streaming import _bootstrap
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     # what the installed startup hook does (a checkout on PYTHONPATH, as on the device, has none):
     # mlx-lm's modules patched, generate_step given layer-major prefill
@@ -144,8 +141,8 @@ def layer_major_figures(args, dtype: str) -> None:
 
     def run_streaming(prompt, share, mode):
         """``run`` cold, a model loaded with ``share`` of the expert bytes, prefill by ``mode``."""
-        tuning = replace(CacheTuning(), layer_major_prefill=mode == "layer_major")
-        model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning)
+        model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB,
+                                  layer_major_prefill=mode == "layer_major")
         r = run(model, prompt, cold=True)
         r["hold_limit"] = model.expert_streaming.cache.tuning.prefill_hold_bytes
         model.expert_streaming.close()

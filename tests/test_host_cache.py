@@ -73,7 +73,7 @@ def test_only_where_given_below_the_rest(q3_path):
 def test_exact_with_a_host_cache(q3, direct):
     path, tokens, want = q3
     placer = Recorder()
-    model, cache = cached(path, 4, 6, placer, tuning=CacheTuning(direct_reads=direct))
+    model, cache = cached(path, 4, 6, placer, direct_reads=direct)
     assert same(want, decode(model, tokens))
     s = cache.summary()
     assert s["host_cache_hits"] > 0 and s["host_cache_kept"] > 0

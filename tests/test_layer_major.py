@@ -79,15 +79,14 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     """The prompt and ``DECODE`` decode steps through ``generate_step`` over a streaming model with
     ``SLOTS`` experts per layer: per part (the prefill, then each model call after it), the bytes
     read and the bytes it must read; per model call the layers run again; the log-probabilities."""
-    from dataclasses import replace
-
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
-    tuning = replace(tuning or CacheTuning(), layer_major_prefill=True)
-    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+    model, _ = load_streaming(
+        path, expert_cache_gb=budget, tuning=tuning or CacheTuning(), layer_major_prefill=True
+    )
     state = model.expert_streaming
     cache, store = state.cache, state.cache.store
     banks = cache.banks

@@ -344,8 +344,10 @@ def test_layer_major_prefill_reads_each_expert_once(checkpoint):
     probe.expert_streaming.close()
     read = {}
     for on in (False, True):
-        tuning = replace(CacheTuning(), layer_major_prefill=on, lookahead=False)
-        model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+        tuning = replace(CacheTuning(), lookahead=False)
+        model, _ = load_streaming(
+            path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=on
+        )
         banks = model.expert_streaming.cache.banks
         for _ in generate.generate_step(prompt, model, max_tokens=0, prefill_step_size=16):
             pass
@@ -493,20 +495,14 @@ def test_layer_major_prefill_batched_and_speculative_fall_back(checkpoint, capsy
 def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
     # auto: on where reads bound a prefill and it was checked (CUDA), off on the CPU (compute bounds
     # it there) and on Metal (no Mac here to check it on);
-    # asked for, as asked; a benchmark's or test's tuning, as it says
-    from dataclasses import replace
-
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    # asked for, as asked (the option alone: a benchmark's or test's tuning holds no such switch)
     from mlx_lm_streaming.runtime.options import StreamingOptions
 
     auto = StreamingOptions()
-    assert [auto.use_layer_major_prefill(None, b) for b in ("cpu", "cuda", "metal")] == [
+    assert [auto.use_layer_major_prefill(b) for b in ("cpu", "cuda", "metal")] == [
         False, True, False]
-    assert StreamingOptions(layer_major_prefill=True).use_layer_major_prefill(None, "cpu")
-    assert not StreamingOptions(layer_major_prefill="off").use_layer_major_prefill(None, "cuda")
-    off = replace(CacheTuning(), layer_major_prefill=False)
-    assert not auto.use_layer_major_prefill(off, "cuda")
-    assert auto.use_layer_major_prefill(CacheTuning(), "cpu")
+    assert StreamingOptions(layer_major_prefill=True).use_layer_major_prefill("cpu")
+    assert not StreamingOptions(layer_major_prefill="off").use_layer_major_prefill("cuda")
 
 
 def test_parity_layer_major_prefill_in_groups(checkpoint):
@@ -526,8 +522,8 @@ def test_parity_layer_major_prefill_in_groups(checkpoint):
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, 3)
     probe.expert_streaming.close()
-    tuning = replace(CacheTuning(), layer_major_prefill=True, prefill_hold_bytes=1)
-    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning)
+    tuning = replace(CacheTuning(), prefill_hold_bytes=1)
+    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=True)
     out, cache = run_generate_step(model, generate.generate_step, prompt)
     assert difference(ref, out) is None, difference(ref, out)
     for a, b in zip(ref_cache, cache):

@@ -10,7 +10,6 @@ quantized stock modules, i.e. the config's.
 
 import atexit
 import weakref
-from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -115,15 +114,15 @@ class StreamingState:
         recording = bool(options.record_routing) and not RoutingRecorder.claimed(
             options.record_routing
         )
-        tuning = options.tuning or CacheTuning()
-        tuning = replace(
-            tuning,
-            direct_reads=options.use_direct_reads(self.selector.backend),
-            layer_major_prefill=options.use_layer_major_prefill(
-                options.tuning, self.selector.backend
-            ),
+        backend = self.selector.backend
+        self.cache = ExpertCache(
+            self.store,
+            budget,
+            options.tuning or CacheTuning(),
+            options.cache_policy,
+            direct_reads=options.use_direct_reads(backend),
+            layer_major_prefill=options.use_layer_major_prefill(backend),
         )
-        self.cache = ExpertCache(self.store, budget, tuning, options.cache_policy)
         self.recorder = None
         if recording:
             cache = self.cache

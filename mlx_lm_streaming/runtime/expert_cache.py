@@ -47,12 +47,11 @@ _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
 class CacheTuning:
     """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
     drops work; none changes what is computed, and each is kept for a measured reason
-    (docs/benchmarks/README.md). Users choose ``direct_reads`` and ``layer_major_prefill``
-    (``StreamingOptions``); the rest are defaults that benchmarks and tests vary (through the internal
-    ``tuning`` entry of the streaming options, not a user option)."""
+    (docs/benchmarks/README.md). Defaults that benchmarks and tests vary (through the internal
+    ``tuning`` entry of the streaming options, not a user option); what users choose (direct reads,
+    layer-major prefill) is theirs alone (``StreamingOptions``), resolved at load and given to the
+    cache beside this (``ExpertCache.direct_reads``, ``ExpertCache.layer_major_prefill``)."""
 
-    # demand reads straight into the banks (bank/reads.py); off: through staging buffers
-    direct_reads: bool = True
     # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
     # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
     # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
@@ -84,10 +83,6 @@ class CacheTuning:
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
     # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
     staging_bytes: Optional[int] = None
-    # prompts longer than one prefill chunk go through decoder layer L chunk after chunk before
-    # layer L+1 (layer_major.py): each uncached expert read about once per prompt, not once per
-    # chunk; off: chunk by chunk, as stock (the benchmarks' comparison)
-    layer_major_prefill: bool = True
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
 
@@ -101,8 +96,15 @@ class ExpertCache:
         budget_bytes: Optional[int] = None,
         tuning: CacheTuning = CacheTuning(),
         policy: str = DEFAULT_POLICY,
+        direct_reads: bool = True,
+        layer_major_prefill: bool = True,
     ):
         self.store = store
+        # the user's switches, resolved for this backend (``StreamingOptions.use_direct_reads``,
+        # ``use_layer_major_prefill``): demand reads straight into the banks (bank/reads.py; off:
+        # through staging buffers); prompts longer than one prefill chunk through decoder layer L
+        # chunk after chunk before layer L+1 (layer_major.py; off: chunk by chunk, as stock)
+        self.direct_reads, self.layer_major_prefill = direct_reads, layer_major_prefill
         self.budget_bytes = budget_bytes
         # on mlx-cuda: host memory for the experts the device budget cannot hold and the two tiers
         # (``tiers.Tiers``), or a host cache below that (``host_cache``), set at load by
@@ -261,7 +263,7 @@ class ExpertCache:
         biggest = max((b.layer.expert_nbytes for b in self.banks), default=0)
         total = self.total_expert_bytes  # a budget is a cap: above every expert, every expert
         budget = total if self.budget_bytes is None else min(self.budget_bytes, total)
-        floor = 0 if self.tuning.direct_reads else 2 * biggest
+        floor = 0 if self.direct_reads else 2 * biggest
         if self.tiers is not None:  # the fill completes the banks: room for its chunks of 8
             floor = 32 * biggest
         return int(max(STAGING_SHARE * budget, floor))

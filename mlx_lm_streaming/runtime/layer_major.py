@@ -263,7 +263,7 @@ def wrap_generate_step(stock):
         prompt_ahead(model, prompt)
         if (
             state is None
-            or not state.cache.tuning.layer_major_prefill
+            or not state.cache.layer_major_prefill
             or not isinstance(prompt, mx.array)
             or prompt.ndim != 1
             or not isinstance(step, int)
@@ -321,7 +321,7 @@ def note_elsewhere(model, tokens: int, step, why: str) -> None:
     state = getattr(model, "expert_streaming", None)
     if (
         state is None
-        or not state.cache.tuning.layer_major_prefill
+        or not state.cache.layer_major_prefill
         or not isinstance(step, int)
         or tokens - 1 <= step
         or _holds_every_expert(state.cache)

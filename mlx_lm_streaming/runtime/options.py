@@ -237,9 +237,8 @@ class StreamingOptions:
     # where model_config (or the --streaming-experts flag) asks, whole where only the environment
     # does (integration/unstreamable.py)
     if_unstreamable: Optional[str] = None
-    # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (its
-    # ``direct_reads`` and ``layer_major_prefill`` are set from the options above); None: the
-    # defaults
+    # internal, not a user option: an ``expert_cache.CacheTuning`` for benchmarks and tests (what
+    # the options above choose is not in it); None: the defaults
     tuning: Any = field(default=None, repr=False, metadata={"internal": True})
 
     def __post_init__(self):
@@ -298,16 +297,13 @@ class StreamingOptions:
             )
         self.store_options = {**self.store_options, "path": self.pack}
 
-    def use_layer_major_prefill(self, tuning, backend: str) -> bool:
+    def use_layer_major_prefill(self, backend: str) -> bool:
         """Whether long prompts prefill layer by layer on ``backend`` (cpu, cuda, metal): as asked;
-        auto: as the internal ``tuning`` of benchmarks and tests says where one was given, else on
-        with CUDA, where it reads each uncached expert about once per prompt (1.00-1.02x the bytes
+        auto: on with CUDA, where it reads each uncached expert about once per prompt (1.00-1.02x the bytes
         a prompt must read against 1.3-3.9x chunk by chunk on the H200) with the same tokens; off on
         the CPU, where compute bounds it (0.85x chunk by chunk's speed in the median), and on Metal,
         where it was never run (no Mac here): opt-in there (docs/benchmarks/prefill.md)."""
         if self.layer_major_prefill is None:
-            if tuning is not None:
-                return tuning.layer_major_prefill
             return backend == "cuda"
         return self.layer_major_prefill
 

@@ -121,7 +121,7 @@ class LayerBank:
         """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
-        if self.slots == 0 or not self.cache.tuning.direct_reads:
+        if self.slots == 0 or not self.cache.direct_reads:
             self.views = self.view_addresses = self.copier = None
             return
         arrays = [self.array(spec.proj, spec.part) for spec in self.layer.parts]
@@ -277,7 +277,7 @@ class LayerBank:
     def direct(self) -> bool:
         """Whether demand reads go straight into the banks' memory now (module docstring)."""
         cache = self.cache
-        return self.views is not None and cache.tuning.direct_reads and not cache.shared
+        return self.views is not None and cache.direct_reads and not cache.shared
 
     def stage(
         self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False
