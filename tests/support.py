@@ -365,3 +365,13 @@ def build_stock_checkpoint(path: Path, config: dict, tokenizer_from: Optional[Pa
     for f in tokenizer_from.glob("*token*") if tokenizer_from else ():
         shutil.copy(f, path / f.name)
     return path
+
+
+class PlacementRecorder:
+    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place."""
+
+    def __init__(self):
+        self.placed = []
+
+    def place(self, ranges, on_device):
+        self.placed += [(a, n, on_device) for a, n in ranges]

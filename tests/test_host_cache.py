@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from support import PlacementRecorder as Recorder
 from support import decode, load_stock, load_streaming, per_slot, same
 
 from mlx_lm_streaming.errors import ConfigurationError
@@ -14,16 +15,6 @@ from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9
-
-
-class Recorder:
-    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place."""
-
-    def __init__(self):
-        self.placed = []
-
-    def place(self, ranges, on_device):
-        self.placed += [(a, n, on_device) for a, n in ranges]
 
 
 def cached(path, device_experts, host_experts, placer=None, **options):

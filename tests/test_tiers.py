@@ -5,6 +5,7 @@ the budget split, the counting of uses, the moves and the figures are the packag
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import PlacementRecorder as Recorder
 from support import decode, load_streaming, per_slot, same
 
 from mlx_lm_streaming.errors import ConfigurationError
@@ -13,16 +14,6 @@ from mlx_lm_streaming.runtime import memory, report, tiers
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
-
-
-class Recorder:
-    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place."""
-
-    def __init__(self):
-        self.placed = []
-
-    def place(self, ranges, on_device):
-        self.placed += [(a, n, on_device) for a, n in ranges]
 
 
 def test_the_option_row_and_its_values():

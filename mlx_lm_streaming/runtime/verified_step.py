@@ -98,14 +98,16 @@ class VerifiedStep(Mode):
         """Chosen for a bank with slots and a kernel that takes the ids on the device: the
         router's ids mapped to slot ids on the device, with no host sync, and the bank's device
         map of missing experts kept for the check, which counts every layer's misses at once
-        after the forward. Elsewhere (a complete bank, a kernel that wants the slots on the host,
-        no slots) the layer's own schedule (``Mode.moe_call``). Measured: the per-layer host sync
-        costs more than the layer on a GPU."""
+        after the forward. Elsewhere (a complete bank with no routing recorded, a kernel that wants
+        the slots on the host, no slots) the layer's own schedule (``Mode.moe_call``). Measured:
+        the per-layer host sync costs more than the layer on a GPU."""
         bank = layer.bank
+        cache = bank.cache
         kernel = (layer.kernels.get(indices.size) or schedules.kernel_of(layer, indices.size))[0]
-        if kernel.needs_host_slots or bank.slots == 0 or bank.complete:
+        # (a complete bank's graph is stock's where no recorder wants the step's record of ids)
+        if kernel.needs_host_slots or bank.slots == 0 or bank.complete and cache.recorder is None:
             return Mode.moe_call(self, layer, x, indices)
-        tl = bank.cache.timeline
+        tl = cache.timeline
         start = tl.now()
         indices = mx.stop_gradient(indices)
         with bank.lock:
