@@ -15,7 +15,9 @@ call):
 - ``verified``: a verified call that missed nowhere (a sync and every layer's compute), and
   ``replay``: what each layer run again after a miss adds (its check's sync and the layers after it
   computed again), both from a running least-squares fit of the verified calls' times (their reads
-  taken out) on their replays;
+  taken out) on their replays: through the mean of the calls that missed nowhere where there are
+  some (measured, not extrapolated: the run's first calls, slow and missing everywhere, biased the
+  intercept to 8-11 ms where clean calls took 6.3-7.9 on the CPU), else the fit's intercept;
 - ``per_layer``: a per-layer call that missed nowhere, and ``per_layer_miss``: what each MoE layer
   that missed adds beside its reads (the host work of a miss), from the same fit of the per-layer
   calls' times on their MoE layers that missed;
@@ -23,24 +25,29 @@ call):
   misses of a token read together, on the bank threads; a per-layer call's by its layer:
   ``CacheStats``' wait and install time);
 - ``experts_per_miss``, ``replays_per_miss``, ``replays_per_call``: experts read per MoE layer that
-  missed, replays per layer that missed, replays per verified call that missed; ``again``: the
-  share of verified calls run again whole, per layer (``verified_step._Again``).
+  missed in each mode (a verified step reads the experts the pass beyond a miss named too: 3-4
+  against 1.4 per layer that missed on the CPU, ram regime, trace routing; one mean for both modes
+  priced a per-layer call's misses at twice what they cost), replays per layer that missed, replays
+  per verified call that missed; ``again``: the share of verified calls run again whole, per layer
+  (``verified_step._Again``).
 
 Each is a running mean (the newest call weighs ``WEIGHT``; the fit forgets at ``DECAY``), so the
 costs follow the run. ``limit`` is the choice: with ``k = share * layers`` MoE layers expected to
 miss (``share``: ``StepRunner.missed_share``, the running share of MoE layers that missed),
 
-    verified(share)  = verified + replays * replay + k * experts_per_miss * read_verified
-    per_layer(share) = per_layer + k * (per_layer_miss + experts_per_miss * read_per_layer)
+    verified(share)  = verified + replays * replay + k * e_verified * read_verified
+    per_layer(share) = per_layer + k * (per_layer_miss + e_per_layer * read_per_layer)
 
-with ``replays = replays_per_miss * k``, or, where a token's misses are read together (guesses
-and all: one replay per call that misses), ``replays_per_call * (1 - (1 - share) ** layers)``; a
-share ``again`` of verified calls costs a per-layer call and a forward instead. The call is a
-verified step while ``verified(share) <= per_layer(share)``: ``limit`` is the share where they meet. What is not measured yet comes from what is: a per-layer call is
-``verified + (layers - 1) * sync``, a replay is ``sync`` and half the layers' compute; before any
-call was measured (the starting prior) every eligible call is tried as a verified step, which
-measures both its clean cost and what a miss adds. After ``REFRESH`` calls without a verified one,
-one runs (a measurement that chose the per-layer schedule once is not trusted for ever).
+with ``e_...`` each mode's ``experts_per_miss``, ``replays = replays_per_miss * k``, or, where a
+token's misses are read together (guesses and all: one replay per call that misses),
+``replays_per_call * (1 - (1 - share) ** layers)``; a share ``again`` of verified calls costs a
+per-layer call and a forward instead. The call is a verified step while ``verified(share) <=
+per_layer(share)``: ``limit`` is the share where they meet. What is not measured yet comes from what
+is: a per-layer call is ``verified + (layers - 1) * sync``, a replay is ``sync`` and half the
+layers' compute; before any call was measured (the starting prior) every eligible call is tried as a
+verified step, which measures both its clean cost and what a miss adds. After ``REFRESH`` calls
+without a verified one, one runs (a measurement that chose the per-layer schedule once is not
+trusted for ever).
 
 The chooser is opt-in (``CacheTuning.verify_choice="costs"``): the share limits
 (``MAX_MISSED_SHARE``...) decide by default on every backend. On the CPU it was measured against
@@ -69,8 +76,16 @@ WARMUP = 1
 OUTLIER = 20.0
 # calls in the other mode after which the chooser runs one verified call again, to measure it
 REFRESH = 64
-# clean verified calls (decayed) the fit wants before a clean per-layer call stops trying one
+# clean verified calls (decayed) the fit wants before a clean per-layer call stops trying one;
+# such a try comes at most once in EXPLORE_GAP calls, a gap that doubles (up to REFRESH) with each
+# verified call that missed and starts again at a clean one: the token after a clean one mostly
+# misses, and a verified call that misses costs 1.3-3x a per-layer one on the CPU (measured: the
+# tries after every clean token were 12 of 47 calls in a regime of 8% clean tokens, then one in 17
+# with a fixed gap, 2-3% of the run's time: bench/gpu_pipeline.py, tiny shape, ram, trace, 50%)
 CLEAN_POINTS = 2.0
+EXPLORE_GAP = 16
+# clean calls (decayed) from which a mode's clean cost is their mean, not the fit's intercept
+CLEAN_MEASURED = 1.0
 # waits on a tiny array that the probe takes the least of
 PROBE_REPEATS = 5
 MODES = ("verified", "per_layer")
@@ -175,8 +190,9 @@ class DecodeCosts:
         self.probe: Optional[float] = None
         # per mode, decayed sums of a fit of a call's seconds (its reads taken out) on its
         # replays (verified) or its MoE layers that missed (per layer): sums of 1, x, x*x, y, x*y,
-        # and of the calls with x = 0 (the fit's intercept is trusted only with some of those)
-        self.fits = {m: [0.0] * 6 for m in MODES}
+        # and of 1 and y over the calls with x = 0 (clean calls: where there are some, the clean
+        # cost is their mean, measured, and the slope is fitted through it: ``_limit``)
+        self.fits = {m: [0.0] * 7 for m in MODES}
         # a per-layer call missed nowhere since the last verified call, while fewer than
         # ``CLEAN_POINTS`` verified calls that missed nowhere were measured lately: the next call
         # is a verified one, to measure it
@@ -184,7 +200,7 @@ class DecodeCosts:
         # running means, None until measured: seconds per expert read in each mode, experts read
         # per MoE layer that missed, replays per MoE layer that missed (verified)
         self.read_s = dict.fromkeys(MODES)
-        self.experts_per_miss: Optional[float] = None
+        self.experts_per_miss = dict.fromkeys(MODES)
         self.replays_per_miss: Optional[float] = None
         self.replays_per_call: Optional[float] = None  # per verified call that missed
         # whether a token's misses are read together, guesses and all (``StepRunner``: one
@@ -196,6 +212,7 @@ class DecodeCosts:
         self.again = 0.0
         self.calls = {m: 0 for m in MODES}  # calls measured or not, by mode
         self.since_verified = 0  # calls since the last verified one
+        self.explore_gap = EXPLORE_GAP  # (``EXPLORE_GAP``)
         self.cache_limit: Optional[float] = None  # ``limit`` until the next measurement
         self.estimate: Dict[str, Optional[float]] = dict.fromkeys(ESTIMATES)
 
@@ -208,8 +225,11 @@ class DecodeCosts:
         """The share of missed MoE layers up to which the next decode call should be a verified
         step: 1.0 (every share) before any measurement and when no verified call ran for
         ``REFRESH`` calls; below 0 where per-layer calls are the quicker even with no miss."""
-        if self.since_verified >= REFRESH or (
-            self.clean_per_layer and self.fits["verified"][5] < CLEAN_POINTS
+        since = self.since_verified
+        if since >= REFRESH or (
+            since >= self.explore_gap
+            and self.clean_per_layer
+            and self.fits["verified"][5] < CLEAN_POINTS
         ):
             return 1.0
         limit = self.cache_limit
@@ -222,9 +242,16 @@ class DecodeCosts:
         function, the fits solved inline: it runs once per decode call."""
         layers, sync = self.layers or 1, self.probe
         fitted = {}
-        for mode, (n, sx, sxx, sy, sxy, n0) in self.fits.items():
+        for mode, (n, sx, sxx, sy, sxy, n0, sy0) in self.fits.items():
             clean = extra = None
-            if n > 0:
+            if n0 >= CLEAN_MEASURED:
+                # clean calls measured: their mean, and the slope of the others through it (an
+                # intercept extrapolated from calls that missed was biased by the run's first,
+                # slowest calls: 8-11 ms where clean calls took 6.3-7.9, CPU, hit regime)
+                clean = sy0 / n0
+                if sxx > 1e-9:
+                    extra = max(0.0, (sxy - clean * sx) / sxx)
+            elif n > 0:
                 mean_x, mean_y = sx / n, sy / n
                 var = sxx / n - mean_x * mean_x
                 # (an intercept extrapolated far from every call is not trusted)
@@ -267,10 +294,10 @@ class DecodeCosts:
             return 1.0 if self.again < 0.5 else -1.0
         # the share up to which a verified call is expected the quicker: ``expected``'s terms,
         # inline (no call per share tried): at 0, at 1, then halving the interval between
-        e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
+        e_v, e_p = self._experts_per_miss()
         rho = self.replays_per_miss if self.replays_per_miss is not None else 1.0
         rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
-        per_v, per_p = e * (read_v or 0.0), (host or 0.0) + e * (read_p or 0.0)
+        per_v, per_p = e_v * (read_v or 0.0), (host or 0.0) + e_p * (read_p or 0.0)
         lo, hi, share, again = 0.0, 1.0, 0.0, self.again
         for i in range(16):
             k = share * layers
@@ -286,6 +313,14 @@ class DecodeCosts:
             share = 1.0 if i == 0 else (lo + hi) / 2
         return lo
 
+    def _experts_per_miss(self):
+        """Experts read per MoE layer that missed, ``(verified, per layer)``: each mode's own, the
+        other's where one is not measured yet, 1 where neither is."""
+        e_v, e_p = self.experts_per_miss["verified"], self.experts_per_miss["per_layer"]
+        e_v = e_v if e_v is not None else e_p
+        e_p = e_p if e_p is not None else e_v
+        return (e_v if e_v is not None else 1.0), (e_p if e_p is not None else 1.0)
+
     def expected(self, share: float):
         """``(verified, per_layer)``: the expected seconds of the next call in each mode at a
         running share ``share`` of MoE layers that missed; None where not known yet. With ``k =
@@ -298,15 +333,15 @@ class DecodeCosts:
             return None, None
         layers = self.layers or 1
         k = share * layers
-        e = self.experts_per_miss if self.experts_per_miss is not None else 1.0
+        e_v, e_p = self._experts_per_miss()
         if self.together:
             rho_call = self.replays_per_call if self.replays_per_call is not None else 1.0
             replays = rho_call * (1 - (1 - share) ** layers)
         else:
             replays = (self.replays_per_miss if self.replays_per_miss is not None else 1.0) * k
-        verified = c["verified"] + replays * c["replay"] + k * e * (c["read_verified"] or 0.0)
+        verified = c["verified"] + replays * c["replay"] + k * e_v * (c["read_verified"] or 0.0)
         per_layer = c["per_layer"] + k * ((c["per_layer_miss"] or 0.0)
-                                          + e * (c["read_per_layer"] or 0.0))  # fmt: skip
+                                          + e_p * (c["read_per_layer"] or 0.0))  # fmt: skip
         # a share ``again`` of verified calls runs again whole: a per-layer call after a forward
         again = self.again
         return (1 - again) * verified + again * (per_layer + c["verified"]), per_layer
@@ -322,6 +357,7 @@ class DecodeCosts:
         self.calls[mode] += 1
         if verified:
             self.again += WEIGHT * (again - self.again)
+            self.explore_gap = EXPLORE_GAP if missed == 0 else min(REFRESH, 2 * self.explore_gap)
         self.clean_per_layer = not verified and (self.clean_per_layer or missed == 0)
         self.since_verified = 0 if verified else self.since_verified + 1
         self.cache_limit = None
@@ -332,9 +368,9 @@ class DecodeCosts:
             self.read_s[mode] = reads / experts if old is None else old + WEIGHT * (
                 reads / experts - old)
         if missed:
-            old = self.experts_per_miss
+            old = self.experts_per_miss[mode]
             new = experts / missed
-            self.experts_per_miss = new if old is None else old + WEIGHT * (new - old)
+            self.experts_per_miss[mode] = new if old is None else old + WEIGHT * (new - old)
             if verified:
                 old, new = self.replays_per_miss, replays / missed
                 self.replays_per_miss = new if old is None else old + WEIGHT * (new - old)
@@ -344,15 +380,23 @@ class DecodeCosts:
         x = replays if verified else missed
         c = self.estimate  # (as the last choice saw them)
         guess = c["verified" if verified else "per_layer"]
-        if guess and work > OUTLIER * (guess + x * (c["replay" if verified else "sync"] or 0.0)):
-            return
         fit = self.fits[mode]
+        # (only against a measured clean cost: an intercept extrapolated from calls that missed
+        # in most layers came out near 0 on the CPU, and every clean call after it was left out
+        # as an outlier, so the estimate never mended)
+        if (
+            guess
+            and fit[5] >= CLEAN_MEASURED
+            and work > OUTLIER * (guess + x * (c["replay" if verified else "sync"] or 0.0))
+        ):
+            return
         fit[0] = DECAY * fit[0] + 1.0
         fit[1] = DECAY * fit[1] + x
         fit[2] = DECAY * fit[2] + x * x
         fit[3] = DECAY * fit[3] + work
         fit[4] = DECAY * fit[4] + x * work
         fit[5] = DECAY * fit[5] + (x == 0)
+        fit[6] = DECAY * fit[6] + (work if x == 0 else 0.0)
 
     def summary(self) -> Dict[str, object]:
         """For ``--streaming-stats``: the estimates in seconds (None: not measured), the probe,
