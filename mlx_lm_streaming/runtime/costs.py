@@ -51,8 +51,8 @@ trusted for ever).
 
 The chooser is opt-in (``CacheTuning.verify_choice="costs"``): the share limits
 (``MAX_MISSED_SHARE``...) decide by default on every backend. On the CPU it was measured against
-each mode forced and came within 10% of the best fixed mode in most regimes, not all
-(docs/benchmarks/README.md, "The decode chooser"); on CUDA and Metal it is unverified
+each mode forced and came within 10% of the best fixed mode in 23 of 24 groups of four runs, as the
+limits did (docs/benchmarks/README.md, "The decode chooser"); on CUDA and Metal it is unverified
 (docs/design.md, "Which mode a decode call takes").
 """
 
@@ -95,10 +95,10 @@ ESTIMATES = ("sync", "layer", "verified", "per_layer", "replay", "per_layer_miss
 # how a backend's decode calls choose between a verified step and the per-layer schedule, where
 # ``CacheTuning.verify_choice`` does not say: "costs", by this run's measured costs
 # (``DecodeCosts``); "limits", by the share limits below (``MAX_MISSED_SHARE``...); "always": every
-# call that may be a verified step is one. "limits" everywhere: on the CPU the chooser was measured
-# against each mode forced and was not within 10% of the best fixed mode in every regime (ram,
-# trace routing, 50%: 0.76 of it; docs/benchmarks/README.md, "The decode chooser"); on CUDA and
-# Metal it was not measured. It is opt-in (``verify_choice="costs"``)
+# call that may be a verified step is one. "limits" everywhere: on the CPU the chooser came within
+# 10% of the best fixed mode in 23 of 24 groups of four runs, and so did the limits, which it does
+# not beat there (docs/benchmarks/README.md, "The decode chooser"); on CUDA and Metal, where the
+# limits are the guess, it was not measured. It is opt-in (``verify_choice="costs"``)
 CHOICE: dict = {}
 CHOICE_ELSE = "limits"
 CHOICES = ("costs", "limits", "always")
