@@ -2,6 +2,8 @@
 the CPU: set up as on mlx-cuda (backend "cuda" passed in, a placer that records what it was
 asked, as tests/test_tiers.py does), the banks, copies, policy and counters the package's own."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cached(path, device_experts, host_experts, placer=None, **options):
@@ -156,3 +159,25 @@ def test_plan_says_the_rest_a_host_cache_would_sit_below(q3_path, monkeypatch):
     rest = cache.total_expert_bytes - cache.budget_bytes
     line = tiers.plan_line(cache, "cuda")
     assert f"cannot hold the rest, {rest / 1e9:.3f} GB" in line and "host cache" in line
+
+
+def test_the_replayed_policy_figures_are_the_docs():
+    # docs/design.md and host_cache's docstring: replayed on the routing traces (device 25%, host
+    # 50%), the exclusive host cache served 0.53-0.92 of the device's misses against 0.51-0.86
+    # admitting what is read from disk, and at host 25% 0.50-0.68 against 0.34-0.53
+    from mlx_lm_streaming.files.routing_trace import read_trace
+    from mlx_lm_streaming.tools.replay import host_cache_served
+
+    got = {}
+    for name in ("qwen3-30b-a3b", "gemma-4-26b-a4b", "trained-qwen3moe-16x64"):
+        trace = read_trace(ROOT / "tests" / "data" / "routing" / f"{name}.jsonl")
+        e = trace.num_experts
+        for host in (0.5, 0.25):
+            for exclusive in (True, False):
+                share = host_cache_served(trace, e // 4, int(host * e), exclusive=exclusive)
+                got[name, host, exclusive] = round(share, 2)
+    assert [got[n, 0.5, True] for n in ("qwen3-30b-a3b", "trained-qwen3moe-16x64")] == [0.53, 0.92]
+    assert [got[n, 0.5, False] for n in ("qwen3-30b-a3b", "trained-qwen3moe-16x64")] == [0.51, 0.86]
+    lo_hi = lambda host, ex: (min(v for k, v in got.items() if k[1:] == (host, ex)),  # noqa: E731
+                              max(v for k, v in got.items() if k[1:] == (host, ex)))
+    assert lo_hi(0.25, True) == (0.50, 0.68) and lo_hi(0.25, False) == (0.34, 0.53)

@@ -19,9 +19,10 @@ the host bank's lowest ``decay`` score where it is full; an expert the host bank
 (it is on the device now). The tiers hold different experts, about as many as both have slots.
 A served expert's host slot is free only once it was copied out, after the load's victims were
 kept (they are copied before any slot is written): those displace other host experts, and the
-freed slots take the next load's victims. Replaying the routing traces (tests/data/routing; per
-layer the device slots with the default policy at 25% of the experts, the host bank at 50%,
-decode rows, this order of copies), the host bank served 0.53 (Qwen3-30B-A3B), 0.56 (gemma-4)
+freed slots take the next load's victims. Replaying the routing traces
+(``replay.host_cache_served``, tests/data/routing; per layer the device slots with the default
+policy at 25% of the experts, the host bank at 50%, decode rows, this order of copies), the host
+bank served 0.53 (Qwen3-30B-A3B), 0.56 (gemma-4)
 and 0.92 (the trained qwen3moe 16x64, a longer trace) of the device's misses; admitting every
 expert read from disk and keeping those served (inclusive) served 0.51, 0.54 and 0.86, and with
 the host at 25% 0.34-0.53 against 0.50-0.68. Freeing a served slot before the victims are kept

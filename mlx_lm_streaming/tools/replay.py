@@ -108,3 +108,43 @@ def belady(trace: RoutingTrace, slots: Union[int, Sequence[int]]) -> ReplayResul
                     resident.remove(victim)
                 resident.add(e)
     return result
+
+
+def host_cache_served(
+    trace: RoutingTrace, slots: int, host_slots: int, exclusive: bool = True,
+    policy: str = DEFAULT_POLICY, host_policy: str = "decay",
+) -> float:
+    """The share of the device slots' decode misses that a host cache of ``host_slots`` slots per
+    MoE layer would serve (``runtime/host_cache.py``), each layer's decode rows in order, cold.
+    ``exclusive`` (the host cache's policy): the device's victims enter the host bank, the ones it
+    serves leave it, in the order of its copies (the victims kept, the served experts pinned, then
+    those dropped); else every expert read from disk enters it and the served ones stay."""
+    missed = served = 0
+    for layer in range(trace.num_layers):
+        dev, host = SlotTable(trace.num_experts, policy), SlotTable(trace.num_experts, host_policy)
+        dev.reset(slots)
+        host.reset(host_slots)
+        for row in trace.rows:
+            if row.phase != "decode" or not row.experts[layer]:
+                continue
+            before = dev.expert_of.copy()
+            missing, into, _ = dev.admit(np.array(row.experts[layer], dtype=np.int64))
+            held = [e for e in missing.tolist() if host.slot_of[e] >= 0]
+            missed, served = missed + len(missing), served + len(held)
+            if exclusive:
+                admit = [int(before[s]) for s in into if before[s] >= 0]
+                admit = [e for e in admit if host.slot_of[e] < 0]
+                resident = host.expert_of[host.expert_of >= 0]
+                room = int((host.expert_of < 0).sum()) + int((~np.isin(resident, held)).sum())
+                admit, keep = admit[:room], held
+            else:
+                admit, keep = [e for e in missing.tolist() if host.slot_of[e] < 0], ()
+            if admit and host_slots:
+                new, at, _ = host.admit(np.array(admit[:host_slots]), keep=keep)
+                host.place(new, at)
+            if held:
+                host.policy.use(np.array(held))
+                if exclusive:
+                    host.drop(np.array(held))
+            dev.place(missing, into)
+    return served / missed if missed else float("nan")
