@@ -139,6 +139,7 @@ class ExpertCache:
         self._order: Optional[List[LayerBank]] = None
         self._numbers: Dict[int, int] = {}
         self._lock = threading.Lock()
+        self._direct_lock = threading.Lock()  # (``set_direct``)
         self._closed = False
         _LIVE.add(self)
 
@@ -207,6 +208,18 @@ class ExpertCache:
             with self._lock:
                 self.callers.add(me)
                 self.shared = len(self.callers) > 1
+                if self.shared:  # direct reads off for good (``LayerBank.direct``)
+                    with self._direct_lock:
+                        for bank in self._banks:
+                            bank.direct = False
+
+    def set_direct(self, bank) -> None:
+        """``bank.direct`` from its views and the calling threads, under the lock that
+        ``note_caller`` turns it off under (a bank remaking its views meanwhile cannot turn it on
+        again). A lock of its own: banks remake their views while the cache plans them, under
+        ``_lock``."""
+        with self._direct_lock:
+            bank.direct = bank.views is not None and not self.shared
 
     @property
     def bank_pool(self) -> ThreadPoolExecutor:

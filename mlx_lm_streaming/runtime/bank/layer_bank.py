@@ -47,6 +47,10 @@ class LayerBank:
         # addresses they were made for; None where MLX memory has none (see ``refresh_views``)
         self.views: Optional[List[np.ndarray]] = None
         self.view_addresses: Optional[List[int]] = None
+        # whether demand reads go straight into the banks' memory now (module docstring): views,
+        # and one calling thread; kept current by ``refresh_views`` and the cache's
+        # ``note_caller`` (an attribute: ``schedules.choose`` reads it on every layer call)
+        self.direct = False
         # on mlx-cuda: the writer of direct reads into the views' memory by device copies
         # (``cuda_copy``), or None (host writes through the views)
         self.copier = None
@@ -121,6 +125,10 @@ class LayerBank:
         """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
         not be done in place). Called after every MLX update of the banks; views are used only under
         ``lock``, so a stale one is never written through."""
+        self._make_views()
+        self.cache.set_direct(self)
+
+    def _make_views(self) -> None:
         if self.slots == 0 or not self.cache.direct_reads:
             self.views = self.view_addresses = self.copier = None
             return
@@ -272,12 +280,6 @@ class LayerBank:
             "hit_rate": self.hits / asked if asked else float("nan"),
             "gb_read": self.misses * self.layer.expert_nbytes / 1e9,
         }
-
-    @property
-    def direct(self) -> bool:
-        """Whether demand reads go straight into the banks' memory now (module docstring)."""
-        cache = self.cache
-        return self.views is not None and cache.direct_reads and not cache.shared
 
     def stage(
         self, experts: np.ndarray, kind: str, priority: int, block: bool = False, fit: bool = False
