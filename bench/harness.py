@@ -274,7 +274,6 @@ class ForcedRouting:
 
     def indices(self, layer_no, shape):
         import mlx.core as mx
-        import numpy as np
 
         from routing_replay import taken
 

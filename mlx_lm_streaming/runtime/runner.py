@@ -103,7 +103,6 @@ class StepRunner:
             self.per_layer_calls = max(0, self.per_layer_calls - 1)
             if self.pending is not None:
                 self.flush()
-            cache = self.state.cache
             stats = cache.stats
             banks = cache.banks
             before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
