@@ -354,23 +354,19 @@ def decode_block(cfg, n):
     return [seconds / steps] * steps
 
 
-def _load(path, options):
-    import mlx_lm.utils
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
-
-
 def load_stock(path):
-    model, config = _load(path, False)
+    """Stock mlx-lm's model of ``path`` (the package installed, streaming off), as the parity tool."""
+    from mlx_lm_streaming.tools import parity
+
+    model, config = parity.load_stock(Path(path))
     assert not hasattr(model, "expert_streaming")
     return model, config
 
 
 def load_streaming(path, **options):
-    return _load(path, options)
+    from mlx_lm_streaming.tools import parity
+
+    return parity.load_streaming(Path(path), **options)
 
 
 def expert_sizes(path):
