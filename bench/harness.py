@@ -1,5 +1,5 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
-probe, forced routing and decode timing, loading stock and streaming models.
+probe, the routing a configuration replays and decode timing, loading stock and streaming models.
 
 Imported by ``gpu_pipeline.py``, ``prefill.py``, ``memory.py`` and ``distributed.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
