@@ -67,7 +67,7 @@ from ..errors import ConfigurationError
 WEIGHT = 0.25
 DECAY = 0.9
 # calls of each mode left out at the start: the first calls of a shape build kernels and fill
-# the allocator's pools (measured: the first decode call 3-20x the later ones on the CPU)
+# the allocator's pools (docs/design.md, "Which mode a decode call takes")
 WARMUP = 1
 # a call that takes more than this many times its mode's estimate is left out (a pause of the
 # host, another process)
@@ -77,9 +77,8 @@ REFRESH = 64
 # clean verified calls (decayed) the fit wants before a clean per-layer call stops trying one;
 # such a try comes at most once in EXPLORE_GAP calls, a gap that doubles (up to REFRESH) with each
 # verified call that missed and starts again at a clean one: the token after a clean one mostly
-# misses, and a verified call that misses costs 1.3-3x a per-layer one on the CPU (measured: the
-# tries after every clean token were 12 of 47 calls in a regime of 8% clean tokens, then one in 17
-# with a fixed gap, 2-3% of the run's time: bench/gpu_pipeline.py, tiny shape, ram, trace, 50%)
+# misses, and a verified call that misses costs more than a per-layer one on the CPU (the figures:
+# docs/design.md, "Which mode a decode call takes")
 CLEAN_POINTS = 2.0
 EXPLORE_GAP = 16
 # clean calls (decayed) from which a mode's clean cost is their mean, not the fit's intercept
