@@ -386,17 +386,19 @@ def expert_sizes(path):
 def machine(device):
     """What ran a benchmark: platform, CPUs, RAM, mlx and mlx-lm, the default device (and the GPU's
     name), with a one-line ``summary``."""
-    import importlib.metadata as md
-
     import mlx.core as mx
+    import mlx_lm
 
     ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(),
-                mlx=md.version("mlx"), mlx_lm=md.version("mlx-lm"), ram_gb=ram_gb,
+                mlx=mx.__version__, mlx_lm=mlx_lm.__version__, ram_gb=ram_gb,
                 device=str(mx.default_device()))  # fmt: skip
     if device == "gpu":
         query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        try:
+            info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no nvidia-smi: a GPU of another kind
+            pass
     info["summary"] = (
         f"{info.get('gpu') or platform.processor() or platform.machine()}, {info['cpus']} CPUs, "
         f"{ram_gb:.0f} GiB RAM, mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, default device "
