@@ -224,9 +224,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             # ask for exactly the experts this pass made resident (the model's own router: the
             # same tokens at the same positions). KV cache and token stream rewound in both: stock
             # on mlx-cuda differs from itself past 256 KV entries (seen on the H200, issue 36).
-            routing = cfg.routing  # its position: ForcedRouting.calls, TraceRouting.cursor
-            state = {k: dict(getattr(routing, k)) for k in ("calls", "cursor")
-                     if hasattr(routing, k)}
+            routing = cfg.routing
+            cursor = dict(routing.cursor) if routing is not None else None
             pos = cfg.pos
             for _ in range(args.rounds):
                 decode_block(cfg, args.block)
@@ -236,8 +235,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             else:
                 start(cfg)
             if mode["warm_pass"] == "replay" and routing is not None:
-                for k, v in state.items():
-                    setattr(routing, k, dict(v))
+                routing.cursor = cursor
         cfg.tokens, cfg.decode_s = [], []
         cfg.stats0 = cfg.counters()
     # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,

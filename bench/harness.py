@@ -1,5 +1,5 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
-probe, forced routing and decode timing, loading stock and streaming models.
+probe, the routing a configuration replays and decode timing, loading stock and streaming models.
 
 Imported by ``gpu_pipeline.py``, ``prefill.py``, ``memory.py`` and ``distributed.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
@@ -7,7 +7,6 @@ token stream are forced, how decode is timed: docs/benchmarks/methods.md (harnes
 """
 
 import hashlib
-import math
 import mmap
 import os
 import platform
@@ -256,75 +255,17 @@ def precision_recall(p):
     }
 
 
-class ForcedRouting:
-    """Replaces a layer's router choice by uniformly random experts, alike in every configuration:
-    the choice depends only on (layer, call number), so logits stay comparable. Why uniform
-    (a random-weight model's own router picks the same few experts): docs/benchmarks/methods.md."""
-
-    DEVICE_BLOCK = 256  # one-row calls whose ids go to the device at once
-
-    def __init__(self, num_experts: int, seed: int = 0):
-        self.num_experts = num_experts
-        self.seed = seed
-        self.calls = {}
-        self._blocks = {}  # (layer, top-k, first call) -> DEVICE_BLOCK calls' ids on the device
-
-    def reset(self):
-        self.calls = {}
-
-    def indices(self, layer_no, shape):
-        import mlx.core as mx
-
-        from routing_replay import taken
-
-        call = self.calls.get(layer_no, 0)
-        if math.prod(shape[:-1]) == 1:
-            # a one-row call: a slice of a block of calls sent to the device once (issue 36)
-            first = call - call % self.DEVICE_BLOCK
-            key = (layer_no, tuple(shape), first)
-            block = self._blocks.get(key)
-            if block is None:
-                picks = [self._pick(layer_no, c, (1, shape[-1])) for c in
-                         range(first, first + self.DEVICE_BLOCK)]
-                # each call's ids an evaluated array of its own: no graph node per call
-                block = [mx.array(p.reshape(shape)) for p in picks]
-                mx.eval(block)
-                self._blocks = {k: v for k, v in self._blocks.items() if k[0] != layer_no}
-                self._blocks[key] = block
-            ids = block[call - first]
-        else:
-            ids = mx.array(self.peek(layer_no, shape))
-        self.calls[layer_no] = call + 1
-        taken(self, layer_no, 1)
-        return ids
-
-    def unwind(self, layer_no, calls):
-        self.calls[layer_no] -= calls
-
-    def peek(self, layer_no, shape):
-        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
-        return self._pick(layer_no, self.calls.get(layer_no, 0), shape)
-
-    def _pick(self, layer_no, call, shape):
-        import numpy as np
-
-        rng = np.random.default_rng([self.seed, layer_no, call])
-        rows = math.prod(shape[:-1])
-        pick = np.argsort(rng.random((rows, self.num_experts)), axis=-1)[:, : shape[-1]]
-        return pick.astype(np.uint32).reshape(shape)
-
-
 def make_routing(routing: str, num_experts: int, layers: int):
-    """The routing a configuration replays: ``uniform`` (``ForcedRouting``), ``trace:FILE``
-    (``routing_replay.TraceRouting``: with fewer layers than the trace, its first ones), or None
+    """The routing a configuration replays (``routing_replay``'s): ``uniform`` (``ForcedRouting``),
+    ``trace:FILE`` (``TraceRouting``: with fewer layers than the trace, its first ones), or None
     (``model:DIR``: that checkpoint's own router)."""
+    from routing_replay import ForcedRouting, TraceRouting
+
+    from mlx_lm_streaming.files.routing_trace import read_trace
+
     if routing == "uniform":
         return ForcedRouting(num_experts)
     if routing.startswith("trace:"):
-        from routing_replay import TraceRouting
-
-        from mlx_lm_streaming.files.routing_trace import read_trace
-
         trace = read_trace(routing[len("trace:") :])
         return TraceRouting(trace, layers=None if layers == trace.num_layers else layers)
     return None
@@ -413,23 +354,19 @@ def decode_block(cfg, n):
     return [seconds / steps] * steps
 
 
-def _load(path, options):
-    import mlx_lm.utils
-
-    from mlx_lm_streaming.integration.integration import install
-
-    install()
-    return mlx_lm.utils.load_model(Path(path), model_config={"streaming_experts": options})
-
-
 def load_stock(path):
-    model, config = _load(path, False)
+    """Stock mlx-lm's model of ``path`` (the package installed, streaming off), as the parity tool."""
+    from mlx_lm_streaming.tools import parity
+
+    model, config = parity.load_stock(Path(path))
     assert not hasattr(model, "expert_streaming")
     return model, config
 
 
 def load_streaming(path, **options):
-    return _load(path, options)
+    from mlx_lm_streaming.tools import parity
+
+    return parity.load_streaming(Path(path), **options)
 
 
 def expert_sizes(path):
@@ -447,30 +384,24 @@ def expert_sizes(path):
 
 
 def machine(device):
+    """What ran a benchmark: platform, CPUs, RAM, mlx and mlx-lm, the default device (and the GPU's
+    name), with a one-line ``summary``."""
     import mlx.core as mx
+    import mlx_lm
 
-    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
-    try:
-        import importlib.metadata as md
-
-        info["mlx"] = md.version("mlx")
-        info["mlx_lm"] = md.version("mlx-lm")
-    except Exception:
-        pass
-    try:
-        info["ram_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
-    except (ValueError, OSError):
-        pass
-    info["device"] = str(mx.default_device())
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(),
+                mlx=mx.__version__, mlx_lm=mlx_lm.__version__, ram_gb=ram_gb,
+                device=str(mx.default_device()))  # fmt: skip
     if device == "gpu":
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
         try:
-            query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
             info["gpu"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-        except OSError:
+        except OSError:  # no nvidia-smi: a GPU of another kind
             pass
     info["summary"] = (
-        f"{info.get('gpu') or platform.processor() or platform.machine()}, "
-        f"{info['cpus']} CPUs, {info.get('ram_gb', 0):.0f} GiB RAM, mlx {info.get('mlx')}, "
-        f"mlx-lm {info.get('mlx_lm')}, default device {info['device']}"
+        f"{info.get('gpu') or platform.processor() or platform.machine()}, {info['cpus']} CPUs, "
+        f"{ram_gb:.0f} GiB RAM, mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, default device "
+        f"{info['device']}"
     )
     return info

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from harness import (
-    ARCHS, BUDGET_GB, GB, ForcedRouting, checkpoint, common_arguments, drop_page_cache,
+    ARCHS, BUDGET_GB, GB, checkpoint, common_arguments, drop_page_cache,
     expert_sizes, load_stock, load_streaming, log, machine, shards, use_device,
 )  # fmt: skip
 
@@ -68,7 +68,8 @@ def rss_child(path, which, budget_gb, prefill_tokens, decode_tokens=8):
     vocab = vocab_size(config)
     rng = random.Random(1)
     tokens = mx.array([rng.randrange(vocab) for _ in range(prefill_tokens)])
-    routing_replay.wrap(model, ForcedRouting(routing_replay._expert_counts(model)[0]))
+    routing = routing_replay.ForcedRouting(routing_replay._expert_counts(model)[0])
+    routing_replay.wrap(model, routing)
     for _ in generate_step(tokens, model, max_tokens=decode_tokens):
         pass
     out.update(peak_rss=peak_rss(), rss_after_imports=base, mlx_peak=mx.get_peak_memory())

@@ -19,15 +19,78 @@ import numpy as np
 from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError
 
 
-# rows a call may take from the device copy of a layer's table (decode, short verified steps);
-# longer calls (prefill) are sent from the host as before
-DEVICE_PAD = 64
+class RowRouting:
+    """Router choices as rows of expert ids per layer, taken in order by each layer's cursor.
+    ``rows(layer_no, start, n, top_k)`` gives rows ``start`` to ``start + n``; ``period(layer_no)``
+    is where the cursor wraps (None: never). A decode call's row is an evaluated device array of
+    its own, sent in blocks of ``BLOCK`` rows (no host array and no graph node per call: issue 36
+    measured a host array per MoE layer call costing stock a fifth); a longer call's are sent from
+    the host."""
+
+    BLOCK = 256
+
+    def __init__(self):
+        self.cursor: Dict[int, int] = {}
+        self._device: Dict[tuple, tuple] = {}  # (layer, shape) -> (first row, its block's arrays)
+
+    def reset(self) -> None:
+        self.cursor = {}
+
+    def period(self, layer_no: int) -> Optional[int]:
+        return None
+
+    def indices(self, layer_no: int, shape):
+        """The next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
+        import mlx.core as mx
+
+        rows, start = math.prod(shape[:-1]), self.cursor.get(layer_no, 0)
+        if rows == 1:
+            first, key = start - start % self.BLOCK, (layer_no, tuple(shape))
+            held = self._device.get(key)
+            if held is None or held[0] != first:
+                block = self.rows(layer_no, first, self.BLOCK, shape[-1])
+                held = self._device[key] = (first, [mx.array(r.reshape(shape)) for r in block])
+                mx.eval(held[1])
+            ids = held[1][start - first]
+        else:
+            ids = mx.array(self.peek(layer_no, shape))
+        self._move(layer_no, start + rows)
+        taken(self, layer_no, rows)
+        return ids
+
+    def unwind(self, layer_no: int, rows: int) -> None:
+        self._move(layer_no, self.cursor[layer_no] - rows)
+
+    def _move(self, layer_no: int, to: int) -> None:
+        period = self.period(layer_no)
+        self.cursor[layer_no] = to if period is None else to % period
+
+    def peek(self, layer_no: int, shape) -> np.ndarray:
+        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
+        start, rows = self.cursor.get(layer_no, 0), math.prod(shape[:-1])
+        return self.rows(layer_no, start, rows, shape[-1]).reshape(shape)
 
 
-class TraceRouting:
+class ForcedRouting(RowRouting):
+    """Uniformly random experts in place of a layer's router choice, alike in every configuration:
+    row r of layer l depends only on (seed, l, r), so logits stay comparable. Why uniform (a
+    random-weight model's own router picks the same few experts): docs/benchmarks/methods.md."""
+
+    def __init__(self, num_experts: int, seed: int = 0):
+        super().__init__()
+        self.num_experts, self.seed = num_experts, seed
+
+    def rows(self, layer_no: int, start: int, n: int, top_k: int) -> np.ndarray:
+        picks = [np.random.default_rng([self.seed, layer_no, r]).random(self.num_experts)
+                 for r in range(start, start + n)]  # fmt: skip
+        return np.argsort(np.array(picks), axis=-1)[:, :top_k].astype(np.uint32)
+
+
+class TraceRouting(RowRouting):
     """Router choices from a routing trace, the same for every model it wraps."""
 
     def __init__(self, trace: RoutingTrace, layers: Optional[int] = None):
+        super().__init__()
         self.trace = trace
         self.top_k, self.num_experts = trace.top_k, trace.num_experts
         self.layers = trace.num_layers if layers is None else layers
@@ -41,13 +104,9 @@ class TraceRouting:
         for layer in range(self.layers):
             ids = [row.experts[layer] for row in trace.rows if row.experts[layer]]
             self.table.append(np.array(ids, dtype=np.uint32))
-        self.cursor: Dict[int, int] = {}
-        # per layer: the table on the device, its first ``DEVICE_PAD`` rows repeated at its end,
-        # sent once and sliced per call (made on first use)
-        self._device: Dict[int, object] = {}
 
-    def reset(self) -> None:
-        self.cursor = {}
+    def period(self, layer_no: int) -> int:
+        return len(self.table[layer_no])
 
     def check(self, num_layers: int, num_experts: int, top_k: int) -> None:
         """One-line ``TraceError`` unless the model can replay this trace's first ``layers``."""
@@ -71,57 +130,14 @@ class TraceRouting:
         """Route every MoE layer of ``model`` through this trace; returns the layers wrapped."""
         return wrap(model, self)
 
-    def indices(self, layer_no: int, shape):
-        """The trace's next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
-        import mlx.core as mx
-
-        table = self.table[layer_no]
-        rows = math.prod(shape[:-1])
-        start = self.cursor.get(layer_no, 0)
-        if rows == 1 and shape[-1] == self.top_k:
-            # a decode call: one of the rows sent to the device once, each an evaluated array of
-            # its own (no host array and no graph node per call: issue 36 measured a host array
-            # per MoE layer call costing stock a fifth)
-            ids = self._device_rows(layer_no, tuple(shape))[start]
-        elif rows <= DEVICE_PAD and shape[-1] == self.top_k:
-            # a short call (a verified step run again): a slice of the table on the device
-            device = self._device.get(layer_no)
-            if device is None:
-                pad = table[np.arange(DEVICE_PAD) % len(table)]
-                device = self._device[layer_no] = mx.array(np.concatenate([table, pad]))
-                mx.eval(device)
-            ids = device[start : start + rows].reshape(shape)
-        else:
-            ids = mx.array(self.peek(layer_no, shape))
-        self.cursor[layer_no] = (start + rows) % len(table)
-        taken(self, layer_no, rows)
-        return ids
-
-    def _device_rows(self, layer_no: int, shape) -> list:
-        """Each row of layer ``layer_no``'s table as an evaluated device array of ``shape``."""
-        import mlx.core as mx
-
-        key = (layer_no, shape)
-        rows = self._device.get(key)
-        if rows is None:
-            rows = self._device[key] = [mx.array(r.reshape(shape)) for r in self.table[layer_no]]
-            mx.eval(rows)
-        return rows
-
-    def unwind(self, layer_no: int, rows: int) -> None:
-        self.cursor[layer_no] = (self.cursor[layer_no] - rows) % len(self.table[layer_no])
-
-    def peek(self, layer_no: int, shape) -> np.ndarray:
-        """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
-        if shape[-1] != self.top_k:
+    def rows(self, layer_no: int, start: int, n: int, top_k: int) -> np.ndarray:
+        if top_k != self.top_k:
             raise TraceError(
-                f"{self.trace.path}: layer {layer_no} asked for {shape[-1]} experts per token, "
+                f"{self.trace.path}: layer {layer_no} asked for {top_k} experts per token, "
                 f"the trace has {self.top_k}"
             )
         table = self.table[layer_no]
-        rows = math.prod(shape[:-1])
-        start = self.cursor.get(layer_no, 0)
-        return table[np.arange(start, start + rows) % len(table)].reshape(shape)
+        return table[np.arange(start, start + n) % len(table)]
 
     def decode_rows(self):
         """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""

@@ -144,6 +144,17 @@ def run(cmd, cwd, env=None, input=None, timeout=120) -> subprocess.CompletedProc
     return out
 
 
+def gpu_pipeline_quick(tmp_path: Path, *args, timeout=240):
+    """``bench/gpu_pipeline.py --quick ARGS``, its report written to ``tmp_path/out`` as
+    ``quick.json`` and ``quick.md``, in a clean environment: ``(the finished process, the JSON
+    report, the markdown)``."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    cmd = [sys.executable, root / "bench" / "gpu_pipeline.py", "--quick", *args]
+    proc = run(cmd + ["--out", out, "--tag", "quick"], cwd=root, env=clean_env(), timeout=timeout)
+    return proc, json.loads((out / "quick.json").read_text()), (out / "quick.md").read_text()
+
+
 def generated_text(stdout: str) -> str:
     """The text ``mlx_lm.generate`` prints between its two ``==========`` lines."""
     parts = stdout.split("==========\n")

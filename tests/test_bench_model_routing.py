@@ -2,39 +2,19 @@
 (no forced ids), hit and ram regimes on that checkpoint, exact token by token against its stocks;
 the ram probe's figures and each ram row's ram limit reported."""
 
-import json
-import sys
 from pathlib import Path
 
-from support import clean_env, run
+from support import gpu_pipeline_quick
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "gpu_pipeline.py"
-DEMO = ROOT / "docs" / "demo-model"
+DEMO = Path(__file__).resolve().parent.parent / "docs" / "demo-model"
 
 
 def test_quick_model_routing_and_ram_probe(tmp_path):
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--quick",
-        "--regimes",
-        "hit,ram",
-        "--routings",
-        f"model:{DEMO}",
+    proc, res, md = gpu_pipeline_quick(
+        tmp_path, "--regimes", "hit,ram", "--routings", f"model:{DEMO}",
         # half the demo's experts: the ram regime misses (its 8 experts a layer at 0.9: 7 slots)
-        "--ram-budget",
-        "0.5",
-        "--variants",
-        "default",
-        "--out",
-        out,
-        "--tag",
-        "quick",
-    ]
-    proc = run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
-    res = json.loads((out / "quick.json").read_text())
+        "--ram-budget", "0.5", "--variants", "default",
+    )  # fmt: skip
     label = "model demo-model (its own router)"
     ck = res["checkpoints"][label]
     assert set(res["checkpoints"]) == {label}
@@ -66,6 +46,5 @@ def test_quick_model_routing_and_ram_probe(tmp_path):
             if g["stock_basis"]["used"] == "stock":
                 assert lim["tok_s"] < 1 / g["configs"]["stock"]["s_per_token"]
             assert lim["of_limit"] > 0
-    md = (out / "quick.md").read_text()
     assert label in md and "ram limit tok/s" in md and "Ram probe" in md
     assert label in proc.stdout

@@ -170,6 +170,16 @@ def test_every_script_a_test_trace_names_exists():
     assert not missing, f"scripts named by traces in tests/data but not in the tree: {missing}"
 
 
+def test_the_build_files_name_only_scripts_that_exist():
+    # pyproject.toml said why matplotlib is a test dependency by a script retired long before
+    # (bench/experts.py): what the package's build and CI files name must be there
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", ".ci/run"):
+        text = (ROOT / name).read_text()
+        named = re.findall(r"\b((?:bench|docs|tools|tests|synthetic)/[\w/]+\.(?:py|sh))\b", text)
+        missing = [script for script in named if not (ROOT / script).is_file()]
+        assert not missing, f"{name} names scripts that are not in the tree: {missing}"
+
+
 def test_routing_model_figures(tmp_path):
     # --compare on a committed trace (the quickest to replay) gives the figures docs/benchmarks
     # records for it; the model mode runs on the demo model (a Qwen3-MoE too) and writes a trace

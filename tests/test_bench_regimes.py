@@ -1,43 +1,20 @@
 """bench/gpu_pipeline.py --quick: the three regimes, the stock floors and a command-line tuning
 variant, run on the CPU at tiny size; every configuration exact, every regime's ratio there."""
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
-from support import clean_env, run
+from support import gpu_pipeline_quick
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "gpu_pipeline.py"
 SPLIT = ("ids wait", "host to submit", "reads", "installs", "compute", "rest", "between layers")
 
 
 def test_quick_regimes_floors_and_tuning_variant(tmp_path):
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--quick",
-        "--regimes",
-        "hit,ram,cold",
-        "--floors",
-        "--ckpt-dir",
-        tmp_path / "ckpt",
-        "--out",
-        out,
-        "--tag",
-        "quick",
-        "--tuning-variant",
-        "nolk:lookahead=false",
-        "--tuning-variant",
+    proc, res, md = gpu_pipeline_quick(
+        tmp_path, "--regimes", "hit,ram,cold", "--floors", "--ckpt-dir", tmp_path / "ckpt",
+        "--tuning-variant", "nolk:lookahead=false",
         # the split is the per-layer schedule's (a verified step has one check per token)
-        "perlayer:verified_steps=false",
-        "--variants",
-        "default,perlayer_tl,nolk_tl",
-    ]
-    proc = run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
-    res = json.loads((out / "quick.json").read_text())
+        "--tuning-variant", "perlayer:verified_steps=false",
+        "--variants", "default,perlayer_tl,nolk_tl",
+    )  # fmt: skip
     assert res["tuning_variants"] == {
         "nolk": {"lookahead": False},
         "perlayer": {"verified_steps": False},
@@ -88,7 +65,6 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
                 assert all(v >= 0 for v in parts.values()), (where, split)
             else:
                 assert "timeline" not in c
-    md = (out / "quick.md").read_text()
     for regime in ("hit", "ram", "cold"):
         assert f"### {regime}" in md
         assert f"### {regime}" in proc.stdout
@@ -104,14 +80,10 @@ def test_quick_new_families(tmp_path, shape, layers, experts, traced):
     # the Qwen3.5/3.6 hybrid (three Gated DeltaNet layers and one of full attention) and gemma-4
     # (five sliding-window layers and one global) at tiny dims, each routing (gemma-4's own trace
     # too): every regime exact against stock; --layers counts decoder layers, each an MoE layer
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable, SCRIPT, "--quick", "--shape", shape, "--layers", str(layers),
-        "--regimes", "hit,ram,cold", "--budgets", "0.25", "--ckpt-dir", tmp_path / "ckpt",
-        "--out", out, "--tag", "quick", "--variants", "default",
-    ]  # fmt: skip
-    run(cmd, cwd=ROOT, env=clean_env(), timeout=240)
-    res = json.loads((out / "quick.json").read_text())
+    _, res, _ = gpu_pipeline_quick(
+        tmp_path, "--shape", shape, "--layers", str(layers), "--regimes", "hit,ram,cold",
+        "--budgets", "0.25", "--ckpt-dir", tmp_path / "ckpt", "--variants", "default",
+    )  # fmt: skip
     assert (res["moe_layers"], res["experts"]) == (layers, experts)
     routings = {g["routing"].split(":")[0] for g in res["groups"]}
     assert routings == ({"uniform", "trace"} if traced else {"uniform"})

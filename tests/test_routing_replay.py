@@ -110,7 +110,7 @@ def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
 
 
 def test_device_ids_equal_the_hosts_across_the_tables_end(rr):
-    # a call's ids are a slice of the table sent to the device once (issue 36); a call that runs
+    # a decode call's ids are a row of a block sent to the device once (issue 36); a call that runs
     # past the table's end wraps to its start, as the host's rows do
     routing = rr.TraceRouting(read_trace(TRACE), layers=2)
     table = routing.table[1]
@@ -120,24 +120,25 @@ def test_device_ids_equal_the_hosts_across_the_tables_end(rr):
     assert np.array(got).tolist() == want.tolist()
     assert want.reshape(-1, 6).tolist() == table[[-2, -1, 0, 1, 2]].tolist()
     assert routing.cursor[1] == 3
-    # a call longer than the device copy's pad comes from the host, the same rows
-    long = (1, rr.DEVICE_PAD + 1, 6)
-    got = np.array(routing.indices(1, long))
-    assert got.tolist() == table[3 : 3 + long[1]].reshape(long).tolist()
+    routing.cursor[1] = len(table) - 2
+    for row in (-2, -1, 0, 1):
+        assert np.array(routing.indices(1, (1, 1, 6))).reshape(-1).tolist() == table[row].tolist()
 
 
-def test_forced_routing_device_blocks_equal_peek():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import harness
-    finally:
-        sys.path.remove(str(BENCH))
-    routing = harness.ForcedRouting(128)
-    block = routing.DEVICE_BLOCK
-    routing.calls[0] = block - 2  # across a block's end
+@pytest.mark.parametrize("start", [0, 254, 300])
+def test_forced_routing_device_blocks_equal_peek(rr, start):
+    routing = rr.ForcedRouting(128)
+    routing.cursor[0] = start  # 254: across a block's end
     for _ in range(4):
         want = routing.peek(0, (1, 1, 6))
         assert np.array(routing.indices(0, (1, 1, 6))).tolist() == want.tolist()
-    routing.unwind(0, 3)  # back into the first block
-    got = np.array(routing.indices(0, (1, 1, 6)))
-    assert got.tolist() == routing._pick(0, block - 1, (1, 1, 6)).tolist()
+    routing.unwind(0, 3)  # back by three rows (into the first block from 254)
+    got = np.array(routing.indices(0, (1, 1, 6))).reshape(-1)
+    assert got.tolist() == routing.rows(0, start + 1, 1, 6)[0].tolist()
+    assert len(set(got.tolist())) == 6 and got.max() < 128
+    # a call of several rows takes the same rows as that many one-row calls
+    routing.cursor[0] = start
+    rows = np.array(routing.indices(0, (1, 3, 6))).reshape(-1, 6)
+    routing.cursor[0] = start
+    assert rows.tolist() == [np.array(routing.indices(0, (1, 1, 6))).reshape(-1).tolist()
+                             for _ in range(3)]  # fmt: skip

@@ -16,8 +16,8 @@ call):
   ``replay``: what each layer run again after a miss adds (its check's sync and the layers after it
   computed again), both from a running least-squares fit of the verified calls' times (their reads
   taken out) on their replays: through the mean of the calls that missed nowhere where there are
-  some (measured, not extrapolated: the run's first calls, slow and missing everywhere, biased the
-  intercept to 8-11 ms where clean calls took 6.3-7.9 on the CPU), else the fit's intercept;
+  some (measured, not extrapolated: docs/design.md, "Which mode a decode call takes", says why),
+  else the fit's intercept;
 - ``per_layer``: a per-layer call that missed nowhere, and ``per_layer_miss``: what each MoE layer
   that missed adds beside its reads (the host work of a miss), from the same fit of the per-layer
   calls' times on their MoE layers that missed;
@@ -25,11 +25,10 @@ call):
   misses of a token read together, on the bank threads; a per-layer call's by its layer:
   ``CacheStats``' wait and install time);
 - ``experts_per_miss``, ``replays_per_miss``, ``replays_per_call``: experts read per MoE layer that
-  missed in each mode (a verified step reads the experts the pass beyond a miss named too: 3-4
-  against 1.4 per layer that missed on the CPU, ram regime, trace routing; one mean for both modes
-  priced a per-layer call's misses at twice what they cost), replays per layer that missed, replays
-  per verified call that missed; ``again``: the share of verified calls run again whole, per layer
-  (``verified_step._Again``).
+  missed in each mode (a verified step reads the experts the pass beyond a miss named too, so
+  one mean for both modes misprices a per-layer call's misses: docs/design.md), replays per layer
+  that missed, replays per verified call that missed; ``again``: the share of verified calls run
+  again whole, per layer (``verified_step._Again``).
 
 Each is a running mean (the newest call weighs ``WEIGHT``; the fit forgets at ``DECAY``), so the
 costs follow the run. ``limit`` is the choice: with ``k = share * layers`` MoE layers expected to
@@ -50,10 +49,9 @@ without a verified one, one runs (a measurement that chose the per-layer schedul
 trusted for ever).
 
 The chooser is opt-in (``CacheTuning.verify_choice="costs"``): the share limits
-(``MAX_MISSED_SHARE``...) decide by default on every backend. On the CPU it was measured against
-each mode forced and came within 10% of the best fixed mode in 23 of 24 groups of four runs, as the
-limits did (docs/benchmarks/README.md, "The decode chooser"); on CUDA and Metal it is unverified
-(docs/design.md, "Which mode a decode call takes").
+(``MAX_MISSED_SHARE``...) decide by default on every backend: on the CPU it does no better than
+they do, on CUDA and Metal it is unverified (docs/design.md, "Which mode a decode call takes", with
+the figures).
 """
 
 import math
@@ -69,7 +67,7 @@ from ..errors import ConfigurationError
 WEIGHT = 0.25
 DECAY = 0.9
 # calls of each mode left out at the start: the first calls of a shape build kernels and fill
-# the allocator's pools (measured: the first decode call 3-20x the later ones on the CPU)
+# the allocator's pools (docs/design.md, "Which mode a decode call takes")
 WARMUP = 1
 # a call that takes more than this many times its mode's estimate is left out (a pause of the
 # host, another process)
@@ -79,9 +77,8 @@ REFRESH = 64
 # clean verified calls (decayed) the fit wants before a clean per-layer call stops trying one;
 # such a try comes at most once in EXPLORE_GAP calls, a gap that doubles (up to REFRESH) with each
 # verified call that missed and starts again at a clean one: the token after a clean one mostly
-# misses, and a verified call that misses costs 1.3-3x a per-layer one on the CPU (measured: the
-# tries after every clean token were 12 of 47 calls in a regime of 8% clean tokens, then one in 17
-# with a fixed gap, 2-3% of the run's time: bench/gpu_pipeline.py, tiny shape, ram, trace, 50%)
+# misses, and a verified call that misses costs more than a per-layer one on the CPU (the figures:
+# docs/design.md, "Which mode a decode call takes")
 CLEAN_POINTS = 2.0
 EXPLORE_GAP = 16
 # clean calls (decayed) from which a mode's clean cost is their mean, not the fit's intercept
@@ -95,10 +92,9 @@ ESTIMATES = ("sync", "layer", "verified", "per_layer", "replay", "per_layer_miss
 # how a backend's decode calls choose between a verified step and the per-layer schedule, where
 # ``CacheTuning.verify_choice`` does not say: "costs", by this run's measured costs
 # (``DecodeCosts``); "limits", by the share limits below (``MAX_MISSED_SHARE``...); "always": every
-# call that may be a verified step is one. "limits" everywhere: on the CPU the chooser came within
-# 10% of the best fixed mode in 23 of 24 groups of four runs, and so did the limits, which it does
-# not beat there (docs/benchmarks/README.md, "The decode chooser"); on CUDA and Metal, where the
-# limits are the guess, it was not measured. It is opt-in (``verify_choice="costs"``)
+# call that may be a verified step is one. "limits" everywhere: on the CPU the chooser does not
+# beat them, on CUDA and Metal, where the limits are the guess, it was not measured
+# (docs/design.md, "Which mode a decode call takes"). It is opt-in (``verify_choice="costs"``)
 CHOICE: dict = {}
 CHOICE_ELSE = "limits"
 CHOICES = ("costs", "limits", "always")
@@ -246,8 +242,8 @@ class DecodeCosts:
             clean = extra = None
             if n0 >= CLEAN_MEASURED:
                 # clean calls measured: their mean, and the slope of the others through it (an
-                # intercept extrapolated from calls that missed was biased by the run's first,
-                # slowest calls: 8-11 ms where clean calls took 6.3-7.9, CPU, hit regime)
+                # intercept extrapolated from calls that missed is biased by the run's first,
+                # slowest calls: docs/design.md, "Which mode a decode call takes")
                 clean = sy0 / n0
                 if sxx > 1e-9:
                     extra = max(0.0, (sxy - clean * sx) / sxx)

@@ -6,7 +6,7 @@ into a slot bank's host view pays for the bytes three times (the read, the migra
 bytes out, the migration of the new bytes in, during the next layer's compute). Here a demand read
 goes into a page-locked host buffer of the reading thread and is copied into the slot with
 ``cudaMemcpyAsync`` on that thread's stream: the slot's pages stay on the device. Measured on the
-H200 (docs/benchmarks/README.md, "Into the slots"): several times faster per expert, counting the
+H200 (docs/design.md, "Device copies on mlx-cuda"): several times faster per expert, counting the
 device's next read of the slots.
 
 Used only where every check passes (``copier_for``): the default device is a GPU, the CUDA runtime

@@ -71,7 +71,7 @@ class CacheTuning:
     verify_choice: Optional[str] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer
-    # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
+    # thread hand-offs: docs/history.md, "A token's misses read together"); None: always
     # spread
     spread_reads_upto: Optional[int] = 1
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the

@@ -254,9 +254,9 @@ class Tiers:
 
 
 # the host tier when --expert-host-gb is not given: ``split``'s default (every expert the device
-# cannot hold, where host RAM less a margin allows it), since an H200 run placed both tiers as
-# planned and decoded bit-exact at 0.67-0.97 of stock where streaming misses from the page cache
-# gave 0.13 at a 25% budget (docs/benchmarks/README.md, "Two tiers on mlx-cuda")
+# cannot hold, where host RAM less a margin allows it), on mlx-cuda only where the placement was
+# measured faster than streaming misses from the page cache, and exact (docs/design.md, "Two tiers
+# on mlx-cuda", gives the run)
 DEFAULT_ON = True
 # of the host RAM the OS calls available, this much stays free for the OS, other programs and the
 # page cache when the default host tier is sized (the larger of the two)
