@@ -7,6 +7,10 @@ The cache owns what the banks share: the demand read threads, the background rea
 (``prefetch.ExpertPrefetcher``: lookahead, next wave) and the fill thread that completes identity
 banks, the settings that turn each of them on or off (``CacheTuning``), and the counters behind
 ``--streaming-stats``.
+
+Where the budget is not pinned (``follow_memory``) it is a ceiling: the cache follows free memory
+below it (``moving_budget.py``), its banks made again at a new size between two model calls
+(``follow_budget``).
 """
 
 import contextlib
@@ -17,14 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigurationError, ExpertIOError
-from . import costs
+from . import costs, free_memory, memory
 from .bank import LayerBank
 from .counters import CacheStats
 from .index import LayerExperts, natural_key
 from .modes import PER_LAYER
+from .moving_budget import CHECK_SECONDS, BudgetWatch, MovingBudget
 from .no_timeline import NO_TIMELINE
 from .options import gb_at_least
 from .policy import DEFAULT_POLICY
@@ -85,6 +91,9 @@ class CacheTuning:
     staging_bytes: Optional[int] = None
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
+    # seconds between two readings of free memory where the budget follows it
+    # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
+    budget_check_seconds: Optional[float] = CHECK_SECONDS
 
 
 class ExpertCache:
@@ -98,6 +107,7 @@ class ExpertCache:
         policy: str = DEFAULT_POLICY,
         direct_reads: bool = True,
         layer_major_prefill: bool = True,
+        follow_memory: bool = False,
     ):
         self.store = store
         # the user's switches, resolved for this backend (``StreamingOptions.use_direct_reads``,
@@ -106,6 +116,15 @@ class ExpertCache:
         # chunk after chunk before layer L+1 (layer_major.py; off: chunk by chunk, as stock)
         self.direct_reads, self.layer_major_prefill = direct_reads, layer_major_prefill
         self.budget_bytes = budget_bytes
+        # the budget is a ceiling that the cache follows free memory below (``moving_budget``),
+        # from its planning on: the rule and its thread, the reader of free memory they use (None:
+        # ``free_memory.reader_for`` this backend's), and the budget the thread asks for, which the
+        # model's thread applies between two calls (``follow_budget``)
+        self.follow_memory = follow_memory
+        self.moving: Optional[MovingBudget] = None
+        self.budget_watch: Optional[BudgetWatch] = None
+        self.memory_reader = None
+        self.budget_due: Optional[int] = None
         # on mlx-cuda: host memory for the experts the device budget cannot hold and the two tiers
         # (``tiers.Tiers``), or a host cache below that (``host_cache``), set at load by
         # ``tiers.set_up``; every bank complete (``note_complete``): a call runs stock's graph whole
@@ -329,6 +348,8 @@ class ExpertCache:
         for the finalizer that runs when a model is garbage collected, which can run inside another
         thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
         self._closed = True
+        if self.budget_watch is not None:
+            self.budget_watch.close(wait=wait)
         if self.tiers is not None:
             self.tiers.close()
         if self._prefetcher is not None:
@@ -396,6 +417,50 @@ class ExpertCache:
         for bank, nxt in zip(banks, banks[1:] + [None]):
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
+        if self.follow_memory and self.moving is None and banks and not self._closed:
+            self._watch_memory()
+
+    # -- the budget following free memory (``moving_budget``) ------------------------------------
+
+    def _watch_memory(self) -> None:
+        """The budget becomes the ceiling of a moving one; its thread starts (once planned). Not
+        with two tiers or a host cache (their placement is planned once: docs/usage.md)."""
+        if self.tiers is not None or self.host_cache is not None or self.budget_bytes is None:
+            return
+        floor = sum(b.layer.expert_nbytes for b in self.banks)
+        self.moving = MovingBudget(min(self.budget_bytes, self.total_expert_bytes), floor)
+        self.budget_bytes = self.moving.ceiling
+        reader = self.memory_reader or free_memory.reader_for(
+            memory.cuda_memory_bytes() is not None
+        )
+        self.budget_watch = BudgetWatch(self, self.moving, reader)
+        if self.tuning.budget_check_seconds is not None:
+            self.budget_watch.interval = self.tuning.budget_check_seconds
+            self.budget_watch.start()
+
+    def follow_budget(self) -> bool:
+        """Apply the budget the watch asked for (``budget_due``), between two model calls on the
+        model's thread (``StepRunner.__call__``): every bank made again at its new slot count
+        (``LayerBank.resize``: the least useful experts leave; kept ones are copied), then MLX's
+        freed buffers given back to the OS. Not while another thread's call runs or several
+        threads call the layers (a bank cannot be remade under a call). Whether it moved."""
+        want, self.budget_due = self.budget_due, None
+        before = self.budget_bytes
+        if want is None or want == before or not self.planned or self.moving is None:
+            return False
+        if self.shared or self.mode is not PER_LAYER:
+            return False
+        if self.steps is not None:
+            self.steps.flush()  # the last verified step's uses, recorded under the old table
+        with self._lock:
+            self.budget_bytes = want
+            banks = self.banks
+            for bank, slots in zip(banks, self.plan_slots()):
+                bank.resize(slots)
+            self.all_complete = all(b.complete for b in banks)
+        self.moving.moved(before, want, self.budget_watch.clock())
+        give_back_memory(self.moving)
+        return True
 
     def layer_number(self, bank: LayerBank) -> int:
         """The bank's MoE layer number (0 first), in model order."""
@@ -435,7 +500,29 @@ class ExpertCache:
             "per_layer": [b.summary() for b in self.banks],
             **(t.summary() if (t := self.tiers or self.host_cache) is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
+            **(self.moving.summary() if self.moving is not None else {}),
         }
+
+
+# MLX's buffer cache limit before the budget first fell below its ceiling (``give_back_memory``)
+_cache_limit: Optional[int] = None
+
+
+def give_back_memory(moving: MovingBudget) -> None:
+    """After the banks were made again: MLX's freed buffers go back to the OS (``mx.clear_cache``)
+    and, while the budget is below its ceiling, MLX keeps at most one expert per layer's bytes of
+    freed buffers (``mx.set_cache_limit``; the arrays that a graph built before still holds are
+    freed when it ran: they go back then), the limit as it was once the budget is back at its
+    ceiling. On Linux with glibc, ``malloc_trim`` returns the heap's free pages too."""
+    global _cache_limit
+    below = moving.budget < moving.ceiling
+    if below and _cache_limit is None:
+        _cache_limit = mx.set_cache_limit(moving.floor)
+    elif not below and _cache_limit is not None:
+        mx.set_cache_limit(_cache_limit)
+        _cache_limit = None
+    mx.clear_cache()
+    memory.trim_heap()
 
 
 def close_all() -> None:

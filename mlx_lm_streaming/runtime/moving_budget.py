@@ -1,0 +1,140 @@
+"""The expert cache's budget following free memory, where the user did not pin it.
+
+With no budget given the default share (``memory.DEFAULT_CACHE_SHARE``) is the most the cache
+takes, with ``--expert-cache-gb`` the given budget; unless ``--expert-cache-fixed`` pins it, a
+background thread (``BudgetWatch``) reads free memory (``free_memory``) every ``CHECK_SECONDS`` and
+moves the budget between one expert per MoE layer and that ceiling (``MovingBudget.target``):
+
+- short of memory (less than ``LOW_FREE_SHARE`` of the memory free, or the OS says so): the cache
+  gives back enough for ``MID_FREE_SHARE`` to be free again, and at least ``PRESSURE_STEP`` of
+  itself when the OS reports pressure (half of itself where critical);
+- plenty free (more than ``HIGH_FREE_SHARE``), no pressure, and no shrink in the last
+  ``GROW_AFTER_SECONDS``: it grows by what is free above ``HIGH_FREE_SHARE``, up to the ceiling;
+- in between it stays.
+
+The thread only decides. The cache applies a new budget on the model's thread between two model
+calls (``ExpertCache.follow_budget``, from ``StepRunner.__call__``), never inside one: its least
+useful experts (the eviction policy's victims) leave, the banks are made again at their new size
+with the kept experts' bytes copied, and MLX's buffer cache is emptied so the resident set falls. A
+graph built before (mlx-lm builds step t+1 before t is evaluated) holds the old arrays, which live
+until it ran; nothing writes them after. So a change of size never changes a token.
+"""
+
+import threading
+import time
+from typing import Callable, Optional
+
+from .free_memory import CRITICAL, NORMAL, Reading
+
+# seconds between two readings of free memory
+CHECK_SECONDS = 1.0
+# shares of the memory (``Reading.total``) that decide: below LOW free, shrink until MID is free;
+# above HIGH free, grow by what is free above HIGH
+LOW_FREE_SHARE = 0.125
+MID_FREE_SHARE = 0.1875
+HIGH_FREE_SHARE = 0.25
+# the least share of itself the cache gives back when the OS reports pressure (SHORT)
+PRESSURE_STEP = 0.25
+# no growth this long after a shrink (the memory given back must not be taken again at once)
+GROW_AFTER_SECONDS = 10.0
+# a move smaller than this share of the ceiling is not made (each move copies the kept experts)
+MIN_MOVE_SHARE = 1 / 32
+
+
+class MovingBudget:
+    """The budget's rule (module docstring): ``target(current, reading, now)`` in bytes, between
+    ``floor`` (one expert per MoE layer) and ``ceiling``; and the budget's low, high and moves
+    over the run, for ``--streaming-stats``."""
+
+    def __init__(self, ceiling: int, floor: int):
+        self.ceiling, self.floor = int(ceiling), int(min(floor, ceiling))
+        # the budget now, and its least and most over the run
+        self.budget = self.low = self.high = int(ceiling)
+        self.shrinks = self.grows = 0
+        self.last_shrink: Optional[float] = None
+        self.last_reading: Optional[Reading] = None
+
+    def target(self, current: int, reading: Optional[Reading], now: float) -> int:
+        """The budget for ``current`` bytes of budget now, given ``reading`` (None: unknown, stay)."""
+        self.last_reading = reading
+        if reading is None or reading.available is None or not reading.total:
+            return current
+        free, total = reading.available, reading.total
+        want = current
+        if free < LOW_FREE_SHARE * total or reading.pressure != NORMAL:
+            want = current - max(0, int(MID_FREE_SHARE * total - free))
+            if reading.pressure == CRITICAL:
+                want = min(want, current // 2)
+            elif reading.pressure != NORMAL:
+                want = min(want, int(current * (1 - PRESSURE_STEP)))
+        elif free > HIGH_FREE_SHARE * total:
+            waited = self.last_shrink is None or now - self.last_shrink >= GROW_AFTER_SECONDS
+            if waited:
+                want = current + int(free - HIGH_FREE_SHARE * total)
+        want = max(self.floor, min(self.ceiling, want))
+        if abs(want - current) < MIN_MOVE_SHARE * self.ceiling and self.floor < want < self.ceiling:
+            return current
+        return want
+
+    def moved(self, before: int, after: int, now: float) -> None:
+        """The cache's budget went from ``before`` to ``after``."""
+        if after < before:
+            self.shrinks += 1
+            self.last_shrink = now
+        elif after > before:
+            self.grows += 1
+        self.budget = after
+        self.low, self.high = min(self.low, after), max(self.high, after)
+
+    def summary(self) -> dict:
+        return {
+            "budget_low_gb": self.low / 1e9,
+            "budget_high_gb": self.high / 1e9,
+            "budget_ceiling_gb": self.ceiling / 1e9,
+            "budget_shrinks": self.shrinks,
+            "budget_grows": self.grows,
+        }
+
+
+class BudgetWatch:
+    """The background thread: every ``interval`` s a reading, and the budget it asks for put on
+    the cache (``ExpertCache.budget_due``) for its model thread to apply between calls."""
+
+    def __init__(
+        self,
+        cache,  # expert_cache.ExpertCache
+        rule: MovingBudget,
+        reader: Callable[[], Optional[Reading]],
+        interval: float = CHECK_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cache, self.rule, self.reader = cache, rule, reader
+        self.interval, self.clock = interval, clock
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._loop, name="mlx-lm-streaming-budget", daemon=True
+        )
+        self._thread.start()
+
+    def check(self) -> None:
+        """One reading; a budget other than the cache's is left for its model thread."""
+        cache = self.cache
+        current = cache.budget_bytes
+        want = self.rule.target(current, self.reader(), self.clock())
+        cache.budget_due = want if want != current else None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # a failed reading leaves the budget where it is
+                self.cache.budget_due = None
+
+    def close(self, wait: bool = True) -> None:
+        self._stop.set()
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
