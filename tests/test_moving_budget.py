@@ -315,3 +315,12 @@ def test_a_pinned_budget_never_moves_and_a_given_one_is_a_ceiling(q3_path):
     given.now = Reading(0, 100 * four)
     cache.budget_watch.check()
     assert cache.follow_budget() and cache.budget_bytes == per_slot(model)
+
+
+def test_plan_says_what_the_cache_does_under_pressure_and_how_to_pin_it(q3_path, capsys):
+    from mlx_lm_streaming.__main__ import main as cli
+
+    assert cli(["plan", str(q3_path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "memory pressure" in x)
+    assert "12.5%" in line and "25%" in line and "one expert per MoE layer" in line
+    assert "--expert-cache-fixed" in line and "MLX_LM_STREAMING_CACHE_FIXED=1" in line

@@ -115,7 +115,9 @@ def _flag_to_environment(option, text, model):
     parser.add_argument("--model")
     cli.add_streaming_arguments(parser)
     argv = ["--model", str(model), "--streaming-experts", option.flag]
-    argv += [] if option.metavar == "?" and text in ("1", True) else [text]
+    # a flag without a value (``metavar`` None) or whose value may be left out stands for "1"
+    bare = option.metavar is None or option.metavar == "?" and text in ("1", True)
+    argv += [] if bare else [text]
     namespace = parser.parse_args(argv)
     environ = {}
     said, sigterm = report.cli_streaming, signal.getsignal(signal.SIGTERM)

@@ -41,6 +41,25 @@ GROW_AFTER_SECONDS = 10.0
 MIN_MOVE_SHARE = 1 / 32
 
 
+def plan_line(cache) -> str:
+    """What the cache does under memory pressure, for ``mlx_lm_streaming plan``."""
+    from .options import decimal_gb
+
+    if cache.tiers is not None or cache.host_cache is not None:
+        return (
+            "under memory pressure: the budget stays fixed (two tiers or a host cache on "
+            "mlx-cuda: their placement is planned once)"
+        )
+    floor = sum(b.layer.expert_nbytes for b in cache.banks)
+    return (
+        "under memory pressure: the budget is a ceiling; with less than "
+        f"{LOW_FREE_SHARE:.1%} of the memory free (or the OS reporting pressure) the cache gives "
+        "its least used experts' memory back to the OS, down to one expert per MoE layer "
+        f"({decimal_gb(floor)}), and grows again above {HIGH_FREE_SHARE:.0%} free; "
+        "--expert-cache-fixed (MLX_LM_STREAMING_CACHE_FIXED=1) pins it"
+    )
+
+
 class MovingBudget:
     """The budget's rule (module docstring): ``target(current, reading, now)`` in bytes, between
     ``floor`` (one expert per MoE layer) and ``ceiling``; and the budget's low, high and moves
