@@ -192,6 +192,17 @@ def test_grows_with_free_memory_up_to_the_ceiling_not_right_after_a_shrink():
     assert (s["budget_shrinks"], s["budget_grows"]) == (1, 1)
 
 
+def test_it_starts_where_free_memory_allows_before_anything_is_allocated():
+    rule = MovingBudget(ceiling=800 * MB, floor=10 * MB)
+    assert rule.start(None) == 800 * MB
+    assert rule.start(reading(1000 * MB)) == 800 * MB
+    # 300 MB free: the cache may take what leaves 18.75% (187.5 MB) free
+    assert rule.start(reading(300 * MB)) == 112_500_000
+    assert rule.start(reading(100 * MB)) == 10 * MB
+    assert rule.start(reading(1000 * MB, SHORT)) == 500 * MB  # under pressure: half what is free
+    assert (rule.low, rule.high) == (500 * MB, 500 * MB)
+
+
 # -- the cache, while a decode runs ------------------------------------------------------------------
 
 
@@ -324,3 +335,15 @@ def test_plan_says_what_the_cache_does_under_pressure_and_how_to_pin_it(q3_path,
     line = next(x for x in capsys.readouterr().out.splitlines() if "memory pressure" in x)
     assert "12.5%" in line and "25%" in line and "one expert per MoE layer" in line
     assert "--expert-cache-fixed" in line and "MLX_LM_STREAMING_CACHE_FIXED=1" in line
+
+
+def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, expected):
+    model, cache, given = _following(q3_path)
+    given.now = Reading(0, 100 * cache.total_expert_bytes)  # short before the first call
+    got = generated(model, steps=4)
+    assert cache.budget_bytes == per_slot(model) and bank_bytes(cache) == per_slot(model)
+    given.now = Reading(100 * cache.total_expert_bytes, 100 * cache.total_expert_bytes)
+    cache.budget_watch.check()
+    got += generated(model, steps=4)
+    assert bank_bytes(cache) == cache.total_expert_bytes
+    assert_same(expected[:4] * 2, got)

@@ -410,6 +410,8 @@ class ExpertCache:
 
     def _plan(self) -> None:
         banks = self.banks
+        if self.follow_memory and self.moving is None and banks and not self._closed:
+            self._watch_memory()
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
         for tier in filter(None, (self.tiers, self.host_cache)):
@@ -417,23 +419,23 @@ class ExpertCache:
         for bank, nxt in zip(banks, banks[1:] + [None]):
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
-        if self.follow_memory and self.moving is None and banks and not self._closed:
-            self._watch_memory()
 
     # -- the budget following free memory (``moving_budget``) ------------------------------------
 
     def _watch_memory(self) -> None:
-        """The budget becomes the ceiling of a moving one; its thread starts (once planned). Not
-        with two tiers or a host cache (their placement is planned once: docs/usage.md)."""
+        """The budget becomes the ceiling of a moving one, which starts where free memory allows
+        now (``MovingBudget.start``: nothing is allocated yet), and its thread starts; before the
+        banks are first planned. Not with two tiers or a host cache (their placement is planned
+        once: docs/usage.md)."""
         if self.tiers is not None or self.host_cache is not None or self.budget_bytes is None:
             return
         floor = sum(b.layer.expert_nbytes for b in self.banks)
         self.moving = MovingBudget(min(self.budget_bytes, self.total_expert_bytes), floor)
-        self.budget_bytes = self.moving.ceiling
         reader = self.memory_reader or free_memory.reader_for(
             memory.cuda_memory_bytes() is not None
         )
         self.budget_watch = BudgetWatch(self, self.moving, reader)
+        self.budget_bytes = self.moving.start(reader())
         if self.tuning.budget_check_seconds is not None:
             self.budget_watch.interval = self.tuning.budget_check_seconds
             self.budget_watch.start()

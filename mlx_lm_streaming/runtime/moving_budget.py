@@ -12,7 +12,8 @@ moves the budget between one expert per MoE layer and that ceiling (``MovingBudg
   ``GROW_AFTER_SECONDS``: it grows by what is free above ``HIGH_FREE_SHARE``, up to the ceiling;
 - in between it stays.
 
-The thread only decides. The cache applies a new budget on the model's thread between two model
+It starts, before the banks are first made, at the ceiling where that leaves ``MID_FREE_SHARE`` free,
+else at what does (``MovingBudget.start``). The thread only decides. The cache applies a new budget on the model's thread between two model
 calls (``ExpertCache.follow_budget``, from ``StepRunner.__call__``), never inside one: its least
 useful experts (the eviction policy's victims) leave, the banks are made again at their new size
 with the kept experts' bytes copied, and MLX's buffer cache is emptied so the resident set falls. A
@@ -72,6 +73,19 @@ class MovingBudget:
         self.shrinks = self.grows = 0
         self.last_shrink: Optional[float] = None
         self.last_reading: Optional[Reading] = None
+
+    def start(self, reading: Optional[Reading]) -> int:
+        """The budget before anything is allocated: the ceiling where ``MID_FREE_SHARE`` of the
+        memory stays free besides it (or nothing is known), else what leaves that much free, at
+        least ``floor``; counted as the budget's first value (its low and high)."""
+        budget = self.ceiling
+        if reading is not None and reading.available is not None and reading.total:
+            room = int(reading.available - MID_FREE_SHARE * reading.total)
+            if reading.pressure != NORMAL:
+                room = min(room, reading.available // 2)
+            budget = max(self.floor, min(self.ceiling, room))
+        self.budget = self.low = self.high = budget
+        return budget
 
     def target(self, current: int, reading: Optional[Reading], now: float) -> int:
         """The budget for ``current`` bytes of budget now, given ``reading`` (None: unknown, stay)."""
