@@ -81,7 +81,8 @@ def decode_child(path: str, stop_file: str, stock: bool, tokens: int, pressure_f
         while not done.wait(0.5):
             line = dict(
                 t=round(time.monotonic() - start, 2), rss=rss_of("self"), tokens=len(out),
-                budget=cache.budget_bytes, complete=bool(cache.all_complete),
+                budget=cache.budget_bytes, cache=cache.resident_bytes,
+                complete=bool(cache.all_complete),
             )  # fmt: skip
             print("STATUS " + json.dumps(line), flush=True)
 
@@ -158,14 +159,16 @@ def run(args) -> dict:
         now = time.monotonic() - start
         row = dict(
             t=round(now, 1), decode_rss=s["rss"], other_rss=rss_of(hog.pid) if hog else 0,
-            available=meminfo("MemAvailable"), budget=s["budget"], tokens=s["tokens"],
+            available=meminfo("MemAvailable"), budget=s["budget"], cache=s["cache"],
+            tokens=s["tokens"],
             phase=phase,
         )  # fmt: skip
         rows.append(row)
         log(
             f"{row['t']:6.1f} s  decode RSS {row['decode_rss'] / 1e9:6.3f} GB  other "
             f"{row['other_rss'] / 1e9:6.3f} GB  available {row['available'] / 1e9:6.3f} GB  "
-            f"budget {row['budget'] / 1e9:6.3f} GB  tokens {row['tokens']}  ({phase})"
+            f"budget {row['budget'] / 1e9:6.3f} GB  cache {row['cache'] / 1e9:6.3f} GB  "
+            f"tokens {row['tokens']}  ({phase})"
         )
         if phase == "growing" and s["complete"] and s["tokens"] >= 8:
             take = max(0, meminfo("MemAvailable") - int(args.leave_gb * GiB))
@@ -180,9 +183,7 @@ def run(args) -> dict:
         elif phase == "pressure" and hog.poll() is not None:
             events.append((round(now, 1), "other process exits"))
             hog_end, phase = now, "after"
-        elif phase == "after" and (
-            s["budget"] >= rows[0]["budget"] or now - hog_end > args.after
-        ):
+        elif phase == "after" and (s["budget"] >= rows[0]["budget"] or now - hog_end > args.after):
             events.append((round(now, 1), "decode told to stop"))
             stop.write_text("stop")
             phase = "stopping"
@@ -224,14 +225,14 @@ def markdown(r) -> str:
         f"{r['rss_given_back'] / 1e9:.3f} GB given back; budget before "
         f"{(r['budget_before'] or 0) / 1e9:.3f} GB, at the end {(r['budget_after'] or 0) / 1e9:.3f} GB.",
         "",
-        "| s | phase | decode RSS GB | other RSS GB | MemAvailable GB | budget GB | tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| s | phase | decode RSS GB | other RSS GB | MemAvailable GB | budget GB | cache GB | tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         lines.append(
             f"| {row['t']} | {row['phase']} | {row['decode_rss'] / 1e9:.3f} | "
             f"{row['other_rss'] / 1e9:.3f} | {row['available'] / 1e9:.3f} | "
-            f"{row['budget'] / 1e9:.3f} | {row['tokens']} |"
+            f"{row['budget'] / 1e9:.3f} | {row['cache'] / 1e9:.3f} | {row['tokens']} |"
         )
     lines += ["", "Events: " + "; ".join(f"{t} s: {e}" if t is not None else e
                                           for t, e in r["events"])]  # fmt: skip

@@ -104,7 +104,13 @@ class FakeLibc:
     a Mac (given), written through the pointers the reader passes."""
 
     def __init__(self, level=2, free=1000, inactive=3000, page=16384, fail=False):
-        self.level, self.free, self.inactive, self.page, self.fail = level, free, inactive, page, fail
+        self.level, self.free, self.inactive, self.page, self.fail = (
+            level,
+            free,
+            inactive,
+            page,
+            fail,
+        )
         self.mach_host_self = lambda: 7
 
     def sysctlbyname(self, name, value, size, new, newlen):
@@ -174,6 +180,14 @@ def test_the_oss_pressure_gives_back_a_share_even_with_memory_free():
     rule = MovingBudget(ceiling=400 * MB, floor=10 * MB)
     assert rule.target(400 * MB, reading(200 * MB, SHORT), now=0) == 300 * MB
     assert rule.target(400 * MB, reading(200 * MB, CRITICAL), now=0) == 200 * MB
+    # a step per span of the OS's average (PSI's avg10): the average does not fall at once
+    rule.moved(400 * MB, 300 * MB, now=100.0)
+    assert rule.target(300 * MB, reading(200 * MB, SHORT), now=105.0) == 300 * MB
+    assert rule.target(300 * MB, reading(200 * MB, SHORT), now=110.0) == 225 * MB
+    # nor does it grow while the OS reports pressure
+    assert rule.target(300 * MB, reading(900 * MB, SHORT), now=105.0) == 300 * MB
+    # short of memory itself: at once
+    assert rule.target(300 * MB, reading(100 * MB, SHORT), now=105.0) == 212_500_000
 
 
 def test_grows_with_free_memory_up_to_the_ceiling_not_right_after_a_shrink():

@@ -7,7 +7,8 @@ moves the budget between one expert per MoE layer and that ceiling (``MovingBudg
 
 - short of memory (less than ``LOW_FREE_SHARE`` of the memory free, or the OS says so): the cache
   gives back enough for ``MID_FREE_SHARE`` to be free again, and at least ``PRESSURE_STEP`` of
-  itself when the OS reports pressure (half of itself where critical);
+  itself when the OS reports pressure (half of itself where critical; a step per
+  ``PRESSURE_EVERY_SECONDS``, the span the OS averages its pressure over);
 - plenty free (more than ``HIGH_FREE_SHARE``), no pressure, and no shrink in the last
   ``GROW_AFTER_SECONDS``: it grows by what is free above ``HIGH_FREE_SHARE``, up to the ceiling;
 - in between it stays.
@@ -21,6 +22,7 @@ graph built before (mlx-lm builds step t+1 before t is evaluated) holds the old 
 until it ran; nothing writes them after. So a change of size never changes a token.
 """
 
+import math
 import threading
 import time
 from typing import Callable, Optional
@@ -36,6 +38,9 @@ MID_FREE_SHARE = 0.1875
 HIGH_FREE_SHARE = 0.25
 # the least share of itself the cache gives back when the OS reports pressure (SHORT)
 PRESSURE_STEP = 0.25
+# the least time between two shrinks asked for by the OS's pressure alone (its average's span: PSI's
+# avg10): a shrink does not lower the average at once
+PRESSURE_EVERY_SECONDS = 10.0
 # no growth this long after a shrink (the memory given back must not be taken again at once)
 GROW_AFTER_SECONDS = 10.0
 # a move smaller than this share of the ceiling is not made (each move copies the kept experts)
@@ -94,15 +99,17 @@ class MovingBudget:
             return current
         free, total = reading.available, reading.total
         want = current
-        if free < LOW_FREE_SHARE * total or reading.pressure != NORMAL:
+        since = math.inf if self.last_shrink is None else now - self.last_shrink
+        # the OS's pressure is an average over the last 10 s: one step per such span
+        pressed = reading.pressure != NORMAL and since >= PRESSURE_EVERY_SECONDS
+        if free < LOW_FREE_SHARE * total or pressed:
             want = current - max(0, int(MID_FREE_SHARE * total - free))
-            if reading.pressure == CRITICAL:
+            if pressed and reading.pressure == CRITICAL:
                 want = min(want, current // 2)
-            elif reading.pressure != NORMAL:
+            elif pressed:
                 want = min(want, int(current * (1 - PRESSURE_STEP)))
-        elif free > HIGH_FREE_SHARE * total:
-            waited = self.last_shrink is None or now - self.last_shrink >= GROW_AFTER_SECONDS
-            if waited:
+        elif reading.pressure == NORMAL and free > HIGH_FREE_SHARE * total:
+            if since >= GROW_AFTER_SECONDS:
                 want = current + int(free - HIGH_FREE_SHARE * total)
         want = max(self.floor, min(self.ceiling, want))
         if abs(want - current) < MIN_MOVE_SHARE * self.ceiling and self.floor < want < self.ceiling:
