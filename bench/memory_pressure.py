@@ -214,6 +214,19 @@ def run(args) -> dict:
     )  # fmt: skip
 
 
+def shown_rows(rows, every: float = 5.0):
+    """The rows the table shows: one per ``every`` s, and each where the phase, the budget or the
+    cache's bytes changed (the JSON keeps every row)."""
+    shown, last, before = [], None, None
+    for row in rows:
+        key = (row["phase"], row["budget"], row["cache"])
+        if last is None or row["t"] - last >= every or key != before:
+            shown.append(row)
+            last = row["t"]
+        before = key
+    return shown
+
+
 def markdown(r) -> str:
     lines = [
         f"# Memory pressure: {r['layers']} MoE layers of the Qwen3-30B-A3B expert shape",
@@ -228,7 +241,7 @@ def markdown(r) -> str:
         "| s | phase | decode RSS GB | other RSS GB | MemAvailable GB | budget GB | cache GB | tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for row in r["rows"]:
+    for row in shown_rows(r["rows"]):
         lines.append(
             f"| {row['t']} | {row['phase']} | {row['decode_rss'] / 1e9:.3f} | "
             f"{row['other_rss'] / 1e9:.3f} | {row['available'] / 1e9:.3f} | "

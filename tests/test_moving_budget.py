@@ -270,11 +270,17 @@ def _following(q3_path, **options):
     return model, cache, given
 
 
+def cache_limit() -> int:
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
+
+
 def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_path, expected):
     model, cache, given = _following(q3_path)
     one_per_layer = per_slot(model)
     total_experts = cache.total_expert_bytes
-    seen = []
+    seen, limits, limit = [], [], cache_limit()
 
     def between(i):
         watch = cache.budget_watch
@@ -288,6 +294,7 @@ def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_pa
             given.now = None  # no answer: the budget holds
         watch.check()
         seen.append(cache.budget_due)
+        limits.append(cache_limit())
 
     got = generated(model, between=between)
     assert_same(expected, got)
@@ -297,6 +304,9 @@ def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_pa
     assert s["budget_high_gb"] == total_experts / GB
     assert (s["budget_shrinks"], s["budget_grows"]) == (1, 1)
     assert seen[6] == one_per_layer and seen[14] == total_experts
+    # MLX keeps no more than one expert per layer of freed buffers while the budget is below its
+    # ceiling (applied at the call after the check), and its own limit again once back
+    assert limits[7] == one_per_layer and limits[-1] == limit
     assert cache.budget_bytes == total_experts
     assert bank_bytes(cache) == total_experts
     assert "budget" in model.expert_streaming.stats_line()

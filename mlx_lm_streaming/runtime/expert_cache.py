@@ -6,11 +6,8 @@ leaves of the budget gives one more slot to layers in model order while it lasts
 The cache owns what the banks share: the demand read threads, the background reader
 (``prefetch.ExpertPrefetcher``: lookahead, next wave) and the fill thread that completes identity
 banks, the settings that turn each of them on or off (``CacheTuning``), and the counters behind
-``--streaming-stats``.
-
-Where the budget is not pinned (``follow_memory``) it is a ceiling: the cache follows free memory
-below it (``moving_budget.py``), its banks made again at a new size between two model calls
-(``follow_budget``).
+``--streaming-stats``. A budget not pinned is a ceiling the cache follows free memory below
+(``moving_budget.py``, ``follow_budget``).
 """
 
 import contextlib
@@ -18,23 +15,21 @@ import math
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigurationError, ExpertIOError
-from . import costs, free_memory, memory
+from . import costs, moving_budget
 from .bank import LayerBank
 from .counters import CacheStats
 from .index import LayerExperts, natural_key
 from .modes import PER_LAYER
-from .moving_budget import CHECK_SECONDS, BudgetWatch, MovingBudget
 from .no_timeline import NO_TIMELINE
 from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
+from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from here by many)
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the
@@ -43,57 +38,8 @@ from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 STAGING_SHARE = 0.05
 # banks loaded at once when a verified step reads a token's misses together
 BANK_THREADS = 8
-# experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
-PHASE_MIN_BYTES = 16 << 20
 # every cache that may have background threads, for ``close_all`` at interpreter exit
 _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class CacheTuning:
-    """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
-    drops work; none changes what is computed, and each is kept for a measured reason
-    (docs/benchmarks/README.md). Defaults that benchmarks and tests vary (through the internal
-    ``tuning`` entry of the streaming options, not a user option); what users choose (direct reads,
-    layer-major prefill) is theirs alone (``StreamingOptions``), resolved at load and given to the
-    cache beside this (``ExpertCache.direct_reads``, ``ExpertCache.layer_major_prefill``)."""
-
-    # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
-    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
-    # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
-    lookahead: bool = True
-    lookahead_min_precision: float = 0.5
-    # decode-sized calls whose experts are all resident run with no host sync per layer, checked
-    # once per call (``verified_step.py``)
-    verified_steps: bool = True
-    # a verified step that finds a miss reads, with the missed layer's experts, those the pass
-    # beyond it picked and lacks, all at once, then runs again from the missed layer
-    # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
-    read_misses_together: bool = True
-    # how a decode-sized call chooses between a verified step and the per-layer schedule
-    # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
-    # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
-    # wherever one may run; None: the backend's default (``costs.CHOICE``)
-    verify_choice: Optional[str] = None
-    # with direct reads, a load of at most this many experts spreads each expert's ranges over the
-    # store's readers; a load of more reads each expert on its own demand thread alone (fewer
-    # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
-    # spread
-    spread_reads_upto: Optional[int] = 1
-    # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
-    # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
-    # writes through the banks' views. Nothing changes on other backends
-    device_copies: bool = True
-    # with direct reads, experts of at least this many bytes are read a projection at a time
-    # (``schedules.ByProjection``); None: never
-    phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
-    # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
-    staging_bytes: Optional[int] = None
-    # bound on the hidden states held between layers for one group of chunks; None: no bound
-    prefill_hold_bytes: Optional[int] = 1 << 30
-    # seconds between two readings of free memory where the budget follows it
-    # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
-    budget_check_seconds: Optional[float] = CHECK_SECONDS
 
 
 class ExpertCache:
@@ -116,15 +62,10 @@ class ExpertCache:
         # chunk after chunk before layer L+1 (layer_major.py; off: chunk by chunk, as stock)
         self.direct_reads, self.layer_major_prefill = direct_reads, layer_major_prefill
         self.budget_bytes = budget_bytes
-        # the budget is a ceiling that the cache follows free memory below (``moving_budget``),
-        # from its planning on: the rule and its thread, the reader of free memory they use (None:
-        # ``free_memory.reader_for`` this backend's), and the budget the thread asks for, which the
-        # model's thread applies between two calls (``follow_budget``)
-        self.follow_memory = follow_memory
-        self.moving: Optional[MovingBudget] = None
-        self.budget_watch: Optional[BudgetWatch] = None
-        self.memory_reader = None
-        self.budget_due: Optional[int] = None
+        # a ceiling that the cache follows free memory below (``moving_budget.watch``): the rule,
+        # its thread, its reader (None: the backend's) and the budget it asks for (``follow_budget``)
+        self.follow_memory, self.memory_reader = follow_memory, None
+        self.moving = self.budget_watch = self.budget_due = None
         # on mlx-cuda: host memory for the experts the device budget cannot hold and the two tiers
         # (``tiers.Tiers``), or a host cache below that (``host_cache``), set at load by
         # ``tiers.set_up``; every bank complete (``note_complete``): a call runs stock's graph whole
@@ -411,7 +352,7 @@ class ExpertCache:
     def _plan(self) -> None:
         banks = self.banks
         if self.follow_memory and self.moving is None and banks and not self._closed:
-            self._watch_memory()
+            moving_budget.watch(self)
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
         for tier in filter(None, (self.tiers, self.host_cache)):
@@ -420,49 +361,10 @@ class ExpertCache:
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
 
-    # -- the budget following free memory (``moving_budget``) ------------------------------------
-
-    def _watch_memory(self) -> None:
-        """The budget becomes the ceiling of a moving one, which starts where free memory allows
-        now (``MovingBudget.start``: nothing is allocated yet), and its thread starts; before the
-        banks are first planned. Not with two tiers or a host cache (their placement is planned
-        once: docs/usage.md)."""
-        if self.tiers is not None or self.host_cache is not None or self.budget_bytes is None:
-            return
-        floor = sum(b.layer.expert_nbytes for b in self.banks)
-        self.moving = MovingBudget(min(self.budget_bytes, self.total_expert_bytes), floor)
-        reader = self.memory_reader or free_memory.reader_for(
-            memory.cuda_memory_bytes() is not None
-        )
-        self.budget_watch = BudgetWatch(self, self.moving, reader)
-        self.budget_bytes = self.moving.start(reader())
-        if self.tuning.budget_check_seconds is not None:
-            self.budget_watch.interval = self.tuning.budget_check_seconds
-            self.budget_watch.start()
-
     def follow_budget(self) -> bool:
-        """Apply the budget the watch asked for (``budget_due``), between two model calls on the
-        model's thread (``StepRunner.__call__``): every bank made again at its new slot count
-        (``LayerBank.resize``: the least useful experts leave; kept ones are copied), then MLX's
-        freed buffers given back to the OS. Not while another thread's call runs or several
-        threads call the layers (a bank cannot be remade under a call). Whether it moved."""
-        want, self.budget_due = self.budget_due, None
-        before = self.budget_bytes
-        if want is None or want == before or not self.planned or self.moving is None:
-            return False
-        if self.shared or self.mode is not PER_LAYER:
-            return False
-        if self.steps is not None:
-            self.steps.flush()  # the last verified step's uses, recorded under the old table
-        with self._lock:
-            self.budget_bytes = want
-            banks = self.banks
-            for bank, slots in zip(banks, self.plan_slots()):
-                bank.resize(slots)
-            self.all_complete = all(b.complete for b in banks)
-        self.moving.moved(before, want, self.budget_watch.clock())
-        give_back_memory(self.moving)
-        return True
+        """Apply the budget free memory asked for (``moving_budget.follow``), between two model
+        calls on the model's thread (``StepRunner.__call__``): whether it moved."""
+        return moving_budget.follow(self)
 
     def layer_number(self, bank: LayerBank) -> int:
         """The bank's MoE layer number (0 first), in model order."""
@@ -504,27 +406,6 @@ class ExpertCache:
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
             **(self.moving.summary() if self.moving is not None else {}),
         }
-
-
-# MLX's buffer cache limit before the budget first fell below its ceiling (``give_back_memory``)
-_cache_limit: Optional[int] = None
-
-
-def give_back_memory(moving: MovingBudget) -> None:
-    """After the banks were made again: MLX's freed buffers go back to the OS (``mx.clear_cache``)
-    and, while the budget is below its ceiling, MLX keeps at most one expert per layer's bytes of
-    freed buffers (``mx.set_cache_limit``; the arrays that a graph built before still holds are
-    freed when it ran: they go back then), the limit as it was once the budget is back at its
-    ceiling. On Linux with glibc, ``malloc_trim`` returns the heap's free pages too."""
-    global _cache_limit
-    below = moving.budget < moving.ceiling
-    if below and _cache_limit is None:
-        _cache_limit = mx.set_cache_limit(moving.floor)
-    elif not below and _cache_limit is not None:
-        mx.set_cache_limit(_cache_limit)
-        _cache_limit = None
-    mx.clear_cache()
-    memory.trim_heap()
 
 
 def close_all() -> None:

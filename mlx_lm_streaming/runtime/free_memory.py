@@ -7,7 +7,7 @@ a reader that asks the OS; a reader returns None where the OS does not answer, n
 - Linux: ``MemAvailable`` in /proc/meminfo (what the kernel can give without swapping: free pages,
   and the page cache and slab it can reclaim); the memory pressure stall information
   (/proc/pressure/memory: the share of the last 10 s in which tasks waited for memory); the cgroup
-  v2 limit and usage (``memory.max``, ``memory.current``) of the process's own group, where it
+  v2 limit and usage (memory.max, memory.current) of the process's own group, where it
   runs in one with a limit (a container): the room left under the limit counts, if it is less;
 - macOS: the kernel's memory pressure level (``sysctl kern.memorystatus_vm_pressure_level``: 1
   normal, 2 warning, 4 critical) and the free and inactive pages (``host_statistics64`` through
@@ -97,7 +97,7 @@ def cgroup_dir(proc_cgroup: str, root: str = "/sys/fs/cgroup") -> Optional[str]:
 
 
 def cgroup_limit(max_text: str, current_text: str) -> Optional[Tuple[int, int]]:
-    """``(limit, room)`` from a cgroup v2 group's ``memory.max`` and ``memory.current``, or None
+    """``(limit, room)`` from a cgroup v2 group's memory.max and memory.current, or None
     where it has no limit (``max``) or an answer is not a number."""
     limit, current = max_text.strip(), current_text.strip()
     if limit == "max":

@@ -25,9 +25,14 @@ until it ran; nothing writes them after. So a change of size never changes a tok
 import math
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
+import mlx.core as mx
+
+from . import free_memory, memory
 from .free_memory import CRITICAL, NORMAL, Reading
+from .modes import PER_LAYER
 
 # seconds between two readings of free memory
 CHECK_SECONDS = 1.0
@@ -178,3 +183,75 @@ class BudgetWatch:
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+# -- the cache's side (``ExpertCache``: ``follow_memory``, ``moving``, ``budget_watch``) ------------
+
+
+def watch(cache) -> None:
+    """``cache``'s budget becomes the ceiling of a moving one, which starts where free memory
+    allows now (``MovingBudget.start``: nothing is allocated yet), and its thread starts; before
+    the banks are first planned. Not with two tiers or a host cache (their placement is planned
+    once: docs/usage.md)."""
+    if cache.tiers is not None or cache.host_cache is not None or cache.budget_bytes is None:
+        return
+    floor = sum(b.layer.expert_nbytes for b in cache.banks)
+    cache.moving = MovingBudget(min(cache.budget_bytes, cache.total_expert_bytes), floor)
+    reader = cache.memory_reader or free_memory.reader_for(memory.cuda_memory_bytes() is not None)
+    cache.budget_watch = BudgetWatch(cache, cache.moving, reader)
+    cache.budget_bytes = cache.moving.start(reader())
+    seconds = cache.tuning.budget_check_seconds
+    if seconds is not None:
+        cache.budget_watch.interval = seconds
+        cache.budget_watch.start()
+
+
+def follow(cache) -> bool:
+    """Apply the budget the watch asked for (``cache.budget_due``), between two model calls on the
+    model's thread (``StepRunner.__call__``): every bank made again at its new slot count
+    (``LayerBank.resize``: the least useful experts leave; kept ones are copied), then MLX's
+    freed buffers given back to the OS (``give_back_memory``). Not while another thread's call
+    runs or several threads call the layers (a bank cannot be remade under a call). Whether it
+    moved."""
+    want, cache.budget_due = cache.budget_due, None
+    before, moving = cache.budget_bytes, cache.moving
+    if want is None or want == before or not cache.planned or moving is None:
+        return False
+    if cache.shared or cache.mode is not PER_LAYER:
+        return False
+    if cache.steps is not None:
+        cache.steps.flush()  # the last verified step's uses, recorded under the old table
+    cache.budget_bytes = want
+    banks = cache.banks
+    for bank, slots in zip(banks, cache.plan_slots()):
+        bank.resize(slots)
+    cache.all_complete = all(b.complete for b in banks)
+    moving.moved(before, want, cache.budget_watch.clock())
+    give_back_memory(moving)
+    return True
+
+
+# MLX's buffer cache limit as it was before a cache's budget fell below its ceiling, and the
+# budgets below their ceilings now (``give_back_memory``)
+_cache_limit: Optional[int] = None
+_BELOW: "weakref.WeakSet[MovingBudget]" = weakref.WeakSet()
+
+
+def give_back_memory(moving: MovingBudget) -> None:
+    """After the banks were made again: MLX's freed buffers go back to the OS (``mx.clear_cache``)
+    and, while some budget of this process is below its ceiling, MLX keeps at most one expert per
+    layer's bytes of freed buffers (``mx.set_cache_limit``: the arrays that a graph built before
+    still holds are freed when it ran, and go back then), the limit as it was once every budget is
+    back at its ceiling. On Linux with glibc, ``malloc_trim`` returns the heap's free pages too."""
+    global _cache_limit
+    if moving.budget < moving.ceiling:
+        _BELOW.add(moving)
+    else:
+        _BELOW.discard(moving)
+    if _BELOW and _cache_limit is None:
+        _cache_limit = mx.set_cache_limit(min(m.floor for m in _BELOW))
+    elif not _BELOW and _cache_limit is not None:
+        mx.set_cache_limit(_cache_limit)
+        _cache_limit = None
+    mx.clear_cache()
+    memory.trim_heap()
