@@ -210,17 +210,3 @@ def test_train_routing_model_without_torch():
     assert batch.shape == (2, 32)
     assert bench(BENCH / "train_routing_model.py", "--help").startswith("usage:")
 
-
-def test_memory_pressure(tmp_path):
-    # the pressure simulated (a file the decode's reader of free memory reads): the cache gives its
-    # memory back while the other process holds, grows again after, and the tokens are stock's
-    bench(
-        BENCH / "memory_pressure.py", "--quick", "--ckpt-dir", tmp_path / "ckpt",
-        "--out", tmp_path, "--tag", "pressure",
-    )  # fmt: skip
-    r = json.loads((tmp_path / "pressure.json").read_text())
-    assert r["exit_status"] == 0 and r["same_tokens"] and r["tokens"] > 8, r["events"]
-    budgets = [row["budget"] for row in r["rows"]]
-    assert min(b for row, b in zip(r["rows"], budgets) if row["phase"] != "growing") < budgets[0]
-    assert r["budget_after"] == r["budget_before"] == budgets[0]
-    assert r["stats"]["budget_shrinks"] >= 1 and r["stats"]["budget_grows"] >= 1
