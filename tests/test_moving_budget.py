@@ -263,7 +263,8 @@ BY_HAND = CacheTuning(budget_check_seconds=None)
 
 
 def _following(q3_path, **options):
-    model, _ = load_streaming(q3_path, tuning=BY_HAND, **options)
+    # (no host tier: on mlx-cuda two tiers keep a fixed budget; 0 is what the CPU takes anyway)
+    model, _ = load_streaming(q3_path, tuning=BY_HAND, expert_host_gb=0, **options)
     cache = model.expert_streaming.cache
     given = GivenMemory()
     cache.memory_reader = given
@@ -371,3 +372,14 @@ def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, ex
     got += generated(model, steps=4)
     assert bank_bytes(cache) == cache.total_expert_bytes
     assert_same(expected[:4] * 2, got)
+
+
+def test_a_bad_pin_is_one_line_naming_it(environ):
+    from mlx_lm_streaming.errors import ConfigurationError
+    from mlx_lm_streaming.runtime.options import StreamingOptions
+
+    with pytest.raises(ConfigurationError, match="expert_cache_fixed must be"):
+        StreamingOptions(expert_cache_fixed="maybe")
+    environ.update({"MLX_LM_STREAMING_EXPERTS": "1", "MLX_LM_STREAMING_CACHE_FIXED": "maybe"})
+    with pytest.raises(ConfigurationError, match="MLX_LM_STREAMING_CACHE_FIXED='maybe'"):
+        StreamingOptions.from_env()
