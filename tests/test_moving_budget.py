@@ -8,8 +8,7 @@ import ctypes
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
-from support import load_stock, load_streaming, per_slot
+from support import assert_same_steps, generate_steps, load_stock, load_streaming, per_slot
 
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.runtime import free_memory, moving_budget
@@ -231,20 +230,10 @@ class GivenMemory:
 
 
 def generated(model, steps=STEPS, between=None):
-    """Tokens and log-probabilities through mlx-lm's ``generate_step``; ``between(i)`` runs after
-    token i is taken, while step i+1's graph is already built and evaluating."""
-    out = []
-    for (token, logprobs), i in zip(generate_step(PROMPT, model, max_tokens=steps), range(steps)):
-        out.append((int(token), np.array(logprobs)))
-        if between is not None:
-            between(i)
-    return out
+    return generate_steps(model, PROMPT, steps, between)
 
 
-def assert_same(expected, got):
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    for (_, a), (_, b) in zip(expected, got):
-        assert np.array_equal(a, b)
+assert_same = assert_same_steps
 
 
 @pytest.fixture(scope="module")
