@@ -372,3 +372,28 @@ def test_a_bad_pin_is_one_line_naming_it(environ):
     environ.update({"MLX_LM_STREAMING_EXPERTS": "1", "MLX_LM_STREAMING_CACHE_FIXED": "maybe"})
     with pytest.raises(ConfigurationError, match="MLX_LM_STREAMING_CACHE_FIXED='maybe'"):
         StreamingOptions.from_env()
+
+
+def test_a_move_that_runs_out_of_memory_leaves_the_bank_as_it_was(q3_path, expected, monkeypatch):
+    from mlx_lm_streaming.runtime.bank import layer_bank
+
+    model, cache, given = _following(q3_path)
+    generated(model, steps=4)
+    take, calls = mx.take, []
+
+    def take_until_out_of_memory(*args, **kwargs):  # the second bank's first part fails
+        calls.append(1)
+        if len(calls) == len(cache.banks[0].layer.parts) + 1:
+            raise RuntimeError("[malloc] Unable to allocate 1234 bytes.")
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(layer_bank.mx, "take", take_until_out_of_memory)
+    given.now = Reading(0, 100 * cache.total_expert_bytes)
+    cache.budget_watch.check()
+    assert cache.follow_budget()
+    monkeypatch.setattr(layer_bank.mx, "take", take)
+    one, untouched = cache.banks[0], cache.banks[1:]
+    assert one.slots == 1 and all(b.slots == b.num_experts and b.identity for b in untouched)
+    assert "Unable to allocate" in model.expert_streaming.stats()["budget_error"]
+    assert "a move stopped: RuntimeError" in model.expert_streaming.stats_line()
+    assert_same(expected, generated(model))  # every bank still consistent: stock's tokens

@@ -83,6 +83,9 @@ class MovingBudget:
         self.shrinks = self.grows = 0
         self.last_shrink: Optional[float] = None
         self.last_reading: Optional[Reading] = None
+        # the first error that stopped a move, for the stats (a bank that could not be made again
+        # keeps its size and contents: the next move tries again)
+        self.error: Optional[str] = None
 
     def start(self, reading: Optional[Reading]) -> int:
         """The budget before anything is allocated: the ceiling where ``MID_FREE_SHARE`` of the
@@ -138,6 +141,7 @@ class MovingBudget:
             "budget_ceiling_gb": self.ceiling / 1e9,
             "budget_shrinks": self.shrinks,
             "budget_grows": self.grows,
+            "budget_error": self.error,
         }
 
 
@@ -223,8 +227,11 @@ def follow(cache) -> bool:
         cache.steps.flush()  # the last verified step's uses, recorded under the old table
     cache.budget_bytes = want
     banks = cache.banks
-    for bank, slots in zip(banks, cache.plan_slots()):
-        bank.resize(slots)
+    try:
+        for bank, slots in zip(banks, cache.plan_slots()):
+            bank.resize(slots)
+    except Exception as e:  # (MLX out of memory): the banks not made again keep their size
+        moving.error = moving.error or f"{type(e).__name__}: {e}"
     cache.all_complete = all(b.complete for b in banks)
     moving.moved(before, want, cache.budget_watch.clock())
     give_back_memory(moving)

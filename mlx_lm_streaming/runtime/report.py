@@ -76,8 +76,13 @@ def _budget_part(s) -> str:
     return (
         f", budget following free memory {span} (ceiling {_gb(s['budget_ceiling_gb'])}; "
         f"moved {moves} time{'' if moves == 1 else 's'}: {s['budget_shrinks']} down, "
-        f"{s['budget_grows']} up)"
+        f"{s['budget_grows']} up{_stopped(s)})"
     )
+
+
+def _stopped(s) -> str:
+    error = s.get("budget_error")
+    return f"; a move stopped: {error}, those banks kept their size" if error else ""
 
 
 def _decode_part(s) -> str:

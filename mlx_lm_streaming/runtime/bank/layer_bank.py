@@ -143,12 +143,11 @@ class LayerBank:
             source = np.zeros(slots, dtype=np.int32)  # a free slot's bytes: slot 0's, never read
             source[new_slots] = table.slot_of[resident]
             source = mx.array(source)
-            arrays = []
-            for spec in self.layer.parts:
-                proj = self.glu[spec.proj]
-                proj[spec.part] = mx.take(proj[spec.part], source, axis=0)
-                arrays.append(proj[spec.part])
-            mx.eval(arrays)
+            parts = self.layer.parts
+            arrays = [mx.take(self.array(p.proj, p.part), source, axis=0) for p in parts]
+            mx.eval(arrays)  # (should it fail, e.g. out of memory, the bank is as it was)
+            for spec, array in zip(parts, arrays):
+                self.glu[spec.proj][spec.part] = array
             table.resize(slots, resident, new_slots)
             self.slot_of, self.expert_of = table.slot_of, table.expert_of
             self.slots = slots
