@@ -13,13 +13,14 @@ moves the budget between one expert per MoE layer and that ceiling (``MovingBudg
   ``GROW_AFTER_SECONDS``: it grows by what is free above ``HIGH_FREE_SHARE``, up to the ceiling;
 - in between it stays.
 
-It starts, before the banks are first made, at the ceiling where that leaves ``MID_FREE_SHARE`` free,
-else at what does (``MovingBudget.start``). The thread only decides. The cache applies a new budget on the model's thread between two model
-calls (``ExpertCache.follow_budget``, from ``StepRunner.__call__``), never inside one: its least
-useful experts (the eviction policy's victims) leave, the banks are made again at their new size
-with the kept experts' bytes copied, and MLX's buffer cache is emptied so the resident set falls. A
-graph built before (mlx-lm builds step t+1 before t is evaluated) holds the old arrays, which live
-until it ran; nothing writes them after. So a change of size never changes a token.
+It starts, before the banks are first made, at the ceiling where that leaves ``MID_FREE_SHARE``
+free, else at what does (``MovingBudget.start``). The thread only decides. The cache applies a new
+budget on the model's thread between two model calls (``follow``, from ``StepRunner.__call__``),
+never inside one: its least useful experts (the eviction policy's victims) leave, the banks are
+made again at their new size with the kept experts' bytes copied, and MLX's buffer cache is emptied
+so the resident set falls (``give_back_memory``). A graph built before (mlx-lm builds step t+1
+before t is evaluated) holds the old arrays, which live until it ran; nothing writes them after. So
+a change of size never changes a token.
 """
 
 import math
@@ -33,6 +34,7 @@ import mlx.core as mx
 from . import free_memory, memory
 from .free_memory import CRITICAL, NORMAL, Reading
 from .modes import PER_LAYER
+from .options import decimal_gb
 
 # seconds between two readings of free memory
 CHECK_SECONDS = 1.0
@@ -54,8 +56,6 @@ MIN_MOVE_SHARE = 1 / 32
 
 def plan_line(cache) -> str:
     """What the cache does under memory pressure, for ``mlx_lm_streaming plan``."""
-    from .options import decimal_gb
-
     if cache.tiers is not None or cache.host_cache is not None:
         return (
             "under memory pressure: the budget stays fixed (two tiers or a host cache on "
@@ -82,7 +82,6 @@ class MovingBudget:
         self.budget = self.low = self.high = int(ceiling)
         self.shrinks = self.grows = 0
         self.last_shrink: Optional[float] = None
-        self.last_reading: Optional[Reading] = None
         # the first error that stopped a move, for the stats (a bank that could not be made again
         # keeps its size and contents: the next move tries again)
         self.error: Optional[str] = None
@@ -102,7 +101,6 @@ class MovingBudget:
 
     def target(self, current: int, reading: Optional[Reading], now: float) -> int:
         """The budget for ``current`` bytes of budget now, given ``reading`` (None: unknown, stay)."""
-        self.last_reading = reading
         if reading is None or reading.available is None or not reading.total:
             return current
         free, total = reading.available, reading.total
