@@ -4,6 +4,7 @@ before step t is evaluated) whose cache shrinks to one expert per layer and grow
 runs, token for token and bit for bit stock's."""
 
 import ctypes
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -214,6 +215,19 @@ def test_it_starts_where_free_memory_allows_before_anything_is_allocated():
     assert rule.start(reading(100 * MB)) == 10 * MB
     assert rule.start(reading(1000 * MB, SHORT)) == 500 * MB  # under pressure: half what is free
     assert (rule.low, rule.high) == (500 * MB, 500 * MB)
+
+
+def test_mlxs_buffer_cache_counts_as_free(monkeypatch):
+    # freed buffers MLX keeps for reuse are given back with the cache's own (``mx.clear_cache``):
+    # counted as used, a cache would shrink for them, then grow again once they were cleared
+    cache = SimpleNamespace(budget_bytes=400 * MB, budget_due=None)
+    watch = moving_budget.BudgetWatch(cache, MovingBudget(400 * MB, 10 * MB), lambda: reading(0))
+    monkeypatch.setattr(moving_budget.mx, "get_cache_memory", lambda: 300 * MB)
+    watch.check()
+    assert cache.budget_due is None  # 300 MB of 1000 free: no move
+    monkeypatch.setattr(moving_budget.mx, "get_cache_memory", lambda: 0)
+    watch.check()
+    assert cache.budget_due == 212_500_000  # nothing free: give back until 18.75% is
 
 
 # -- the cache, while a decode runs ------------------------------------------------------------------

@@ -27,6 +27,7 @@ import math
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -170,7 +171,13 @@ class BudgetWatch:
         """One reading; a budget other than the cache's is left for its model thread."""
         cache = self.cache
         current = cache.budget_bytes
-        want = self.rule.target(current, self.reader(), self.clock())
+        reading = self.reader()
+        if reading is not None and reading.available is not None:
+            # MLX's buffer cache (freed buffers it keeps for reuse: large on Metal and CUDA) is
+            # ours to give back at once (``give_back_memory``): free memory too, or the cache
+            # would shrink for it and grow again once it was cleared
+            reading = replace(reading, available=reading.available + mx.get_cache_memory())
+        want = self.rule.target(current, reading, self.clock())
         cache.budget_due = want if want != current else None
 
     def _loop(self) -> None:
