@@ -225,6 +225,9 @@ def _print_plan(args, state, trace) -> None:
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
     print(f"slots per layer: {slots_text(plan)} ({decimal_gb(used)} used)")
+    from .runtime.moving_budget import plan_line
+
+    print(plan_line(cache))
     from .runtime import tiers
 
     print(tiers.plan_line(cache, state.selector.backend, trace))

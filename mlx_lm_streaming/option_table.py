@@ -68,6 +68,16 @@ OPTIONS = (
         "memory they leave free), at least one expert per MoE layer",
     ),
     Option(
+        "expert_cache_fixed",
+        PREFIX + "CACHE_FIXED",
+        "--expert-cache-fixed",
+        None,
+        "Pin the expert cache at its budget. Default: the budget is a ceiling, and the cache "
+        "follows the memory other programs leave free below it (gives its least used experts' "
+        "memory back when the machine runs short, down to one expert per MoE layer, and grows "
+        "again when memory is free)",
+    ),
+    Option(
         "expert_host_gb",
         PREFIX + "HOST_GB",
         "--expert-host-gb",

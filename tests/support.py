@@ -17,6 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx_lm.utils
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_streaming import plugins
@@ -86,6 +87,27 @@ def decode(model, tokens, steps=6):
         out.append(logits)
     mx.eval(out)
     return out
+
+
+def generate_steps(model, prompt, steps, between=None):
+    """Tokens and log-probabilities (numpy) of greedy decoding through mlx-lm's own
+    ``generate_step``, which builds step t+1's graph before step t is evaluated; ``between(i)``
+    runs after token i is taken, while step i+1 is already built."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for (token, logprobs), i in zip(generate_step(prompt, model, max_tokens=steps), range(steps)):
+        out.append((int(token), np.array(logprobs)))
+        if between is not None:
+            between(i)
+    return out
+
+
+def assert_same_steps(expected, got):
+    """``generate_steps``' outputs equal: the tokens, and the log-probabilities bit for bit."""
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(expected, got):
+        assert np.array_equal(a, b)
 
 
 def same(a, b):

@@ -219,3 +219,4 @@ def test_train_routing_model_without_torch():
     (batch,) = list(train.batches(data, 1, 2, 32, seed=0))
     assert batch.shape == (2, 32)
     assert bench(BENCH / "train_routing_model.py", "--help").startswith("usage:")
+

@@ -87,6 +87,7 @@ def cases(tmp_path, pack):
     """option name -> (the text a flag or variable gives, what the option reads back as)."""
     return {
         "expert_cache_gb": ("0.0123", 0.0123),
+        "expert_cache_fixed": ("1", True),
         # (0: no host tier, the one value the CPU takes; others are refused off mlx-cuda)
         "expert_host_gb": ("0", 0.0),
         "store": ("memory", "memory"),
@@ -114,7 +115,9 @@ def _flag_to_environment(option, text, model):
     parser.add_argument("--model")
     cli.add_streaming_arguments(parser)
     argv = ["--model", str(model), "--streaming-experts", option.flag]
-    argv += [] if option.metavar == "?" and text in ("1", True) else [text]
+    # a flag without a value (``metavar`` None) or whose value may be left out stands for "1"
+    bare = option.metavar is None or option.metavar == "?" and text in ("1", True)
+    argv += [] if bare else [text]
     namespace = parser.parse_args(argv)
     environ = {}
     said, sigterm = report.cli_streaming, signal.getsignal(signal.SIGTERM)
@@ -169,6 +172,8 @@ def _check(got, name, want):
             assert state.store.name == "safetensors" and state.store.threads == 3, where
         if name == "pack":
             assert state.store.name == "packed" and state.store.pack.path == Path(want), where
+        if name == "expert_cache_fixed":
+            assert not state.cache.follow_memory, where  # (off: the budget follows free memory)
         if name == "expert_cache_gb":
             assert state.cache.budget_bytes == 12_300_000, where  # decimal GB
         state.close()

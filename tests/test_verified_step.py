@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from support import decode, load_stock, load_streaming, same, with_slots
+from support import (
+    assert_same_steps,
+    decode,
+    generate_steps,
+    load_stock,
+    load_streaming,
+    same,
+    with_slots,
+)
 
 from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
@@ -25,16 +33,10 @@ ALWAYS = CacheTuning(verify_choice="always")
 
 def generated(model, steps=STEPS):
     """Tokens and log-probabilities of greedy decoding through mlx-lm's ``generate_step``."""
-    out = []
-    for (token, logprobs), _ in zip(generate_step(PROMPT, model, max_tokens=steps), range(steps)):
-        out.append((int(token), np.array(logprobs)))
-    return out
+    return generate_steps(model, PROMPT, steps)
 
 
-def assert_same(expected, got):
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    for (_, a), (_, b) in zip(expected, got):
-        assert np.array_equal(a, b)
+assert_same = assert_same_steps
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ class StreamingState:
             options.cache_policy,
             direct_reads=options.use_direct_reads(backend),
             layer_major_prefill=options.use_layer_major_prefill(backend),
+            follow_memory=not options.expert_cache_fixed,
         )
         self.recorder = None
         if recording:

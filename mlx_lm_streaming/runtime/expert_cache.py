@@ -6,7 +6,8 @@ leaves of the budget gives one more slot to layers in model order while it lasts
 The cache owns what the banks share: the demand read threads, the background reader
 (``prefetch.ExpertPrefetcher``: lookahead, next wave) and the fill thread that completes identity
 banks, the settings that turn each of them on or off (``CacheTuning``), and the counters behind
-``--streaming-stats``.
+``--streaming-stats``. A budget not pinned is a ceiling the cache follows free memory below
+(``moving_budget.py``, ``follow_budget``).
 """
 
 import contextlib
@@ -14,13 +15,12 @@ import math
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..errors import ConfigurationError, ExpertIOError
-from . import costs
+from . import costs, moving_budget
 from .bank import LayerBank
 from .counters import CacheStats
 from .index import LayerExperts, natural_key
@@ -29,6 +29,7 @@ from .no_timeline import NO_TIMELINE
 from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
+from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from here by many)
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the
@@ -37,54 +38,8 @@ from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 STAGING_SHARE = 0.05
 # banks loaded at once when a verified step reads a token's misses together
 BANK_THREADS = 8
-# experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
-PHASE_MIN_BYTES = 16 << 20
 # every cache that may have background threads, for ``close_all`` at interpreter exit
 _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class CacheTuning:
-    """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
-    drops work; none changes what is computed, and each is kept for a measured reason
-    (docs/benchmarks/README.md). Defaults that benchmarks and tests vary (through the internal
-    ``tuning`` entry of the streaming options, not a user option); what users choose (direct reads,
-    layer-major prefill) is theirs alone (``StreamingOptions``), resolved at load and given to the
-    cache beside this (``ExpertCache.direct_reads``, ``ExpertCache.layer_major_prefill``)."""
-
-    # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
-    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
-    # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
-    lookahead: bool = True
-    lookahead_min_precision: float = 0.5
-    # decode-sized calls whose experts are all resident run with no host sync per layer, checked
-    # once per call (``verified_step.py``)
-    verified_steps: bool = True
-    # a verified step that finds a miss reads, with the missed layer's experts, those the pass
-    # beyond it picked and lacks, all at once, then runs again from the missed layer
-    # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
-    read_misses_together: bool = True
-    # how a decode-sized call chooses between a verified step and the per-layer schedule
-    # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
-    # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
-    # wherever one may run; None: the backend's default (``costs.CHOICE``)
-    verify_choice: Optional[str] = None
-    # with direct reads, a load of at most this many experts spreads each expert's ranges over the
-    # store's readers; a load of more reads each expert on its own demand thread alone (fewer
-    # thread hand-offs: docs/history.md, "A token's misses read together"); None: always
-    # spread
-    spread_reads_upto: Optional[int] = 1
-    # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
-    # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
-    # writes through the banks' views. Nothing changes on other backends
-    device_copies: bool = True
-    # with direct reads, experts of at least this many bytes are read a projection at a time
-    # (``schedules.ByProjection``); None: never
-    phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
-    # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
-    staging_bytes: Optional[int] = None
-    # bound on the hidden states held between layers for one group of chunks; None: no bound
-    prefill_hold_bytes: Optional[int] = 1 << 30
 
 
 class ExpertCache:
@@ -98,6 +53,7 @@ class ExpertCache:
         policy: str = DEFAULT_POLICY,
         direct_reads: bool = True,
         layer_major_prefill: bool = True,
+        follow_memory: bool = False,
     ):
         self.store = store
         # the user's switches, resolved for this backend (``StreamingOptions.use_direct_reads``,
@@ -106,6 +62,10 @@ class ExpertCache:
         # chunk after chunk before layer L+1 (layer_major.py; off: chunk by chunk, as stock)
         self.direct_reads, self.layer_major_prefill = direct_reads, layer_major_prefill
         self.budget_bytes = budget_bytes
+        # a ceiling that the cache follows free memory below (``moving_budget.watch``): the rule,
+        # its thread, its reader (None: the backend's) and the budget it asks for (``follow_budget``)
+        self.follow_memory, self.memory_reader = follow_memory, None
+        self.moving = self.budget_watch = self.budget_due = None
         # on mlx-cuda: host memory for the experts the device budget cannot hold and the two tiers
         # (``tiers.Tiers``), or a host cache below that (``host_cache``), set at load by
         # ``tiers.set_up``; every bank complete (``note_complete``): a call runs stock's graph whole
@@ -329,6 +289,8 @@ class ExpertCache:
         for the finalizer that runs when a model is garbage collected, which can run inside another
         thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
         self._closed = True
+        if self.budget_watch is not None:
+            self.budget_watch.close(wait=wait)
         if self.tiers is not None:
             self.tiers.close()
         if self._prefetcher is not None:
@@ -389,6 +351,8 @@ class ExpertCache:
 
     def _plan(self) -> None:
         banks = self.banks
+        if self.follow_memory and self.moving is None and banks and not self._closed:
+            moving_budget.watch(self)
         for bank, slots in zip(banks, self.plan_slots()):
             bank.allocate(slots)
         for tier in filter(None, (self.tiers, self.host_cache)):
@@ -396,6 +360,11 @@ class ExpertCache:
         for bank, nxt in zip(banks, banks[1:] + [None]):
             bank.next_bank = nxt
         self._numbers = {id(b): i for i, b in enumerate(banks)}
+
+    def follow_budget(self) -> bool:
+        """Apply the budget free memory asked for (``moving_budget.follow``), between two model
+        calls on the model's thread (``StepRunner.__call__``): whether it moved."""
+        return moving_budget.follow(self)
 
     def layer_number(self, bank: LayerBank) -> int:
         """The bank's MoE layer number (0 first), in model order."""
@@ -435,6 +404,7 @@ class ExpertCache:
             "per_layer": [b.summary() for b in self.banks],
             **(t.summary() if (t := self.tiers or self.host_cache) is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
+            **(self.moving.summary() if self.moving is not None else {}),
         }
 
 

@@ -1,6 +1,7 @@
 """The memory a streaming model may use: this machine's RAM (asked of the OS in one place), its swap,
 the GPU's memory on CUDA, and which of them the default expert cache budget is a share of."""
 
+import ctypes
 import os
 import sys
 from typing import Optional, Tuple
@@ -114,3 +115,14 @@ def budget_base():
     if gpu is not None:
         return gpu, CUDA_CACHE_SHARE, "GPU memory"
     return physical_memory_bytes(), DEFAULT_CACHE_SHARE, "memory"
+
+
+def trim_heap() -> None:
+    """On Linux with glibc: the heap's free pages back to the OS (``malloc_trim(0)``); elsewhere
+    nothing (``ExpertCache.follow_budget`` after a shrink: MLX frees small buffers to the heap)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

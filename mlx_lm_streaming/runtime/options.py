@@ -207,6 +207,9 @@ class StreamingOptions:
 
     # decimal GB (10**9 bytes); None: derived from memory (docs/usage.md)
     expert_cache_gb: Optional[float] = None
+    # the budget pinned: the cache keeps it whatever the memory free; off (default): the budget
+    # is a ceiling, the cache follows free memory below it (moving_budget.py)
+    expert_cache_fixed: bool = False
     # mlx-cuda only: decimal GB of host memory for the experts the device budget cannot hold
     # (runtime/tiers.py); 0: none; None: every expert where free host RAM allows (``tiers``)
     expert_host_gb: Optional[float] = None
@@ -277,6 +280,7 @@ class StreamingOptions:
         self.stats = parse_stats(self.stats)
         self.if_unstreamable = parse_choice(self.if_unstreamable, "if_unstreamable", UNSTREAMABLE)
         self.verbose = parse_switch(self.verbose, "verbose")
+        self.expert_cache_fixed = parse_switch(self.expert_cache_fixed, "expert_cache_fixed")
         self.direct_reads = auto_switch(self.direct_reads, "direct_reads")
         self.layer_major_prefill = auto_switch(self.layer_major_prefill, "layer_major_prefill")
 

@@ -189,6 +189,14 @@ class SlotTable:
         self.identity = slots == self.num_experts
         self.version += 1
 
+    def resize(self, slots: int, experts: np.ndarray, at: np.ndarray) -> None:
+        """``slots`` slots holding just ``experts``, in slots ``at`` (the bank made again at a new
+        size: ``LayerBank.resize``); the policy keeps its history."""
+        self.slot_of[:] = -1
+        self.expert_of = np.full(slots, -1, dtype=np.int64)
+        self.identity = slots == self.num_experts
+        self.place(experts, at)
+
     def admit(
         self, experts: np.ndarray, keep: Sequence[int] = ()
     ) -> Tuple[np.ndarray, np.ndarray, int]:

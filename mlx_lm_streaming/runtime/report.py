@@ -40,6 +40,8 @@ def stats_line(state, label: bool = False) -> str:
             f" (host cache {s['host_cache_gb']:.3f} GB: {s['host_cache_hits']} of the "
             f"{s['misses']} misses copied from it, {s['host_cache_served_gb']:.3f} GB, not read)"
         )
+    if "budget_ceiling_gb" in s:
+        line += _budget_part(s)
     if s.get("failed_background_reads"):
         line += (
             f", background reads of {s['failed_background_reads']} experts failed (read "
@@ -63,6 +65,24 @@ def stats_line(state, label: bool = False) -> str:
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
     return line
+
+
+def _budget_part(s) -> str:
+    """The budget that followed free memory (``moving_budget``): its low and high over the run, its
+    ceiling, and how often it moved."""
+    low, high = _gb(s["budget_low_gb"]), _gb(s["budget_high_gb"])
+    moves = s["budget_shrinks"] + s["budget_grows"]
+    span = f"{low} to {high}" if low != high else f"{low} throughout"
+    return (
+        f", budget following free memory {span} (ceiling {_gb(s['budget_ceiling_gb'])}; "
+        f"moved {moves} time{'' if moves == 1 else 's'}: {s['budget_shrinks']} down, "
+        f"{s['budget_grows']} up{_stopped(s)})"
+    )
+
+
+def _stopped(s) -> str:
+    error = s.get("budget_error")
+    return f"; a move stopped: {error}, those banks kept their size" if error else ""
 
 
 def _decode_part(s) -> str:

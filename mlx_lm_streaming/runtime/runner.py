@@ -83,6 +83,8 @@ class StepRunner:
         graph where every bank is complete, else a verified step where one may run, else per
         layer."""
         cache = self.state.cache
+        if cache.budget_due is not None:  # free memory moved the budget (``moving_budget``)
+            cache.follow_budget()
         if cache.all_complete:  # every bank complete: stock's graph, nothing to verify
             if self.pending is not None:
                 self.flush()

@@ -121,6 +121,47 @@ class LayerBank:
         self.last_stream = None
         self.refresh_views()
 
+    def resize(self, slots: int) -> None:
+        """Make the bank ``slots`` slots deep, keeping the resident experts it has room for (where
+        fewer, the eviction policy's victims leave: the least useful), between two model calls
+        (``ExpertCache.follow_budget``). The banks are made anew and the kept experts' bytes copied
+        into them (an MLX take, evaluated here): a graph built before holds the old arrays, which
+        nothing writes again, so it computes what it was built to compute, and their memory is
+        freed once it ran. The policy keeps its history; a bank of every expert maps expert e to
+        slot e again (and fills in the background)."""
+        with self.lock:
+            self.discard_staged()
+            if slots == self.slots or self.slots == 0:
+                return
+            table = self.table
+            resident = np.nonzero(table.slot_of >= 0)[0]
+            if len(resident) > slots:
+                gone = table.policy.victims(resident, len(resident) - slots)
+                resident = np.setdiff1d(resident, gone)
+            identity = slots == self.num_experts
+            new_slots = resident if identity else np.arange(len(resident), dtype=np.int64)
+            source = np.zeros(slots, dtype=np.int32)  # a free slot's bytes: slot 0's, never read
+            source[new_slots] = table.slot_of[resident]
+            source = mx.array(source)
+            parts = self.layer.parts
+            arrays = [mx.take(self.array(p.proj, p.part), source, axis=0) for p in parts]
+            mx.eval(arrays)  # (should it fail, e.g. out of memory, the bank is as it was)
+            for spec, array in zip(parts, arrays):
+                self.glu[spec.proj][spec.part] = array
+            table.resize(slots, resident, new_slots)
+            self.slot_of, self.expert_of = table.slot_of, table.expert_of
+            self.slots = slots
+            self.identity = identity
+            self.complete = False
+            self.stock_call = None
+            self.fill_requested = False
+            self._ahead_used = []
+            self.last_map = None
+            self.views = self.view_addresses = None
+            self.last_stream = None
+            self.refresh_views()
+            self.note_complete()
+
     def refresh_views(self) -> None:
         """Host views of the banks, remade if MLX moved a bank to new memory (an update that could
         not be done in place). Called after every MLX update of the banks; views are used only under
