@@ -134,6 +134,27 @@ def test_timeline_png_and_summary(q3_path, tmp_path):
     assert summary["reads per step"] > 0 and summary["MB read per step"] > 0
 
 
+def test_timeline_summary_of_a_verified_steps_loads(q3_path, tmp_path):
+    # verified steps at 2 slots a layer miss in most tokens: the loads of a token's misses lie
+    # between two passes, outside the steps' spans, and are summed on their own: the decode's
+    # wait in them and the disk's idle part of it
+    import mlx.core as mx
+    from support import decode, with_slots
+
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+    trace = tmp_path / "timeline.json"
+    tuning = CacheTuning(verify_choice="always", lookahead_min_precision=0.0)
+    model = with_slots(q3_path, 2, trace=str(trace), tuning=tuning)
+    decode(model, mx.array([[(5 * i + 3) % 512 for i in range(12)]]), steps=8)
+    assert model.expert_streaming.steps.replays > 0
+    model.expert_streaming.close()
+    summary = json.loads(bench(BENCH / "timeline_summary.py", trace))
+    assert summary["verify loads per step"] > 0, summary
+    assert 0 <= summary["disk idle in verify loads ms"] <= summary["verify load ms"], summary
+    assert summary["GB/s over verify loads"] > 0, summary
+
+
 def test_cuda_parity(tmp_path):
     bench(BENCH / "cuda_parity.py", "--cases", "1", "--out", tmp_path / "parity.json")
     (case,) = json.loads((tmp_path / "parity.json").read_text())["cases"]

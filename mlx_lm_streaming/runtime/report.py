@@ -56,14 +56,14 @@ def stats_line(state, label: bool = False) -> str:
             f"{p.held_bytes / 1e9:.3f} GB of hidden states held at most)"
         )
     line += _decode_part(s)
+    if s.get("miss_read_busy_seconds"):
+        line += _misses_part(s)
     if s["span_seconds"] > 0:
         line += (
             f"; {s['span_seconds']:.2f} s from first to last expert request: "
             f"{s['io_wait_seconds']:.2f} s waiting for reads, {s['install_seconds']:.2f} s "
             f"installing, {s['other_seconds']:.2f} s everything else"
         )
-    if s.get("miss_read_busy_seconds"):
-        line += _misses_part(s)
     return line
 
 
