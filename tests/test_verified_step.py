@@ -333,6 +333,22 @@ def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatc
     model.expert_streaming.close()
 
 
+def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahead(
+    q3_path, expected
+):
+    # banks written through staging (Metal's way): the banks after the first are read in the
+    # background while the first one's load reads its own, then installed by their own loads
+    tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always")
+    model = with_slots(q3_path, 2, tuning=tuning, direct_reads=False)
+    cache = model.expert_streaming.cache
+    assert not any(b.direct for b in cache.banks)
+    assert_same(expected, _every_call_verified(model))
+    stats = cache.prefetch_stats
+    assert stats.used["together"] > 0 and stats.staged["together"] >= stats.used["together"]
+    assert model.expert_streaming.steps.replays > 0
+    model.expert_streaming.close()
+
+
 def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, expected, monkeypatch):
     # what the pass beyond a miss names (on a wrong input) is scored at every check that finds
     # it, read or not, and read only while such guesses were mostly right: never at the start

@@ -12,7 +12,7 @@ from .. import cuda_copy, lookahead
 from ..host_views import host_address, host_bytes
 from ..index import LayerExperts
 from ..policy import SlotTable
-from ..prefetch import StagedBatch
+from ..prefetch import WAVE, StagedBatch
 from ..safetensors_header import mx_dtype
 from .reads import NOTHING_TO_READ, install_finished, landings
 
@@ -359,15 +359,23 @@ class LayerBank:
 
 def load_together(loads) -> None:
     """``bank.load(experts, **options)`` for each of ``loads``, every bank's reads issued before
-    any is waited for, where every bank reads directly into its slots (the reads run on the
+    any is waited for. Where every bank reads directly into its slots: the reads run on the
     cache's demand threads, ``CacheTuning.reads_in_flight`` at once, while this thread takes the
-    landings bank after bank) and the model has no host cache (whose copies go before any read
-    of their bank); else one after another. Every bank's lock is held until all have landed. All
-    pending work was evaluated by the caller, so no bank need wait for its stream
-    (``last_stream``). Every load has ended when this returns; the first error is raised then."""
+    landings bank after bank, every bank's lock held until all have landed. Else (staged writes:
+    Metal, a second calling thread) the banks after the first are read ahead into staging buffers
+    (``stage``, as much as the staging bound has room for, the ``together`` kind), and the loads
+    run one after another, each installing what was read ahead for it. A model with a host cache
+    (whose copies go before any read of their bank) loads one bank after another. All pending
+    work was evaluated by the caller, so no bank need wait for its stream (``last_stream``).
+    Every load has ended when this returns; the first error is raised then."""
     banks = [bank for bank, _, _ in loads]
-    serial = len(loads) == 1 or banks[0].cache.host_cache is not None
-    if serial or not all(b.direct for b in banks):
+    if len(loads) == 1 or banks[0].cache.host_cache is not None:
+        for bank, experts, options in loads:
+            bank.load(experts, **options)
+        return
+    if not all(b.direct for b in banks):
+        for bank, experts, _ in loads[1:]:
+            bank.stage(experts, "together", WAVE, fit=True)
         for bank, experts, options in loads:
             bank.load(experts, **options)
         return
