@@ -349,6 +349,10 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         hit_rate=c["hits"] / asked if asked else None, misses_per_token=c["misses"] / n,
         bytes_per_token=c["bytes_read"] / n, io_wait_s_per_token=c["io_wait_seconds"] / n,
         install_s_per_token=c["install_seconds"] / n,
+        # the disk busy for the misses (at least one demand read in flight) and the GB/s then
+        busy_s_per_token=c["miss_read_busy_seconds"] / n,
+        gbps_while_busy=(c["bytes_read"] / GB / c["miss_read_busy_seconds"]
+                         if c["miss_read_busy_seconds"] else None),
         store_s_per_token=c["store_read_seconds"] / n, store_reads_per_token=c["store_reads"] / n,
         slots=[b.slots for b in banks], direct=all(b.direct for b in banks),
         policy=getattr(cfg.cache, "policy", None),

@@ -222,6 +222,7 @@ class Config:
             out = dict(
                 hits=s["hits"], misses=s["misses"], bytes_read=io.bytes_read,
                 store_read_seconds=io.seconds, io_wait_seconds=s["io_wait_seconds"],
+                miss_read_busy_seconds=s["miss_read_busy_seconds"],
                 install_seconds=s["install_seconds"], prefetch=_prefetch_counts(cache),
                 # verified steps, the layers they ran again, the experts read on a pass's word and
                 # those used (verified_step.py)

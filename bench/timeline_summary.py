@@ -65,7 +65,7 @@ def summarize(path, last=None):
         inside = [e for e in events if within(e, step["ts"], step["ts"] + step["dur"])]
         layers = [e for e in inside if e["cat"] == "layer" and e["tid"] == tid]
         own = [e for e in inside if e["tid"] == tid and e["name"] in PART_OF and e["cat"] != "read"]
-        reads = [e for e in inside if e["cat"] == "read"]
+        reads = [e for e in inside if e["cat"] == "read" and e["name"] == "read"]
         sums["step"] += step["dur"]
         sums["layer calls"] += sum(e["dur"] for e in layers)
         for e in inside:
@@ -92,12 +92,39 @@ def summarize(path, last=None):
     flight = sums["read in flight"] / 1e6
     gbs = round(sums["read bytes"] / 1e9 / flight, 3) if flight else None
     out["GB/s while reads in flight"] = gbs
+    out.update(verify_loads(events, steps))
     out["split"] = {
         "layer calls per token": calls / n,
         "ms per token": {k: round(split[k] / n / 1e3, 4) for k in SPLIT_KEYS},
         "ms per layer": {k: round(split[k] / calls / 1e3, 4) for k in SPLIT_KEYS} if calls else {},
     }
     return out
+
+
+def verify_loads(events, steps):
+    """Per decode step, the verified steps' loads of a token's misses (``verify load`` spans, on
+    the calling thread between a pass and the pass run again, so outside the steps' spans) from
+    the first step to the last: the decode's wait in them, the disk's idle time inside that wait
+    (no read in flight) and the GB/s over the wait. Empty where the trace has none."""
+    first, last = steps[0]["ts"], max(s["ts"] + s["dur"] for s in steps)
+    loads = [e for e in events if e["name"] == "verify load" and first <= e["ts"] <= last]
+    if not loads:
+        return {}
+    reads = [e for e in events if e["cat"] == "read" and e["name"] == "read"]
+    waited = busy = nbytes = 0.0
+    for load in loads:
+        a, b = load["ts"], load["ts"] + load["dur"]
+        inside = [e for e in reads if e["ts"] < b and e["ts"] + e["dur"] > a]
+        waited += b - a
+        busy += span_union([(max(a, e["ts"]), min(b, e["ts"] + e["dur"])) for e in inside])
+        nbytes += sum(e["args"].get("bytes", 0) for e in inside if within(e, a, b))
+    n = len(steps)
+    return {
+        "verify loads per step": len(loads) / n,
+        "verify load ms": round(waited / n / 1e3, 3),
+        "disk idle in verify loads ms": round((waited - busy) / n / 1e3, 3),
+        "GB/s over verify loads": round(nbytes / 1e9 / (waited / 1e6), 3) if waited else None,
+    }
 
 
 def split_layer(layer, spans, sums):

@@ -53,6 +53,20 @@ def test_prefill(tmp_path):
     assert report["hold"]["held_gb"] > 0 and report["hold"]["groups"] == 1
 
 
+def test_disk_queue_depth(tmp_path):
+    # a scratch file of 20 MB, two thread counts: a figure for every way, O_DIRECT where the file
+    # system takes it
+    out = bench(
+        BENCH / "disk_queue_depth.py", "--scratch", tmp_path / "scratch.bin", "--scratch-gb",
+        "0.02", "--mb", "8", "--threads", "1,2", "--rounds", "1", "--out", tmp_path, "--tag", "qd",
+    )  # fmt: skip
+    gbps = json.loads((tmp_path / "qd.json").read_text())["gbps"]
+    assert {"whole", "split", "ranges", "advised"} <= set(gbps)
+    for way in ("whole", "split", "ranges", "advised"):
+        assert all(v[0] > 0 for v in gbps[way].values()) and set(gbps[way]) == {"1", "2"}, gbps
+    assert "| advised |" in out and (tmp_path / "qd.md").read_text() in out
+
+
 def test_the_index_names_every_script_and_only_those():
     scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
     indexed = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", INDEX, re.M))
@@ -118,6 +132,27 @@ def test_timeline_png_and_summary(q3_path, tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in out
     summary = json.loads(bench(BENCH / "timeline_summary.py", trace))
     assert summary["reads per step"] > 0 and summary["MB read per step"] > 0
+
+
+def test_timeline_summary_of_a_verified_steps_loads(q3_path, tmp_path):
+    # verified steps at 2 slots a layer miss in most tokens: the loads of a token's misses lie
+    # between two passes, outside the steps' spans, and are summed on their own: the decode's
+    # wait in them and the disk's idle part of it
+    import mlx.core as mx
+    from support import decode, with_slots
+
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+    trace = tmp_path / "timeline.json"
+    tuning = CacheTuning(verify_choice="always", lookahead_min_precision=0.0)
+    model = with_slots(q3_path, 2, trace=str(trace), tuning=tuning)
+    decode(model, mx.array([[(5 * i + 3) % 512 for i in range(12)]]), steps=8)
+    assert model.expert_streaming.steps.replays > 0
+    model.expert_streaming.close()
+    summary = json.loads(bench(BENCH / "timeline_summary.py", trace))
+    assert summary["verify loads per step"] > 0, summary
+    assert 0 <= summary["disk idle in verify loads ms"] <= summary["verify load ms"], summary
+    assert summary["GB/s over verify loads"] > 0, summary
 
 
 def test_cuda_parity(tmp_path):

@@ -140,6 +140,43 @@ def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(ch
     state.close()
 
 
+def test_the_stats_line_says_how_long_the_disk_was_busy_for_the_misses(checkpoint):
+    # the misses' reads held 50 ms each: the disk's busy time is the union of the reads in flight
+    # (several experts of a layer read at once count once), not their sum, and at least one
+    # read's length; the decode's wait is said beside it
+    import time
+
+    import mlx.core as mx
+
+    from mlx_lm_streaming.runtime.report import stats_line
+
+    model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=4e-5)  # 2 slots a layer
+    state = model.expert_streaming
+    store = state.cache.store
+    spans = []
+    for name in ("read_many", "read_on_this_thread"):
+        inner = getattr(store, name)
+
+        def held(jobs, inner=inner):
+            start = time.perf_counter()
+            time.sleep(0.05)
+            inner(jobs)
+            spans.append((start, time.perf_counter()))
+
+        setattr(store, name, held)
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]])))  # a prompt: several experts a layer at once
+    for token in (7, 8, 9):
+        mx.eval(model(mx.array([[token]])))
+    s = state.stats()
+    busy, summed = s["miss_read_busy_seconds"], sum(b - a for a, b in spans)
+    assert 0.05 <= busy <= s["span_seconds"], s
+    assert busy < summed - 0.05, (busy, summed)  # reads overlapped: counted once
+    line = stats_line(state)
+    assert f"; misses: the disk busy {busy:.2f} s reading them, " in line, line
+    assert f"the decode waiting {s['io_wait_seconds']:.2f} s for reads; " in line, line
+    state.close()
+
+
 def test_no_stats_line_leaks_after_the_suites_summary(tmp_path):
     """tests/run.sh ended with a stray ``[streaming] hit rate 38.5% ...`` after pytest's summary:
     test_parity's fallback test loads a model with ``stats=True`` in the suite's process. Run it

@@ -4,6 +4,7 @@ Every case ends in one of two ways: logits exactly equal to the stock model's, o
 shard file. Never different numbers.
 """
 
+import dataclasses
 import errno
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.runtime.index import CheckpointFiles
 from mlx_lm_streaming.errors import CheckpointChangedError, ExpertIOError, StreamingError
 from mlx_lm_streaming.stores import safetensors as safetensors_store
 
@@ -158,13 +160,44 @@ class FaultyOS:
             self.counts["eintr"] += 1
             raise InterruptedError(errno.EINTR, os.strerror(errno.EINTR))
         r -= self.eintr
-        (buf,) = buffers
-        if r < self.short and len(buf) > 1:
+        total = sum(len(b) for b in buffers)
+        if r < self.short and total > 1:
             self.counts["short"] += 1
-            buf = buf[: self.rng.randrange(1, len(buf))]
+            # cut anywhere, inside a buffer of a read that scatters into several too
+            cut, buffers, kept = self.rng.randrange(1, total), list(buffers), []
+            for buf in buffers:
+                kept.append(buf[:cut])
+                cut -= len(kept[-1])
+                if cut == 0:
+                    break
+            buffers = kept
         else:
             self.counts["ok"] += 1
-        return os.preadv(fd, [buf], offset)
+        return os.preadv(fd, buffers, offset)
+
+
+def test_ranges_side_by_side_are_one_read_even_where_it_comes_short(reference, monkeypatch):
+    # neighbouring experts of a stacked tensor asked for together (in any order): one read that
+    # scatters into their buffers; a short read or EINTR part-way, inside a buffer or between two,
+    # goes on where it stopped
+    path, _, _ = reference
+    files = CheckpointFiles(path)
+    ref = next(r for name, r in files.tensors.items() if "switch_mlp.gate_proj.weight" in name)
+    stride = ref.nbytes // ref.shape[0]
+    refs = [
+        dataclasses.replace(ref, offset=ref.offset + e * stride, nbytes=stride) for e in (9, 4, 3, 5)
+    ]
+    with open(ref.file, "rb") as f:
+        want = [os.pread(f.fileno(), r.nbytes, r.offset) for r in refs]
+    for faulty in (os, FaultyOS(seed=1, short=0.6, eintr=0.3)):
+        monkeypatch.setattr(safetensors_store, "os", faulty)
+        store = safetensors_store.SafetensorsStore(files, threads=1)
+        bufs = [bytearray(stride) for _ in refs]
+        store.read_many([(r, memoryview(b)) for r, b in zip(refs, bufs)])
+        store.close()
+        assert [bytes(b) for b in bufs] == want
+        assert store.stats.reads == 2  # experts 3-5 in one read, 9 in its own
+    assert faulty.counts["short"] > 0
 
 
 @pytest.mark.parametrize("threads", [1, 4])

@@ -279,21 +279,76 @@ def test_reading_together_lets_gpus_verify_whatever_the_misses(
     model.expert_streaming.close()
 
 
-def test_misses_read_together_load_several_banks_at_once(q3_path, expected, monkeypatch):
+def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatch):
+    # a miss reads the experts of every layer the pass named at once: each bank's reads issued
+    # before any is waited for, ``reads_in_flight`` of them on the demand threads, more than the
+    # store's own 1 thread. Each read is held until the call's reads are all in flight (or a
+    # timeout): one read waiting on another's turn would show as fewer in flight than asked
+    import threading
+    import time
 
-    seen = []
+    tuning = CacheTuning(
+        lookahead=False, lookahead_min_precision=0.0, verify_choice="always", reads_in_flight=64
+    )
+    model = with_slots(q3_path, 2, tuning=tuning, store_options={"threads": 1})
+    cache = model.expert_streaming.cache
+    store = cache.store
+    gauge = {"now": 0, "want": 0, "most": []}
+    cv = threading.Condition()
+    real_read = store.read_on_this_thread
+
+    def read(jobs):
+        with cv:
+            gauge["now"] += 1
+            cv.notify_all()
+            end = time.monotonic() + 2.0
+            while gauge["now"] < gauge["want"] and time.monotonic() < end:
+                cv.wait(end - time.monotonic())
+            if gauge["want"]:  # (inside a load_together call)
+                gauge["most"][-1] = max(gauge["most"][-1], gauge["now"])
+        try:
+            return real_read(jobs)
+        finally:
+            with cv:
+                gauge["now"] -= 1
+
+    monkeypatch.setattr(store, "read_on_this_thread", read)
+    calls = []
     real = verified_step.load_together
 
     def spy(loads):
-        seen.append((len(loads), all(b.direct and not b.staged for b, _, _ in loads)))
-        return real(loads)
+        missing = sum(int((b.slot_of[np.asarray(e)] < 0).sum()) for b, e, _ in loads)
+        with cv:
+            gauge["want"], gauge["most"] = missing, gauge["most"] + [0]
+        calls.append((len(loads), missing))
+        real(loads)
+        with cv:
+            gauge["want"] = 0
 
     monkeypatch.setattr(verified_step, "load_together", spy)
-    tuning = CacheTuning(lookahead_min_precision=0.0, verify_choice="always")
-    model = with_slots(q3_path, 4, tuning=tuning)
     assert_same(expected, _every_call_verified(model))
-    assert any(n > 1 and parallel for n, parallel in seen)  # on the bank threads
-    assert model.expert_streaming.cache._bank_pool is not None
+    together = [i for i, (banks, missing) in enumerate(calls) if banks > 1 and missing > 2]
+    assert together, calls  # several banks, more misses than the store has threads
+    for i in together:
+        assert gauge["most"][i] == calls[i][1], (calls[i], gauge["most"][i])
+    assert cache.demand_pool._max_workers == 64
+    model.expert_streaming.close()
+
+
+def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahead(
+    q3_path, expected
+):
+    # banks written through staging (Metal's way): the banks after the first are read in the
+    # background while the first one's load reads its own, then installed by their own loads
+    tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always")
+    model = with_slots(q3_path, 2, tuning=tuning, direct_reads=False)
+    cache = model.expert_streaming.cache
+    assert not any(b.direct for b in cache.banks)
+    assert_same(expected, _every_call_verified(model))
+    stats = cache.prefetch_stats
+    assert stats.used["together"] > 0 and stats.staged["together"] >= stats.used["together"]
+    assert model.expert_streaming.steps.replays > 0
+    model.expert_streaming.close()
 
 
 def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, expected, monkeypatch):

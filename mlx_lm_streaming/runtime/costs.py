@@ -22,7 +22,7 @@ call):
   that missed adds beside its reads (the host work of a miss), from the same fit of the per-layer
   calls' times on their MoE layers that missed;
 - ``read_verified`` / ``read_per_layer``: seconds per expert read in each mode (a verified step's
-  misses of a token read together, on the bank threads; a per-layer call's by its layer:
+  misses of a token read together, on the demand threads; a per-layer call's by its layer:
   ``CacheStats``' wait and install time);
 - ``experts_per_miss``, ``replays_per_miss``, ``replays_per_call``: experts read per MoE layer that
   missed in each mode (a verified step reads the experts the pass beyond a miss named too, so

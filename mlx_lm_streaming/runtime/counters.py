@@ -29,6 +29,12 @@ class CacheStats(Counters):
     # writing them into the banks
     io_wait_seconds: float = 0.0
     install_seconds: float = 0.0
+    # seconds with at least one demand read of a miss in flight, on any thread (the disk busy
+    # for the misses; against ``io_wait_seconds``, the wait the decode saw): ``read_began``,
+    # ``read_ended``
+    miss_read_busy_seconds: float = 0.0
+    _reads_in_flight: int = field(default=0, repr=False)
+    _busy_since: float = field(default=0.0, repr=False)
     # perf_counter() at the start of the first expert request and the end of the last one: the
     # span that the time split of ``--streaming-stats`` divides
     first_request: Optional[float] = None
@@ -57,3 +63,20 @@ class CacheStats(Counters):
         with self.lock:  # (``add_counts``, spelt out: once per load)
             self.io_wait_seconds += io_wait
             self.install_seconds += install
+
+    def read_began(self) -> float:
+        """A demand read of a miss starts (any thread): ``perf_counter()`` now."""
+        now = time.perf_counter()
+        with self.lock:
+            if self._reads_in_flight == 0:
+                self._busy_since = now
+            self._reads_in_flight += 1
+        return now
+
+    def read_ended(self) -> None:
+        """A demand read that ``read_began`` ended, or failed."""
+        now = time.perf_counter()
+        with self.lock:
+            self._reads_in_flight -= 1
+            if self._reads_in_flight == 0:
+                self.miss_read_busy_seconds += now - self._busy_since

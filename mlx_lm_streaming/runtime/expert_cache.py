@@ -36,8 +36,6 @@ from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from he
 # next wave go through them), with direct reads nothing needs them: a lookahead that does not fit is
 # not read. Peak memory stays within ~2x this over the budget
 STAGING_SHARE = 0.05
-# banks loaded at once when a verified step reads a token's misses together
-BANK_THREADS = 8
 # every cache that may have background threads, for ``close_all`` at interpreter exit
 _LIVE: "weakref.WeakSet[ExpertCache]" = weakref.WeakSet()
 
@@ -91,7 +89,6 @@ class ExpertCache:
         # True once layers were called from more than one thread: direct reads are then off
         self.shared = False
         self._demand_pool: Optional[ThreadPoolExecutor] = None
-        self._bank_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
         self._filler: Optional[threading.Thread] = None
         self._fill_queue: List[LayerBank] = []
@@ -182,15 +179,12 @@ class ExpertCache:
             bank.direct = bank.views is not None and not self.shared
 
     @property
-    def bank_pool(self) -> ThreadPoolExecutor:
-        """Threads that run the loads of several banks at once (a verified step's misses read
-        together); each load's reads still go through ``demand_pool``."""
-        return self._pool("_bank_pool", BANK_THREADS, "banks")
-
-    @property
     def demand_pool(self) -> ThreadPoolExecutor:
-        """Threads that run the demand reads of one load in parallel, one expert each."""
-        return self._pool("_demand_pool", max(2, self.store.threads), "demand")
+        """Threads that run the demand reads of a load (or of several banks' loads at once,
+        ``bank.load_together``) in parallel, one expert each: ``CacheTuning.reads_in_flight``,
+        else the store's threads, at least 2."""
+        in_flight = self.tuning.reads_in_flight or self.store.threads
+        return self._pool("_demand_pool", max(2, in_flight), "demand")
 
     def _pool(self, attr: str, threads: int, name: str) -> ThreadPoolExecutor:
         """The pool kept as ``attr``, started on first use (a closed cache raises)."""
@@ -296,11 +290,9 @@ class ExpertCache:
         if self._prefetcher is not None:
             self._prefetcher.close(wait=wait)
         with self._lock:
-            pools = (self._bank_pool, self._demand_pool)
-            self._bank_pool = self._demand_pool = None
-        for pool in pools:  # the bank pool's loads wait on the demand pool: it goes first
-            if pool is not None:
-                pool.shutdown(wait=wait)
+            pool, self._demand_pool = self._demand_pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait)
         filler = self._filler
         if wait and filler is not None and filler is not threading.current_thread():
             filler.join()
@@ -395,6 +387,7 @@ class ExpertCache:
             "gb_read": st.bytes_read / 1e9,
             "io_seconds": st.seconds,
             "io_wait_seconds": s.io_wait_seconds,
+            "miss_read_busy_seconds": s.miss_read_busy_seconds,
             "install_seconds": s.install_seconds,
             "span_seconds": span,
             "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),

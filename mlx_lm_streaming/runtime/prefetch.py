@@ -6,7 +6,7 @@ the layer writes the slot banks, when it next loads that layer (``LayerBank.load
 used only if the layer then asks for it, so background reads never change what is computed: they only
 move reading off the critical path.
 
-Three producers:
+Four producers:
 
 - **lookahead** (lookahead.py): at layer L's host sync, layer L+1's router is applied to layer L's
   input (computed in the same evaluation as layer L's indices, so no extra sync) and its top-k experts
@@ -14,7 +14,10 @@ Three producers:
 - **waves**: when a call needs more experts than the bank has slots, the next wave is read while the
   current one computes;
 - **fill**: a bank that holds every expert of its layer (``slots == num_experts``) is filled in the
-  background at low priority, so that it becomes complete and stops needing host syncs at all.
+  background at low priority, so that it becomes complete and stops needing host syncs at all;
+- **together**: where banks are written through staging (no direct reads: Metal), a verified
+  step's misses read together (``bank.load_together``): the banks after the first are read ahead
+  while the first one's load reads its own.
 
 Staged bytes are bounded (``ExpertPrefetcher.max_bytes``): a lookahead that does not fit is dropped, the
 fill waits for room.
@@ -110,9 +113,11 @@ class PrefetchStats:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.staged = {"lookahead": 0, "wave": 0, "fill": 0}  # experts read in the background
+        # experts read in the background; ``together``: a verified step's misses of the banks
+        # after the first, read ahead where banks are written through staging (bank.load_together)
+        self.staged = {"lookahead": 0, "wave": 0, "fill": 0, "together": 0}
         self.read_bytes = 0  # the bytes of those reads that completed
-        self.used = {"lookahead": 0, "wave": 0, "fill": 0}  # of which a load used
+        self.used = {"lookahead": 0, "wave": 0, "fill": 0, "together": 0}  # of which a load used
         self.dropped = 0  # lookaheads that did not fit the staging bound
         self.predicted = 0
         self.predicted_hit = 0

@@ -58,6 +58,8 @@ def stats_line(state, label: bool = False) -> str:
             f"{p.held_bytes / 1e9:.3f} GB of hidden states held at most)"
         )
     line += _decode_part(s)
+    if s.get("miss_read_busy_seconds"):
+        line += _misses_part(s)
     if s["span_seconds"] > 0:
         line += (
             f"; {s['span_seconds']:.2f} s from first to last expert request: "
@@ -83,6 +85,20 @@ def _budget_part(s) -> str:
 def _stopped(s) -> str:
     error = s.get("budget_error")
     return f"; a move stopped: {error}, those banks kept their size" if error else ""
+
+
+def _misses_part(s) -> str:
+    """For the misses: how long the disk was busy reading them (wall time with one or more in
+    flight) against how long the model's thread waited for reads: a wait much longer than the
+    busy time is a hand-off that left the disk idle; a busy time longer than the wait, reads that
+    overlapped compute."""
+    busy, waited = s["miss_read_busy_seconds"], s["io_wait_seconds"]
+    demand_gb = s["gb_read"] - s.get("background_gb", 0.0)
+    rate = f", {demand_gb / busy:.2f} GB/s while busy" if demand_gb > 0 else ""
+    return (
+        f"; misses: the disk busy {busy:.2f} s reading them{rate}, the decode waiting "
+        f"{waited:.2f} s for reads"
+    )
 
 
 def _decode_part(s) -> str:

@@ -8,6 +8,10 @@ from .moving_budget import CHECK_SECONDS
 
 # experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
 PHASE_MIN_BYTES = 16 << 20
+# demand reads in flight (``CacheTuning.reads_in_flight``): the H200's disk gave its best at 8-16
+# whole-expert reads; a stacked checkpoint's expert is nine ranges read in turn, which needed four
+# times the reads in flight of whole ones on this box's disk (docs/benchmarks/README.md)
+READS_IN_FLIGHT = 16
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class CacheTuning:
     # thread hand-offs: docs/history.md, "A token's misses read together"); None: always
     # spread
     spread_reads_upto: Optional[int] = 1
+    # demand reads in flight at once (the demand threads, each reading one expert): a token's
+    # misses read together keep this many reads queued at the disk (docs/benchmarks/README.md,
+    # "The reads' queue depth"); None: the store's threads
+    reads_in_flight: Optional[int] = READS_IN_FLIGHT
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
     # writes through the banks' views. Nothing changes on other backends

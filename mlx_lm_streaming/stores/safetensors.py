@@ -2,7 +2,10 @@
 
 Each file is opened once; ranges are read with ``os.preadv`` straight into the caller's buffers (the GIL
 is released during the read), in parallel on a small thread pool when several ranges are asked for at
-once. Short reads and EINTR are retried; other errors raise ``ExpertIOError`` naming file and tensor.
+once. Ranges asked for together that follow each other in a file (an expert's tensors where the
+checkpoint keeps them side by side, as Hugging Face's per-expert layout often does; neighbouring
+experts of a stacked tensor) are one read that scatters into their buffers. Short reads and EINTR
+are retried; other errors raise ``ExpertIOError`` naming file and tensor.
 Before and after a batch touches a file, its size, mtime and inode (of the open file and of the path)
 are compared with what the index saw, so a checkpoint replaced, truncated, deleted or rewritten after
 load (even during the read) is an error, never silently different logits.
@@ -21,6 +24,8 @@ from .base import ExpertStore, shard_error, thread_count
 # cold (docs/benchmarks/README.md, "What won")
 DEFAULT_THREADS = 8
 MAX_RETRIES = 8
+# buffers of one merged read at most (the OS's limit on one preadv's is 1024 on Linux and macOS)
+MAX_BUFFERS = 512
 
 
 class SafetensorsStore(ExpertStore):
@@ -67,29 +72,36 @@ class SafetensorsStore(ExpertStore):
 
     def _read(self, ref: TensorRef, out: memoryview) -> None:
         """``ref``'s bytes into ``out``."""
+        self._read_run([(ref, out)])
+
+    def _read_run(self, run: List[Tuple[TensorRef, memoryview]]) -> None:
+        """The ranges of ``run``, which follow each other in one file, in one read that scatters
+        into their buffers (``runs``)."""
+        ref = run[0][0]
         fd = self._fd(ref.file)
-        end = ref.nbytes
+        views = [memoryview(out)[: r.nbytes] for r, out in run]
+        end = sum(r.nbytes for r, _ in run)
+        what = f"tensor {ref.name!r}"
+        if len(run) > 1:
+            what += f" and the {len(run) - 1} after it"
         done, retries = 0, 0
         while done < end:
             try:
-                n = os.preadv(fd, [out[done:end]], ref.offset + done)
+                n = os.preadv(fd, _after(views, done), ref.offset + done)
             except InterruptedError:
                 retries += 1
                 if retries > MAX_RETRIES:
                     raise ExpertIOError(
-                        f"{ref.file}: reading tensor {ref.name!r} was interrupted "
-                        f"{MAX_RETRIES} times in a row"
+                        f"{ref.file}: reading {what} was interrupted {MAX_RETRIES} times in a row"
                     )
                 continue
             except OSError as e:
                 raise ExpertIOError(
-                    f"{ref.file}: reading tensor {ref.name!r} ({ref.nbytes} bytes at offset "
-                    f"{ref.offset}) failed: {e}"
+                    f"{ref.file}: reading {what} ({end} bytes at offset {ref.offset}) failed: {e}"
                 ) from e
             if n == 0:
                 raise CheckpointChangedError(
-                    f"{ref.file}: ended early while reading tensor {ref.name!r} (file "
-                    "truncated after load?)"
+                    f"{ref.file}: ended early while reading {what} (file truncated after load?)"
                 )
             # a short read is progress: ask again for the rest
             done += n
@@ -110,17 +122,18 @@ class SafetensorsStore(ExpertStore):
         start = time.perf_counter()
         files = {ref.file for ref, _ in jobs}
         self._check(files)
-        if self.threads == 1 or len(jobs) == 1 or not spread:
-            for job in jobs:
-                self._read(*job)
+        reads = runs(jobs)
+        if self.threads == 1 or len(reads) == 1 or not spread:
+            for run in reads:
+                self._read_run(run)
         else:
             pool = self._reader_pool()
             # list() re-raises the first error of any read
-            list(pool.map(lambda job: self._read(*job), jobs))
+            list(pool.map(self._read_run, reads))
         # again after: a change that raced with the reads is caught before the bytes are used
         self._check(files)
         self.stats.add(
-            len(jobs), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
+            len(reads), sum(r.nbytes for r, _ in jobs), time.perf_counter() - start
         )
 
     def close(self, wait: bool = True) -> None:
@@ -134,3 +147,28 @@ class SafetensorsStore(ExpertStore):
             self._pool = None
         for fd in fds:
             os.close(fd)
+
+
+def runs(jobs: List[Tuple[TensorRef, memoryview]]) -> List[List[Tuple[TensorRef, memoryview]]]:
+    """``jobs`` in file order, grouped into runs of ranges that follow each other in one file
+    (at most ``MAX_BUFFERS`` a run): each run is one read."""
+    out: List[List[Tuple[TensorRef, memoryview]]] = []
+    end = None  # (file, offset) where the last run ends
+    for ref, buf in sorted(jobs, key=lambda job: (str(job[0].file), job[0].offset)):
+        if end == (ref.file, ref.offset) and len(out[-1]) < MAX_BUFFERS:
+            out[-1].append((ref, buf))
+        else:
+            out.append([(ref, buf)])
+        end = (ref.file, ref.offset + ref.nbytes)
+    return out
+
+
+def _after(views: List[memoryview], skip: int) -> List[memoryview]:
+    """The buffers ``views`` less their first ``skip`` bytes (a short read's rest)."""
+    if not skip:
+        return views
+    for i, view in enumerate(views):
+        if skip < len(view):
+            return [view[skip:], *views[i + 1 :]]
+        skip -= len(view)
+    return []

@@ -1,5 +1,6 @@
 """``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
+import contextlib
 import threading
 import time
 from typing import Dict, List, Optional
@@ -11,7 +12,7 @@ from .. import cuda_copy, lookahead
 from ..host_views import host_address, host_bytes
 from ..index import LayerExperts
 from ..policy import SlotTable
-from ..prefetch import StagedBatch
+from ..prefetch import WAVE, StagedBatch
 from ..safetensors_header import mx_dtype
 from .reads import NOTHING_TO_READ, install_finished, landings
 
@@ -197,17 +198,33 @@ class LayerBank:
 
     def load(self, experts: np.ndarray, keep=(), guessed=False, alone=False) -> None:
         """Make every expert in ``experts`` (unique ids, at most ``slots``) resident, and wait for
-        it: ``reads``, every landing taken. ``guessed``: experts read ahead on a guess for the
-        call that is starting (``_load_guessed``)."""
+        it: ``issue``, every landing taken. ``guessed``: experts read ahead on a guess for the
+        call that is starting (``issue``)."""
         self.cache.ensure_planned()
         with self.lock:
-            if self.identity and self.staged:
-                install_finished(self)
-            if guessed:
-                self._load_guessed(experts, keep, alone)
-                return
-            for _ in self.reads(experts, keep, alone=alone):
+            landed, ahead = self.issue(experts, keep, guessed, alone)
+            for _ in landed:
                 pass
+            self._ahead_used.extend(ahead)
+
+    def issue(self, experts: np.ndarray, keep=(), guessed=False, alone=False):
+        """``load``'s first half, under ``lock``: finished background fills installed, the reads
+        of ``experts`` issued; ``(landings, ahead)``. Take every landing (or ``close()`` it), then
+        add ``ahead`` to ``_ahead_used``: ``guessed``, experts read ahead on a guess for the call
+        that is starting (staged), made resident before its own ``load``: slots as for a read
+        ahead (not a use of the policy, so the call is one call to it; nothing but ``keep``
+        pinned), not counted here; the call's own load counts them as its misses, and as misses
+        guessed. ``load_together`` issues several banks' loads before it takes any landing."""
+        if self.identity and self.staged:
+            install_finished(self)
+        if not guessed:
+            return self.reads(experts, keep, alone=alone), ()
+        missing, victims, evicted = self.table.prefetch(experts, keep)
+        if not len(missing):
+            return NOTHING_TO_READ, ()
+        landed = landings(self, missing, victims, (0, 0, evicted), alone=alone)
+        next(landed)  # the reads issued
+        return landed, missing.tolist()
 
     def reads(self, experts: np.ndarray, keep=(), by_projection=False, alone=False):
         """Start making every expert in ``experts`` (unique ids, at most ``slots``) resident, under
@@ -299,17 +316,6 @@ class LayerBank:
         tiers = self.cache.tiers
         return self.glu if tiers is None else tiers.caller(self, self.glu)
 
-    def _load_guessed(self, experts: np.ndarray, keep, alone) -> None:
-        """``load(..., guessed=True)``: experts read ahead on a guess for the call that is starting
-        (staged), made resident before its own ``load``: slots as for a read ahead (not a use of the
-        policy, so the call is one call to it; nothing but ``keep`` pinned), not counted here; the
-        call's own load counts them as its misses, and as misses guessed."""
-        missing, victims, evicted = self.table.prefetch(experts, keep)
-        if len(missing):
-            for _ in landings(self, missing, victims, (0, 0, evicted), alone=alone):
-                pass
-        self._ahead_used.extend(missing.tolist())
-
     def summary(self) -> dict:
         """This layer's counters: hits, misses, and the GB (decimal) of the experts it missed."""
         asked = self.hits + self.misses
@@ -393,26 +399,41 @@ class LayerBank:
 
 
 def load_together(loads) -> None:
-    """``bank.load(experts, **options)`` for each of ``loads``, all at once on the cache's bank
-    threads where every bank reads directly into its slots and has no staged reads to install (an
-    MLX update, which must run on the calling thread) and the model has no host cache (whose
-    copies are MLX updates); else one after another. All pending work
-    was evaluated by the caller, so no bank need wait for its stream (``last_stream``). Every load
-    has ended when this returns; the first error is raised then."""
+    """``bank.load(experts, **options)`` for each of ``loads``, every bank's reads issued before
+    any is waited for. Where every bank reads directly into its slots: the reads run on the
+    cache's demand threads, ``CacheTuning.reads_in_flight`` at once, while this thread takes the
+    landings bank after bank, every bank's lock held until all have landed. Else (staged writes:
+    Metal, a second calling thread) the banks after the first are read ahead into staging buffers
+    (``stage``, as much as the staging bound has room for, the ``together`` kind), and the loads
+    run one after another, each installing what was read ahead for it. A model with a host cache
+    (whose copies go before any read of their bank) loads one bank after another. All pending
+    work was evaluated by the caller, so no bank need wait for its stream (``last_stream``).
+    Every load has ended when this returns; the first error is raised then."""
     banks = [bank for bank, _, _ in loads]
-    serial = len(loads) == 1 or banks[0].cache.host_cache is not None
-    if serial or not all(b.direct and not b.staged for b in banks):
+    if len(loads) == 1 or banks[0].cache.host_cache is not None:
         for bank, experts, options in loads:
             bank.load(experts, **options)
         return
-    for bank in banks:
-        bank.last_stream = None
-    pool = banks[0].cache.bank_pool
-    # beside other banks' loads, a load's experts are never spread over the store's readers
-    futures = [
-        pool.submit(bank.load, experts, alone=True, **options) for bank, experts, options in loads
-    ]
-    errors = [f.exception() for f in futures]  # waits for each
-    for error in errors:
-        if error is not None:
-            raise error
+    if not all(b.direct for b in banks):
+        for bank, experts, _ in loads[1:]:
+            bank.stage(experts, "together", WAVE, fit=True)
+        for bank, experts, options in loads:
+            bank.load(experts, **options)
+        return
+    banks[0].cache.ensure_planned()
+    issued = []
+    with contextlib.ExitStack() as locks:
+        try:
+            for bank, experts, options in loads:
+                locks.enter_context(bank.lock)
+                bank.last_stream = None
+                # beside other banks' loads, an expert's ranges are never spread over the
+                # store's readers: each expert is one demand thread's
+                issued.append((bank, *bank.issue(experts, alone=True, **options)))
+            for bank, landed, ahead in issued:
+                for _ in landed:
+                    pass
+                bank._ahead_used.extend(ahead)
+        finally:  # (an error: the reads still in flight end before the locks go)
+            for _, landed, _ in issued:
+                landed.close()

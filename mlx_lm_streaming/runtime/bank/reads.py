@@ -137,9 +137,12 @@ def landings(bank, experts, slots, counts, by_projection=False, alone=False):
             chunk = max(1, bank.cache.staging_limit // max(1, bank.layer.expert_nbytes))
             for i in range(0, len(rest), chunk):
                 part = rest[i : i + chunk]
-                t = time.perf_counter()
                 batch = StagedBatch(bank.layer, np.array([e for e, _ in part]), "demand")
-                bank.cache.store.read_many(batch.jobs())
+                t = bank.cache.stats.read_began()
+                try:
+                    bank.cache.store.read_many(batch.jobs())
+                finally:
+                    bank.cache.stats.read_ended()
                 io += time.perf_counter() - t
                 tl.batch_read(t, batch)
                 if groups:  # staged ones after the first read: it overlaps the layer's work
@@ -229,19 +232,21 @@ class DirectReads:
         else:
             groups = [(None, list(range(len(parts))))]
         # (a demand thread's: records unconditionally)
-        events, tl = self.events, bank.cache.timeline
+        events, tl, stats = self.events, bank.cache.timeline, bank.cache.stats
 
         def read(pair):
             e, slot = pair
-            start = time.perf_counter()
+            start = stats.read_began()
             try:
                 for g, (proj, members) in enumerate(groups):
                     read_slot(e, slot, members)
                     if g < len(groups) - 1:
                         events.put((pair, proj, None))
             except BaseException as exc:
+                stats.read_ended()
                 events.put((pair, None, exc))
                 return
+            stats.read_ended()
             tl.read(start, bank.path, e, bank.layer.expert_nbytes, "demand", slot=slot)
             events.put((pair, None, None))
 
