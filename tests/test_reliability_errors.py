@@ -369,8 +369,11 @@ def test_hook_off_with_streaming_asked_by_environment_says_so(ckpt, tmp_path):
         "MLX_LM_STREAMING_EXPERTS=1",
         "MLX_LM_STREAMING_HOOK=0",
         "every expert",
+        # the documented name (docs/usage.md), which is there to call (issue 45, item 5)
+        "call mlx_lm_streaming.integration.install() before loading",
     ):
         assert name in lines[0]
+    assert callable(mlx_lm_streaming.integration.install)
 
 
 def test_hook_off_without_streaming_is_silent(ckpt, tmp_path):

@@ -97,16 +97,16 @@ def check_budget_gb(value) -> float:
 
 
 def check_host_gb(value) -> float:
-    """``expert_host_gb`` as a float: 0 (no host tier) or a budget as ``check_budget_gb`` takes."""
+    """``expert_host_gb`` as a float: 0 (no host tier) or a positive, finite number of GB."""
     try:
-        if float(value) == 0:
-            return 0.0
+        gb = float(value)
     except (TypeError, ValueError, OverflowError):
-        pass
-    try:
-        return check_budget_gb(value)
-    except ConfigurationError as e:
-        raise ConfigurationError(f"expert_host_gb {e}") from None
+        gb = float("nan")
+    if not (gb == 0 or gb > 0 and math.isfinite(gb * GB)):
+        raise ConfigurationError(
+            f"expert_host_gb {value!r}: give 0 (no host tier) or a positive number of GB"
+        )
+    return gb + 0.0
 
 
 # every spelling a yes/no value takes, for the message that refuses another
