@@ -36,7 +36,7 @@ CHOICE = re.compile(
 )
 SPLIT = re.compile(
     r"; ([\d.]+) s from first to last expert request: ([\d.]+) s waiting for reads, ([\d.]+) s "
-    r"installing, ([\d.]+) s everything else$",
+    r"copying into the cache, ([\d.]+) s everything else$",
     re.M,
 )
 PLAN = [sys.executable, "-m", "mlx_lm_streaming", "plan"]

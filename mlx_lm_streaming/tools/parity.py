@@ -166,14 +166,14 @@ def run_verify(args) -> int:
     from pathlib import Path
 
     from ..integration.integration import load_to_stream
-    from ..runtime.options import StreamingOptions
+    from ..runtime.options import StreamingOptions, gb_as_given
 
     path = Path(args.model)
     # as plan and pack: a model that cannot stream is our one-line error here (a load that asks
     # for streaming would load a dense model as stock, or suggest a flag verify does not take)
     probe, _ = load_to_stream(path, StreamingOptions())
     if args.expert_cache_gb:
-        budgets = {f"{gb:g} GB": gb for gb in args.expert_cache_gb}
+        budgets = {f"{gb_as_given(gb)} GB": gb for gb in args.expert_cache_gb}
     else:
         cache = probe.expert_streaming.cache
         smallest = min(b.num_experts for b in cache.banks)
