@@ -36,7 +36,7 @@ sys.exit(importlib.import_module("mlx_lm.generate").main())
 """
 
 
-# mlx_lm.generate, sent SIGINT (Ctrl-C) at its 30th decode step
+# mlx_lm.generate, sent SIGINT (Ctrl-C; or the signal named by $SEND) at its 30th decode step
 INTERRUPTED_GENERATE = """
 import importlib, os, signal, sys
 import mlx.core as mx
@@ -44,7 +44,7 @@ stock, steps = mx.async_eval, []
 def async_eval(*a):
     steps.append(1)
     if len(steps) == 30:
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SEND", "SIGINT")))
     return stock(*a)
 mx.async_eval = async_eval
 sys.argv[0] = "mlx_lm.generate"
@@ -203,6 +203,11 @@ def test_ctrl_c_while_streaming_is_one_line_status_130_and_the_stats(checkpoint,
         assert len(stats) == ("--streaming-stats" in flags), report
         assert all(STATS.match(x) for x in stats), report
         assert out.stdout.endswith("\n") and generated_text_began(out.stdout), report
+    # `kill` where --streaming-stats is given (the flag makes SIGTERM end the run as Ctrl-C does)
+    out = interrupted("--streaming-experts", "--streaming-stats", SEND="SIGTERM")
+    lines = [x for x in out.stderr.splitlines() if not x.startswith("[streaming] qwen3")]
+    assert out.returncode == 143 and lines[0] == "mlx_lm.generate: terminated", out.stderr
+    assert len(lines) == 2 and STATS.match(lines[1]), out.stderr
     # the environment's way of asking: the same
     out = interrupted(MLX_LM_STREAMING_EXPERTS="1")
     assert out.returncode == 130 and out.stderr.splitlines()[-1] == "mlx_lm.generate: interrupted"
