@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
-from .runtime.options import check_budget_gb, decimal_gb, gb_at_least, missing_local_path
+from .runtime.options import check_budget_gb, missing_local_path
+from .runtime.sizes import decimal_gb, gb_at_least
 
 
 def _hook_files():

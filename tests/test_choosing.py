@@ -23,7 +23,7 @@ from support import (
     run_cli,
 )
 
-from mlx_lm_streaming.runtime.options import gb_as_given
+from mlx_lm_streaming.runtime.sizes import gb_as_given
 from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY
 from mlx_lm_streaming.tools.replay import replay
 from mlx_lm_streaming.files.routing_trace import TraceWriter, read_trace

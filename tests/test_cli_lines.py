@@ -12,7 +12,7 @@ import sys
 import pytest
 from support import BIN, STATS, clean_env, load_streaming, run, run_cli
 
-from mlx_lm_streaming.runtime.options import gb_at_least
+from mlx_lm_streaming.runtime.sizes import gb_at_least
 
 pytestmark = pytest.mark.usefixtures("require_hook")
 
@@ -132,7 +132,7 @@ def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(ch
 
     import mlx.core as mx
 
-    from mlx_lm_streaming.runtime.options import decimal_gb
+    from mlx_lm_streaming.runtime.sizes import decimal_gb
     from mlx_lm_streaming.runtime.report import stats_line
 
     model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=1000)
@@ -162,7 +162,7 @@ def test_the_load_and_stats_lines_say_sizes_one_way_in_a_users_words(checkpoint,
     load line said ``5e-05 GB`` (issue 45, item 7); and its ``decode calls: 1 verified steps, 60
     per layer (by share limits)`` was the runtime's own words, now kept for ``--streaming-stats
     layers`` (item 8)."""
-    from mlx_lm_streaming.runtime.options import gb_digits
+    from mlx_lm_streaming.runtime.sizes import gb_digits
 
     ckpt = checkpoint("qwen3_moe")
     cmd = [BIN / "mlx_lm.generate", "--model", ckpt, "--prompt", "hi", "--max-tokens", "6"]

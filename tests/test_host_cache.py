@@ -14,7 +14,7 @@ from support import decode, load_stock, load_streaming, per_slot, same
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.runtime import report, tiers
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.options import decimal_gb
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9

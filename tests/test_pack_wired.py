@@ -21,7 +21,8 @@ from support import (
 )
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, decimal_gb
+from mlx_lm_streaming.runtime.options import ENV, StreamingOptions
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.files.packfile import PACK_NAME
 
 

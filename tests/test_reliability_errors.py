@@ -26,7 +26,8 @@ from support import (
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, one_line
-from mlx_lm_streaming.runtime.options import StreamingOptions, gb_as_given, gb_at_least
+from mlx_lm_streaming.runtime.options import StreamingOptions
+from mlx_lm_streaming.runtime.sizes import gb_as_given, gb_at_least
 from mlx_lm_streaming.files.packfile import PACK_NAME
 
 GENERATE = [BIN / "mlx_lm.generate", "--prompt", "hi", "--max-tokens", "2", "--model"]

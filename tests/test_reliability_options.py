@@ -23,7 +23,8 @@ from mlx_lm_streaming.integration import cli as command_line
 from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.runtime.options import StreamingOptions, decimal_gb
+from mlx_lm_streaming.runtime.options import StreamingOptions
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.files.routing_trace import TraceWriter
 from synthetic import build_checkpoint
 

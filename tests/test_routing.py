@@ -24,7 +24,7 @@ from support import load_stock, load_streaming
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
 from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, SlotTable
-from mlx_lm_streaming.runtime.options import decimal_gb
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.tools.replay import belady, replay
 from mlx_lm_streaming.files.routing_trace import TraceError, TraceWriter, read_trace
 

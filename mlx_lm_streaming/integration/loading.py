@@ -33,13 +33,8 @@ from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
 from ..runtime.index import CheckpointFiles, ExpertIndex, checkpoint_layer, projections_of
 from ..runtime.layer_major import PrefillStats
 from ..runtime.lookahead import find_router
-from ..runtime.options import (
-    CONFIG_KEY,
-    StreamingOptions,
-    budget_bytes,
-    decimal_gb,
-    gb_as_given,
-)
+from ..runtime.options import CONFIG_KEY, StreamingOptions
+from ..runtime.sizes import budget_bytes, decimal_gb, gb_as_given
 from ..runtime.switch import StreamingSwitchGLU
 from ..runtime.runner import StepRunner
 from .unstreamable import adapter_for, model_module, refuse_listed

@@ -26,9 +26,9 @@ from .counters import CacheStats
 from .index import LayerExperts, natural_key
 from .modes import PER_LAYER
 from .no_timeline import NO_TIMELINE
-from .options import gb_as_given, gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
+from .sizes import gb_as_given, gb_at_least
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the

@@ -4,9 +4,10 @@ per-layer table) at exit. Functions of a ``loading.StreamingState``."""
 import atexit
 import sys
 
-from . import memory
 from ..option_table import GB
-from .options import StreamingOptions, decimal_gb, gb_as_given, gb_digits
+from . import memory
+from .options import StreamingOptions
+from .sizes import decimal_gb, gb_as_given, gb_digits
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
 # lines printed at exit before the stats lines, where any are printed (``note_at_exit``)

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .options import decimal_gb, gb_as_given
+from .sizes import decimal_gb, gb_as_given
 
 # a bank's calls: every call's ids are kept (a reference: no host work), and every MOVE_EVERY-th
 # call those mlx-lm has evaluated (all but the last READ_LAG) are counted at once and the device

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 from ..errors import ConfigurationError
 from ..option_table import GB
-from ..runtime.options import decimal_gb, gb_digits
+from ..runtime.sizes import decimal_gb, gb_digits
 from .replay import replay
 
 # the disk probe reads at most this much, or for about this long, whichever comes first

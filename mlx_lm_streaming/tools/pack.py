@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..files.packfile import PACK_NAME, pack_path, write_pack
-from ..runtime.options import decimal_gb
+from ..runtime.sizes import decimal_gb
 
 
 def index_checkpoint(model_path: Path):

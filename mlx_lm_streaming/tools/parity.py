@@ -166,7 +166,8 @@ def run_verify(args) -> int:
     from pathlib import Path
 
     from ..integration.integration import load_to_stream
-    from ..runtime.options import StreamingOptions, gb_as_given
+    from ..runtime.options import StreamingOptions
+    from ..runtime.sizes import gb_as_given
 
     path = Path(args.model)
     # as plan and pack: a model that cannot stream is our one-line error here (a load that asks
