@@ -41,6 +41,7 @@ echo "$streamed"
 echo
 if [ "$(text "$stock")" = "$(text "$streamed")" ]; then
   echo "Same text as stock mlx-lm, with half of the experts in memory: evicted ones were read again."
+  echo "To run these commands yourself: source .venv/bin/activate"
 else
   echo "ERROR: the streamed text differs from stock mlx-lm" >&2
   exit 1

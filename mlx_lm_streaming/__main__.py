@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from .errors import CheckpointError, ConfigurationError, StreamingError, exit_with
-from .runtime.options import check_budget_gb, decimal_gb, gb_at_least, missing_local_path
+from .runtime.options import check_budget_gb, missing_local_path
+from .runtime.sizes import decimal_gb, gb_at_least
 
 
 def _hook_files():
@@ -209,7 +210,7 @@ def _print_plan(args, state, trace) -> None:
     print(f"all routed experts: {decimal_gb(cache.total_expert_bytes)}")
     print(f"resident weights: {decimal_gb(state.resident_bytes)}")
     print(
-        f"minimum budget, one expert per MoE layer: {decimal_gb(per_slot)} "
+        f"minimum budget, one expert per MoE layer: {decimal_gb(per_slot, up=True)} "
         f"(--expert-cache-gb {gb_at_least(per_slot)})"
     )
     default, free = default_budget(state)
@@ -217,9 +218,13 @@ def _print_plan(args, state, trace) -> None:
     # a budget below the minimum, or one that cannot fit this machine, stops here, naming it
     check_budget_fits(state)
     if args.expert_cache_gb is not None:
-        how = budget_how(state, cache.budget_bytes, given_gb=args.expert_cache_gb)
         budget = cache_bytes(cache, cache.budget_bytes)
-        print(f"expert cache budget (given): {decimal_gb(budget)} ({how})")
+        # what bounded it, where something did (not "0.002 GB (given 0.002 GB)")
+        capped = f" ({budget_how(state, cache.budget_bytes, given_gb=args.expert_cache_gb)})"
+        print(
+            f"expert cache budget (given): {decimal_gb(budget)}"
+            f"{capped if budget < cache.budget_bytes else ''}"
+        )
     else:
         print(f"expert cache budget (default): {decimal_gb(cache.budget_bytes)}")
     plan = cache.plan_slots()
@@ -232,11 +237,13 @@ def _print_plan(args, state, trace) -> None:
 
     print(tiers.plan_line(cache, state.selector.backend, trace))
     if trace is None:
+        from .tools.pack import command_word
+
         print(
             "hit rate and speed against budget: record the routing of your own prompt with "
-            f"`mlx_lm.generate --model {args.model} --streaming-experts --record-routing "
-            f"routing.jsonl --prompt ...`, then run `mlx_lm_streaming plan {args.model} "
-            "--routing-trace routing.jsonl`"
+            f"`{command_word('mlx_lm.generate')} --model {args.model} --streaming-experts "
+            f"--record-routing routing.jsonl --prompt ...`, then run "
+            f"`{command_word('mlx_lm_streaming')} plan {args.model} --routing-trace routing.jsonl`"
         )
         return
     print(_replay_line(trace, cache, plan))
@@ -264,12 +271,12 @@ def _replay_line(trace, cache, plan) -> str:
     trace.check_model(len(banks), counts.pop() if len(counts) == 1 else sorted(counts))
     result = replay(trace, plan, cache.policy)
     read = sum(m * b.layer.expert_nbytes for m, b in zip(result.decode_misses, banks))
-    per_token = read / result.decode_tokens / 1e9 if result.decode_tokens else 0.0
+    per_token = read / result.decode_tokens if result.decode_tokens else 0.0
     return (
         f"routing trace {trace.path.name} ({result.decode_tokens} decode, "
         f"{len(trace.rows) - result.decode_tokens} prefill tokens; policy {cache.policy}): "
         f"decode hit rate {_percent(result.hit_rate('decode'))}, prefill hit rate "
-        f"{_percent(result.hit_rate('prefill'))}, {per_token:.4g} GB read per decode token"
+        f"{_percent(result.hit_rate('prefill'))}, {decimal_gb(per_token)} read per decode token"
     )
 
 

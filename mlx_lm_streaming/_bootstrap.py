@@ -68,7 +68,7 @@ def startup_problem(environ=os.environ, argv=None, orig_argv=None):
             return (
                 f"{EXPERTS_ENV}={asked} asks for streaming experts, but {HOOK_ENV}=0 turned the "
                 "startup hook off: mlx-lm will load every expert into memory; unset "
-                f"{HOOK_ENV} (or call mlx_lm_streaming.integration.integration.install() before loading)"
+                f"{HOOK_ENV} (or call mlx_lm_streaming.integration.install() before loading)"
             )
         if flags:
             return (

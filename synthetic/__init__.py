@@ -274,7 +274,8 @@ def build_checkpoint(
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description="Build a tiny random MoE checkpoint with stock mlx-lm classes."
+        prog="python -m synthetic",
+        description="Build a tiny random MoE checkpoint with stock mlx-lm classes.",
     )
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="qwen3_moe", choices=sorted(ARCHITECTURES))

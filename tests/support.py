@@ -152,6 +152,13 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def default_sigint():
+    """``preexec_fn`` of every command a test starts: SIGINT's default action, as from a terminal.
+    A shell that runs the suite as a background job (``nohup bash tests/run.sh &``) starts it with
+    SIGINT ignored, and children inherit that: the Ctrl-C a test sends would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(cmd, cwd, env=None, input=None, timeout=120) -> subprocess.CompletedProcess:
     out = subprocess.run(
         [str(c) for c in cmd],
@@ -161,6 +168,7 @@ def run(cmd, cwd, env=None, input=None, timeout=120) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=default_sigint,
     )
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout}\n{out.stderr}"
     return out
@@ -251,7 +259,8 @@ def server(model, *flags, cwd, stop=signal.SIGINT):
     cmd += ["--port", str(port), "--log-level", "WARNING", *flags]
     log = open(cwd / f"server-{port}.log", "w+")
     proc = subprocess.Popen(
-        [str(c) for c in cmd], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
+        [str(c) for c in cmd], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=default_sigint,
     )
     url = f"http://127.0.0.1:{port}"
     result = {"log": "", "proc": proc}
@@ -336,6 +345,7 @@ def run_cli(cmd, cwd, env=None, timeout=120) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=default_sigint,
     )
 
 

@@ -23,6 +23,7 @@ from support import (
     run_cli,
 )
 
+from mlx_lm_streaming.runtime.sizes import gb_as_given
 from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY
 from mlx_lm_streaming.tools.replay import replay
 from mlx_lm_streaming.files.routing_trace import TraceWriter, read_trace
@@ -36,7 +37,7 @@ CHOICE = re.compile(
 )
 SPLIT = re.compile(
     r"; ([\d.]+) s from first to last expert request: ([\d.]+) s waiting for reads, ([\d.]+) s "
-    r"installing, ([\d.]+) s everything else$",
+    r"copying into the cache, ([\d.]+) s everything else$",
     re.M,
 )
 PLAN = [sys.executable, "-m", "mlx_lm_streaming", "plan"]
@@ -56,7 +57,7 @@ def test_generate_says_the_budget_it_chose_and_reports_per_layer(ckpt, tmp_path)
     (choice,) = CHOICE.findall(out.stderr)
     name, gb, how, slots, experts, layers, _ = choice
     assert (name, slots, experts, layers) == (ckpt.name, "3", "8", "2")
-    assert how == f"given {budget:g} GB"
+    assert how == f"given {gb_as_given(budget)} GB"
     assert float(gb) == pytest.approx(budget * GB / 1e9, rel=1e-2)  # decimal GB
     # the choice comes before the text, the stats after it
     assert out.stderr.index("expert cache") < out.stderr.index("hit rate")

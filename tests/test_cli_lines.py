@@ -5,13 +5,14 @@ prompt's tokens as prefill however mlx-lm splits them into calls (a 2-token prom
 in the background."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
-from support import BIN, clean_env, load_streaming, run
+from support import BIN, STATS, clean_env, load_streaming, run, run_cli
 
-from mlx_lm_streaming.runtime.options import gb_at_least
+from mlx_lm_streaming.runtime.sizes import gb_at_least
 
 pytestmark = pytest.mark.usefixtures("require_hook")
 
@@ -30,6 +31,22 @@ for name in ("read_many", "read_on_this_thread", "read_into"):
             raise ExpertIOError("the disk went away")
         return _stock(self, *a, **k)
     setattr(SafetensorsStore, name, failing)
+sys.argv[0] = "mlx_lm.generate"
+sys.exit(importlib.import_module("mlx_lm.generate").main())
+"""
+
+
+# mlx_lm.generate, sent SIGINT (Ctrl-C; or the signal named by $SEND) at its 30th decode step
+INTERRUPTED_GENERATE = """
+import importlib, os, signal, sys
+import mlx.core as mx
+stock, steps = mx.async_eval, []
+def async_eval(*a):
+    steps.append(1)
+    if len(steps) == 30:
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SEND", "SIGINT")))
+    return stock(*a)
+mx.async_eval = async_eval
 sys.argv[0] = "mlx_lm.generate"
 sys.exit(importlib.import_module("mlx_lm.generate").main())
 """
@@ -115,7 +132,7 @@ def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(ch
 
     import mlx.core as mx
 
-    from mlx_lm_streaming.runtime.options import decimal_gb
+    from mlx_lm_streaming.runtime.sizes import decimal_gb
     from mlx_lm_streaming.runtime.report import stats_line
 
     model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=1000)
@@ -134,7 +151,7 @@ def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(ch
     total = s["gb_read"] * 1e9
     line = stats_line(state)
     assert (
-        f"{s['gb_read']:.3f} GB read ({decimal_gb(total - background)} on demand, "
+        f"{decimal_gb(total)} read ({decimal_gb(total - background)} on demand, "
         f"{decimal_gb(background)} in the background: lookahead, next wave, fill)"
     ) in line, line
     state.close()
@@ -175,6 +192,113 @@ def test_the_stats_line_says_how_long_the_disk_was_busy_for_the_misses(checkpoin
     assert f"; misses: the disk busy {busy:.2f} s reading them, " in line, line
     assert f"the decode waiting {s['io_wait_seconds']:.2f} s for reads; " in line, line
     state.close()
+
+
+def test_the_load_and_stats_lines_say_sizes_one_way_in_a_users_words(checkpoint, tmp_path):
+    """On a small model the stats line said ``0.000 GB read`` and ``cache 0.000 GB`` while the
+    load line said ``5e-05 GB`` (issue 45, item 7); and its ``decode calls: 1 verified steps, 60
+    per layer (by share limits)`` was the runtime's own words, now kept for ``--streaming-stats
+    layers`` (item 8)."""
+    from mlx_lm_streaming.runtime.sizes import gb_digits
+
+    ckpt = checkpoint("qwen3_moe")
+    cmd = [BIN / "mlx_lm.generate", "--model", ckpt, "--prompt", "hi", "--max-tokens", "6"]
+    cmd += ["--streaming-experts", "--expert-cache-gb", one_slot(ckpt), "--streaming-stats"]
+    out = run(cmd, tmp_path)
+    load, stats = [x for x in out.stderr.splitlines() if x.startswith("[streaming]")]
+    assert not re.search(r"\b0\.000 GB|\de-\d", load + stats), out.stderr
+    sizes = re.findall(r"(\d[\d.]*) GB", load + stats)
+    assert len(sizes) >= 4, (load, stats)
+    for size in sizes:  # each as the one helper writes it
+        assert gb_digits(float(size) * 1e9) == size, (size, load, stats)
+    read = re.search(r", (\d[\d.]*) GB read", stats)
+    assert read and float(read.group(1)) > 0, stats
+    assert "decode calls" not in stats and "verified" not in stats, stats
+    layers = run([*cmd, "layers"], tmp_path).stderr
+    assert re.search(r"^\[streaming\]   decode calls: \d+ verified steps, \d+ per layer", layers,
+                     re.M), layers
+
+
+def test_ctrl_c_while_streaming_is_one_line_status_130_and_the_stats(checkpoint, tmp_path):
+    """Ctrl-C during ``mlx_lm.generate --streaming-experts`` printed a 20-frame traceback (issue 45,
+    item 6): now one line, exit 130 (128 + SIGINT), and the stats line where it was asked for.
+    Without streaming, stock's behaviour (a traceback) is left as it is."""
+    ckpt = checkpoint("qwen3_moe")
+    cmd = [sys.executable, "-c", INTERRUPTED_GENERATE, "--model", ckpt, "--prompt", "hi"]
+    cmd += ["--max-tokens", "200"]
+
+    def interrupted(*flags, **env):
+        return run_cli([*cmd, *flags], tmp_path, env=clean_env(**env))
+
+    for flags in (["--streaming-experts"], ["--streaming-experts", "--streaming-stats"]):
+        out = interrupted(*flags)
+        report = f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+        assert out.returncode == 130 and "Traceback" not in out.stderr, report
+        lines = [x for x in out.stderr.splitlines() if not x.startswith("[streaming] qwen3")]
+        assert lines[0] == "mlx_lm.generate: interrupted", report
+        stats = lines[1:]
+        assert len(stats) == ("--streaming-stats" in flags), report
+        assert all(STATS.match(x) for x in stats), report
+        assert out.stdout.endswith("\n") and generated_text_began(out.stdout), report
+    # `kill` where --streaming-stats is given (the flag makes SIGTERM end the run as Ctrl-C does)
+    out = interrupted("--streaming-experts", "--streaming-stats", SEND="SIGTERM")
+    lines = [x for x in out.stderr.splitlines() if not x.startswith("[streaming] qwen3")]
+    assert out.returncode == 143 and lines[0] == "mlx_lm.generate: terminated", out.stderr
+    assert len(lines) == 2 and STATS.match(lines[1]), out.stderr
+    # the environment's way of asking: the same
+    out = interrupted(MLX_LM_STREAMING_EXPERTS="1")
+    assert out.returncode == 130 and out.stderr.splitlines()[-1] == "mlx_lm.generate: interrupted"
+    # stock: its own traceback and status, the same with our hook off
+    stock = interrupted()
+    assert "KeyboardInterrupt" in stock.stderr, stock.stderr
+    hook_off = interrupted(MLX_LM_STREAMING_HOOK="0")
+    assert stock.returncode == hook_off.returncode != 130, (stock.returncode, hook_off.returncode)
+    assert stock.stderr.splitlines()[-1] == hook_off.stderr.splitlines()[-1]
+
+
+def test_a_command_a_test_starts_takes_ctrl_c_though_the_suite_ignores_it(checkpoint, tmp_path):
+    """Run as a background job (``nohup bash tests/run.sh &``) the suite starts with SIGINT
+    ignored, which children inherit: the pack's Ctrl-C test saw the pack finish, and the server
+    tests waited out their timeouts (issue 45, item 12)."""
+    import signal
+
+    from support import server
+
+    check = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert run_cli([sys.executable, "-c", check], tmp_path).stdout == "True\n"
+        assert run([sys.executable, "-c", check], tmp_path).stdout == "True\n"
+        with server(checkpoint("qwen3_moe"), cwd=tmp_path) as (_, result):
+            pass  # stopped by SIGINT, else killed after 30 s
+        assert result["proc"].returncode != -signal.SIGKILL, result["log"]
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+
+
+@pytest.mark.parametrize("activated", [True, False])
+def test_the_commands_plan_and_pack_suggest_run_as_printed(checkpoint, tmp_path, activated):
+    """After ``bash docs/demo.sh`` (its ``.venv`` not activated), ``plan``'s hint
+    ``mlx_lm.generate ... --record-routing`` was not on PATH (issue 45, item 11): a command not on
+    PATH is named by its path."""
+    import shlex
+
+    ckpt = checkpoint("qwen3_moe")
+    path = f"{BIN}:/usr/bin:/bin" if activated else "/usr/bin:/bin"
+    env = clean_env(PATH=path)
+    plan = run([BIN / "mlx_lm_streaming", "plan", ckpt], tmp_path, env=env).stdout
+    hint = plan.splitlines()[-1]
+    commands = [shlex.split(c)[0] for c in re.findall(r"`([^`]+)`", hint)]
+    out = tmp_path / "p.pack"
+    packed = run([BIN / "mlx_lm_streaming", "pack", ckpt, "--out", out, "--quiet"], tmp_path,
+                 env=env).stdout
+    commands.append(shlex.split(packed.splitlines()[-1].split(": ", 1)[1])[0])
+    names = ["mlx_lm.generate", "mlx_lm_streaming", "mlx_lm.generate"]
+    assert commands == (names if activated else [str(BIN / n) for n in names]), (hint, packed)
+
+
+def generated_text_began(stdout: str) -> bool:
+    return len(stdout.split("==========\n", 1)[-1]) > 1  # text, then the line's end
 
 
 def test_no_stats_line_leaks_after_the_suites_summary(tmp_path):

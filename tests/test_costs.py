@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support import decode, load_stock, same, with_slots
 
-from mlx_lm_streaming.runtime import costs
+from mlx_lm_streaming.runtime import costs, report
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
 LAYERS = 16
@@ -168,7 +168,8 @@ def test_the_stats_say_the_measured_costs(q3_path, varied):
     # (a layer's share may come out 0 where the measured sync is most of a clean call)
     assert c["probe"] > 0 and c["sync"] >= c["probe"] and c["layer"] >= 0
     assert c["calls"]["verified"] == stats["verified_steps"] > 0
-    line = state.stats_line()
+    line = report.layers_table(state)  # (the default line leaves the runtime's words out)
+    assert "decode calls" not in state.stats_line()
     verified, per_layer = stats["verified_steps"], stats["per_layer_decodes"]
     assert f"decode calls: {verified} verified steps, {per_layer} per layer" in line
     assert f"host sync {c['sync'] * 1e3:.3f} ms" in line
@@ -177,7 +178,7 @@ def test_the_stats_say_the_measured_costs(q3_path, varied):
     limits = with_slots(q3_path, 4, tuning=CacheTuning(verify_choice="limits"))
     decode(limits, tokens, steps=4)
     assert limits.expert_streaming.stats()["decode_costs"] is None
-    assert "per layer (by share limits)" in limits.expert_streaming.stats_line()
+    assert "per layer (by share limits)" in report.layers_table(limits.expert_streaming)
     limits.expert_streaming.close()
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from support import clean_env, held_out_env
+from support import clean_env, default_sigint, held_out_env
 
 from mlx_lm_streaming.errors import UnsupportedModelError
 
@@ -69,11 +69,6 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-def _default_sigint():
-    # a background shell starts children with SIGINT ignored; the ranks must be interruptible
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Started:
     """A process group started by ``started``: its output goes to files in ``cwd``."""
 
@@ -92,7 +87,7 @@ class Started:
                 stderr=err,
                 text=True,
                 start_new_session=True,
-                preexec_fn=_default_sigint,
+                preexec_fn=default_sigint,  # the ranks must be interruptible
             )
 
     @property

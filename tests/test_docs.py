@@ -340,3 +340,38 @@ def test_the_benchmark_index_names_only_files_that_are_there():
     assert named
     missing = [n for n in named if not fnmatch.filter(there, n)]
     assert not missing, f"docs/benchmarks/README.md indexes runs that are not there: {missing}"
+
+
+def test_the_files_pyproject_names_are_there():
+    # pyproject.toml's comments said why each extra is needed by naming the files that need it;
+    # one named bench/experts.py long after it was retired (issue 45, item 14)
+    text = (ROOT / "pyproject.toml").read_text()
+    named = re.findall(r"\b((?:bench|tests|docs|mlx_lm_streaming|hooks)/[\w/.-]+\.\w+)", text)
+    assert named
+    missing = [n for n in named if not (ROOT / n).exists()]
+    assert not missing, f"pyproject.toml names files that are not there: {missing}"
+
+
+def _fields(line: str) -> str:
+    # a stats line's words without its figures or the parts only some runs print (the split of
+    # background reads, the tiers, a host cache)
+    line = re.sub(r" \([^()]*(?:in the background|tiers|host cache)[^()]*\)", "", line)
+    return re.sub(r"\d[\d.]*%?", "N", line)
+
+
+def test_the_readme_shows_the_stats_line_the_demo_prints(tmp_path):
+    """README's sample stats line lacked fields printed then (issue 45, item 14); after the demo,
+    neither it nor the README said how to run the commands it names (item 11)."""
+    sample = re.search(r"^\[streaming\] hit rate .*$", README, re.M).group(0)
+    demo = (ROOT / "docs" / "demo.sh").read_text()
+    budget = re.search(r"^BUDGET=(\S+)", demo, re.M).group(1)
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "mlx_lm.generate"), "--model", str(ROOT / "docs" / "demo-model")]
+    cmd += ["--prompt", "The", "--max-tokens", "64", "--temp", "0", "--streaming-experts"]
+    cmd += ["--expert-cache-gb", budget, "--streaming-stats"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_STREAMING_")}
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("[streaming] hit rate")]
+    assert _fields(sample) == _fields(line), (sample, line)
+    assert "source .venv/bin/activate" in demo and "source .venv/bin/activate" in README

@@ -14,6 +14,7 @@ from support import decode, load_stock, load_streaming, per_slot, same
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.runtime import report, tiers
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9
@@ -158,7 +159,7 @@ def test_plan_says_the_rest_a_host_cache_would_sit_below(q3_path, monkeypatch):
     monkeypatch.setattr(tiers, "available_host_bytes", lambda: 1)  # host RAM holds nothing
     rest = cache.total_expert_bytes - cache.budget_bytes
     line = tiers.plan_line(cache, "cuda")
-    assert f"cannot hold the rest, {rest / 1e9:.3f} GB" in line and "host cache" in line
+    assert f"cannot hold the rest, {decimal_gb(rest)}" in line and "host cache" in line
 
 
 def test_the_replayed_policy_figures_are_the_docs():

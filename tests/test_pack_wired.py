@@ -4,7 +4,9 @@ pack outside the model directory."""
 
 import os
 import shlex
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from support import (
@@ -19,7 +21,8 @@ from support import (
 )
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, decimal_gb
+from mlx_lm_streaming.runtime.options import ENV, StreamingOptions
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.files.packfile import PACK_NAME
 
 
@@ -39,8 +42,9 @@ def test_pack_out_dir_then_the_printed_command_gives_stock_text(second_disk, tmp
     last = stdout.splitlines()[-1]
     assert last.startswith("use it with: "), stdout
     command = shlex.split(last[len("use it with: ") :])
-    assert command == [
-        "mlx_lm.generate",
+    # a command the shell finds, its environment activated or not (issue 45, item 11)
+    assert Path(shutil.which(command[0])).samefile(BIN / "mlx_lm.generate"), command
+    assert command[1:] == [
         "--model",
         str(ckpt.resolve()),
         "--streaming-experts",
@@ -50,8 +54,7 @@ def test_pack_out_dir_then_the_printed_command_gives_stock_text(second_disk, tmp
         str((disk2 / PACK_NAME).resolve()),
     ]
     stock = generated_text(run(generate_cmd(ckpt), tmp_path).stdout)
-    printed = [BIN / command[0], *command[1:]]
-    streamed = run(printed + generate_cmd(ckpt)[3:], tmp_path)
+    streamed = run(command + generate_cmd(ckpt)[3:], tmp_path)
     assert generated_text(streamed.stdout) == stock
     # the variable alone (no --expert-store) reads the same pack, given as its directory
     env = clean_env(**{ENV["enabled"]: "1", ENV["pack"]: str(disk2)})
@@ -79,7 +82,7 @@ def test_pack_refuses_without_free_space_naming_dir_needed_and_free(checkpoint, 
         "sys.exit(main(sys.argv[1:]))"
     )
     cmd = [sys.executable, "-c", script, "pack", ckpt, "--out", out]  # no progress bar either
-    line = one_error_line(run_cli(cmd, tmp_path), out, "1e-06 GB are free")
+    line = one_error_line(run_cli(cmd, tmp_path), out, "0.000001 GB are free")
     assert not list(out.iterdir()), "nothing is written"
     # the bytes it asked for are the size of the pack it writes
     run([BIN / "mlx_lm_streaming", "pack", ckpt, "--out", out, "--quiet"], tmp_path)

@@ -27,6 +27,7 @@ from support import (
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, one_line
 from mlx_lm_streaming.runtime.options import StreamingOptions
+from mlx_lm_streaming.runtime.sizes import gb_as_given, gb_at_least
 from mlx_lm_streaming.files.packfile import PACK_NAME
 
 GENERATE = [BIN / "mlx_lm.generate", "--prompt", "hi", "--max-tokens", "2", "--model"]
@@ -165,12 +166,33 @@ def test_a_budget_just_below_the_minimum_reads_as_a_different_number(ckpt, tmp_p
     model, _ = load_streaming(ckpt)
     per_slot = sum(b.layer.expert_nbytes for b in model.expert_streaming.cache.banks)
     model.expert_streaming.close()
-    given = repr((per_slot - 1) / 1e9)  # one byte short
+    given = gb_as_given((per_slot - 1) / 1e9)  # one byte short, with all its digits
     out = streaming("plan", ckpt, "--expert-cache-gb", given, cwd=tmp_path)
     line = one_error_line(out, f"budget of {given} GB is below the minimum")
     minimum = _budget_message_minimum(line)
-    assert f"one expert per MoE layer, {minimum!r} GB for 2 layers" in line, line
-    assert float(given) < per_slot / 1e9 <= minimum and repr(minimum) != given
+    assert f"one expert per MoE layer, {gb_at_least(per_slot)} GB for 2 layers" in line, line
+    assert float(given) < per_slot / 1e9 <= minimum and gb_at_least(per_slot) != given
+
+
+def test_the_minimum_plan_prints_is_accepted_back(checkpoint, tmp_path):
+    """``plan`` printed ``minimum budget ...: 2.3e-05 GB (--expert-cache-gb 2.31e-05)``, and
+    ``--expert-cache-gb 2.3e-05`` was then below the minimum: 3 layers of this model's experts
+    are 2.304e-05 GB, which rounds down (issue 45, item 2). And a budget given is said once, not
+    ``0.002 GB (given 0.002 GB)`` (item 9)."""
+    ckpt = checkpoint("qwen3_moe", num_layers=3)
+    out = streaming("plan", ckpt, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("minimum budget")]
+    shown, flag = re.fullmatch(
+        r"minimum budget, one expert per MoE layer: ([\d.]+) GB \(--expert-cache-gb ([\d.]+)\)",
+        line,
+    ).groups()
+    for value in (shown, flag):
+        ok = streaming("plan", ckpt, "--expert-cache-gb", value, cwd=tmp_path)
+        assert ok.returncode == 0, ok.stderr
+        assert "slots per layer: 1 " in ok.stdout, ok.stdout
+        (given,) = [x for x in ok.stdout.splitlines() if x.startswith("expert cache budget")]
+        assert given == f"expert cache budget (given): {value} GB", given
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -369,8 +391,11 @@ def test_hook_off_with_streaming_asked_by_environment_says_so(ckpt, tmp_path):
         "MLX_LM_STREAMING_EXPERTS=1",
         "MLX_LM_STREAMING_HOOK=0",
         "every expert",
+        # the documented name (docs/usage.md), which is there to call (issue 45, item 5)
+        "call mlx_lm_streaming.integration.install() before loading",
     ):
         assert name in lines[0]
+    assert callable(mlx_lm_streaming.integration.install)
 
 
 def test_hook_off_without_streaming_is_silent(ckpt, tmp_path):

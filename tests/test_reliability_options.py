@@ -23,7 +23,8 @@ from mlx_lm_streaming.integration import cli as command_line
 from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.runtime.options import StreamingOptions, decimal_gb
+from mlx_lm_streaming.runtime.options import StreamingOptions
+from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.files.routing_trace import TraceWriter
 from synthetic import build_checkpoint
 
@@ -175,6 +176,20 @@ def test_plan_says_a_trace_has_no_decode_tokens(ckpt, tmp_path, capsys, phases):
     assert status == 1 and len(err) == 1, (out, err)
     assert str(trace) in err[0] and "has no decode tokens" in err[0]
     assert "no reads" not in out
+    # it names what is refused, not a --max-tokens: one token decodes (issue 45, item 13)
+    assert "--max-tokens" not in err[0], err[0]
+
+
+def test_plan_takes_the_trace_of_a_one_token_generation(ckpt, tmp_path, capsys):
+    """docs/usage.md said a trace recorded with ``--max-tokens 1`` is refused: mlx-lm decodes
+    a step past the token it yields, so that trace has decode tokens, and ``plan`` takes it."""
+    from support import BIN, run
+
+    trace = tmp_path / "r.jsonl"
+    cmd = [BIN / "mlx_lm.generate", "--model", ckpt, "--prompt", "hi", "--max-tokens", "1"]
+    run([*cmd, "--streaming-experts", "--record-routing", trace], tmp_path)
+    status, out, err = run_cli(["plan", ckpt, "--routing-trace", trace, "--disk-gbps", "1"], capsys)
+    assert status == 0 and re.search(r"\(\d+ decode, \d+ prefill tokens;", out), (out, err)
 
 
 # -- a pack made from another model ----------------------------------------------------------------

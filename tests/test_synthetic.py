@@ -298,6 +298,12 @@ def test_cli(tmp_path, capsys):
         cwd=ROOT,  # the builder is not installed: it runs from a checkout
     ).stdout
     assert out.strip() == str(tmp_path / "b")
+    # its usage names the command as it is run, not __main__.py (issue 45, item 10)
+    usage = subprocess.run(
+        [sys.executable, "-m", "synthetic", "--help"], check=True, capture_output=True, text=True,
+        cwd=ROOT,
+    ).stdout
+    assert usage.startswith("usage: python -m synthetic "), usage
     cfg = _config(tmp_path / "b")
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_experts"]) == (
         3,

@@ -25,6 +25,12 @@ def test_the_option_row_and_its_values():
     for bad in ("-1", "lots", float("nan")):
         with pytest.raises(ConfigurationError, match="expert_host_gb"):
             StreamingOptions(expert_host_gb=bad)
+    # 0 is taken (no host tier): a negative value is told the rule that includes it (issue 45,
+    # item 4: "the budget must be positive")
+    with pytest.raises(ConfigurationError) as e:
+        StreamingOptions(expert_host_gb="-1")
+    assert "0 (no host tier) or a positive number of GB" in str(e.value), e.value
+    assert "must be positive" not in str(e.value), e.value
 
 
 def test_refused_off_cuda_in_one_line(q3_path):

@@ -1,6 +1,7 @@
 """--streaming-trace: a Chrome trace-event timeline of reads, installs, syncs and compute."""
 
 import json
+import re
 import subprocess
 import time
 from collections import Counter
@@ -186,3 +187,31 @@ def test_an_unwritable_file_is_refused_naming_the_flag(checkpoint, tmp_path):
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"argument --streaming-trace: {bad}: cannot write" in done.stderr.splitlines()[-1]
+
+
+def test_every_event_a_run_writes_is_in_the_usage_table(q3, tmp_path):
+    """docs/usage.md's event table lacked the ``verify`` events a file holds (issue 45, item 13):
+    a run with verified steps that miss, and one with per-layer calls, name only events the
+    table lists."""
+    from pathlib import Path
+
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    table = usage.split("| event | category | what |", 1)[1].split("\n\n", 1)[0]
+    rows = table.splitlines()[2:]
+    listed = {n for row in rows for n in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    path, want = q3
+    names, categories = set(), {}
+    for verified in (True, False):
+        out = tmp_path / f"t{verified}.json"
+        tuning = CacheTuning(verified_steps=verified)
+        model = with_slots(path, 3, trace=str(out), tuning=tuning)
+        assert same(want, decode(model, TOKENS))
+        model.expert_streaming.close()
+        for e in complete_events(json.load(open(out))):
+            names.add(e["name"])
+            categories.setdefault(e["name"], set()).add(e["cat"])
+    assert {"verify", "verify load", "host sync"} <= names, names
+    assert names <= listed, f"events not in docs/usage.md's table: {sorted(names - listed)}"
+    for name in names:  # each row names its category
+        row = next(r for r in rows if f"`{name}`" in r.split("|")[1])
+        assert all(f"`{c}`" in row.split("|")[2] for c in categories[name]), (name, row)

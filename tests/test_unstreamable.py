@@ -126,6 +126,18 @@ def test_a_bad_if_unstreamable_value_is_one_line(models, tmp_path):
     assert run.returncode == 2
 
 
+@pytest.mark.parametrize("command", ["plan", "pack", "verify"])
+@pytest.mark.parametrize("model", ["dense", "dbrx"])
+def test_our_commands_refuse_what_cannot_stream_in_one_line(models, tmp_path, command, model):
+    """``verify`` on a dense model printed a traceback after its line (``plan`` and ``pack`` did
+    not), and on dbrx suggested ``--if-unstreamable whole``, which none of them takes (issue 45,
+    items 1 and 3)."""
+    run = run_cli([BIN / "mlx_lm_streaming", command, models[model]], tmp_path, timeout=60)
+    why = "is not a Mixture-of-Experts model" if model == "dense" else "cannot stream"
+    line = one_error_line(run, f"mlx_lm_streaming {command}: error:", why)
+    assert run.returncode == 1 and "--if-unstreamable" not in line, line
+
+
 # -- the Python API ------------------------------------------------------------------------------
 
 

@@ -81,7 +81,7 @@ def check_free_space(out: Path, need: int) -> None:
     not count as free."""
     free = shutil.disk_usage(out.parent).free
     if need > free:
-        from ..runtime.options import decimal_gb
+        from ..runtime.sizes import decimal_gb
 
         raise ExpertIOError(
             f"{out.parent}: not enough free space for {out.name}: it needs {decimal_gb(need)}, "

@@ -156,8 +156,8 @@ def check_decode_tokens(trace: RoutingTrace) -> None:
     if not any(row.phase == "decode" for row in trace.rows):
         raise TraceError(
             f"{trace.path}: the routing trace has no decode tokens ({len(trace.rows)} prefill "
-            "tokens), and hit rates and GB read are per decode token: record one with "
-            "--max-tokens 2 or more and without --draft-model (whose verify steps are prefill)"
+            "tokens), and hit rates and GB read are per decode token: record one from a run that "
+            "generates, without --draft-model (whose verify steps are prefill)"
         )
 
 

@@ -282,6 +282,12 @@ def _distributed_size() -> int:
     return mx.distributed.init().size()
 
 
+class Terminated(KeyboardInterrupt):
+    """`kill` (SIGTERM), raised where Ctrl-C would be, so that the commands end as on Ctrl-C."""
+
+    signum = signal.SIGTERM
+
+
 def _exit_cleanly_on_sigterm() -> None:
     # so that the end-of-run stats line (an atexit handler) is printed for `kill` too; servers
     # shut down on KeyboardInterrupt
@@ -291,7 +297,7 @@ def _exit_cleanly_on_sigterm() -> None:
         return
 
     def on_sigterm(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated()
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -357,6 +363,17 @@ def wrap_cli_main(module) -> None:
             # only we raise these, and only when streaming was asked for: one line, no traceback
             _end_text_line()
             exit_with(first.prog or os.path.basename(sys.argv[0]), e)
+        except KeyboardInterrupt as e:
+            if not report.cli_streaming:
+                raise  # stock's command: stock's way
+            # Ctrl-C (or `kill` with --streaming-stats): one line, the status of a process ended
+            # by that signal (128 + its number); the stats line follows at exit where asked for
+            _end_text_line()
+            signum = getattr(e, "signum", signal.SIGINT)
+            what = "interrupted" if signum == signal.SIGINT else "terminated"
+            sys.stderr.write(f"{first.prog or os.path.basename(sys.argv[0])}: {what}\n")
+            sys.stderr.flush()
+            raise SystemExit(128 + signum) from None
         finally:
             report.cli_streaming = said
 

@@ -33,12 +33,8 @@ from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
 from ..runtime.index import CheckpointFiles, ExpertIndex, checkpoint_layer, projections_of
 from ..runtime.layer_major import PrefillStats
 from ..runtime.lookahead import find_router
-from ..runtime.options import (
-    CONFIG_KEY,
-    StreamingOptions,
-    budget_bytes,
-    decimal_gb,
-)
+from ..runtime.options import CONFIG_KEY, StreamingOptions
+from ..runtime.sizes import budget_bytes, decimal_gb, gb_as_given
 from ..runtime.switch import StreamingSwitchGLU
 from ..runtime.runner import StepRunner
 from .unstreamable import adapter_for, model_module, refuse_listed
@@ -72,8 +68,8 @@ def check_budget_fits(state: "StreamingState") -> None:
     if needed > ram + swap:
         every = " (every expert)" if cache.budget_bytes >= cache.total_expert_bytes else ""
         raise ConfigurationError(
-            f"expert cache budget of {given:g} GB: the cache would take {decimal_gb(used)}"
-            f"{every} and the resident weights {decimal_gb(state.resident_bytes)}, "
+            f"expert cache budget of {gb_as_given(given)} GB: the cache would take "
+            f"{decimal_gb(used)}{every} and the resident weights {decimal_gb(state.resident_bytes)}, "
             f"{decimal_gb(needed)} in all, more than this machine's memory plus swap, "
             f"{decimal_gb(ram + swap)} ({decimal_gb(ram)} + {decimal_gb(swap)}): lower "
             "--expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb, or leave it out "

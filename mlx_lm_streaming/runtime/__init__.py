@@ -16,7 +16,7 @@ layer call that computes with them.
   environment's names that look like ours and are not), ``mlx_compat`` (mlx-lm's
   internals behind the version guard; the schedules and the verified step call its shims),
   ``memory`` and ``devices`` (the machine), ``report`` (what a run says; ``layer_major`` says its
-  fallback through it).
+  fallback through it) and ``sizes`` (how every line writes a size).
 
 The plugin-facing ``stores/`` and ``kernels/`` stay at the package's top (their paths are what plugin
 authors import); they import this wing, not the other way round.

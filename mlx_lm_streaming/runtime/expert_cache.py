@@ -26,10 +26,10 @@ from .counters import CacheStats
 from .index import LayerExperts, natural_key
 from .modes import PER_LAYER
 from .no_timeline import NO_TIMELINE
-from .options import gb_at_least
 from .policy import DEFAULT_POLICY
 from .prefetch import FILL, ExpertPrefetcher, StagedBatch
 from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from here by many)
+from .sizes import gb_as_given, gb_at_least
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the
@@ -313,8 +313,8 @@ class ExpertCache:
         slots = self.slot_budget // per_slot
         if slots < 1:
             raise ConfigurationError(
-                f"expert cache budget of {self.budget_bytes / 1e9:.12g} GB is below the minimum "
-                f"of one expert per MoE layer, {gb_at_least(per_slot)} GB for {len(banks)} "
+                f"expert cache budget of {gb_as_given(self.budget_bytes / 1e9)} GB is below the "
+                f"minimum of one expert per MoE layer, {gb_at_least(per_slot)} GB for {len(banks)} "
                 "layers: raise --expert-cache-gb / MLX_LM_STREAMING_CACHE_GB / expert_cache_gb "
                 f"to at least {gb_at_least(per_slot)} GB"
             )

@@ -26,34 +26,6 @@ TRUE = ON_WORDS
 FALSE = ("",) + OFF_WORDS
 
 
-def decimal_gb(nbytes: float) -> str:
-    """Bytes as decimal GB (10**9 bytes, as mlx-lm's "Peak memory"): ``4.295 GB``, ``0.00265 GB``."""
-    gb = nbytes / GB
-    return f"{gb:.3f} GB" if gb >= 1 else f"{gb:.3g} GB"
-
-
-# every size we print is in decimal GB: one unit on every line
-format_size = decimal_gb
-
-
-def gb_at_least(nbytes: int) -> str:
-    """``nbytes`` as a number of GB to pass to ``--expert-cache-gb``, rounded up (3 digits)."""
-    gb = nbytes / GB
-    step = 10.0 ** (math.floor(math.log10(gb)) - 2)
-    value = math.ceil(gb / step) * step
-    text = f"{value:.3g}"
-    while budget_bytes(float(text)) < nbytes:
-        value += step
-        text = f"{value:.3g}"
-    return text
-
-
-def budget_bytes(gb: float) -> int:
-    """A budget in GB as bytes, as loading takes it: to the nearest byte (a budget computed as
-    ``bytes / GB`` gives those bytes back, though ``/ 10**9`` is not exact in binary)."""
-    return int(round(gb * GB))
-
-
 def missing_local_path(name: str) -> bool:
     """Whether ``name`` can only be a local path (not a Hugging Face repo id) and nothing is there."""
     if not isinstance(name, str) or os.path.exists(name):
@@ -97,16 +69,16 @@ def check_budget_gb(value) -> float:
 
 
 def check_host_gb(value) -> float:
-    """``expert_host_gb`` as a float: 0 (no host tier) or a budget as ``check_budget_gb`` takes."""
+    """``expert_host_gb`` as a float: 0 (no host tier) or a positive, finite number of GB."""
     try:
-        if float(value) == 0:
-            return 0.0
+        gb = float(value)
     except (TypeError, ValueError, OverflowError):
-        pass
-    try:
-        return check_budget_gb(value)
-    except ConfigurationError as e:
-        raise ConfigurationError(f"expert_host_gb {e}") from None
+        gb = float("nan")
+    if not (gb == 0 or gb > 0 and math.isfinite(gb * GB)):
+        raise ConfigurationError(
+            f"expert_host_gb {value!r}: give 0 (no host tier) or a positive number of GB"
+        )
+    return gb + 0.0
 
 
 # every spelling a yes/no value takes, for the message that refuses another

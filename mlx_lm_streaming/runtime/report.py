@@ -4,8 +4,10 @@ per-layer table) at exit. Functions of a ``loading.StreamingState``."""
 import atexit
 import sys
 
+from ..option_table import GB
 from . import memory
-from .options import StreamingOptions, decimal_gb
+from .options import StreamingOptions
+from .sizes import decimal_gb, gb_as_given, gb_digits
 
 _REPORTING: list = []  # states whose stats are printed at exit, in load order
 # lines printed at exit before the stats lines, where any are printed (``note_at_exit``)
@@ -24,21 +26,21 @@ def stats_line(state, label: bool = False) -> str:
     name = f"{state.model_path.name}: " if label else ""
     line = (
         f"[streaming] {name}hit rate {rate}, experts read {s['experts_read']}, "
-        f"{s['gb_read']:.3f} GB read{_read_split(s)}, {s['io_seconds']:.2f} s in I/O, "
-        f"cache {s['cache_gb']:.3f} GB"
+        f"{_gb(s['gb_read'])} read{_read_split(s)}, {s['io_seconds']:.2f} s in I/O, "
+        f"cache {_gb(s['cache_gb'])}"
     )
     if "tier_device_gb" in s:
         share = s["tier_device_share"]
         served = "n/a" if share != share else f"{share:.1%} / {1 - share:.1%}"
         line += (
-            f" (tiers: device {s['tier_device_gb']:.3f} GB, host {s['tier_host_gb']:.3f} GB read "
+            f" (tiers: device {_gb(s['tier_device_gb'])}, host {_gb(s['tier_host_gb'])} read "
             f"in place; uses served device / host {served} of {s['tier_sampled_uses']} counted; "
             f"{s['tier_moves']} experts moved)"
         )
     if "host_cache_gb" in s:
         line += (
-            f" (host cache {s['host_cache_gb']:.3f} GB: {s['host_cache_hits']} of the "
-            f"{s['misses']} misses copied from it, {s['host_cache_served_gb']:.3f} GB, not read)"
+            f" (host cache {_gb(s['host_cache_gb'])}: {s['host_cache_hits']} of the "
+            f"{s['misses']} misses copied from it, {_gb(s['host_cache_served_gb'])}, not read)"
         )
     if "budget_ceiling_gb" in s:
         line += _budget_part(s)
@@ -55,16 +57,15 @@ def stats_line(state, label: bool = False) -> str:
         line += (
             f", layer-major prefill of {p.prompts} prompt{'s' if p.prompts > 1 else ''} "
             f"({p.chunks} chunks in {p.groups} group{'s' if p.groups > 1 else ''}, "
-            f"{p.held_bytes / 1e9:.3f} GB of hidden states held at most)"
+            f"{decimal_gb(p.held_bytes)} of hidden states held at most)"
         )
-    line += _decode_part(s)
     if s.get("miss_read_busy_seconds"):
         line += _misses_part(s)
     if s["span_seconds"] > 0:
         line += (
             f"; {s['span_seconds']:.2f} s from first to last expert request: "
             f"{s['io_wait_seconds']:.2f} s waiting for reads, {s['install_seconds']:.2f} s "
-            f"installing, {s['other_seconds']:.2f} s everything else"
+            f"copying into the cache, {s['other_seconds']:.2f} s everything else"
         )
     return line
 
@@ -102,12 +103,13 @@ def _misses_part(s) -> str:
 
 
 def _decode_part(s) -> str:
-    """How many decode-sized calls ran as verified steps and per layer, how that was chosen, and
-    the costs measured for the choice (``costs.DecodeCosts``)."""
+    """``--streaming-stats layers``' first line: how many decode-sized calls ran as verified steps
+    and per layer, how that was chosen, and the costs measured for the choice
+    (``costs.DecodeCosts``). The default line leaves it out: it is the runtime's own words."""
     verified, per_layer = s.get("verified_steps", 0), s.get("per_layer_decodes", 0)
     if not verified + per_layer:
         return ""
-    part = f", decode calls: {verified} verified steps, {per_layer} per layer"
+    part = f"decode calls: {verified} verified steps, {per_layer} per layer"
     c = s.get("decode_costs")
     if c is None:
         how = {"always": "verified wherever possible"}.get(s.get("decode_choice"), "share limits")
@@ -160,9 +162,12 @@ def fallback_line(state, why: str) -> str:
 
 
 def layers_table(state) -> str:
-    """``--streaming-stats layers``: hit rate, misses and GB read of each MoE layer."""
+    """``--streaming-stats layers``: how the decode calls ran, then the hit rate, misses and GB
+    read of each MoE layer."""
+    s = state.stats()
+    decode = _decode_part(s)
     rows = [("layer", "slots", "hit rate", "misses", "GB read")]
-    for layer in state.stats()["per_layer"]:
+    for layer in s["per_layer"]:
         asked = layer["hits"] + layer["misses"]
         rows.append(
             (
@@ -170,16 +175,18 @@ def layers_table(state) -> str:
                 str(layer["slots"]),
                 f"{layer['hit_rate']:.1%}" if asked else "n/a",
                 str(layer["misses"]),
-                f"{layer['gb_read']:.3f}",
+                gb_digits(layer["gb_read"] * GB),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
+    lines = [f"[streaming]   {decode}"] if decode else []
+    lines += [
         "[streaming]   " + "  ".join(
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
         )
         for r in rows
-    )
+    ]
+    return "\n".join(lines)
 
 # what a budget at or above every expert's bytes is said to be, by the load line and ``plan`` alike
 EVERY_EXPERT = "capped at every expert"
@@ -191,7 +198,7 @@ def budget_how(state, budget: int, given_gb=None, free=None) -> str:
     resident weights leave free, raised to one expert per layer``; ``default``."""
     cache = state.cache
     if given_gb is not None:
-        how = f"given {given_gb:g} GB"
+        how = f"given {gb_as_given(given_gb)} GB"
     elif free is None:
         how = "default"
     else:

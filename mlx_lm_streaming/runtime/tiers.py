@@ -27,6 +27,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .sizes import decimal_gb, gb_as_given
+
 # a bank's calls: every call's ids are kept (a reference: no host work), and every MOVE_EVERY-th
 # call those mlx-lm has evaluated (all but the last READ_LAG) are counted at once and the device
 # tier re-chosen; counts decay by DECAY at each choice; an expert takes a device slot from a colder
@@ -301,8 +303,8 @@ def split(total: int, device: int, given_gb, available: Optional[int]) -> int:
     asked = min(int(given_gb * GB), rest)
     if asked > room:
         raise ConfigurationError(
-            f"{_FLAG} {given_gb:g}: the host tier would take {asked / 1e9:.3f} GB, more than the "
-            f"{room / 1e9:.3f} GB of available host memory less a margin; lower it or give 0"
+            f"{_FLAG} {gb_as_given(given_gb)}: the host tier would take {decimal_gb(asked)}, more "
+            f"than the {decimal_gb(room)} of available host memory less a margin; lower it or give 0"
         )
     return asked if asked >= rest else 0
 
@@ -363,12 +365,11 @@ def plan_line(cache, backend: str, trace=None) -> str:
     device = min(cache.budget_bytes or 0, total)
     host = split(total, device, None, available_host_bytes())
     line = (
-        f"two tiers (--expert-host-gb): device {device / 1e9:.3f} GB, host "
-        f"{host / 1e9:.3f} GB"
+        f"two tiers (--expert-host-gb): device {decimal_gb(device)}, host {decimal_gb(host)}"
     )
     if not host and device < total:
         line += (
-            f" (host RAM cannot hold the rest, {(total - device) / 1e9:.3f} GB: a value below it "
+            f" (host RAM cannot hold the rest, {decimal_gb(total - device)}: a value below it "
             "gives a host cache between the device's slots and disk)"
         )
     if trace is not None and device < total:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigurationError
-from ..runtime.options import decimal_gb
+from ..option_table import GB
+from ..runtime.sizes import decimal_gb, gb_digits
 from .replay import replay
 
 # the disk probe reads at most this much, or for about this long, whichever comes first
@@ -106,11 +107,11 @@ def format_table(rows: List[BudgetRow]) -> str:
         lines.append(
             (
                 r.label,
-                _gb(r.budget_bytes),
+                gb_digits(r.budget_bytes),
                 slots_text(r.slots),
-                _gb(r.memory_bytes),
+                gb_digits(r.memory_bytes),
                 rate,
-                f"{r.gb_per_token:.3g}",
+                gb_digits(r.gb_per_token * GB),
                 speed,
             )
         )
@@ -121,10 +122,6 @@ def format_table(rows: List[BudgetRow]) -> str:
         ).rstrip()
         for line in lines
     )
-
-
-def _gb(nbytes: int) -> str:
-    return decimal_gb(nbytes)[: -len(" GB")]
 
 
 # -- the disk ------------------------------------------------------------------------------------
@@ -247,7 +244,7 @@ def plot(rows: List[BudgetRow], path, title: str) -> Path:
             r.budget_bytes / 1e9,
             color="tab:gray",
             linestyle=style,
-            label=f"{r.label} budget, {_gb(r.budget_bytes)} GB",
+            label=f"{r.label} budget, {gb_digits(r.budget_bytes)} GB",
         )
     left.plot(x, [100 * r.decode_hit_rate for r in rows], "o-", color="tab:blue")
     left.set_xlabel("expert cache budget (GB)")

@@ -6,12 +6,14 @@ index of the checkpoint it packs, built the way loading builds it.
 
 import os
 import shlex
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from ..files.packfile import PACK_NAME, pack_path, write_pack
-from ..runtime.options import decimal_gb
+from ..runtime.sizes import decimal_gb
 
 
 def index_checkpoint(model_path: Path):
@@ -67,9 +69,20 @@ def run(args) -> int:
     return 0
 
 
+def command_word(name: str) -> str:
+    """How a shell runs the installed command ``name`` (``mlx_lm.generate``) of this interpreter:
+    its name where ``PATH`` finds it, else its path (a virtual environment not activated)."""
+    here = Path(sys.executable).parent / name
+    found = shutil.which(name)
+    if not here.is_file() or found is not None and os.path.samefile(found, here):
+        return name
+    return str(here)
+
+
 def use_command(model, pack) -> str:
     """The ``mlx_lm.generate`` command line that streams ``model``'s experts from ``pack``."""
-    words = ["mlx_lm.generate", "--model", os.path.abspath(model), "--streaming-experts"]
+    words = [command_word("mlx_lm.generate"), "--model", os.path.abspath(model)]
+    words += ["--streaming-experts"]
     words += ["--expert-store", "packed"]
     if os.path.abspath(pack) != os.path.abspath(pack_path(model)):
         words += ["--expert-pack", os.path.abspath(pack)]

@@ -165,18 +165,24 @@ def add_arguments(parser) -> None:
 def run_verify(args) -> int:
     from pathlib import Path
 
+    from ..integration.integration import load_to_stream
+    from ..runtime.options import StreamingOptions
+    from ..runtime.sizes import gb_as_given
+
     path = Path(args.model)
+    # as plan and pack: a model that cannot stream is our one-line error here (a load that asks
+    # for streaming would load a dense model as stock, or suggest a flag verify does not take)
+    probe, _ = load_to_stream(path, StreamingOptions())
     if args.expert_cache_gb:
-        budgets = {f"{gb:g} GB": gb for gb in args.expert_cache_gb}
+        budgets = {f"{gb_as_given(gb)} GB": gb for gb in args.expert_cache_gb}
     else:
-        probe, _ = load_streaming(path)
         cache = probe.expert_streaming.cache
         smallest = min(b.num_experts for b in cache.banks)
         budgets = {"every expert": (cache.total_expert_bytes + 0.5) / GB}
         if smallest > 3:
             budgets["3 experts per layer"] = budget_of_slots(probe, 3)
-        probe.expert_streaming.close()
-        del probe
+    probe.expert_streaming.close()
+    del probe
     rows = compare(path, budgets, steps=args.steps, by_token=args.prompt_by_token)
     for row in rows:
         verdict = "exact" if row["difference"] is None else f"DIFFERENT: {row['difference']}"
