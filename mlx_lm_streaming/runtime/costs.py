@@ -419,6 +419,10 @@ def summary(runner) -> Dict[str, object]:
         # decode-sized calls run per layer; how each call's mode was chosen; the costs measured
         # for the choice (``DecodeCosts.summary``; None: not chosen by costs, or no decode yet)
         "per_layer_decodes": r.per_layer_decodes if r is not None else 0,
+        # verified steps checked once the next token was built on them (checked_late.py), and
+        # next tokens taken back because the step before them missed
+        "checked_late": r.checked_late if r is not None else 0,
+        "checked_late_dropped": r.dropped if r is not None else 0,
         "decode_choice": r.choice if r is not None else None,
         "decode_costs": (
             r.costs.summary() if r is not None and r.costs is not None and r.moe else None

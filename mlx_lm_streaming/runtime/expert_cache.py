@@ -64,6 +64,10 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
+    # in generate_step's decode, a verified step is checked once the next token's graph is built on
+    # its sample, as stock's loop overlaps them; a miss takes the next token back
+    # (``checked_late.py``); off: each step checked before its call returns
+    checked_late: bool = True
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
     # by the per-backend limits on the share of MoE layers that missed; "always", a verified step

@@ -8,10 +8,17 @@ cache (``modes``; ``ExpertCache.install``) for its length: stock's graph where e
 pipeline stages, while recent tokens missed in few enough layers: by share limits
 (``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
 opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
+
+A verified step may also be held (``defer``, set by ``checked_late.generate`` around one decode
+call): its forward is built and handed back unchecked, with the arrays its check reads
+(``Held``), so that the next token's graph is built on its sample before the host waits for it.
+``check`` then reads its counts; on a miss, once the caller has taken the next token back,
+``redo`` runs it again from the layer that missed, as an unheld step would have.
 """
 
 import operator
 from time import perf_counter
+from dataclasses import dataclass
 from typing import Optional
 
 from . import costs, mlx_shims
@@ -22,6 +29,25 @@ from .verified_step import VerifiedStep, _Again
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
 VERIFY_MAX_TOKENS = 4
 _MISSES = operator.attrgetter("misses")
+
+
+@dataclass
+class Held:
+    """A verified step handed back unchecked (``StepRunner.defer``): its mode, the call to run
+    again on a miss, and what the call's time and reads were when it started (``costs``)."""
+
+    step: VerifiedStep
+    call: object
+    args: tuple
+    kwargs: dict
+    seconds: float  # the forward's building
+    replays: int
+    reads: float
+    experts: int
+
+    def arrays(self) -> list:
+        """What to evaluate with the call's output: the miss counts and the ids its check reads."""
+        return [self.step.held_counts, self.step.ids]
 
 
 class StepRunner:
@@ -61,6 +87,13 @@ class StepRunner:
         # prompt's last waves: a verified step would miss in most layers and read, on the word of
         # passes beyond a miss, experts the step does not use, evicting some that it does
         self.per_layer_calls = 0
+        # set by the caller around one decode call: a verified step is handed back unchecked
+        # (``held``) for the caller to ``check`` once the next token's graph is built
+        # (``checked_late.generate``); the tokens so checked, and the next tokens taken back
+        # because the one before them missed
+        self.defer = False
+        self.held: Optional[Held] = None
+        self.checked_late = self.dropped = 0
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -127,6 +160,17 @@ class StepRunner:
         gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
         return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
+    def defers(self, kv) -> bool:
+        """Whether the next one-token call over ``kv`` would be a verified step that can be held
+        with another token in flight after it (its caches rewindable by two tokens) and checked
+        once, after its forward (``every``: no check inside it)."""
+        return (
+            not self.state.cache.all_complete
+            and not self.per_layer_calls
+            and self._may_verify(2, kv)
+            and self.every() >= (self.moe or len(self.state.cache.banks))
+        )
+
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
         return (
@@ -154,39 +198,113 @@ class StepRunner:
             return call(*args, **kwargs)
         replays, missed = self.replays, None
         reads, experts = self.read_seconds, self.read_experts
+        held = self.defer and step.every >= self.moe
+        if held:
+            step.every = self.layers + 1  # checked once, after the forward, by ``check``
         try:
             out = call(*args, **kwargs)
+            if step.kept and held:
+                step.hold(out)
+                seconds = perf_counter() - start
+                self.held = Held(step, call, args, kwargs, seconds, replays, reads, experts)
+                return out
             if step.kept:
                 self.verified += 1
-                while True:  # the check after the forward: a miss runs it again from its layer
-                    layer = step.read_missing(out)
-                    if layer is None:
-                        break
-                    step.caches.rewind(layer, step.ran + 1)
-                    step.replay_below = layer
-                    self.replays += 1
-                    out = call(*args, **kwargs)
-                if self.pending is not None:  # (the first check did it, unless none ran)
-                    self.flush()
-                if cache.recorder is not None:
-                    step.commit(cache)  # the routing record holds every token once its call ends
-                else:
-                    self.pending = step  # its host work: while the next step computes
+                out = self._checked(step, call, args, kwargs, out)
         except _Again:
-            cache.mode = PER_LAYER
-            self.recomputed += 1
-            missed = self.moe  # the per-layer schedule suits this model or cache better
-            step.caches.rewind_all()  # every entry as it was before the step
-            out = call(*args, **kwargs)
+            missed, out = self._again(step, call, args, kwargs)
         finally:
             if cache.mode is step:
                 cache.mode = PER_LAYER
+        return self._noted(step, out, missed, start, replays, reads, experts)
+
+    def _checked(self, step, call, args, kwargs, out):
+        """The check after a verified step's forward: a miss runs it again from its layer, until
+        nothing is missing; then its host work, now or while the next step computes."""
+        cache = self.state.cache
+        while True:
+            layer = step.read_missing(out)
+            if layer is None:
+                break
+            step.caches.rewind(layer, step.ran + 1)
+            step.replay_below = layer
+            self.replays += 1
+            out = call(*args, **kwargs)
+        if self.pending is not None:  # (the first check did it, unless none ran)
+            self.flush()
+        if cache.recorder is not None:
+            step.commit(cache)  # the routing record holds every token once its call ends
+        else:
+            self.pending = step  # its host work: while the next step computes
+        return out
+
+    def _again(self, step, call, args, kwargs):
+        """A miss the step cannot take back layer by layer: every entry put back, the call run
+        again per layer; ``(the MoE layers counted as missed, its output)``."""
+        self.state.cache.mode = PER_LAYER
+        self.recomputed += 1
+        step.caches.rewind_all()  # every entry as it was before the step
+        # (every layer counted missed: the per-layer schedule suits this model or cache better)
+        return self.moe, call(*args, **kwargs)
+
+    def _noted(self, step, out, missed, start, replays, reads, experts, seconds=0.0):
+        """``out``, the call's costs noted (``costs.note_call``)."""
         if missed is not None:
             costs.note_call(self, missed, True, again=True)
             return out
         # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
         missed = len(step.loaded | step.guessed.keys())
         reads, experts = self.read_seconds - reads, self.read_experts - experts
-        seconds = perf_counter() - start
+        seconds += perf_counter() - start
         costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
+        return out
+
+    def take_held(self) -> Optional[Held]:
+        """The verified step the last call handed back unchecked, or None (it was checked, ran
+        per layer or over complete banks)."""
+        held, self.held = self.held, None
+        return held
+
+    def check(self, held: Held) -> bool:
+        """Whether the held step found every expert resident (one host sync: its counts, which
+        were evaluated with its output); if so its host work is done now, while the next token
+        computes, and its costs noted. False: ``redo`` it."""
+        start = perf_counter()
+        step = held.step
+        if step.missed():
+            return False
+        self.verified += 1
+        self.checked_late += 1
+        step.calls = []
+        if self.pending is not None:
+            self.flush()
+        step.commit(self.state.cache)  # (the next step's graph is built: nothing evicts between)
+        self._noted(step, None, None, start, held.replays, held.reads, held.experts, held.seconds)
+        return True
+
+    def redo(self, held: Held):
+        """A held step that missed, run again from the layer that missed until nothing is
+        missing (or again whole, per layer), as an unheld step is: its output. The caller has
+        taken back what came after it (its caches, pending work that reads the slots)."""
+        start = perf_counter()
+        cache = self.state.cache
+        step = held.step
+        missed = None
+        call, args, kwargs = held.call, held.args, held.kwargs
+        if not cache.install(step):  # another thread's call runs: this one again whole
+            step.caches.rewind_all()
+            return call(*args, **kwargs)
+        self.verified += 1
+        try:
+            out = self._checked(step, call, args, kwargs, None)
+        except _Again:
+            missed, out = self._again(step, call, args, kwargs)
+        finally:
+            if cache.mode is step:
+                cache.mode = PER_LAYER
+        out = self._noted(
+            step, out, missed, start, held.replays, held.reads, held.experts, held.seconds
+        )
+        if self.pending is step:  # (its host work now: nothing of the next token is built)
+            self.flush()
         return out
