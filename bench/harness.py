@@ -380,6 +380,12 @@ class ForcedSampler:
         self.i += 1
         return mx.array([tok], dtype=mx.uint32)
 
+    def take_back(self, n):
+        """Take the last ``n`` draws back: a streaming model's decode loop dropped the tokens
+        they were for (mlx_lm_streaming's checked_late.py: a token built on one that missed)."""
+        self.i -= n
+        del self.argmax[len(self.argmax) - n :]
+
 
 def decode_block(cfg, n):
     """Decode steps with mlx-lm's generate_step (async pipelining and all), continuing ``cfg``'s KV

@@ -32,6 +32,7 @@ bank complete, the per-layer mode chosen) first checks the token before it, as b
 """
 
 import functools
+from threading import get_ident
 from typing import Optional
 
 import mlx.core as mx
@@ -128,11 +129,11 @@ def generate(stock, a):
         """The step on ``prev``'s sample, held unchecked where the runner can hold it."""
         nonlocal tokens
         key, before, marks = mx.random.state[0], tokens, mlx_shims.marks(kv)
-        runner.defer = True
+        runner.defer = get_ident()
         try:
             logits = model(prev.y[None], cache=kv)
         finally:
-            runner.defer = False
+            runner.defer = None
         held = runner.take_held()
         logits, tokens = _processed(logits[:, -1, :], processors, tokens, prev.y)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
@@ -149,7 +150,7 @@ def generate(stock, a):
             return t
         if after is not None:  # no pending work may read a slot that t's reads write
             mx.eval(after.y, after.logprobs)
-            mlx_shims.rewind(kv, after.marks)
+            _take_back(kv, after)
             runner.dropped += 1
         draws = 1 + (after is not None)
         for f in (sampler, *processors):
@@ -193,6 +194,11 @@ def generate(stock, a):
                 if not runner.check(t.held):
                     runner.redo(t.held)
                 t.held = None
+
+
+def _take_back(kv, token: Token) -> None:
+    """The prompt cache's entries as they were before ``token``'s step."""
+    mlx_shims.rewind(kv, token.marks)
 
 
 def _processed(logits, processors, tokens, y):

@@ -17,6 +17,7 @@ call): its forward is built and handed back unchecked, with the arrays its check
 """
 
 import operator
+from threading import get_ident
 from time import perf_counter
 from dataclasses import dataclass
 from typing import Optional
@@ -87,11 +88,11 @@ class StepRunner:
         # prompt's last waves: a verified step would miss in most layers and read, on the word of
         # passes beyond a miss, experts the step does not use, evicting some that it does
         self.per_layer_calls = 0
-        # set by the caller around one decode call: a verified step is handed back unchecked
-        # (``held``) for the caller to ``check`` once the next token's graph is built
-        # (``checked_late.generate``); the tokens so checked, and the next tokens taken back
-        # because the one before them missed
-        self.defer = False
+        # the thread whose decode call, set around it, hands its verified step back unchecked
+        # (``held``) for it to ``check`` once the next token's graph is built
+        # (``checked_late.generate``; None: none); the steps so checked, and the next tokens taken
+        # back because the one before them missed
+        self.defer: Optional[int] = None
         self.held: Optional[Held] = None
         self.checked_late = self.dropped = 0
 
@@ -198,7 +199,7 @@ class StepRunner:
             return call(*args, **kwargs)
         replays, missed = self.replays, None
         reads, experts = self.read_seconds, self.read_experts
-        held = self.defer and step.every >= self.moe
+        held = self.defer == get_ident() and step.every >= self.moe
         if held:
             step.every = self.layers + 1  # checked once, after the forward, by ``check``
         try:
@@ -271,10 +272,10 @@ class StepRunner:
         computes, and its costs noted. False: ``redo`` it."""
         start = perf_counter()
         step = held.step
+        self.checked_late += 1
         if step.missed():
             return False
         self.verified += 1
-        self.checked_late += 1
         step.calls = []
         if self.pending is not None:
             self.flush()
