@@ -226,8 +226,10 @@ class Config:
                 install_seconds=s["install_seconds"], prefetch=_prefetch_counts(cache),
                 # verified steps, the layers they ran again, the experts read on a pass's word and
                 # those used (verified_step.py)
+                # and those checked one token late, the next tokens taken back (checked_late.py)
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
-                                             "verified_named_used")},
+                                             "verified_named_used", "checked_late",
+                                             "checked_late_dropped")},
                 store_reads=io.reads,
             )
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))

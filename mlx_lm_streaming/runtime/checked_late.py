@@ -1,4 +1,4 @@
-"""Decode with each token's check one token late: token t+1's graph built on t's sample, then t checked.
+"""Decode with each token's check one token late: t+1 built on t's sample, then t checked.
 
 mlx-lm's ``generate_step`` builds token t+1's graph while token t computes (``async_eval``): the
 host's work of a step hides behind the device's. A verified step (verified_step.py) reads its miss
