@@ -20,8 +20,9 @@ from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from synthetic import build_checkpoint
 
 STEPS = 20
-# a verified step wherever one may run, whatever the measured costs say (``costs.way``)
-ALWAYS = CacheTuning(verify_choice="always")
+# a verified step wherever one may run, whatever the measured costs say (``costs.way``), held
+# for a late check whatever the share of tokens that missed
+ALWAYS = CacheTuning(verify_choice="always", checked_late_upto=1.0)
 
 
 def generate_module():
@@ -186,6 +187,18 @@ def test_where_late_checks_do_not_apply(q3_path):
         yield model(prompt)
 
     assert "no longer does" in mlx_compat.decode_loop_problem(generate_step)
+
+
+def test_steps_are_held_while_few_recent_tokens_missed(q3_path, stock_q3):
+    # three slots of 16: nearly every token misses; after the first misses the steps are checked in
+    # their own calls again (a held step that misses costs the next token's forward), still stock
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt, 0)
+    model = with_slots(q3_path, 3, tuning=CacheTuning(verify_choice="always"))
+    assert_same(expected, generated(model, prompt, 0))
+    runner = model.expert_streaming.steps
+    assert 0 < runner.checked_late < STEPS // 2
+    assert runner.missed_tokens > CacheTuning().checked_late_upto
 
 
 def test_late_checks_off_check_each_step_in_its_call(q3_path, stock_q3):

@@ -125,11 +125,12 @@ def generate(stock, a):
         pass
     tokens = first.get("tokens")
 
-    def step(prev: Token) -> Token:
-        """The step on ``prev``'s sample, held unchecked where the runner can hold it."""
+    def step(prev: Token, hold: bool) -> Token:
+        """The step on ``prev``'s sample; ``hold``: its verified step held unchecked (where the
+        call is one)."""
         nonlocal tokens
         key, before, marks = mx.random.state[0], tokens, mlx_shims.marks(kv)
-        runner.defer = get_ident()
+        runner.defer = get_ident() if hold else None
         try:
             logits = model(prev.y[None], cache=kv)
         finally:
@@ -170,14 +171,16 @@ def generate(stock, a):
             while True:
                 after = None
                 if n != max_tokens:
-                    if current.held is not None and not runner.defers(kv):
+                    hold = runner.defers(kv)
+                    if current.held is not None and not hold:
                         current = checked(current, None)  # the next call checks in its own
-                    after = step(current)
+                        hold = runner.defers(kv)
+                    after = step(current, hold)
                 if current.held is not None:
                     redone = checked(current, after)
                     if redone is not current:  # t missed: t+1 was taken back, built again
                         current = redone
-                        after = step(current) if after is not None else None
+                        after = step(current, runner.defers(kv)) if after is not None else None
                 if n == max_tokens:
                     break
                 yield current.y.item(), current.logprobs

@@ -135,6 +135,7 @@ def note_call(runner, missed, verified, seconds=None, reads=0.0, experts=0, repl
     (where it chooses by them), and a clean token's retry."""
     share = min(1.0, missed / runner.moe)
     runner.missed_share += MISSED_WEIGHT * (share - runner.missed_share)
+    runner.missed_tokens += MISSED_WEIGHT * ((missed > 0) - runner.missed_tokens)
     costs = runner.costs
     if costs is not None:
         costs.together = runner.together and runner.guess_precision >= runner.min_precision

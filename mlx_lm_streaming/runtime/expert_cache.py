@@ -68,6 +68,11 @@ class CacheTuning:
     # its sample, as stock's loop overlaps them; a miss takes the next token back
     # (``checked_late.py``); off: each step checked before its call returns
     checked_late: bool = True
+    # steps are held so while the running share of decode calls that missed in some layer
+    # (``StepRunner.missed_tokens``) is at most this: a miss costs the next token's forward,
+    # taken back, where a clean token saves the host time of building one (a guess until
+    # measured on a GPU: issue 46's runs at 99% and 90%)
+    checked_late_upto: float = 0.25
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
     # by the per-backend limits on the share of MoE layers that missed; "always", a verified step

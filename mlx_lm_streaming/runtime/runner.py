@@ -58,8 +58,9 @@ class StepRunner:
         self.state = state
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         self.moe = 0  # MoE layers (banks), counted at the first decode-sized call
-        # running mean of the share of MoE layers that missed, per decode-sized call
-        self.missed_share = 0.0
+        # running mean of the share of MoE layers that missed, per decode-sized call; and of the
+        # share of decode-sized calls that missed in some layer (``defers``)
+        self.missed_share = self.missed_tokens = 0.0
         # calls run as verified steps; layers run again; calls run again whole; calls per layer
         self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
         self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
@@ -164,9 +165,13 @@ class StepRunner:
     def defers(self, kv) -> bool:
         """Whether the next one-token call over ``kv`` would be a verified step that can be held
         with another token in flight after it (its caches rewindable by two tokens) and checked
-        once, after its forward (``every``: no check inside it)."""
+        once, after its forward (``every``: no check inside it), while few recent calls missed
+        (``CacheTuning.checked_late_upto``: a held step that misses costs the next token's
+        forward)."""
+        cache = self.state.cache
         return (
-            not self.state.cache.all_complete
+            not cache.all_complete
+            and self.missed_tokens <= cache.tuning.checked_late_upto
             and not self.per_layer_calls
             and self._may_verify(2, kv)
             and self.every() >= (self.moe or len(self.state.cache.banks))
