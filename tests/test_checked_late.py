@@ -245,3 +245,27 @@ def test_late_checks_are_stock_across_architectures(arch_paths, arch, seed):
     assert_same(expected, generated(model, prompt, seed, steps=12))
     runner = model.expert_streaming.steps
     assert runner.checked_late > 0 and runner.dropped > 0
+
+
+def test_stream_generate_sampled_with_a_prompt_cache_is_stock(q3_path, stock_q3):
+    # the chat and server path: stream_generate with a sampler, a seed and a prompt cache kept
+    # across two turns
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(q3_path)
+
+    def turns(model):
+        kv, out = make_prompt_cache(model), []
+        for prompt in ([3, 17, 42, 5], [9, 101, 7]):
+            mx.random.seed(11)
+            for r in stream_generate(model, tokenizer, prompt, max_tokens=10, prompt_cache=kv,
+                                     sampler=make_sampler(temp=1.0, top_p=0.95)):  # fmt: skip
+                out.append((r.token, np.array(r.logprobs)))
+        return out
+
+    expected = turns(stock_q3)
+    model = with_slots(q3_path, 8, tuning=ALWAYS)
+    assert_same(expected, turns(model))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0 and runner.dropped > 0
