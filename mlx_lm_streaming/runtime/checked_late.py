@@ -129,7 +129,9 @@ def generate(stock, a):
         """The step on ``prev``'s sample; ``hold``: its verified step held unchecked (where the
         call is one)."""
         nonlocal tokens
-        key, before, marks = mx.random.state[0], tokens, mlx_shims.marks(kv)
+        # (marks only where it may be taken back: the token before it is held only if this one
+        # is, and then the caches can be taken back, ``StepRunner.defers``)
+        key, before, marks = mx.random.state[0], tokens, mlx_shims.marks(kv) if hold else None
         runner.defer = get_ident() if hold else None
         try:
             logits = model(prev.y[None], cache=kv)

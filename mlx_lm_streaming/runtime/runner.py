@@ -209,20 +209,32 @@ class StepRunner:
             step.every = self.layers + 1  # checked once, after the forward, by ``check``
         try:
             out = call(*args, **kwargs)
+        except _Again:  # (a check inside the forward found what it cannot take back)
+            missed, out = self._again(step, call, args, kwargs)
+        else:
             if step.kept and held:
-                step.hold(out)
+                step.hold()
                 seconds = perf_counter() - start
                 self.held = Held(step, call, args, kwargs, seconds, replays, reads, experts)
                 return out
             if step.kept:
                 self.verified += 1
-                out = self._checked(step, call, args, kwargs, out)
-        except _Again:
-            missed, out = self._again(step, call, args, kwargs)
+                missed, out = self._settled(step, call, args, kwargs, out)
         finally:
             if cache.mode is step:
                 cache.mode = PER_LAYER
         return self._noted(step, out, missed, start, replays, reads, experts)
+
+    def _settled(self, step, call, args, kwargs, out):
+        """``(None, out)`` checked (``_checked``), or where a miss cannot be taken back layer by
+        layer ``_again``'s; the step's mode let go after."""
+        try:
+            return None, self._checked(step, call, args, kwargs, out)
+        except _Again:
+            return self._again(step, call, args, kwargs)
+        finally:
+            if self.state.cache.mode is step:
+                self.state.cache.mode = PER_LAYER
 
     def _checked(self, step, call, args, kwargs, out):
         """The check after a verified step's forward: a miss runs it again from its layer, until
@@ -295,19 +307,12 @@ class StepRunner:
         start = perf_counter()
         cache = self.state.cache
         step = held.step
-        missed = None
         call, args, kwargs = held.call, held.args, held.kwargs
         if not cache.install(step):  # another thread's call runs: this one again whole
             step.caches.rewind_all()
             return call(*args, **kwargs)
         self.verified += 1
-        try:
-            out = self._checked(step, call, args, kwargs, None)
-        except _Again:
-            missed, out = self._again(step, call, args, kwargs)
-        finally:
-            if cache.mode is step:
-                cache.mode = PER_LAYER
+        missed, out = self._settled(step, call, args, kwargs, None)
         out = self._noted(
             step, out, missed, start, held.replays, held.reads, held.experts, held.seconds
         )

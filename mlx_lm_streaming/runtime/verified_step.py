@@ -229,10 +229,10 @@ class VerifiedStep(Mode):
                 out.append((bank, lack, {"keep": named, "guessed": True}))
         return out
 
-    def hold(self, out) -> None:
+    def hold(self) -> None:
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
-        check reads, made lazily, to be evaluated with the caller's next arrays (``out``: the
-        forward's output; the ids for ``commit``, the miss counts)."""
+        check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
+        ``commit``, the miss counts)."""
         self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
         self.held_counts = miss_counts(self.calls) if self.calls else mx.zeros((1,), mx.int32)
 
