@@ -226,7 +226,6 @@ class Config:
                 install_seconds=s["install_seconds"], prefetch=_prefetch_counts(cache),
                 # verified steps, the layers they ran again, the experts read on a pass's word and
                 # those used (verified_step.py)
-                # and those checked one token late, the next tokens taken back (checked_late.py)
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
                                              "verified_named_used", "checked_late",
                                              "checked_late_dropped")},
@@ -383,10 +382,8 @@ class ForcedSampler:
         return mx.array([tok], dtype=mx.uint32)
 
     def take_back(self, n):
-        """Take the last ``n`` draws back: a streaming model's decode loop dropped the tokens
-        they were for (mlx_lm_streaming's checked_late.py: a token built on one that missed)."""
-        self.i -= n
-        del self.argmax[len(self.argmax) - n :]
+        """The last ``n`` draws taken back (checked_late.py: tokens dropped after a miss)."""
+        self.i, self.argmax = self.i - n, self.argmax[: len(self.argmax) - n]
 
 
 def decode_block(cfg, n):

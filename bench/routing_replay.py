@@ -178,19 +178,16 @@ def _first(obj, names):
 # are rewound, ``mlx_shims.rewind``, and the call repeated) must see the same ids again, as a
 # router given the same input would. Routing sources count calls, so the repeat would take the next
 # ones: ``unwind_on_rewind`` makes every rewind also take back the calls of the last forward that
-# has any left (single-threaded benchmarks: the forward that was just rewound). Two forwards may be
-# in flight: a decode step checked one token late (checked_late.py) is taken back with the next
-# token's forward built on it, the next token's first (all its calls), then its own from the layer
-# that missed.
+# has any left (single-threaded benchmarks: the one just rewound; with late checks, checked_late.py,
+# the next token's forward first, then the missed one's from its layer).
 _FORWARDS: List[List[tuple]] = []  # per recent forward, (routing, layer_no, rows) of its calls
-KEPT_FORWARDS = 3
 
 
 def taken(routing, layer_no: int, rows: int) -> None:
     """A routing source gave ``rows`` rows of ids to layer ``layer_no`` (for ``unwind_on_rewind``)."""
     if layer_no == 0 or not _FORWARDS:  # a forward begins
         _FORWARDS.append([])
-        del _FORWARDS[:-KEPT_FORWARDS]
+        del _FORWARDS[:-3]
     _FORWARDS[-1].append((routing, layer_no, rows))
 
 

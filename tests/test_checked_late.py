@@ -22,7 +22,7 @@ from synthetic import build_checkpoint
 STEPS = 20
 # a verified step wherever one may run, whatever the measured costs say (``costs.way``), held
 # for a late check whatever the share of tokens that missed
-ALWAYS = CacheTuning(verify_choice="always", checked_late_upto=1.0)
+ALWAYS = CacheTuning(verify_choice="always", checked_late=1.0)
 
 
 def generate_module():
@@ -175,7 +175,7 @@ def test_where_late_checks_do_not_apply(q3_path):
     assert "quantized" in checked_late.problem(stock, {**a, "kv_bits": 4}, state)
     assert "embeddings" in checked_late.problem(stock, {**a, "input_embeddings": 1}, state)
     assert "state" in checked_late.problem(stock, {**a, "sampler": lambda lp: lp}, state)
-    off = with_slots(q3_path, 3, tuning=CacheTuning(checked_late=False)).expert_streaming
+    off = with_slots(q3_path, 3, tuning=CacheTuning(checked_late=None)).expert_streaming
     assert "off" in checked_late.problem(stock, a, off)
     # the loop it runs is stock's (mlx_compat.DECODE_LOOP_BODY); a changed one is named
     assert mlx_compat.decode_loop_problem(stock) is None
@@ -198,13 +198,13 @@ def test_steps_are_held_while_few_recent_tokens_missed(q3_path, stock_q3):
     assert_same(expected, generated(model, prompt, 0))
     runner = model.expert_streaming.steps
     assert 0 < runner.checked_late < STEPS // 2
-    assert runner.missed_tokens > CacheTuning().checked_late_upto
+    assert runner.missed_tokens > CacheTuning().checked_late
 
 
 def test_late_checks_off_check_each_step_in_its_call(q3_path, stock_q3):
     prompt = prompt_of(1)
     expected = generated(stock_q3, prompt, 0)
-    tuning = CacheTuning(verify_choice="always", checked_late=False)
+    tuning = CacheTuning(verify_choice="always", checked_late=None)
     model = with_slots(q3_path, 3, tuning=tuning)
     assert_same(expected, generated(model, prompt, 0))
     runner = model.expert_streaming.steps

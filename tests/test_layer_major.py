@@ -85,7 +85,7 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
     # each model call checked in itself (not one token late, checked_late.py): its reads are its own
-    tuning = tuning or CacheTuning(checked_late=False)
+    tuning = tuning or CacheTuning(checked_late=None)
     model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=True)
     state = model.expert_streaming
     cache, store = state.cache, state.cache.store

@@ -27,7 +27,7 @@ a sampler or logits processor that keeps state of its own (a dropped token's dra
 given back; mlx-lm's own, from ``mlx_lm.sample_utils``, keep none, and a caller's may say how to
 take draws back with ``take_back(n)``), KV quantization (``kv_bits``: its caches change class
 between steps), input embeddings, caches that cannot be taken back by two tokens, and verified
-steps off (``CacheTuning.checked_late``, ``verified_steps``). A call that would not be held (every
+steps off (``CacheTuning.checked_late`` None, ``verified_steps``). A call that would not be held (every
 bank complete, the per-layer mode chosen) first checks the token before it, as before.
 """
 
@@ -62,7 +62,7 @@ def problem(stock, a, state) -> Optional[str]:
     why not."""
     runner = state.steps
     tuning = state.cache.tuning
-    if runner is None or not tuning.checked_late or not tuning.verified_steps:
+    if runner is None or tuning.checked_late is None or not tuning.verified_steps:
         return "verified steps or late checks are off"
     if a["kv_bits"] is not None:
         return "a quantized KV cache"

@@ -64,24 +64,16 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
-    # in generate_step's decode, a verified step is checked once the next token's graph is built on
-    # its sample, as stock's loop overlaps them; a miss takes the next token back
-    # (``checked_late.py``); off: each step checked before its call returns
-    checked_late: bool = True
-    # steps are held so while the running share of decode calls that missed in some layer
-    # (``StepRunner.missed_tokens``) is at most this: a miss costs the next token's forward,
-    # taken back, where a clean token saves the host time of building one (a guess until
-    # measured on a GPU: issue 46's runs at 99% and 90%)
-    checked_late_upto: float = 0.25
+    # checked_late.py: steps held while at most this share of decode calls missed; None: off
+    checked_late: Optional[float] = 0.25
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
     # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
     # wherever one may run; None: the backend's default (``costs.CHOICE``)
     verify_choice: Optional[str] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
-    # store's readers; a load of more reads each expert on its own demand thread alone (fewer
-    # thread hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always
-    # spread
+    # store's readers; of more, each expert is read on its own demand thread alone (fewer thread
+    # hand-offs: docs/benchmarks/README.md, "A token's misses read together"); None: always spread
     spread_reads_upto: Optional[int] = 1
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host

@@ -166,12 +166,12 @@ class StepRunner:
         """Whether the next one-token call over ``kv`` would be a verified step that can be held
         with another token in flight after it (its caches rewindable by two tokens) and checked
         once, after its forward (``every``: no check inside it), while few recent calls missed
-        (``CacheTuning.checked_late_upto``: a held step that misses costs the next token's
-        forward)."""
+        (``CacheTuning.checked_late``: a held step that misses costs the next token's
+        forward, where a clean one saves the host time of building it)."""
         cache = self.state.cache
         return (
             not cache.all_complete
-            and self.missed_tokens <= cache.tuning.checked_late_upto
+            and self.missed_tokens <= cache.tuning.checked_late
             and not self.per_layer_calls
             and self._may_verify(2, kv)
             and self.every() >= (self.moe or len(self.state.cache.banks))
@@ -196,77 +196,60 @@ class StepRunner:
             return moe
         return max(1, round(moe / (1 + self.missed_share * moe)))
 
-    def _verified(self, call, args, kwargs, kv, tokens, start):
+    def _verified(self, call, args, kwargs, kv, tokens, start, held: Optional[Held] = None):
+        """A verified step of this call, checked after its forward (or handed back unchecked,
+        ``defer``); ``held``: a held step that missed, run again from the layer that missed
+        (``redo``), its forward not run again here."""
         cache = self.state.cache
-        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
-        step = VerifiedStep(self, kv, tokens, self.every())
+        if held is None:
+            cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
+            step = VerifiedStep(self, kv, tokens, self.every())
+            replays, reads, experts = self.replays, self.read_seconds, self.read_experts
+            seconds = 0.0
+        else:
+            step = held.step
+            replays, reads, experts, seconds = held.replays, held.reads, held.experts, held.seconds
         if not cache.install(step):  # another thread's call runs: this one per layer
+            if held is not None:
+                step.caches.rewind_all()  # (every entry as it was before the step)
             return call(*args, **kwargs)
-        replays, missed = self.replays, None
-        reads, experts = self.read_seconds, self.read_experts
-        held = self.defer == get_ident() and step.every >= self.moe
-        if held:
+        missed = out = None
+        hold = held is None and self.defer == get_ident() and step.every >= self.moe
+        if hold:
             step.every = self.layers + 1  # checked once, after the forward, by ``check``
         try:
-            out = call(*args, **kwargs)
-        except _Again:  # (a check inside the forward found what it cannot take back)
-            missed, out = self._again(step, call, args, kwargs)
-        else:
-            if step.kept and held:
+            if held is None:
+                out = call(*args, **kwargs)
+            if step.kept and hold:
                 step.hold()
                 seconds = perf_counter() - start
                 self.held = Held(step, call, args, kwargs, seconds, replays, reads, experts)
                 return out
             if step.kept:
                 self.verified += 1
-                missed, out = self._settled(step, call, args, kwargs, out)
+                while True:  # the check after the forward: a miss runs it again from its layer
+                    layer = step.read_missing(out)
+                    if layer is None:
+                        break
+                    step.caches.rewind(layer, step.ran + 1)
+                    step.replay_below = layer
+                    self.replays += 1
+                    out = call(*args, **kwargs)
+                if self.pending is not None:  # (the first check did it, unless none ran)
+                    self.flush()
+                if cache.recorder is not None:
+                    step.commit(cache)  # the routing record holds every token once its call ends
+                else:
+                    self.pending = step  # its host work: while the next step computes
+        except _Again:
+            cache.mode = PER_LAYER
+            self.recomputed += 1
+            missed = self.moe  # the per-layer schedule suits this model or cache better
+            step.caches.rewind_all()  # every entry as it was before the step
+            out = call(*args, **kwargs)
         finally:
             if cache.mode is step:
                 cache.mode = PER_LAYER
-        return self._noted(step, out, missed, start, replays, reads, experts)
-
-    def _settled(self, step, call, args, kwargs, out):
-        """``(None, out)`` checked (``_checked``), or where a miss cannot be taken back layer by
-        layer ``_again``'s; the step's mode let go after."""
-        try:
-            return None, self._checked(step, call, args, kwargs, out)
-        except _Again:
-            return self._again(step, call, args, kwargs)
-        finally:
-            if self.state.cache.mode is step:
-                self.state.cache.mode = PER_LAYER
-
-    def _checked(self, step, call, args, kwargs, out):
-        """The check after a verified step's forward: a miss runs it again from its layer, until
-        nothing is missing; then its host work, now or while the next step computes."""
-        cache = self.state.cache
-        while True:
-            layer = step.read_missing(out)
-            if layer is None:
-                break
-            step.caches.rewind(layer, step.ran + 1)
-            step.replay_below = layer
-            self.replays += 1
-            out = call(*args, **kwargs)
-        if self.pending is not None:  # (the first check did it, unless none ran)
-            self.flush()
-        if cache.recorder is not None:
-            step.commit(cache)  # the routing record holds every token once its call ends
-        else:
-            self.pending = step  # its host work: while the next step computes
-        return out
-
-    def _again(self, step, call, args, kwargs):
-        """A miss the step cannot take back layer by layer: every entry put back, the call run
-        again per layer; ``(the MoE layers counted as missed, its output)``."""
-        self.state.cache.mode = PER_LAYER
-        self.recomputed += 1
-        step.caches.rewind_all()  # every entry as it was before the step
-        # (every layer counted missed: the per-layer schedule suits this model or cache better)
-        return self.moe, call(*args, **kwargs)
-
-    def _noted(self, step, out, missed, start, replays, reads, experts, seconds=0.0):
-        """``out``, the call's costs noted (``costs.note_call``)."""
         if missed is not None:
             costs.note_call(self, missed, True, again=True)
             return out
@@ -297,25 +280,17 @@ class StepRunner:
         if self.pending is not None:
             self.flush()
         step.commit(self.state.cache)  # (the next step's graph is built: nothing evicts between)
-        self._noted(step, None, None, start, held.replays, held.reads, held.experts, held.seconds)
+        seconds = held.seconds + perf_counter() - start
+        reads, experts = self.read_seconds - held.reads, self.read_experts - held.experts
+        costs.note_call(self, 0, True, seconds, reads, experts, self.replays - held.replays)
         return True
 
     def redo(self, held: Held):
         """A held step that missed, run again from the layer that missed until nothing is
         missing (or again whole, per layer), as an unheld step is: its output. The caller has
         taken back what came after it (its caches, pending work that reads the slots)."""
-        start = perf_counter()
-        cache = self.state.cache
         step = held.step
-        call, args, kwargs = held.call, held.args, held.kwargs
-        if not cache.install(step):  # another thread's call runs: this one again whole
-            step.caches.rewind_all()
-            return call(*args, **kwargs)
-        self.verified += 1
-        missed, out = self._settled(step, call, args, kwargs, None)
-        out = self._noted(
-            step, out, missed, start, held.replays, held.reads, held.experts, held.seconds
-        )
+        out = self._verified(held.call, held.args, held.kwargs, None, 0, perf_counter(), held)
         if self.pending is step:  # (its host work now: nothing of the next token is built)
             self.flush()
         return out
