@@ -362,6 +362,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         verified_share=c.get("verified_steps", 0) / n,
         replays_per_token=c.get("verified_replays", 0) / n, named_per_token=(named or 0) / n,
         named_used=c["verified_named_used"] / named if named else None,
+        late_share=c.get("checked_late", 0) / n, dropped_per_token=c["checked_late_dropped"] / n,
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
     # the limit: 1 / max(stock's step, bytes read per token / the disk's best bandwidth); the

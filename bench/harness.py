@@ -227,7 +227,8 @@ class Config:
                 # verified steps, the layers they ran again, the experts read on a pass's word and
                 # those used (verified_step.py)
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
-                                             "verified_named_used")},
+                                             "verified_named_used", "checked_late",
+                                             "checked_late_dropped")},
                 store_reads=io.reads,
             )
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))
@@ -322,6 +323,10 @@ class ForcedSampler:
         self.i += 1
         return mx.array([tok], dtype=mx.uint32)
 
+    def take_back(self, n):
+        """The last ``n`` draws taken back (checked_late.py: tokens dropped after a miss)."""
+        self.i, self.argmax = self.i - n, self.argmax[: len(self.argmax) - n]
+
 
 def decode_block(cfg, n):
     """Decode steps with mlx-lm's generate_step (async pipelining and all), continuing ``cfg``'s KV
@@ -365,8 +370,10 @@ def load_stock(path):
 
 
 def load_streaming(path, **options):
+    from mlx_lm_streaming import _bootstrap
     from mlx_lm_streaming.tools import parity
 
+    _bootstrap.install()  # as the startup hook (none on PYTHONPATH): generate_step wrapped
     return parity.load_streaming(Path(path), **options)
 
 

@@ -193,16 +193,18 @@ def _first(obj, names):
 # A forward that the streaming model runs again (a verified step that found a miss: the KV caches
 # are rewound, ``mlx_shims.rewind``, and the call repeated) must see the same ids again, as a
 # router given the same input would. Routing sources count calls, so the repeat would take the next
-# ones: ``unwind_on_rewind`` makes every rewind also take back the forward's calls of the routing
-# last used (single-threaded benchmarks: the forward that was just rewound).
-_CALLS: List[tuple] = []  # (routing, layer_no, rows) of the calls since the last forward began
+# ones: ``unwind_on_rewind`` makes every rewind also take back the calls of the last forward that
+# has any left (single-threaded benchmarks: the one just rewound; with late checks, checked_late.py,
+# the next token's forward first, then the missed one's from its layer).
+_FORWARDS: List[List[tuple]] = []  # per recent forward, (routing, layer_no, rows) of its calls
 
 
 def taken(routing, layer_no: int, rows: int) -> None:
     """A routing source gave ``rows`` rows of ids to layer ``layer_no`` (for ``unwind_on_rewind``)."""
-    if layer_no == 0:
-        _CALLS.clear()
-    _CALLS.append((routing, layer_no, rows))
+    if layer_no == 0 or not _FORWARDS:  # a forward begins
+        _FORWARDS.append([])
+        del _FORWARDS[:-3]
+    _FORWARDS[-1].append((routing, layer_no, rows))
 
 
 def unwind_on_rewind() -> None:
@@ -215,10 +217,13 @@ def unwind_on_rewind() -> None:
 
     def rewind_and_unwind(cache, tokens):
         # the rewound entries are the model's last ones: in the benchmarks' models every decoder
-        # layer is an MoE layer, so their calls are the last ``len(cache)`` ones
+        # layer is an MoE layer, so their calls are the last ``len(cache)`` ones of the forward
         rewind(cache, tokens)
-        for _ in range(len(_CALLS) if cache is None else min(len(cache), len(_CALLS))):
-            routing, layer_no, rows = _CALLS.pop()
+        while _FORWARDS and not _FORWARDS[-1]:
+            _FORWARDS.pop()
+        calls = _FORWARDS[-1] if _FORWARDS else []
+        for _ in range(len(calls) if cache is None else min(len(cache), len(calls))):
+            routing, layer_no, rows = calls.pop()
             routing.unwind(layer_no, rows)
 
     rewind_and_unwind.unwinds = True

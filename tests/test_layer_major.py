@@ -84,9 +84,9 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
-    model, _ = load_streaming(
-        path, expert_cache_gb=budget, tuning=tuning or CacheTuning(), layer_major_prefill=True
-    )
+    # each model call checked in itself (not one token late, checked_late.py): its reads are its own
+    tuning = tuning or CacheTuning(checked_late=None)
+    model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=True)
     state = model.expert_streaming
     cache, store = state.cache, state.cache.store
     banks = cache.banks

@@ -131,6 +131,7 @@ def note_call(runner, missed, verified, seconds=None, reads=0.0, experts=0, repl
     (where it chooses by them), and a clean token's retry."""
     share = min(1.0, missed / runner.moe)
     runner.missed_share += MISSED_WEIGHT * (share - runner.missed_share)
+    runner.missed_tokens += MISSED_WEIGHT * ((missed > 0) - runner.missed_tokens)
     costs = runner.costs
     if costs is not None:
         costs.together = runner.together and runner.guess_precision >= runner.min_precision
@@ -415,6 +416,10 @@ def summary(runner) -> Dict[str, object]:
         # decode-sized calls run per layer; how each call's mode was chosen; the costs measured
         # for the choice (``DecodeCosts.summary``; None: not chosen by costs, or no decode yet)
         "per_layer_decodes": r.per_layer_decodes if r is not None else 0,
+        # verified steps checked once the next token was built on them (checked_late.py), and
+        # next tokens taken back because the step before them missed
+        "checked_late": r.checked_late if r is not None else 0,
+        "checked_late_dropped": r.dropped if r is not None else 0,
         "decode_choice": r.choice if r is not None else None,
         "decode_costs": (
             r.costs.summary() if r is not None and r.costs is not None and r.moe else None

@@ -45,7 +45,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import mlx_shims, report
+from . import checked_late, mlx_shims, report
 from .layer_pass import Chunk, LayerPass
 from .modes import Mode
 
@@ -261,6 +261,8 @@ def wrap_generate_step(stock):
         state = getattr(model, "expert_streaming", None)
         prompt, step = a["prompt"], a["prefill_step_size"]
         prompt_ahead(model, prompt)
+        # whether the decode after the prompt checks each token one token late (checked_late.py)
+        late = state is not None and checked_late.problem(stock, a, state) is None
         if (
             state is None
             or not state.cache.layer_major_prefill
@@ -271,7 +273,7 @@ def wrap_generate_step(stock):
             or prompt.shape[0] - 1 <= step  # one chunk: nothing to reorder
             or _holds_every_expert(state.cache)
         ):
-            yield from stock(*bound.args, **bound.kwargs)
+            yield from _decode(stock, bound, late)
             return
         why = _problem(state, a)
         if why is None:
@@ -281,7 +283,7 @@ def wrap_generate_step(stock):
             why = mlx_shims.plain_kv_cache_problem(kv)
         if why is not None:
             note_fallback(state, why)
-            yield from stock(*bound.args, **bound.kwargs)
+            yield from _decode(stock, bound, late)
             return
         total = prompt.shape[0]
         callback = a["prompt_progress_callback"] or (lambda *_: None)
@@ -291,7 +293,7 @@ def wrap_generate_step(stock):
                 prefill(model, kv, prompt[:-1], step, lambda n: callback(n, total))
         except Fallback as e:
             note_fallback(state, str(e))
-            yield from stock(*bound.args, **bound.kwargs)
+            yield from _decode(stock, bound, late)
             return
         head = prompt[:-1]
         a["prompt"] = prompt[-1:]
@@ -300,11 +302,19 @@ def wrap_generate_step(stock):
             # stock's processors see every token of the prompt so far, then the generated ones
             a["logits_processors"] = [_after(head, p) for p in a["logits_processors"]]
         a["prompt_progress_callback"] = lambda n, t: callback(total - t + n, total) if n else None
-        yield from stock(*bound.args, **bound.kwargs)
+        yield from _decode(stock, bound, late)
 
     generate_step.mlx_lm_streaming = True
     generate_step.stock = stock
     return generate_step
+
+
+def _decode(stock, bound, late: bool):
+    """The stock ``generate_step`` over ``bound``'s arguments, or, where ``late``, its decode with
+    each token checked one token late (checked_late.py)."""
+    if late:
+        return checked_late.generate(stock, dict(bound.arguments))
+    return stock(*bound.args, **bound.kwargs)
 
 
 # where a prefill that does not go through generate_step falls back (mlx_compat: BATCH_INSERT)
@@ -370,6 +380,8 @@ def _after(head: mx.array, processor):
     def process(tokens, logits):
         return processor(mx.concat([head, tokens]), logits)
 
+    if callable(getattr(processor, "take_back", None)):  # (checked_late: its draws taken back)
+        process.take_back = processor.take_back
     return process
 
 

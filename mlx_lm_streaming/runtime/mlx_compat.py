@@ -282,6 +282,48 @@ GENERATE_STEP_BODY = (
 )
 
 
+# the statements of generate_step (whitespace removed) that the decode loop with late checks
+# (checked_late.py) does itself after stock's first step: a step's sampling, the loop's order, the
+# first step as the place where max_tokens=0 stops, and KV quantization as a no-op without kv_bits
+DECODE_LOOP_BODY = (
+    "logits=logits[:,-1,:]",
+    "iflogits_processorsandlen(input_tokens)>0:",
+    "logprobs=logits-mx.logsumexp(logits,keepdims=True)",
+    "sampled=sampler(logprobs)",
+    "returnsampled,logprobs.squeeze(0)",
+    "y,logprobs=_step(input_tokens=prompt,input_embeddings=input_embeddings)",
+    "ifn!=max_tokens:next_y,next_logprobs=_step(y)",
+    "ifn==max_tokens:break",
+    "yieldy.item(),logprobs",
+    "ifn%256==0:mx.clear_cache()",
+    "sampler=samplerorgreedy_sampler",
+    "returnmodel(input_tokens,cache=prompt_cache)",
+)
+
+
+def decode_loop_problem(generate_step) -> Optional[str]:
+    """None if mlx-lm's ``generate_step`` decodes as the loop with late checks does after its first
+    step (``DECODE_LOOP_BODY``), and ``maybe_quantize_kv_cache`` does nothing without
+    ``kv_bits``, else what differs."""
+    wanted = (*GENERATE_STEP_PARAMETERS, "max_tokens", "sampler")
+    problem = _missing(generate_step, "mlx_lm.generate.generate_step", wanted)
+    if problem:
+        return problem
+    try:
+        body = re.sub(r"\s+", "", inspect.getsource(generate_step))
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        quantize = re.sub(r"\s+", "", inspect.getsource(maybe_quantize_kv_cache))
+    except (ImportError, OSError, TypeError):
+        return "the source of mlx_lm.generate.generate_step cannot be read"
+    for statement in DECODE_LOOP_BODY:
+        if statement not in body:
+            return f"mlx_lm.generate.generate_step no longer does {statement!r}"
+    if "ifkv_bitsisNone:return" not in quantize:
+        return "mlx_lm's maybe_quantize_kv_cache may quantize without kv_bits"
+    return None
+
+
 def generate_step_problem(generate_step) -> Optional[str]:
     """None if mlx-lm's ``generate_step`` takes the parameters layer-major prefill reads and has
     the chunked prefill it reorders, else what differs."""

@@ -35,7 +35,7 @@ import mlx.core as mx
 from . import free_memory, memory
 from .free_memory import CRITICAL, NORMAL, Reading
 from .modes import PER_LAYER
-from .options import decimal_gb
+from .sizes import decimal_gb
 
 # seconds between two readings of free memory
 CHECK_SECONDS = 1.0

@@ -8,10 +8,18 @@ cache (``modes``; ``ExpertCache.install``) for its length: stock's graph where e
 pipeline stages, while recent tokens missed in few enough layers: by share limits
 (``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
 opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
+
+A verified step may also be held (``defer``, set by ``checked_late.generate`` around one decode
+call): its forward is built and handed back unchecked, with the arrays its check reads
+(``Held``), so that the next token's graph is built on its sample before the host waits for it.
+``check`` then reads its counts; on a miss, once the caller has taken the next token back,
+``redo`` runs it again from the layer that missed, as an unheld step would have.
 """
 
 import operator
+from threading import get_ident
 from time import perf_counter
+from dataclasses import dataclass
 from typing import Optional
 
 from . import costs, mlx_shims
@@ -24,6 +32,25 @@ VERIFY_MAX_TOKENS = 4
 _MISSES = operator.attrgetter("misses")
 
 
+@dataclass
+class Held:
+    """A verified step handed back unchecked (``StepRunner.defer``): its mode, the call to run
+    again on a miss, and what the call's time and reads were when it started (``costs``)."""
+
+    step: VerifiedStep
+    call: object
+    args: tuple
+    kwargs: dict
+    seconds: float  # the forward's building
+    replays: int
+    reads: float
+    experts: int
+
+    def arrays(self) -> list:
+        """What to evaluate with the call's output: the miss counts and the ids its check reads."""
+        return [self.step.held_counts, self.step.ids]
+
+
 class StepRunner:
     """Runs each call of a streaming model as a verified step or with the per-layer schedule."""
 
@@ -31,8 +58,9 @@ class StepRunner:
         self.state = state
         self.layers = 0  # decoder layers wrapped (``wrap_layers``)
         self.moe = 0  # MoE layers (banks), counted at the first decode-sized call
-        # running mean of the share of MoE layers that missed, per decode-sized call
-        self.missed_share = 0.0
+        # running mean of the share of MoE layers that missed, per decode-sized call; and of the
+        # share of decode-sized calls that missed in some layer (``defers``)
+        self.missed_share = self.missed_tokens = 0.0
         # calls run as verified steps; layers run again; calls run again whole; calls per layer
         self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
         self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
@@ -61,6 +89,13 @@ class StepRunner:
         # prompt's last waves: a verified step would miss in most layers and read, on the word of
         # passes beyond a miss, experts the step does not use, evicting some that it does
         self.per_layer_calls = 0
+        # the thread whose decode call, set around it, hands its verified step back unchecked
+        # (``held``) for it to ``check`` once the next token's graph is built
+        # (``checked_late.generate``; None: none); the steps so checked, and the next tokens taken
+        # back because the one before them missed
+        self.defer: Optional[int] = None
+        self.held: Optional[Held] = None
+        self.checked_late = self.dropped = 0
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -129,6 +164,21 @@ class StepRunner:
         gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
         return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
+    def defers(self, kv) -> bool:
+        """Whether the next one-token call over ``kv`` would be a verified step that can be held
+        with another token in flight after it (its caches rewindable by two tokens) and checked
+        once, after its forward (``every``: no check inside it), while few recent calls missed
+        (``CacheTuning.checked_late``: a held step that misses costs the next token's
+        forward, where a clean one saves the host time of building it)."""
+        cache = self.state.cache
+        return (
+            not cache.all_complete
+            and self.missed_tokens <= cache.tuning.checked_late
+            and not self.per_layer_calls
+            and self._may_verify(2, kv)
+            and self.every() >= (self.moe or len(self.state.cache.banks))
+        )
+
     def _may_verify(self, tokens: int, kv) -> bool:
         cache = self.state.cache
         return (
@@ -148,16 +198,35 @@ class StepRunner:
             return moe
         return max(1, round(moe / (1 + self.missed_share * moe)))
 
-    def _verified(self, call, args, kwargs, kv, tokens, start):
+    def _verified(self, call, args, kwargs, kv, tokens, start, held: Optional[Held] = None):
+        """A verified step of this call, checked after its forward (or handed back unchecked,
+        ``defer``); ``held``: a held step that missed, run again from the layer that missed
+        (``redo``), its forward not run again here."""
         cache = self.state.cache
-        cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
-        step = VerifiedStep(self, kv, tokens, self.every())
+        if held is None:
+            cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
+            step = VerifiedStep(self, kv, tokens, self.every())
+            replays, reads, experts = self.replays, self.read_seconds, self.read_experts
+            seconds = 0.0
+        else:
+            step = held.step
+            replays, reads, experts, seconds = held.replays, held.reads, held.experts, held.seconds
         if not cache.install(step):  # another thread's call runs: this one per layer
+            if held is not None:
+                step.caches.rewind_all()  # (every entry as it was before the step)
             return call(*args, **kwargs)
-        replays, missed = self.replays, None
-        reads, experts = self.read_seconds, self.read_experts
+        missed = out = None
+        hold = held is None and self.defer == get_ident() and step.every >= self.moe
+        if hold:
+            step.every = self.layers + 1  # checked once, after the forward, by ``check``
         try:
-            out = call(*args, **kwargs)
+            if held is None:
+                out = call(*args, **kwargs)
+            if step.kept and hold:
+                step.hold()
+                seconds = perf_counter() - start
+                self.held = Held(step, call, args, kwargs, seconds, replays, reads, experts)
+                return out
             if step.kept:
                 self.verified += 1
                 while True:  # the check after the forward: a miss runs it again from its layer
@@ -189,6 +258,41 @@ class StepRunner:
         # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
         missed = len(step.loaded | step.guessed.keys())
         reads, experts = self.read_seconds - reads, self.read_experts - experts
-        seconds = perf_counter() - start
+        seconds += perf_counter() - start
         costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
+        return out
+
+    def take_held(self) -> Optional[Held]:
+        """The verified step the last call handed back unchecked, or None (it was checked, ran
+        per layer or over complete banks)."""
+        held, self.held = self.held, None
+        return held
+
+    def check(self, held: Held) -> bool:
+        """Whether the held step found every expert resident (one host sync: its counts, which
+        were evaluated with its output); if so its host work is done now, while the next token
+        computes, and its costs noted. False: ``redo`` it."""
+        start = perf_counter()
+        step = held.step
+        self.checked_late += 1
+        if step.missed():
+            return False
+        self.verified += 1
+        step.calls = []
+        if self.pending is not None:
+            self.flush()
+        step.commit(self.state.cache)  # (the next step's graph is built: nothing evicts between)
+        seconds = held.seconds + perf_counter() - start
+        reads, experts = self.read_seconds - held.reads, self.read_experts - held.experts
+        costs.note_call(self, 0, True, seconds, reads, experts, self.replays - held.replays)
+        return True
+
+    def redo(self, held: Held):
+        """A held step that missed, run again from the layer that missed until nothing is
+        missing (or again whole, per layer), as an unheld step is: its output. The caller has
+        taken back what came after it (its caches, pending work that reads the slots)."""
+        step = held.step
+        out = self._verified(held.call, held.args, held.kwargs, None, 0, perf_counter(), held)
+        if self.pending is step:  # (its host work now: nothing of the next token is built)
+            self.flush()
         return out

@@ -35,6 +35,8 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
+    # checked_late.py: steps held while at most this share of decode calls missed; None: off
+    checked_late: Optional[float] = 0.25
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
     # by the per-backend limits on the share of MoE layers that missed; "always", a verified step

@@ -93,6 +93,8 @@ class VerifiedStep(Mode):
         self.counts: Optional[np.ndarray] = None
         self.guessed: Dict[int, set] = {}
         self.guesses_read = False
+        # a held step's miss counts (``hold``), lazy until ``missed`` or the first check reads them
+        self.held_counts: Optional[mx.array] = None
 
     def moe_call(self, layer, x, indices):
         """Chosen for a bank with slots and a kernel that takes the ids on the device: the
@@ -227,10 +229,26 @@ class VerifiedStep(Mode):
                 out.append((bank, lack, {"keep": named, "guessed": True}))
         return out
 
+    def hold(self) -> None:
+        """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
+        check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
+        ``commit``, the miss counts)."""
+        self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
+        self.held_counts = miss_counts(self.calls) if self.calls else mx.zeros((1,), mx.int32)
+
+    def missed(self) -> bool:
+        """Whether a held step's forward found an expert missing (one host sync)."""
+        self.counts = np.array(self.held_counts, copy=False)
+        return bool(self.counts.any())
+
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
         sync. With the forward's output ``out``: it, the counts and every kept call's ids
         (``ids``, for ``commit``) handed to MLX in one evaluation."""
+        if self.held_counts is not None:  # a held step's first check: its counts were made
+            self.held_counts = None
+            hit = np.nonzero(self.counts)[0]
+            return int(hit[0]) if len(hit) else None
         pending = ()
         if out is not None:
             self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])

@@ -1,0 +1,271 @@
+"""Decode with each token's check one token late (checked_late.py): token t+1 built on t's sample
+before t's verified step is checked, t+1 taken back when t missed.
+
+Every test runs mlx-lm's own ``generate_step`` (wrapped) against the stock function over the stock
+model, greedy and sampled (temperature, top-p, a seed, a repetition penalty), with budgets that make
+verified steps miss, and counts the path taken: steps checked late and next tokens taken back.
+"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from support import load_stock, with_slots
+
+from mlx_lm_streaming.runtime import checked_late, mlx_compat
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from synthetic import build_checkpoint
+
+STEPS = 20
+# a verified step wherever one may run, whatever the measured costs say (``costs.way``), held
+# for a late check whatever the share of tokens that missed
+ALWAYS = CacheTuning(verify_choice="always", checked_late=1.0)
+
+
+def generate_module():
+    import mlx_lm.generate  # noqa: F401 (mlx_lm's __init__ shadows the name with a function)
+
+    return sys.modules["mlx_lm.generate"]
+
+
+def generated(model, prompt, seed=None, steps=STEPS, **kwargs):
+    """Tokens and log-probabilities of ``generate_step`` (the wrapped one for a streaming model,
+    the stock one else); ``seed``: sampled at temperature 0.9, top-p 0.9, a repetition penalty,
+    MLX's random state seeded first."""
+    generate = generate_module()
+    step = generate.generate_step
+    if not hasattr(model, "expert_streaming"):
+        step = getattr(step, "stock", step)
+    if seed is not None:
+        mx.random.seed(seed)
+        kwargs.setdefault("sampler", make_sampler(temp=0.9, top_p=0.9))
+        kwargs.setdefault("logits_processors", make_logits_processors(repetition_penalty=1.3))
+    return [
+        (int(t), np.array(lp)) for t, lp in step(prompt, model, max_tokens=steps, **kwargs)
+    ]
+
+
+def assert_same(expected, got):
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(expected, got):
+        assert np.array_equal(a, b)
+
+
+def prompt_of(seed: int, n: int = 8) -> mx.array:
+    """A random prompt: its tokens move where the verified steps miss."""
+    return mx.array(np.random.default_rng(seed).integers(0, 512, n).astype(np.int32))
+
+
+@pytest.fixture(scope="module")
+def stock_q3(q3_path):
+    return load_stock(q3_path)[0]
+
+
+@pytest.mark.parametrize("slots", [3, 8, 15])
+@pytest.mark.parametrize("seed", [None, 0, 5])
+@pytest.mark.parametrize("prompt_seed", [1, 2])
+def test_late_checks_are_stock_across_misses(q3_path, stock_q3, slots, seed, prompt_seed):
+    # 3, 8, 15 of 16 experts per layer: tokens miss at positions set by the prompt; greedy and
+    # sampled text, log-probabilities bit for bit
+    prompt = prompt_of(prompt_seed)
+    expected = generated(stock_q3, prompt, seed)
+    model = with_slots(q3_path, slots, tuning=ALWAYS)
+    assert_same(expected, generated(model, prompt, seed))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0
+    if slots < 15:
+        assert runner.dropped > 0  # a miss took the next token back
+    assert runner.recomputed == 0
+
+
+def test_without_the_random_key_put_back_sampled_text_is_not_stock(
+    q3_path, stock_q3, monkeypatch
+):
+    # the test above can fail: a token run again after a miss must draw with the key of its first
+    # draw, not the one after the dropped token's
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt, 0)
+    monkeypatch.setattr(checked_late, "_put_back_key", lambda key: None)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    got = generated(model, prompt, 0)
+    assert model.expert_streaming.steps.dropped > 0
+    assert [t for t, _ in got] != [t for t, _ in expected]
+
+
+def test_without_the_next_tokens_cache_taken_back_text_is_not_stock(
+    q3_path, stock_q3, monkeypatch
+):
+    # and a dropped token's KV entries must go: left, the token run again attends to them
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt)
+    monkeypatch.setattr(checked_late, "_take_back", lambda kv, token: None)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    got = generated(model, prompt)
+    assert model.expert_streaming.steps.dropped > 0
+    assert any(not np.array_equal(a, b) for (_, a), (_, b) in zip(expected, got))
+
+
+@pytest.mark.parametrize("stop", [1, 2, 3, 5, 8])
+def test_a_closed_generator_leaves_the_prompt_cache_as_stock(q3_path, stock_q3, stop):
+    # the server and chat keep the prompt cache: the step held when the caller stops must be
+    # checked, and run again if it missed, before the cache is used again
+    prompt = prompt_of(3)
+
+    def cache_after(model):
+        step = generate_module().generate_step
+        if not hasattr(model, "expert_streaming"):
+            step = step.stock
+        kv = make_prompt_cache(model)
+        gen = step(prompt, model, max_tokens=STEPS, prompt_cache=kv)
+        for _ in range(stop):
+            next(gen)
+        gen.close()
+        # the next generation over that cache, and the cache's own entries
+        after = generated(model, mx.array([7]), steps=4, prompt_cache=kv)
+        return after, [np.array(c.keys[..., : c.offset, :]) for c in kv]
+
+    ref_after, ref_keys = cache_after(stock_q3)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    after, keys = cache_after(model)
+    assert_same(ref_after, after)
+    assert all(np.array_equal(a, b) for a, b in zip(ref_keys, keys))
+
+
+class TakesBack:
+    """A sampler with state of its own (the draws it made), which says how to take draws back."""
+
+    def __init__(self, take_back=True):
+        self.draws = []
+        if take_back:
+            self.take_back = lambda n: self.draws.__delitem__(slice(len(self.draws) - n, None))
+
+    def __call__(self, logprobs):
+        self.draws.append(logprobs)
+        return mx.argmax(logprobs, axis=-1)
+
+
+def test_a_sampler_with_state_takes_its_draws_back_or_the_loop_is_stocks(q3_path, stock_q3):
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    sampler = TakesBack()
+    assert_same(expected, generated(model, prompt, sampler=sampler))
+    assert model.expert_streaming.steps.dropped > 0
+    # one draw per token yielded, the first step's and the one built ahead of the last included
+    assert len(sampler.draws) == STEPS + 1
+    for d, (_, lp) in zip(sampler.draws, expected):
+        assert np.array_equal(np.array(d.squeeze(0)), lp)
+    # one that cannot: each step checked in its own call, as before
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    assert_same(expected, generated(model, prompt, sampler=TakesBack(take_back=False)))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late == 0 and runner.verified > 0
+
+
+def test_where_late_checks_do_not_apply(q3_path):
+    model = with_slots(q3_path, 3)
+    state = model.expert_streaming
+    stock = generate_module().generate_step.stock
+    a = dict(kv_bits=None, input_embeddings=None, max_tokens=4, sampler=None,
+             logits_processors=None)  # fmt: skip
+    assert checked_late.problem(stock, a, state) is None
+    assert "quantized" in checked_late.problem(stock, {**a, "kv_bits": 4}, state)
+    assert "embeddings" in checked_late.problem(stock, {**a, "input_embeddings": 1}, state)
+    assert "state" in checked_late.problem(stock, {**a, "sampler": lambda lp: lp}, state)
+    off = with_slots(q3_path, 3, tuning=CacheTuning(checked_late=None)).expert_streaming
+    assert "off" in checked_late.problem(stock, a, off)
+    # the loop it runs is stock's (mlx_compat.DECODE_LOOP_BODY); a changed one is named
+    assert mlx_compat.decode_loop_problem(stock) is None
+
+    def generate_step(prompt, model, stream=None, *, max_tokens=256, sampler=None,
+                      logits_processors=None, max_kv_size=None, prompt_cache=None,
+                      prefill_step_size=2048, kv_bits=None, prompt_progress_callback=None,
+                      input_embeddings=None):  # fmt: skip
+        yield model(prompt)
+
+    assert "no longer does" in mlx_compat.decode_loop_problem(generate_step)
+
+
+def test_steps_are_held_while_few_recent_tokens_missed(q3_path, stock_q3):
+    # three slots of 16: nearly every token misses; after the first misses the steps are checked in
+    # their own calls again (a held step that misses costs the next token's forward), still stock
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt, 0)
+    model = with_slots(q3_path, 3, tuning=CacheTuning(verify_choice="always"))
+    assert_same(expected, generated(model, prompt, 0))
+    runner = model.expert_streaming.steps
+    assert 0 < runner.checked_late < STEPS // 2
+    assert runner.missed_tokens > CacheTuning().checked_late
+
+
+def test_late_checks_off_check_each_step_in_its_call(q3_path, stock_q3):
+    prompt = prompt_of(1)
+    expected = generated(stock_q3, prompt, 0)
+    tuning = CacheTuning(verify_choice="always", checked_late=None)
+    model = with_slots(q3_path, 3, tuning=tuning)
+    assert_same(expected, generated(model, prompt, 0))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late == runner.dropped == 0 and runner.replays > 0
+
+
+# -- other architectures, hybrids among them -------------------------------------------------------
+
+# qwen3_next: linear attention (ArraysCache) in layers 0 and 2; nemotron_h: Mamba-2 layers between
+# MoE layers; the others attention only, with shared experts (deepseek_v3, qwen2_moe) or not
+ARCHS = ["mixtral", "deepseek_v3", "qwen2_moe", "qwen3_next", "nemotron_h"]
+
+
+@pytest.fixture(scope="module")
+def arch_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checked-late")
+
+    class Paths(dict):
+        def __missing__(self, arch):
+            layers, overrides = 4, {"experts": 16}
+            if arch == "nemotron_h":
+                layers = 6
+                overrides["layer_types"] = ["mamba", "moe", "mamba", "moe", "attention", "moe"]
+            self[arch] = build_checkpoint(root / arch, arch, num_layers=layers, overrides=overrides)
+            return self[arch]
+
+    return Paths()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("seed", [None, 3])
+def test_late_checks_are_stock_across_architectures(arch_paths, arch, seed):
+    path = arch_paths[arch]
+    stock, _ = load_stock(path)
+    prompt = prompt_of(4)
+    expected = generated(stock, prompt, seed, steps=12)
+    model = with_slots(path, 3, tuning=ALWAYS)
+    assert_same(expected, generated(model, prompt, seed, steps=12))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0 and runner.dropped > 0
+
+
+def test_stream_generate_sampled_with_a_prompt_cache_is_stock(q3_path, stock_q3):
+    # the chat and server path: stream_generate with a sampler, a seed and a prompt cache kept
+    # across two turns
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(q3_path)
+
+    def turns(model):
+        kv, out = make_prompt_cache(model), []
+        for prompt in ([3, 17, 42, 5], [9, 101, 7]):
+            mx.random.seed(11)
+            for r in stream_generate(model, tokenizer, prompt, max_tokens=10, prompt_cache=kv,
+                                     sampler=make_sampler(temp=1.0, top_p=0.95)):  # fmt: skip
+                out.append((r.token, np.array(r.logprobs)))
+        return out
+
+    expected = turns(stock_q3)
+    model = with_slots(q3_path, 8, tuning=ALWAYS)
+    assert_same(expected, turns(model))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0 and runner.dropped > 0
