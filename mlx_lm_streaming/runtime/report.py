@@ -42,8 +42,8 @@ def stats_line(state, label: bool = False) -> str:
             f" (host cache {_gb(s['host_cache_gb'])}: {s['host_cache_hits']} of the "
             f"{s['misses']} misses copied from it, {_gb(s['host_cache_served_gb'])}, not read)"
         )
-    if "budget_ceiling_gb" in s:
-        line += _budget_part(s)
+    if "budget_ceiling_gb" in s and s["budget_shrinks"] + s["budget_grows"]:
+        line += _budget_part(s)  # (a budget that never moved: nothing to say)
     if s.get("failed_background_reads"):
         line += (
             f", background reads of {s['failed_background_reads']} experts failed (read "
