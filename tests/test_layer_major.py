@@ -2,7 +2,9 @@
 read, against what they must read, and their bits against stock's.
 
 The case: a 97-token prompt, its first 96 tokens prefilled in 6 chunks of 16, 4 experts of each
-layer cached, the cache empty at the start. The prefill must read each expert its chunks use once;
+layer cached, the cache empty at the start. The prefill must read each expert of every layer at
+most once over layer sets (issue 47: every routed expert's bytes), each expert its chunks use once
+in waves through the slots;
 the last prompt token's own step (stock's, with the logits) and each decode step after it must read
 the experts they use that the banks lack then, and nothing else, whether steps are chosen as on
 the CPU (per layer after misses) or as on a GPU (verified steps whatever the misses). Bytes are
@@ -10,6 +12,7 @@ counted by the store.
 """
 
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +20,7 @@ import pytest
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.runtime import costs
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
 from synthetic import build_checkpoint
@@ -78,9 +82,8 @@ def _lacking(banks, used, resident) -> int:
 def run(path, generate_step, prompt, monkeypatch, tuning=None):
     """The prompt and ``DECODE`` decode steps through ``generate_step`` over a streaming model with
     ``SLOTS`` experts per layer: per part (the prefill, then each model call after it), the bytes
-    read and the bytes it must read; per model call the layers run again; the log-probabilities."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-
+    read and the bytes it must read; per model call the layers run again; the log-probabilities;
+    every routed expert's bytes."""
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
@@ -122,15 +125,22 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     mx.eval(out)
     monkeypatch.undo()
     assert (state.prefill.prompts, state.prefill.fallbacks) == (1, 0)
+    if tuning is None:  # every layer over its whole set, read once
+        assert state.prefill.waves_why is None, state.prefill.waves_why
+        assert state.prefill.set_experts_read == sum(b.num_experts for b in banks)
+    else:
+        assert state.prefill.set_experts_read == 0 and "turned off" in state.prefill.waves_why
+    every = cache.total_expert_bytes
     state.close()
-    return parts, again, out
+    return parts, again, out, every
 
 
+@pytest.mark.parametrize("sets", [True, False], ids=["layer_sets", "waves"])
 @pytest.mark.parametrize("limits", ["cpu", "gpu"])
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
 @pytest.mark.parametrize("arch", list(CASES))
 def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch, prompt, limits,
-                                                             monkeypatch):
+                                                             sets, monkeypatch):
     import mlx_lm.generate  # noqa: F401 (mlx_lm's __init__ shadows the name with a function)
 
     generate = sys.modules["mlx_lm.generate"]
@@ -140,11 +150,19 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
         monkeypatch.setattr(costs, "CLEAN_TOKEN_RETRIES", {})
     path = small_experts(arch)
     prompt = mx.array(PROMPTS[prompt])
-    parts, again, out = run(path, generate.generate_step, prompt, monkeypatch)
+    tuning = None if sets else replace(CacheTuning(), layer_sets=False)
+    parts, again, out, every = run(path, generate.generate_step, prompt, monkeypatch, tuning)
+    every = every if sets else None
     (prefill_read, must), (last_read, last_lacks), *decode = parts
     assert must > 0 and last_lacks + sum(lacks for _, lacks in decode) > 0, parts
-    # the prefill: each expert its chunks use once
-    assert prefill_read <= 1.05 * must, (arch, prefill_read / must)
+    # the prefill: each expert of every layer once at most (each layer over its whole set: the
+    # experts the cache held copied from its banks, not read), or where the layers go in waves
+    # through the slots each expert the chunks use once
+    if every is None:
+        assert prefill_read <= 1.05 * must, (arch, prefill_read / must)
+    else:
+        assert prefill_read <= every, (arch, prefill_read / every)
+        must = every
     # the last prompt token's step and the decode steps: the experts they lack, no more (a
     # verified step's guesses made on a wrong input are not read while they score badly)
     assert all(read == lacks for read, lacks in parts[1:]), parts

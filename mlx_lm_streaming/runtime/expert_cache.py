@@ -85,6 +85,10 @@ class CacheTuning:
     staging_bytes: Optional[int] = None
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
+    # a long prompt's layer computed over every expert of the layer at once (two layers' sets
+    # beside the budget: ``bank.layer_set``), each chunk's MoE call stock's own, where they fit
+    # (``layer_major.plan_sets``); off: through the slots in waves (``layer_pass``)
+    layer_sets: bool = True
 
 
 class ExpertCache:
