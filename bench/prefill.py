@@ -1,12 +1,16 @@
 """Long prompts, cold: layer-major prefill against chunk by chunk, against stock and the disk limit.
 
-    python bench/prefill.py [--archs small] [--prefill-tokens 4096,16384] [--prefill-step N]
-        [--shares 0.25,0.5] [--rounds N] [--hold-tokens N] [--decode-tokens N]
+    python bench/prefill.py [--archs small] [--layers N] [--prefill-tokens 4096,16384]
+        [--prefill-step N] [--shares 0.25,0.5] [--modes chunked,layer_major,waves]
+        [--page-cache cold|warm] [--rounds N] [--hold-tokens N] [--decode-tokens N]
         [--device-kind cpu|gpu] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
 
-Each prompt of ``--prefill-tokens`` runs cold (empty banks, the page cache dropped) at each budget
-of ``--shares``, chunk by chunk and layer-major, beside stock resident; the bytes read against what
-the prompt must read, the speed against the limit, the tokens after the prompt against stock's.
+Each prompt of ``--prefill-tokens`` runs with empty banks (cold: the page cache dropped first; warm:
+the checkpoint read once before) at each budget of ``--shares``, by each of ``--modes`` (chunk by
+chunk; layer-major with the defaults: each layer over its whole expert set; layer-major in waves
+through the slots), beside stock resident; the bytes read against what the prompt must read and
+against every routed expert's, the speed against the limit, the TTFT and MLX's peak against
+stock's, the tokens after the prompt against stock's.
 Writes ``<out>/<tag>.json`` and prints its table (docs/benchmarks/prefill.md). What is measured and
 how: docs/benchmarks/methods.md (prefill.py).
 """
@@ -60,7 +64,9 @@ def layer_major_figures(args, dtype: str) -> None:
     generate = sys.modules["mlx_lm.generate"]
     stock_step = getattr(generate.generate_step, "stock", generate.generate_step)
     name = (args.archs or ("tiny" if args.quick else "small")).split(",")[0]
-    path = checkpoint(Path(args.ckpt_dir), name, dtype)
+    path = checkpoint(Path(args.ckpt_dir), name, dtype, layers=args.layers)
+    cold = args.page_cache == "cold"
+    modes = args.modes.split(",")
     files = shards(path)
     prompt_sizes = [int(n) for n in args.prefill_tokens.split(",")]
     shares = [float(x) for x in args.shares.split(",")]
@@ -80,7 +86,8 @@ def layer_major_figures(args, dtype: str) -> None:
         "machine": machine(args.device_kind),
         "device_kind": args.device_kind,
         "shape": {"name": name, "label": spec["label"], "arch": spec["arch"], "dtype": dtype,
-                  "layers": spec["layers"], **spec["overrides"]},
+                  "layers": args.layers or spec["layers"], **spec["overrides"]},
+        "page_cache": args.page_cache,
         "expert_bytes": expert_nbytes, "total_expert_bytes": total, "prefill_step": step,
         "decode_tokens": args.decode_tokens, "disk_gbps": bw, "disk_bytes_per_s": disk,
         "runs": [],
@@ -94,6 +101,11 @@ def layer_major_figures(args, dtype: str) -> None:
             state.cache.recorder = RoutedExperts()
         if cold:
             drop_page_cache(files)
+        elif state is not None:  # warm: every shard in the page cache
+            for f in files:
+                with open(f, "rb") as fh:
+                    while fh.read(64 * MB):
+                        pass
         gc.collect()
         mx.synchronize()
         mx.reset_peak_memory()
@@ -135,15 +147,22 @@ def layer_major_figures(args, dtype: str) -> None:
             out["decode_hit_rate"] = (s["hits"] - h0) / asked if asked else None
             prefill = state.prefill
             out.update(held_gb=prefill.held_bytes / 1e9, groups=prefill.groups,
-                       layer_major_prompts=prefill.prompts, fallbacks=prefill.fallbacks)
+                       layer_major_prompts=prefill.prompts, fallbacks=prefill.fallbacks,
+                       set_gb=prefill.set_bytes / 1e9, waves_why=prefill.waves_why)
             state.cache.recorder = None
         return out
 
     def run_streaming(prompt, share, mode):
-        """``run`` cold, a model loaded with ``share`` of the expert bytes, prefill by ``mode``."""
-        model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB,
-                                  layer_major_prefill=mode == "layer_major")
-        r = run(model, prompt, cold=True)
+        """``run`` (cold or warm), a model loaded with ``share`` of the expert bytes, prefill by
+        ``mode``: chunked, layer_major (the defaults), waves (layer-major without layer sets)."""
+        from dataclasses import replace
+
+        from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+        tuning = replace(CacheTuning(), layer_sets=mode != "waves")
+        model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning,
+                                  layer_major_prefill=mode != "chunked")  # fmt: skip
+        r = run(model, prompt, cold=cold)
         r["hold_limit"] = model.expert_streaming.cache.tuning.prefill_hold_bytes
         model.expert_streaming.close()
         return r
@@ -157,7 +176,7 @@ def layer_major_figures(args, dtype: str) -> None:
     # H200's first stock prefill of 4096 tokens took 178 s where the second took under 2)
     warm = mx.array([random.Random(i).randrange(vocab) for i in range(2 * step + 2)])
     run(stock, warm, cold=False)
-    for mode in ("chunked", "layer_major"):
+    for mode in modes:
         run_streaming(warm, shares[0], mode)
     for tokens in prompt_sizes:
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
@@ -180,7 +199,6 @@ def layer_major_figures(args, dtype: str) -> None:
         log(json.dumps(row))
         for share in shares:
             budget = share * total
-            modes = ("chunked", "layer_major")
             rounds = [modes if r % 2 == 0 else modes[::-1] for r in range(args.rounds or 1)]
             for r_index, mode in ((r, m) for r, order in enumerate(rounds) for m in order):
                 r = run_streaming(prompt, share, mode)
@@ -199,6 +217,14 @@ def layer_major_figures(args, dtype: str) -> None:
                         if r.get("prompt_must_read_gb") else None
                     ),
                     "uncached_gb": (total - budget) / 1e9,
+                    # issue 47's measure: every routed expert's bytes (plus the last token's own
+                    # top-k: the last token's step may read what the slot banks lack)
+                    "read_over_every_expert": r["gb_read"] * 1e9 / total,
+                    "set_gb": r["set_gb"], "waves_why": r["waves_why"],
+                    # MLX's peak over stock's with the experts' bytes swapped for the budget,
+                    # two layers' sets and the hidden states held
+                    "peak_bound_gb": ref["peak_prefill_gb"] + (budget - total) / 1e9
+                    + r["set_gb"] + r["held_gb"],
                     "read_over_uncached": r["gb_read"] * 1e9 / (total - budget),
                     "ttft_s": r["ttft_s"], "prefill_tok_s": tokens / r["ttft_s"],
                     "limit_s": limit, "of_limit": limit / r["ttft_s"],
@@ -237,18 +263,18 @@ def prefill_table(res) -> str:
     """The figures of ``layer_major_figures`` as a table (also for docs/benchmarks/prefill.md)."""
     lines = [
         f"{res['shape']['label']}, {res['shape']['layers']} layers, {res['shape']['dtype']}, "
-        f"chunks of {res['prefill_step']} tokens, cold; disk "
+        f"chunks of {res['prefill_step']} tokens, page cache {res.get('page_cache', 'cold')}; disk "
         f"{res['disk_bytes_per_s'] / 1e9:.2f} GB/s",
-        "| tokens | budget | prefill | GB read | x must read (all but last token) | x uncached "
-        "| tok/s | of limit | TTFT s | x stock TTFT | held GB | peak GB | decode hits "
-        "| tokens = stock |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens | budget | prefill | GB read | x must read (all but last token) | x every expert "
+        "| x uncached | tok/s | of limit | TTFT s | x stock TTFT | held GB | sets GB | peak GB "
+        "| peak bound GB | decode hits | tokens = stock |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         if r["mode"] == "stock":
             lines.append(
-                f"| {r['tokens']} | all resident | stock | - | - | - | {r['prefill_tok_s']:.1f} "
-                f"| - | {r['ttft_s']:.2f} | 1.00 | - | {r['peak_prefill_gb']:.2f} | - "
+                f"| {r['tokens']} | all resident | stock | - | - | - | - | {r['prefill_tok_s']:.1f} "
+                f"| - | {r['ttft_s']:.2f} | 1.00 | - | - | {r['peak_prefill_gb']:.2f} | - | - "
                 + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
                    if "stock_run_to_run_tokens_equal" in r else "| - |")
             )
@@ -257,25 +283,23 @@ def prefill_table(res) -> str:
             f"| {r['tokens']} | {r['share']:.0%} | {r['mode'].replace('_', '-')} "
             f"| {r['gb_read']:.3f} | {r['read_over_must_read']:.2f} "
             f"({r['prefix_read_over_must_read'] or 0:.2f}) "
+            f"| {r.get('read_over_every_expert', 0):.2f} "
             f"| {r['read_over_uncached']:.2f} | {r['prefill_tok_s']:.1f} | {r['of_limit']:.2f} "
             f"| {r['ttft_s']:.2f} | {r['ttft_over_stock']:.2f} | {r['held_gb']:.3f} "
-            f"| {r['peak_prefill_gb']:.2f} | {r['decode_hit_rate']:.3f} "
+            f"| {r.get('set_gb', 0):.3f} | {r['peak_prefill_gb']:.2f} "
+            f"| {r.get('peak_bound_gb', 0):.2f} | {r['decode_hit_rate']:.3f} "
             f"| {r['tokens_equal_to_stock']}/{r['tokens_compared']}"
             f"{', first bits equal' if r['same_first_logprobs_as_stock'] else ''} |"
         )
-    # paired: layer-major's prefill time against chunk by chunk's in the same round
-    pairs = {}
+    # per round: each mode's TTFT over stock's
+    by = {}
     for r in res["runs"]:
         if r["mode"] != "stock":
-            pairs.setdefault((r["tokens"], r["share"], r.get("round", 0)), {})[r["mode"]] = r
-    by = {}
-    for (tokens, share, _), p in pairs.items():
-        if len(p) == 2:
-            by.setdefault((tokens, share), []).append(
-                p["chunked"]["ttft_s"] / p["layer_major"]["ttft_s"])
-    for (tokens, share), ratios_ in sorted(by.items()):
-        lines.append(f"\n{tokens} tokens, {share:.0%}: layer-major's speed over chunk by chunk's, "
-                     "per round: " + ", ".join(f"{x:.2f}" for x in ratios_))
+            key = (r["tokens"], r["share"], r["mode"])
+            by.setdefault(key, []).append(r["ttft_over_stock"])
+    for (tokens, share, mode), ratios_ in sorted(by.items()):
+        lines.append(f"\n{tokens} tokens, {share:.0%}, {mode.replace('_', '-')}: TTFT over "
+                     "stock's per round: " + ", ".join(f"{x:.2f}" for x in ratios_))
     h = res.get("hold")
     if h:
         lines.append(
@@ -295,6 +319,10 @@ def main():
     ap.add_argument("--prefill-step", type=int, default=2048)
     ap.add_argument("--shares", default="0.25,0.5", help="budgets, shares of the expert bytes")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default: the shape's)")
+    ap.add_argument("--modes", default="chunked,layer_major",
+                    help="comma-separated: chunked, layer_major (layer sets), waves")
+    ap.add_argument("--page-cache", choices=["cold", "warm"], default="cold")
     ap.add_argument("--hold-tokens", type=int, default=None,
                     help="one more layer-major prompt this long (held states)")
     args = ap.parse_args()
