@@ -175,3 +175,81 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
     ref = [lp for _, lp in generate.generate_step.stock(prompt, stock, max_tokens=DECODE,
                                                         prefill_step_size=STEP)]  # fmt: skip
     assert difference(ref, out) is None, (arch, difference(ref, out))
+
+
+def _stock_steps(path, prompt):
+    import mlx_lm.generate  # noqa: F401
+
+    generate = sys.modules["mlx_lm.generate"]
+    stock, _ = load_stock(path)
+    return [lp for _, lp in generate.generate_step.stock(prompt, stock, max_tokens=DECODE,
+                                                          prefill_step_size=STEP)]  # fmt: skip
+
+
+def _streamed_steps(model, prompt):
+    import mlx_lm.generate  # noqa: F401
+
+    generate = sys.modules["mlx_lm.generate"]
+    out = [lp for _, lp in generate.generate_step(prompt, model, max_tokens=DECODE,
+                                                  prefill_step_size=STEP)]  # fmt: skip
+    mx.eval(out)
+    return out
+
+
+def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_experts):
+    # the load line says what two layers' sets take beside the budget; after the prompt each
+    # slot bank holds the experts the prompt used most there (given from the set, not read), the
+    # stats line says what the sets did, and the tokens are stock's
+    from mlx_lm_streaming.runtime import report
+    from mlx_lm_streaming.runtime.options import decimal_gb
+
+    path = small_experts("qwen3_moe")
+    prompt = mx.array(PROMPTS[0])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, stats=True)  # (auto: on)
+    state = model.expert_streaming
+    cache = state.cache
+    one_set = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
+    line = report.choice_line(state)
+    assert f"long prompts a layer's whole expert set at a time, {decimal_gb(2 * one_set)}" in line
+    used = Used()
+    cache.recorder = used
+    out = _streamed_steps(model, prompt)
+    assert difference(_stock_steps(path, prompt), out) is None
+    p = state.prefill
+    assert (p.prompts, p.set_bytes, p.waves_why) == (1, 2 * one_set, None)
+    assert p.set_experts_read + p.set_experts_copied == LAYERS * CASES["qwen3_moe"]["experts"]
+    assert p.set_kept >= LAYERS * SLOTS  # every slot bank given its prompt's most used
+    stats = report.stats_line(state)
+    assert "each layer over its whole expert set" in stats and decimal_gb(2 * one_set) in stats
+    state.close()
+
+
+def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monkeypatch):
+    # two layers' sets beyond this machine's memory beside the resident weights and the budget:
+    # the load line says so and why, the prompt goes through the slots in waves, stock's tokens
+    from mlx_lm_streaming.runtime import memory, report
+
+    path = small_experts("mixtral")
+    prompt = mx.array(PROMPTS[1])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget)
+    state = model.expert_streaming
+    cache = state.cache
+    slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
+    one_set = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
+    # room for the weights, the slots and one set, not two
+    room = state.resident_bytes + slots + one_set
+    monkeypatch.setattr(memory, "budget_base", lambda: (room, 0.5, "memory"))
+    line = report.choice_line(state)
+    assert "long prompts layer by layer in waves through the slots (two layers' experts" in line
+    out = _streamed_steps(model, prompt)
+    assert difference(_stock_steps(path, prompt), out) is None
+    p = state.prefill
+    assert p.prompts == 1 and p.set_experts_read == 0 and "do not fit" in p.waves_why
+    assert "in waves through the slots: two layers' experts" in report.stats_line(state)
+    state.close()

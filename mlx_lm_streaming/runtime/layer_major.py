@@ -41,15 +41,14 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 from threading import get_ident
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import mlx.core as mx
 
 from . import memory, mlx_shims, report
-from .bank.layer_set import LayerSets, set_bytes
+from .bank.layer_set import LayerSets
 from .layer_pass import Chunk, LayerPass
 from .modes import Mode
-from .options import decimal_gb
 from .set_pass import SetPass, layer_banks
 
 
@@ -244,7 +243,7 @@ def _prefill(state, model, kv, prompt, step, progress, make) -> None:
 def _layer_sets(state, decoder):
     """``(sets, why)``: the prompt's two layer sets (``bank.LayerSets``), or None and why its
     layers go through the slots in waves instead."""
-    nbytes, why = plan_sets(state)
+    nbytes, why = memory.layer_sets_fit(state.cache, state.resident_bytes)
     if why is None and any(len(layer_banks(layer)) > 1 for layer in decoder):
         why = "a decoder layer with more than one streamed MoE module"
     if why is not None:
@@ -253,27 +252,6 @@ def _layer_sets(state, decoder):
     if not sets.writable(state.cache.banks[0]):
         return None, "MLX memory has no host view here"
     return sets, None
-
-
-def plan_sets(state) -> Tuple[int, Optional[str]]:
-    """``(bytes, why)``: what two layers' whole expert sets take (``bank.layer_set``), and None
-    where they fit beside the budget, else why a long prompt's layers go in waves through the
-    slots: the resident weights, the slots the budget gives and both sets within this machine's
-    memory (the GPU's on CUDA: ``memory.budget_base``)."""
-    cache = state.cache
-    nbytes = 2 * max((set_bytes(b) for b in cache.banks), default=0)
-    if not cache.tuning.layer_sets:
-        return nbytes, "layer sets turned off (CacheTuning.layer_sets)"
-    if cache.host_cache is not None:
-        return nbytes, "a host cache serves the misses (--expert-host-gb)"
-    total, _, what = memory.budget_base()
-    slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
-    if state.resident_bytes + slots + nbytes > total:
-        return nbytes, (
-            f"two layers' experts, {decimal_gb(nbytes)}, do not fit beside the resident weights "
-            f"and the budget in the {decimal_gb(total)} of {what}"
-        )
-    return nbytes, None
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:
