@@ -182,10 +182,11 @@ def _passes(cache, decoder, sets):
     if sets is None:
         return lambda i: LayerPass(cache, None, decoder[i])
     banks = [(layer_banks(layer) or [None])[0] for layer in decoder]
+    last = len(banks) - 1  # (its MoE output is not computed: no set)
 
     def make(i):
-        after = next((b for b in banks[i + 1 :] if b is not None), None)
-        return SetPass(cache, sets, banks[i], after)
+        after = next((b for b in banks[i + 1 : last] if b is not None), None)
+        return SetPass(cache, sets, banks[i], after, last=i == last)
 
     return make
 

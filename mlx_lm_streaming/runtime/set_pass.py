@@ -6,6 +6,12 @@ beside the budget (``layer_major.plan_sets``); where not, ``layer_pass`` (waves 
 Nothing is recorded and nothing runs twice: the layer's attention writes its KV entries once, as
 stock's does, and its MoE call is ``SwitchGLU.__call__`` over arrays that hold every expert of the
 layer, expert e at row e, with the router's own ids: stock's call, the same rows, the same bits.
+
+The last decoder layer has no set: stock's prefill evaluates only the cache entries of a prompt's
+chunks (``generate_step``: ``mx.eval([c.state for c in prompt_cache])``), so the last layer's
+attention output and MoE, like the head, are never computed for them (only its keys and values
+are); here its MoE call answers zeros that nothing evaluates, and only the layer's cache entry is
+evaluated (and its router's ids where a routing recorder wants them: that computes its attention).
 """
 
 from threading import get_ident
@@ -33,16 +39,18 @@ class SetPass(Mode):
     the group is through), its MoE calls answered by stock's call over the layer's set: the mode
     of the layer's calls (``modes``), installed on the cache while a chunk runs. ``sets``: the
     prompt's ``bank.LayerSets``; ``bank``: the layer's slot bank, or None (no streamed experts);
-    ``after``: the next MoE layer's, whose set is filled while this one computes."""
+    ``after``: the next MoE layer's, whose set is filled while this one computes; ``last``: the
+    last decoder layer, whose output nothing uses (module docstring)."""
 
     hold = 1  # held between layers per hidden state: the hidden state alone
 
-    def __init__(self, cache, sets, bank, after):
+    def __init__(self, cache, sets, bank, after, last=False):
         self.cache = cache
         self.owner = get_ident()
         self.bank = bank
         self.sets = sets
-        self.set = sets.take(bank, after)
+        self.last = last  # the last decoder layer: its output is not computed (module docstring)
+        self.set = sets.take(None if last else bank, after)
         self.uses = np.zeros(bank.num_experts if bank is not None else 0, dtype=np.int64)
         self.ids = []  # the router's ids of the running chunk's MoE calls
         self.chunks = []
@@ -52,21 +60,26 @@ class SetPass(Mode):
         if get_ident() != self.owner or module.bank is not self.bank:
             return Mode.moe_call(self, module, x, indices)  # (never a layer of this pass)
         self.ids.append(indices)
+        if self.last:
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
         return self.set.call(module, x, indices)
 
     def route(self, chunk, i: int) -> None:
         """Chunk ``chunk`` through decoder layer ``i``: its hidden states replaced by the layer's
-        output, evaluated (with the KV entry the layer wrote and its router's ids)."""
+        output, evaluated (with the KV entry the layer wrote and its router's ids; the last
+        layer's output is not, nor its ids unless recorded)."""
         _, call, args, kwargs = chunk.calls[i]
         entry = mlx_shims.layer_cache(args, kwargs)
         with self.cache.running(self):
             # (not installed, where another thread's call runs: the MoE calls per layer, exact)
             h = call(chunk.h, *args[1:], **kwargs)
         ids, self.ids = self.ids, []
-        mx.eval(h, mlx_shims.kv_state(entry), ids)
+        recorder = self.cache.recorder
+        if self.last and recorder is None:
+            ids = []
+        mx.eval([] if self.last else h, mlx_shims.kv_state(entry), ids)
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
-        recorder = self.cache.recorder
         for idx in ids:
             flat = np.array(idx, copy=False).reshape(-1).astype(np.int64)
             self.uses += np.bincount(flat, minlength=len(self.uses))
