@@ -1,18 +1,15 @@
-"""Long prompts, cold: layer-major prefill against chunk by chunk, against stock and the disk limit.
+"""Long prompts: layer-major prefill against chunk by chunk, against stock and the disk limit.
 
     python bench/prefill.py [--archs small] [--layers N] [--prefill-tokens 4096,16384]
         [--prefill-step N] [--shares 0.25,0.5] [--modes chunked,layer_major,waves]
-        [--page-cache cold|warm] [--rounds N] [--hold-tokens N] [--decode-tokens N]
-        [--device-kind cpu|gpu] [--ckpt-dir DIR] [--out DIR] [--tag NAME]
+        [--page-cache cold|warm] [--rounds N] [--hold-tokens N] [--decode-tokens N] ...
 
-Each prompt of ``--prefill-tokens`` runs with empty banks (cold: the page cache dropped first; warm:
-the checkpoint read once before) at each budget of ``--shares``, by each of ``--modes`` (chunk by
-chunk; layer-major with the defaults: each layer over its whole expert set; layer-major in waves
-through the slots), beside stock resident; the bytes read against what the prompt must read and
-against every routed expert's, the speed against the limit, the TTFT and MLX's peak against
-stock's, the tokens after the prompt against stock's.
-Writes ``<out>/<tag>.json`` and prints its table (docs/benchmarks/prefill.md). What is measured and
-how: docs/benchmarks/methods.md (prefill.py).
+Each prompt runs with empty banks (cold: the page cache dropped; warm: the checkpoint read first)
+at each budget, by each mode (chunk by chunk; layer-major, each layer over its whole expert set;
+layer-major in waves through the slots), beside stock resident: bytes read against what the prompt
+must read and every routed expert's, speed against the limit, TTFT and MLX's peak against stock's,
+the tokens after the prompt against stock's. Writes ``<out>/<tag>.json`` and prints its table
+(docs/benchmarks/prefill.md; method: docs/benchmarks/methods.md, prefill.py).
 """
 
 import argparse
@@ -20,15 +17,19 @@ import gc
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from harness import (
     ARCHS, BUDGET_GB, GB, MB, checkpoint, common_arguments, drop_page_cache, expert_sizes,
     load_stock, load_streaming, log, machine, probe_disk, shards, use_device,
 )  # fmt: skip
 
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import vocab_size
 
 
@@ -40,8 +41,6 @@ class RoutedExperts:
         self.used = {}
 
     def record(self, bank, ids):
-        import numpy as np
-
         used = self.used.setdefault(id(bank), (bank, set()))[1]
         used.update(np.asarray(ids).reshape(-1).tolist())
 
@@ -50,8 +49,7 @@ class RoutedExperts:
 
 
 def layer_major_figures(args, dtype: str) -> None:
-    """Each prompt of ``--prefill-tokens`` cold at each budget of
-    ``--shares``, chunk by chunk against layer-major, beside stock (docs/benchmarks/methods.md)."""
+    """Each prompt of ``--prefill-tokens`` at each budget of ``--shares`` by each of ``--modes``."""
     import mlx.core as mx
 
     from mlx_lm_streaming import _bootstrap
@@ -65,12 +63,9 @@ def layer_major_figures(args, dtype: str) -> None:
     stock_step = getattr(generate.generate_step, "stock", generate.generate_step)
     name = (args.archs or ("tiny" if args.quick else "small")).split(",")[0]
     path = checkpoint(Path(args.ckpt_dir), name, dtype, layers=args.layers)
-    cold = args.page_cache == "cold"
-    modes = args.modes.split(",")
-    files = shards(path)
+    cold, modes, files = args.page_cache == "cold", args.modes.split(","), shards(path)
     prompt_sizes = [int(n) for n in args.prefill_tokens.split(",")]
-    shares = [float(x) for x in args.shares.split(",")]
-    step = args.prefill_step
+    shares, step = [float(x) for x in args.shares.split(",")], args.prefill_step
     stock, config = load_stock(path)
     vocab = vocab_size(config)
     stream = [random.Random(7).randrange(vocab) for _ in range(args.decode_tokens + 4)]
@@ -82,36 +77,31 @@ def layer_major_figures(args, dtype: str) -> None:
     log(f"disk GB/s: {bw}")
     spec = ARCHS[name]
     res = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": machine(args.device_kind),
-        "device_kind": args.device_kind,
+        "command": "python " + " ".join(sys.argv), "machine": machine(args.device_kind),
+        "device_kind": args.device_kind, "page_cache": args.page_cache,
         "shape": {"name": name, "label": spec["label"], "arch": spec["arch"], "dtype": dtype,
                   "layers": args.layers or spec["layers"], **spec["overrides"]},
-        "page_cache": args.page_cache,
         "expert_bytes": expert_nbytes, "total_expert_bytes": total, "prefill_step": step,
-        "decode_tokens": args.decode_tokens, "disk_gbps": bw, "disk_bytes_per_s": disk,
-        "runs": [],
+        "decode_tokens": args.decode_tokens, "disk_gbps": bw, "disk_bytes_per_s": disk, "runs": [],
     }  # fmt: skip
 
-    # tokens -> (must read, must read by every token but the last), from the first streaming run
-    # of each prompt: a routing recorder makes layer sets evaluate the last layer's router (and
-    # so its attention), which a user's prefill does not; routing is the same in every mode
+    # tokens -> (must read, by all but the last token) from each prompt's first streaming run: a
+    # routing recorder makes layer sets compute the last layer's router (and attention), which a
+    # user's prefill does not; routing is the same in every mode
     must_known = {}
 
     def run(model, prompt, cold):
         """One prompt through mlx-lm's generate_step (ours wrapped where ``model`` streams), then
         the decode tokens: figures of the run."""
         state = getattr(model, "expert_streaming", None)
-        record = state is not None and prompt.size not in must_known
-        if record:
-            state.cache.recorder = RoutedExperts()
+        routed = RoutedExperts()  # (given to the cache on each prompt's first streaming run)
+        if state is not None and prompt.size not in must_known:
+            state.cache.recorder = routed
         if cold:
             drop_page_cache(files)
         elif state is not None:  # warm: every shard in the page cache
             for f in files:
-                with open(f, "rb") as fh:
-                    while fh.read(64 * MB):
-                        pass
+                shutil.copyfileobj(open(f, "rb"), open(os.devnull, "wb"), 64 * MB)
         gc.collect()
         mx.synchronize()
         mx.reset_peak_memory()
@@ -127,8 +117,7 @@ def layer_major_figures(args, dtype: str) -> None:
             # logits): what was read so far, against what those tokens must read
             if state is not None and done == total - 1 and "prompt_gb_read" not in out:
                 out["prompt_gb_read"] = state.stats()["gb_read"]
-                if record:
-                    out["prompt_must_read_gb"] = state.cache.recorder.bytes() / 1e9
+                out["prompt_must_read_gb"] = routed.bytes() / 1e9
 
         step_fn = generate.generate_step if state is not None else stock_step
         start = time.perf_counter()
@@ -143,9 +132,7 @@ def layer_major_figures(args, dtype: str) -> None:
                 out["peak_prefill_gb"] = mx.get_peak_memory() / 1e9
                 if state is not None:
                     s = state.stats()
-                    out["gb_read"] = s["gb_read"]
-                    if record:
-                        out["must_read_gb"] = state.cache.recorder.bytes() / 1e9
+                    out["gb_read"], out["must_read_gb"] = s["gb_read"], routed.bytes() / 1e9
                     h0, m0 = s["hits"], s["misses"]
         mx.synchronize()
         out["argmax"] = [int(t.item()) for t in out["argmax"]]
@@ -158,19 +145,14 @@ def layer_major_figures(args, dtype: str) -> None:
                        layer_major_prompts=prefill.prompts, fallbacks=prefill.fallbacks,
                        set_gb=prefill.set_bytes / 1e9, waves_why=prefill.waves_why)
             state.cache.recorder = None
-            if record:
-                must_known[prompt.size] = (out["must_read_gb"], out.get("prompt_must_read_gb"))
-            out["must_read_gb"], out["prompt_must_read_gb"] = must_known[prompt.size]
+            key, known = prompt.size, (out["must_read_gb"], out.get("prompt_must_read_gb"))
+            out["must_read_gb"], out["prompt_must_read_gb"] = must_known.setdefault(key, known)
         return out
 
     def run_streaming(prompt, share, mode):
         """``run`` (cold or warm), a model loaded with ``share`` of the expert bytes, prefill by
         ``mode``: chunked, layer_major (the defaults), waves (layer-major without layer sets)."""
-        from dataclasses import replace
-
-        from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-
-        tuning = replace(CacheTuning(), layer_sets=mode != "waves")
+        tuning = CacheTuning(layer_sets=mode != "waves")
         model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning,
                                   layer_major_prefill=mode != "chunked")  # fmt: skip
         r = run(model, prompt, cold=cold)
@@ -180,8 +162,8 @@ def layer_major_figures(args, dtype: str) -> None:
 
     def same(r, ref):
         """How many of the tokens after the prompt are ``ref``'s, and its first logprobs' bits."""
-        equal = sum(a == b for a, b in zip(r["argmax"], ref["argmax"]))
-        return equal, bool(mx.array_equal(r["first"], ref["first"]))
+        return sum(a == b for a, b in zip(r["argmax"], ref["argmax"])), bool(
+            mx.array_equal(r["first"], ref["first"]))  # fmt: skip
 
     # a warm-up of every kind of run first (on CUDA the first prefill compiles its kernels: the
     # H200's first stock prefill of 4096 tokens took 178 s where the second took under 2)
@@ -211,33 +193,26 @@ def layer_major_figures(args, dtype: str) -> None:
         for share in shares:
             budget = share * total
             rounds = [modes if r % 2 == 0 else modes[::-1] for r in range(args.rounds or 1)]
-            stock_round = {}  # round -> stock's TTFT measured again at its start (paired)
+            stock_round = {0: stock_s}  # round -> stock's TTFT measured again at its start
             for r_index, mode in ((r, m) for r, order in enumerate(rounds) for m in order):
                 if r_index not in stock_round:
-                    stock_round[r_index] = stock_s if r_index == 0 else run(
-                        stock, prompt, cold=False)["ttft_s"]
+                    stock_round[r_index] = run(stock, prompt, cold=False)["ttft_s"]
                 r = run_streaming(prompt, share, mode)
                 must = r["must_read_gb"] * 1e9
                 limit = max(stock_s, must / disk)
                 equal, first = same(r, ref)
+                # prefix_...: every token but the last (whose step, stock's, may read what the
+                # slot banks lack); every_expert: issue 47's measure; peak_bound: stock's peak with
+                # every expert swapped for the budget, two layers' sets and the states held
                 row = {
                     **base, "share": share, "mode": mode, "round": r_index,
-                    "budget_gb": budget / 1e9,
-                    "gb_read": r["gb_read"], "must_read_gb": must / 1e9,
+                    "budget_gb": budget / 1e9, "gb_read": r["gb_read"], "must_read_gb": must / 1e9,
                     "read_over_must_read": r["gb_read"] * 1e9 / must if must else None,
-                    # the same for every token but the last (whose step, stock's, may read again
-                    # an expert that the prompt's last wave evicted)
-                    "prefix_read_over_must_read": (
-                        r["prompt_gb_read"] / r["prompt_must_read_gb"]
-                        if r.get("prompt_must_read_gb") else None
-                    ),
+                    "prefix_read_over_must_read": r["prompt_gb_read"] / r["prompt_must_read_gb"]
+                    if r.get("prompt_must_read_gb") else None,
                     "uncached_gb": (total - budget) / 1e9,
-                    # issue 47's measure: every routed expert's bytes (plus the last token's own
-                    # top-k: the last token's step may read what the slot banks lack)
                     "read_over_every_expert": r["gb_read"] * 1e9 / total,
                     "set_gb": r["set_gb"], "waves_why": r["waves_why"],
-                    # MLX's peak over stock's with the experts' bytes swapped for the budget,
-                    # two layers' sets and the hidden states held
                     "peak_bound_gb": ref["peak_prefill_gb"] + (budget - total) / 1e9
                     + r["set_gb"] + r["held_gb"],
                     "read_over_uncached": r["gb_read"] * 1e9 / (total - budget),
@@ -245,10 +220,8 @@ def layer_major_figures(args, dtype: str) -> None:
                     "limit_s": limit, "of_limit": limit / r["ttft_s"],
                     "stock_round_ttft_s": stock_round[r_index],
                     "ttft_over_stock": r["ttft_s"] / stock_round[r_index],
-                    "held_gb": r["held_gb"], "groups": r["groups"],
-                    "peak_prefill_gb": r["peak_prefill_gb"],
-                    "decode_hit_rate": r["decode_hit_rate"],
-                    "layer_major_prompts": r["layer_major_prompts"], "fallbacks": r["fallbacks"],
+                    **{k: r[k] for k in ("held_gb", "groups", "peak_prefill_gb", "decode_hit_rate",
+                                         "layer_major_prompts", "fallbacks")},
                     "same_tokens_as_stock": r["argmax"] == ref["argmax"],
                     "tokens_equal_to_stock": equal, "tokens_compared": len(ref["argmax"]),
                     "same_first_logprobs_as_stock": first,
@@ -261,12 +234,10 @@ def layer_major_figures(args, dtype: str) -> None:
         prompt = mx.array([random.Random(i).randrange(vocab) for i in range(tokens)])
         r = run_streaming(prompt, shares[0], "layer_major")
         limit = r["hold_limit"]
-        res["hold"] = {
-            "tokens": tokens, "share": shares[0], "hold_limit_gb": limit / 1e9 if limit else None,
-            "held_gb": r["held_gb"], "groups": r["groups"], "peak_prefill_gb": r["peak_prefill_gb"],
-            "ttft_s": r["ttft_s"], "prefill_tok_s": tokens / r["ttft_s"],
-            "gb_read": r["gb_read"], "must_read_gb": r["must_read_gb"],
-        }  # fmt: skip
+        keys = ("held_gb", "groups", "peak_prefill_gb", "ttft_s", "gb_read", "must_read_gb")
+        res["hold"] = {"tokens": tokens, "share": shares[0], **{k: r[k] for k in keys},
+                       "hold_limit_gb": limit / 1e9 if limit else None,
+                       "prefill_tok_s": tokens / r["ttft_s"]}  # fmt: skip
         log(json.dumps(res["hold"]))
     out = Path(args.out) / f"{args.tag or 'prefill-' + args.device_kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -289,8 +260,9 @@ def prefill_table(res) -> str:
     for r in res["runs"]:
         if r["mode"] == "stock":
             lines.append(
-                f"| {r['tokens']} | all resident | stock | - | - | - | - | {r['prefill_tok_s']:.1f} "
-                f"| - | {r['ttft_s']:.2f} | 1.00 | - | - | {r['peak_prefill_gb']:.2f} | - | - "
+                f"| {r['tokens']} | all resident | stock | - | - | - | - "
+                f"| {r['prefill_tok_s']:.1f} | - | {r['ttft_s']:.2f} | 1.00 | - | - "
+                f"| {r['peak_prefill_gb']:.2f} | - | - "
                 + (f"| run to run: {r['stock_run_to_run_tokens_equal']}/{r['tokens_compared']} |"
                    if "stock_run_to_run_tokens_equal" in r else "| - |")
             )
@@ -307,17 +279,13 @@ def prefill_table(res) -> str:
             f"| {r['tokens_equal_to_stock']}/{r['tokens_compared']}"
             f"{', first bits equal' if r['same_first_logprobs_as_stock'] else ''} |"
         )
-    # per round: each mode's TTFT over stock's
-    by = {}
-    for r in res["runs"]:
-        if r["mode"] != "stock":
-            key = (r["tokens"], r["share"], r["mode"])
-            by.setdefault(key, []).append(r["ttft_over_stock"])
-    for (tokens, share, mode), ratios_ in sorted(by.items()):
-        lines.append(f"\n{tokens} tokens, {share:.0%}, {mode.replace('_', '-')}: TTFT over "
-                     "stock's per round: " + ", ".join(f"{x:.2f}" for x in ratios_))
-    h = res.get("hold")
-    if h:
+    by = {}  # per round: each mode's TTFT over stock's
+    for r in (r for r in res["runs"] if r["mode"] != "stock"):
+        by.setdefault((r["tokens"], r["share"], r["mode"]), []).append(r["ttft_over_stock"])
+    for (tokens, share, mode), ratios in sorted(by.items()):
+        lines.append(f"\n{tokens} tokens, {share:.0%}, {mode}: TTFT over stock's per round: "
+                     + ", ".join(f"{x:.2f}" for x in ratios))  # fmt: skip
+    if h := res.get("hold"):
         lines.append(
             f"\n{h['tokens']} tokens, layer-major at {h['share']:.0%}: {h['held_gb']:.3f} GB of "
             f"hidden states held at most (bound {h['hold_limit_gb'] or 0:.2f} GB, {h['groups']} "
@@ -336,8 +304,7 @@ def main():
     ap.add_argument("--shares", default="0.25,0.5", help="budgets, shares of the expert bytes")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--layers", type=int, default=None, help="MoE layers (default: the shape's)")
-    ap.add_argument("--modes", default="chunked,layer_major",
-                    help="comma-separated: chunked, layer_major (layer sets), waves")
+    ap.add_argument("--modes", default="chunked,layer_major", help="chunked,layer_major,waves")
     ap.add_argument("--page-cache", choices=["cold", "warm"], default="cold")
     ap.add_argument("--hold-tokens", type=int, default=None,
                     help="one more layer-major prompt this long (held states)")

@@ -85,9 +85,7 @@ class CacheTuning:
     staging_bytes: Optional[int] = None
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
-    # a long prompt's layer computed over every expert of the layer at once (two layers' sets
-    # beside the budget: ``bank.layer_set``), each chunk's MoE call stock's own, where they fit
-    # (``layer_major.plan_sets``); off: through the slots in waves (``layer_pass``)
+    # long prompts' layers over whole expert sets where two fit (``memory.layer_sets_fit``); off: waves
     layer_sets: bool = True
 
 
@@ -150,8 +148,7 @@ class ExpertCache:
     def register(self, layer: LayerExperts, glu) -> LayerBank:
         bank = LayerBank(self, layer, glu)
         self._banks.add(bank)
-        self.planned = False
-        self._order = None
+        self.planned, self._order = False, None
         return bank
 
     def unregister(self, bank: LayerBank) -> None:

@@ -45,11 +45,10 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import memory, mlx_shims, report
-from .bank.layer_set import LayerSets
+from . import mlx_shims, report
 from .layer_pass import Chunk, LayerPass
 from .modes import Mode
-from .set_pass import SetPass, layer_banks
+from .set_pass import SetPass, layer_banks, layer_sets
 
 
 # why a chunk prefills as stock: its call could not take the mode (``modes``) while another
@@ -160,7 +159,7 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     nothing computed, where the model's forward is not as it must be."""
     state = model.expert_streaming
     decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``)
-    sets, why = _layer_sets(state, decoder)
+    sets, why = layer_sets(state, decoder)
     stats = state.prefill
     if why is not None:
         stats.waves_why = why
@@ -239,20 +238,6 @@ def _prefill(state, model, kv, prompt, step, progress, make) -> None:
             mx.clear_cache()
     stats.prompts += 1
     runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
-
-
-def _layer_sets(state, decoder):
-    """``(sets, why)``: the prompt's two layer sets (``bank.LayerSets``), or None and why its
-    layers go through the slots in waves instead."""
-    nbytes, why = memory.layer_sets_fit(state.cache, state.resident_bytes)
-    if why is None and any(len(layer_banks(layer)) > 1 for layer in decoder):
-        why = "a decoder layer with more than one streamed MoE module"
-    if why is not None:
-        return None, why
-    sets = LayerSets(state.cache, nbytes)
-    if not sets.writable(state.cache.banks[0]):
-        return None, "MLX memory has no host view here"
-    return sets, None
 
 
 def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int) -> None:

@@ -1,7 +1,7 @@
 """One decoder layer over a group of a long prompt's chunks, with every routed expert of the layer
 in one set (``SetPass``, ``bank.layer_set``): each chunk through the layer once, in order, its MoE
 call stock's own call over the set. The way of layer-major prefill where two layers' sets fit
-beside the budget (``layer_major.plan_sets``); where not, ``layer_pass`` (waves through the slots).
+beside the budget (``memory.layer_sets_fit``); where not, ``layer_pass`` (waves through the slots).
 
 Nothing is recorded and nothing runs twice: the layer's attention writes its KV entries once, as
 stock's does, and its MoE call is ``SwitchGLU.__call__`` over arrays that hold every expert of the
@@ -19,8 +19,8 @@ from threading import get_ident
 import mlx.core as mx
 import numpy as np
 
-from . import mlx_shims
-from .bank import LayerBank
+from . import memory, mlx_shims
+from .bank import LayerBank, LayerSets
 from .modes import Mode
 
 
@@ -32,6 +32,20 @@ def layer_banks(layer) -> list:
         if isinstance(bank, LayerBank) and all(b is not bank for b in banks):
             banks.append(bank)
     return banks
+
+
+def layer_sets(state, decoder):
+    """``(sets, why)``: the prompt's two layer sets (``bank.LayerSets``), or None and why its
+    layers go through the slots in waves instead."""
+    nbytes, why = memory.layer_sets_fit(state.cache, state.resident_bytes)
+    if why is None and any(len(layer_banks(layer)) > 1 for layer in decoder):
+        why = "a decoder layer with more than one streamed MoE module"
+    if why is not None:
+        return None, why
+    sets = LayerSets(state.cache, nbytes)
+    if not sets.writable(state.cache.banks[0]):
+        return None, "MLX memory has no host view here"
+    return sets, None
 
 
 class SetPass(Mode):
