@@ -256,3 +256,27 @@ def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monk
     assert p.prompts == 1 and p.set_experts_read == 0 and "do not fit" in p.waves_why
     assert "in waves through the slots: two layers' experts" in report.stats_line(state)
     state.close()
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["host_copies", "mlx_copies"])
+def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads):
+    # a second prompt finds the slot banks holding the first one's most used experts: its sets
+    # take them from the banks (through host views, or by an MLX update where the banks have none)
+    # instead of reading them, and its tokens are still stock's
+    path = small_experts("qwen3_moe")
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, direct_reads=direct_reads)
+    state = model.expert_streaming
+    _streamed_steps(model, mx.array(PROMPTS[0]))
+    p = state.prefill
+    read, copied = p.set_experts_read, p.set_experts_copied
+    assert copied == 0  # (the cache started empty)
+    second = mx.array(PROMPTS[1])
+    out = _streamed_steps(model, second)
+    assert difference(_stock_steps(path, second), out) is None
+    sets = (LAYERS - 1) * CASES["qwen3_moe"]["experts"]
+    assert p.set_experts_copied >= (LAYERS - 1) * SLOTS
+    assert p.set_experts_read - read == sets - p.set_experts_copied
+    state.close()

@@ -61,24 +61,51 @@ class LayerSet:
             self.arrays = [mx.zeros(shape, dtype=mx_dtype(dtype)) for shape, dtype in shapes]
             mx.eval(self.arrays)
             self.shapes = shapes
-            addresses = [host_address(a) for a in self.arrays]
-            views = None
-            if None not in addresses:
-                views = [host_bytes(a, at) for a, at in zip(self.arrays, addresses)]
-                if any(v is None for v in views):
-                    views = None
-            self.views, self.addresses = views, addresses
-            self.copier = None
-            if views is not None and self.cache.tuning.device_copies:
-                self.copier = cuda_copy.copier_for(addresses)
+            self._make_views()
         return self.views is not None
+
+    def _make_views(self) -> None:
+        """Host views of the arrays as they are now (remade after an MLX update moved them)."""
+        addresses = [host_address(a) for a in self.arrays]
+        views = None
+        if None not in addresses:
+            views = [host_bytes(a, at) for a, at in zip(self.arrays, addresses)]
+            if any(v is None for v in views):
+                views = None
+        self.views, self.addresses = views, addresses
+        self.copier = None
+        if views is not None and self.cache.tuning.device_copies:
+            self.copier = cuda_copy.copier_for(addresses)
 
     def fill(self, bank) -> None:
         """Start making every expert of ``bank``'s layer resident in the set, on a bank thread
-        (``allocate`` first, on this thread); ``ready`` waits for it."""
+        (``allocate`` first, on this thread); ``ready`` waits for it. The experts the slot bank
+        holds are copied from it: through host views on that thread where the host writes both
+        (the CPU), else here by an MLX update (on a GPU: a device copy, no read)."""
         self.ready()
         self.bank = bank
-        self.future = self.cache.bank_pool.submit(self._fill, bank)
+        held = set()
+        if not self._host_copies(bank):
+            held = self._copy_on_device(bank)
+        self.future = self.cache.bank_pool.submit(self._fill, bank, held)
+
+    def _host_copies(self, bank) -> bool:
+        return bank.views is not None and bank.copier is None and self.copier is None
+
+    def _copy_on_device(self, bank) -> set:
+        """The experts ``bank`` holds, copied into their rows by an MLX update, evaluated (every
+        computation over the set was); the views remade where it moved the arrays."""
+        with bank.lock:
+            held = np.nonzero(bank.slot_of >= 0)[0]
+            if not len(held):
+                return set()
+            rows, slots = mx.array(held), mx.array(bank.slot_of[held])
+            for i, p in enumerate(bank.layer.parts):
+                self.arrays[i][rows] = bank.array(p.proj, p.part)[slots]
+            mx.eval(self.arrays)
+        self._make_views()
+        self.copied += len(held)
+        return set(held.tolist())
 
     def ready(self) -> None:
         """Wait for the fill; its error, if it failed, raised here."""
@@ -86,33 +113,40 @@ class LayerSet:
         if future is not None:
             future.result()
 
-    def _fill(self, bank) -> None:
+    def _fill(self, bank, held) -> None:
         start = time.perf_counter()
         experts = range(bank.num_experts)
-        held = {}
-        # copied from the slot bank where both are host memory written by the host (not by the
-        # device's copies, whose pages live on the GPU)
-        if bank.views is not None and bank.copier is None and self.copier is None:
+        if self._host_copies(bank):  # the slot bank's experts copied through the host views
             with bank.lock:
-                held = {e: int(s) for e in experts if (s := bank.slot_of[e]) >= 0}
-                for e, slot in held.items():
+                slots = {e: int(s) for e in experts if (s := bank.slot_of[e]) >= 0}
+                for e, slot in slots.items():
                     for view, source in zip(self.views, bank.views):
                         view[e] = source[slot]
+            held = set(slots)
+            self.copied += len(held)
         rest = [e for e in experts if e not in held]
         store, refs = self.cache.store, bank.layer.refs
         if self.copier is not None:
+            # each thread reads into its own page-locked buffer, then the device copies: a few
+            # threads at once, so that reads and copies overlap
             rows = [view.shape[1] for view in self.views]
             pieces = [
                 (ref, self.addresses[i] + e * rows[i]) for e in rest for i, ref in enumerate(refs(e))
             ]
-            self.copier.read(store.read_many, pieces)
+            parts = max(1, min(len(pieces), self.cache.store.threads))
+            pool = self.cache.demand_pool
+            futures = [
+                pool.submit(self.copier.read, store.read_on_this_thread, pieces[k::parts])
+                for k in range(parts)
+            ]
+            for future in futures:
+                future.result()
         elif rest:
             views = self.views
             store.read_many(
                 [(ref, memoryview(views[i][e])) for e in rest for i, ref in enumerate(refs(e))]
             )
         self.read += len(rest)
-        self.copied += len(held)
         self.cache.timeline.span(
             "fill layer set", start, "read", layer=bank.path, read=len(rest), copied=len(held)
         )
