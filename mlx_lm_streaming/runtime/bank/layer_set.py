@@ -28,7 +28,7 @@ import numpy as np
 from .. import cuda_copy
 from ..host_views import host_address, host_bytes
 from ..safetensors_header import mx_dtype
-from .reads import install
+from .reads import _runs
 
 
 def set_bytes(bank) -> int:
@@ -166,15 +166,6 @@ class LayerSet:
                 for p, arr in zip(parts, slots):
                     glu[p.proj][p.part] = arr
 
-    def part(self, i: int) -> mx.array:
-        """Part ``i`` of every expert, ``(num_experts, nbytes)`` uint8 (``reads.install``)."""
-        arr = self.arrays[i]
-        return arr.view(mx.uint8).reshape(arr.shape[0], -1)
-
-    @property
-    def experts(self) -> np.ndarray:  # (``reads.install``: the rows it may take)
-        return np.arange(self.bank.num_experts)
-
     def release(self) -> None:
         """The memory given back, once a running fill ended (an error of one that no layer took
         is moot: the prompt ended, or failed on another error)."""
@@ -186,17 +177,30 @@ class LayerSet:
 
 def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
     """Give ``bank``'s slots the experts the prompt used most (``uses``: its count per expert),
-    copied from ``layer_set`` (an MLX update, every computation over the bank evaluated): a use of
-    them for the eviction policy, no read. The experts copied."""
+    copied from ``layer_set`` by an MLX update of each run of slots, in place (every computation
+    over the bank was evaluated): a use of them for the eviction policy, no read. The experts
+    copied."""
     want = np.argsort(-uses, kind="stable")[: bank.slots]
     want = want[uses[want] > 0].astype(np.int64)
+    start = time.perf_counter()
     with bank.lock:
         if bank.staged:
             bank.discard_staged()  # (never installed over what the set gave)
         missing, slots, _ = bank.table.admit(want)
-        if len(missing):
-            install(bank, [(layer_set, missing.tolist(), slots.tolist())])
-            bank.table.place(missing, slots)
+        if not len(missing):
+            return 0
+        order = np.argsort(slots, kind="stable")
+        runs = _runs(missing[order].tolist(), slots[order].tolist())
+        parts = bank.layer.parts
+        for p, source in zip(parts, layer_set.arrays):
+            target = bank.array(p.proj, p.part)
+            for r, s, n in runs:
+                target[s : s + n] = source[r : r + n]
+        mx.eval([bank.array(p.proj, p.part) for p in parts])  # (on this thread: ``allocate``)
+        if bank.views is not None:
+            bank.refresh_views()
+        bank.table.place(missing, slots)
+    bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=len(missing))
     return len(missing)
 
 
