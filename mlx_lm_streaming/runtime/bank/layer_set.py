@@ -222,15 +222,15 @@ class LayerSets:
 
     def take(self, bank, after=None) -> Optional[LayerSet]:
         """The set holding ``bank``'s layer, filled (a fill started now if none was), with the
-        next MoE layer's (``after``'s) fill started in the other set meanwhile; ``bank`` None (a
-        layer with no streamed experts): only that fill, and None."""
+        next MoE layer's (``after``'s) fill started in the other set once it is, to run while this
+        layer computes (not before: the two would share the disk while this layer waits); ``bank``
+        None (a layer with no streamed experts): only that fill, and None."""
         current = None
         if bank is not None:
             current = self._holding(bank) or self._fill(self._free(), bank)
+            current.ready()
         if after is not None and self._holding(after) is None:
             self._fill(self._free(current), after)
-        if current is not None:
-            current.ready()
         return current
 
     def done(self, layer_set: LayerSet, uses: np.ndarray) -> None:
