@@ -38,6 +38,8 @@ def layer_sets(state, decoder):
     """``(sets, why)``: the prompt's two layer sets (``bank.LayerSets``), or None and why its
     layers go through the slots in waves instead."""
     nbytes, why = memory.layer_sets_fit(state.cache, state.resident_bytes)
+    if why is None and not state.cache.banks:
+        why = "no streamed MoE layer"
     if why is None and any(len(layer_banks(layer)) > 1 for layer in decoder):
         why = "a decoder layer with more than one streamed MoE module"
     if why is not None:
