@@ -84,13 +84,9 @@ class LayerSet:
         (the CPU), else here by an MLX update (on a GPU: a device copy, no read)."""
         self.ready()
         self.bank = bank
-        held = set()
-        if not self._host_copies(bank):
-            held = self._copy_on_device(bank)
-        self.future = self.cache.bank_pool.submit(self._fill, bank, held)
-
-    def _host_copies(self, bank) -> bool:
-        return bank.views is not None and bank.copier is None and self.copier is None
+        host = bank.views is not None and bank.copier is None and self.copier is None
+        held = set() if host else self._copy_on_device(bank)
+        self.future = self.cache.bank_pool.submit(self._fill, bank, host, held)
 
     def _copy_on_device(self, bank) -> set:
         """The experts ``bank`` holds, copied into their rows by an MLX update, evaluated (every
@@ -113,10 +109,10 @@ class LayerSet:
         if future is not None:
             future.result()
 
-    def _fill(self, bank, held) -> None:
+    def _fill(self, bank, host: bool, held: set) -> None:
         start = time.perf_counter()
         experts = range(bank.num_experts)
-        if self._host_copies(bank):  # the slot bank's experts copied through the host views
+        if host:  # the slot bank's experts copied through the host views
             with bank.lock:
                 slots = {e: int(s) for e in experts if (s := bank.slot_of[e]) >= 0}
                 for e, slot in slots.items():
