@@ -25,6 +25,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from ...errors import StreamingError
 from .. import cuda_copy
 from ..host_views import host_address, host_bytes
 from ..safetensors_header import mx_dtype
@@ -248,7 +249,10 @@ class LayerSets:
     def _fill(self, layer_set: LayerSet, bank) -> LayerSet:
         layer_set.ready()
         if not layer_set.allocate(bank):
-            raise RuntimeError(f"{bank.path}: a layer set's memory has no host view")
+            raise StreamingError(
+                f"{bank.path}: a layer set's memory has no host view here: turn layer-major "
+                "prefill off (--layer-major-prefill off)"
+            )
         layer_set.fill(bank)
         return layer_set
 
