@@ -130,8 +130,8 @@ OPTIONS = (
         "--layer-major-prefill",
         "auto|on|off",
         "Prefill a prompt of several chunks layer by layer, each uncached expert read about once "
-        "per prompt. Default: auto (on with CUDA; off on the CPU, where compute bounds a prefill, "
-        "and on Metal, where it is unchecked)",
+        "per prompt, each layer over its whole expert set where two layers' sets fit beside the "
+        "budget. Default: auto (on with every backend)",
     ),
     Option(
         "stats",

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("require_hook")
 
 CHOICE = re.compile(
     r"^\[streaming\] (\S+): expert cache ([\d.e+-]+) GB \((.*)\), (\d+) of (\d+) experts per "
-    r"layer.* in (\d+) MoE layers, resident weights ([\d.e+-]+) GB$",
+    r"layer.* in (\d+) MoE layers, resident weights ([\d.e+-]+) GB(?:; long prompts [^\n]*)?$",
     re.M,
 )
 SPLIT = re.compile(

@@ -2,7 +2,9 @@
 read, against what they must read, and their bits against stock's.
 
 The case: a 97-token prompt, its first 96 tokens prefilled in 6 chunks of 16, 4 experts of each
-layer cached, the cache empty at the start. The prefill must read each expert its chunks use once;
+layer cached, the cache empty at the start. The prefill must read each expert of every layer at
+most once over layer sets (issue 47: every routed expert's bytes), each expert its chunks use once
+in waves through the slots;
 the last prompt token's own step (stock's, with the logits) and each decode step after it must read
 the experts they use that the banks lack then, and nothing else, whether steps are chosen as on
 the CPU (per layer after misses) or as on a GPU (verified steps whatever the misses). Bytes are
@@ -10,6 +12,7 @@ counted by the store.
 """
 
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +20,7 @@ import pytest
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.runtime import costs
+from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
 from synthetic import build_checkpoint
@@ -78,9 +82,8 @@ def _lacking(banks, used, resident) -> int:
 def run(path, generate_step, prompt, monkeypatch, tuning=None):
     """The prompt and ``DECODE`` decode steps through ``generate_step`` over a streaming model with
     ``SLOTS`` experts per layer: per part (the prefill, then each model call after it), the bytes
-    read and the bytes it must read; per model call the layers run again; the log-probabilities."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-
+    read and the bytes it must read; per model call the layers run again; the log-probabilities;
+    every routed expert's bytes."""
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
@@ -122,15 +125,23 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     mx.eval(out)
     monkeypatch.undo()
     assert (state.prefill.prompts, state.prefill.fallbacks) == (1, 0)
+    if tuning is None:  # every layer over its whole set, read once; the last one's output is not
+        # computed (stock's prefill evaluates only the cache entries): no set
+        assert state.prefill.waves_why is None, state.prefill.waves_why
+        assert state.prefill.set_experts_read == sum(b.num_experts for b in banks[:-1])
+    else:
+        assert state.prefill.set_experts_read == 0 and "turned off" in state.prefill.waves_why
+    every = cache.total_expert_bytes
     state.close()
-    return parts, again, out
+    return parts, again, out, every
 
 
+@pytest.mark.parametrize("sets", [True, False], ids=["layer_sets", "waves"])
 @pytest.mark.parametrize("limits", ["cpu", "gpu"])
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
 @pytest.mark.parametrize("arch", list(CASES))
 def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch, prompt, limits,
-                                                             monkeypatch):
+                                                             sets, monkeypatch):
     import mlx_lm.generate  # noqa: F401 (mlx_lm's __init__ shadows the name with a function)
 
     generate = sys.modules["mlx_lm.generate"]
@@ -140,11 +151,19 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
         monkeypatch.setattr(costs, "CLEAN_TOKEN_RETRIES", {})
     path = small_experts(arch)
     prompt = mx.array(PROMPTS[prompt])
-    parts, again, out = run(path, generate.generate_step, prompt, monkeypatch)
+    tuning = None if sets else replace(CacheTuning(), layer_sets=False)
+    parts, again, out, every = run(path, generate.generate_step, prompt, monkeypatch, tuning)
+    every = every if sets else None
     (prefill_read, must), (last_read, last_lacks), *decode = parts
     assert must > 0 and last_lacks + sum(lacks for _, lacks in decode) > 0, parts
-    # the prefill: each expert its chunks use once
-    assert prefill_read <= 1.05 * must, (arch, prefill_read / must)
+    # the prefill: each expert of every layer once at most (each layer over its whole set: the
+    # experts the cache held copied from its banks, not read), or where the layers go in waves
+    # through the slots each expert the chunks use once
+    if every is None:
+        assert prefill_read <= 1.05 * must, (arch, prefill_read / must)
+    else:
+        assert prefill_read <= every, (arch, prefill_read / every)
+        must = every
     # the last prompt token's step and the decode steps: the experts they lack, no more (a
     # verified step's guesses made on a wrong input are not read while they score badly)
     assert all(read == lacks for read, lacks in parts[1:]), parts
@@ -157,3 +176,107 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
     ref = [lp for _, lp in generate.generate_step.stock(prompt, stock, max_tokens=DECODE,
                                                         prefill_step_size=STEP)]  # fmt: skip
     assert difference(ref, out) is None, (arch, difference(ref, out))
+
+
+def _stock_steps(path, prompt):
+    import mlx_lm.generate  # noqa: F401
+
+    generate = sys.modules["mlx_lm.generate"]
+    stock, _ = load_stock(path)
+    return [lp for _, lp in generate.generate_step.stock(prompt, stock, max_tokens=DECODE,
+                                                          prefill_step_size=STEP)]  # fmt: skip
+
+
+def _streamed_steps(model, prompt):
+    import mlx_lm.generate  # noqa: F401
+
+    generate = sys.modules["mlx_lm.generate"]
+    out = [lp for _, lp in generate.generate_step(prompt, model, max_tokens=DECODE,
+                                                  prefill_step_size=STEP)]  # fmt: skip
+    mx.eval(out)
+    return out
+
+
+def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_experts):
+    # the load line says what two layers' sets take beside the budget; after the prompt each
+    # slot bank holds the experts the prompt used most there (given from the set, not read), the
+    # stats line says what the sets did, and the tokens are stock's
+    from mlx_lm_streaming.runtime import report
+    from mlx_lm_streaming.runtime.options import decimal_gb
+
+    path = small_experts("qwen3_moe")
+    prompt = mx.array(PROMPTS[0])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, stats=True)  # (auto: on)
+    state = model.expert_streaming
+    cache = state.cache
+    one_set = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
+    line = report.choice_line(state)
+    assert f"long prompts a layer's whole expert set at a time, {decimal_gb(2 * one_set)}" in line
+    used = Used()
+    cache.recorder = used
+    out = _streamed_steps(model, prompt)
+    assert difference(_stock_steps(path, prompt), out) is None
+    p = state.prefill
+    assert (p.prompts, p.set_bytes, p.waves_why) == (1, 2 * one_set, None)
+    # every layer's set but the last's (its MoE output is not computed, as in stock's prefill)
+    sets = (LAYERS - 1) * CASES["qwen3_moe"]["experts"]
+    assert p.set_experts_read + p.set_experts_copied == sets
+    assert p.set_kept >= (LAYERS - 1) * SLOTS  # each such slot bank given its most used
+    stats = report.stats_line(state)
+    assert "each layer over its whole expert set" in stats and decimal_gb(2 * one_set) in stats
+    state.close()
+
+
+def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monkeypatch):
+    # two layers' sets beyond this machine's memory beside the resident weights and the budget:
+    # the load line says so and why, the prompt goes through the slots in waves, stock's tokens
+    from mlx_lm_streaming.runtime import memory, report
+
+    path = small_experts("mixtral")
+    prompt = mx.array(PROMPTS[1])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget)
+    state = model.expert_streaming
+    cache = state.cache
+    slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
+    one_set = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
+    # room for the weights, the slots and one set, not two
+    room = state.resident_bytes + slots + one_set
+    monkeypatch.setattr(memory, "budget_base", lambda: (room, 0.5, "memory"))
+    line = report.choice_line(state)
+    assert "long prompts layer by layer in waves through the slots (two layers' experts" in line
+    out = _streamed_steps(model, prompt)
+    assert difference(_stock_steps(path, prompt), out) is None
+    p = state.prefill
+    assert p.prompts == 1 and p.set_experts_read == 0 and "do not fit" in p.waves_why
+    assert "in waves through the slots: two layers' experts" in report.stats_line(state)
+    state.close()
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["host_copies", "mlx_copies"])
+def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads):
+    # a second prompt finds the slot banks holding the first one's most used experts: its sets
+    # take them from the banks (through host views, or by an MLX update where the banks have none)
+    # instead of reading them, and its tokens are still stock's
+    path = small_experts("qwen3_moe")
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget, direct_reads=direct_reads)
+    state = model.expert_streaming
+    _streamed_steps(model, mx.array(PROMPTS[0]))
+    p = state.prefill
+    read, copied = p.set_experts_read, p.set_experts_copied
+    assert copied == 0  # (the cache started empty)
+    second = mx.array(PROMPTS[1])
+    out = _streamed_steps(model, second)
+    assert difference(_stock_steps(path, second), out) is None
+    sets = (LAYERS - 1) * CASES["qwen3_moe"]["experts"]
+    assert p.set_experts_copied >= (LAYERS - 1) * SLOTS
+    assert p.set_experts_read - read == sets - p.set_experts_copied
+    state.close()

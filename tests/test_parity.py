@@ -276,11 +276,17 @@ def run_generate_step(model, generate_step, prompt, tokens=4):
     return out, cache
 
 
-def check_layer_major(path, **options):
+def check_layer_major(path, waves=False, **options):
     """mlx-lm's generate_step over the streaming model (wrapped: layer-major prefill) against the
     stock function over the stock model, same chunks: log-probabilities and KV caches bit for bit,
-    at three experts per layer (layer-major) and with a slot per expert (chunk by chunk: nothing to
-    save)."""
+    at three experts per layer (layer-major: each layer over its whole expert set, or with
+    ``waves`` through the slots) and with a slot per expert (chunk by chunk: nothing to save)."""
+    from dataclasses import replace
+
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+
+    if waves:
+        options["tuning"] = replace(CacheTuning(), layer_sets=False)
     from support import load_stock
 
     generate = generate_step_module()
@@ -312,11 +318,15 @@ def check_layer_major(path, **options):
             assert state.prefill.prompts == 0 and state.prefill.fallbacks == 1
             assert LAYER_MAJOR_FALLS_BACK[arch] in state.prefill.why
         else:
-            assert (state.prefill.prompts, state.prefill.chunks, state.prefill.fallbacks) == (
-                1, 6, 0)
-            # attention ran once per chunk and layer: given back its output when run again
-            assert state.prefill.parts_given > 0 and state.prefill.attention_run == 0, (
-                arch, state.prefill.parts_given, state.prefill.attention_run)
+            prefill = state.prefill
+            assert (prefill.prompts, prefill.chunks, prefill.fallbacks) == (1, 6, 0)
+            if waves:
+                # attention ran once per chunk and layer: given back its output when run again
+                assert prefill.parts_given > 0 and prefill.attention_run == 0, (
+                    arch, prefill.parts_given, prefill.attention_run)
+            else:  # each layer over its whole set, once per chunk: nothing given back
+                assert prefill.waves_why is None, (arch, prefill.waves_why)
+                assert prefill.set_experts_read > 0 and prefill.parts_given == 0, arch
         state.close()
 
 
@@ -327,6 +337,16 @@ def test_parity_layer_major_prefill(checkpoint, arch):
 
 def test_parity_layer_major_prefill_staged_reads(checkpoint):
     check_layer_major(checkpoint("mixtral"), direct_reads=False)
+
+
+# where two layers' sets do not fit beside the budget: waves through the slots, expert-major
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe"])
+def test_parity_layer_major_prefill_waves(checkpoint, arch):
+    check_layer_major(checkpoint(arch), waves=True)
+
+
+def test_parity_layer_major_prefill_waves_staged_reads(checkpoint):
+    check_layer_major(checkpoint("mixtral"), waves=True, direct_reads=False)
 
 
 def test_layer_major_prefill_reads_each_expert_once(checkpoint):
@@ -343,20 +363,22 @@ def test_layer_major_prefill_reads_each_expert_once(checkpoint):
     budget = budget_of_slots(probe, 4)
     probe.expert_streaming.close()
     read = {}
-    for on in (False, True):
-        tuning = replace(CacheTuning(), lookahead=False)
+    for on, sets in ((False, False), (True, False), (True, True)):
+        tuning = replace(CacheTuning(), lookahead=False, layer_sets=sets)
         model, _ = load_streaming(
             path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=on
         )
-        banks = model.expert_streaming.cache.banks
+        cache = model.expert_streaming.cache
+        every = cache.total_expert_bytes
         for _ in generate.generate_step(prompt, model, max_tokens=0, prefill_step_size=16):
             pass
-        read[on] = sum(b.misses for b in banks)
+        read[on, sets] = cache.store.stats.bytes_read
         model.expert_streaming.close()
     # every expert is read once (the prompt uses them all, the cache starts empty), and the
-    # last token's step (stock's) reads again some that the last wave evicted
-    assert read[True] <= 1.25 * sum(b.num_experts for b in banks), read
-    assert read[False] >= 2.5 * read[True], read
+    # last token's step (stock's) reads again some that the last wave (or the kept) lacks
+    for key in ((True, False), (True, True)):
+        assert read[key] <= 1.25 * every, (key, read)
+        assert read[False, False] >= 2.5 * read[key], read
 
 
 def test_layer_major_prefill_falls_back_in_one_line(checkpoint, tmp_path):
@@ -424,9 +446,13 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
 def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch):
     # where a part's arguments differ from those routed, it runs again: the attention then writes
     # the same KV entries again, at the chunk's own offset
+    from dataclasses import replace
+
     from mlx_lm_streaming.runtime import layer_pass
+    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     monkeypatch.setattr(layer_pass, "_same", lambda a, b: False)
+    waves = replace(CacheTuning(), layer_sets=False)  # (layer sets run each layer once anyway)
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
     prompt = mx.array([(7 * i + 3) % 64 for i in range(42)])
@@ -437,7 +463,9 @@ def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch)
     probe, _ = load_streaming(path, layer_major_prefill=True)
     budget = budget_of_slots(probe, 3)
     probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=budget, layer_major_prefill=True)
+    model, _ = load_streaming(
+        path, expert_cache_gb=budget, layer_major_prefill=True, tuning=waves
+    )
     out, cache = run_generate_step(model, generate.generate_step, prompt)
     assert difference(ref, out) is None, difference(ref, out)
     for a, b in zip(ref_cache, cache):
@@ -492,20 +520,19 @@ def test_layer_major_prefill_batched_and_speculative_fall_back(checkpoint, capsy
     state.close()
 
 
-def test_layer_major_prefill_auto_is_on_with_gpu_backends_only():
-    # auto: on where reads bound a prefill and it was checked (CUDA), off on the CPU (compute bounds
-    # it there) and on Metal (no Mac here to check it on);
+def test_layer_major_prefill_auto_is_on_with_every_backend():
+    # auto: on with every backend (each layer over its whole expert set: stock's own calls);
     # asked for, as asked (the option alone: a benchmark's or test's tuning holds no such switch)
     from mlx_lm_streaming.runtime.options import StreamingOptions
 
     auto = StreamingOptions()
-    assert [auto.use_layer_major_prefill(b) for b in ("cpu", "cuda", "metal")] == [
-        False, True, False]
+    assert [auto.use_layer_major_prefill(b) for b in ("cpu", "cuda", "metal")] == [True] * 3
     assert StreamingOptions(layer_major_prefill=True).use_layer_major_prefill("cpu")
     assert not StreamingOptions(layer_major_prefill="off").use_layer_major_prefill("cuda")
 
 
-def test_parity_layer_major_prefill_in_groups(checkpoint):
+@pytest.mark.parametrize("sets", [True, False], ids=["layer_sets", "waves"])
+def test_parity_layer_major_prefill_in_groups(checkpoint, sets):
     # held states bounded (CacheTuning.prefill_hold_bytes): the prompt's chunks go layer-major in
     # groups, each group's experts read once, and the result is still stock's bits
     from dataclasses import replace
@@ -522,7 +549,7 @@ def test_parity_layer_major_prefill_in_groups(checkpoint):
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, 3)
     probe.expert_streaming.close()
-    tuning = replace(CacheTuning(), prefill_hold_bytes=1)
+    tuning = replace(CacheTuning(), prefill_hold_bytes=1, layer_sets=sets)
     model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=True)
     out, cache = run_generate_step(model, generate.generate_step, prompt)
     assert difference(ref, out) is None, difference(ref, out)

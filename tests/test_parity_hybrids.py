@@ -183,17 +183,20 @@ PREFILL_FALLS_BACK = {
 }
 
 
+@pytest.mark.parametrize("sets", [True, False], ids=["layer_sets", "waves"])
 @pytest.mark.parametrize("arch", HYBRIDS + ["phixtral"])
-def test_hybrid_layer_major_prefill(hybrid_paths, arch):
+def test_hybrid_layer_major_prefill(hybrid_paths, arch, sets):
     # a prompt of six chunks, three slots of 16 experts: layer-major over the recurrent layers
-    # (each one's state put back between its two runs of a chunk) gives stock's log-probabilities
-    # and caches, or falls back with the reason said
+    # (each layer once per chunk over its whole expert set; in waves, each one's state put back
+    # between its two runs of a chunk) gives stock's log-probabilities and caches, or falls back
+    # with the reason said
     path = hybrid_paths[arch]
     generate = generate_step_module()
     prompt = mx.array([(7 * i + 3) % 512 for i in range(6 * PREFILL_STEP + 1)])
     stock, _ = load_stock(path)
     ref, ref_cache = run_generate_step(stock, generate.generate_step.stock, prompt)
-    model = with_slots(path, 3, layer_major_prefill=True)
+    tuning = CacheTuning(layer_sets=sets)
+    model = with_slots(path, 3, layer_major_prefill=True, tuning=tuning)
     out, cache = run_generate_step(model, generate.generate_step, prompt)
     assert difference(ref, out) is None, difference(ref, out)
     for a, b in zip(ref_cache, cache):
@@ -204,6 +207,7 @@ def test_hybrid_layer_major_prefill(hybrid_paths, arch):
         assert stats.fallbacks == 1 and PREFILL_FALLS_BACK[arch] in stats.why, stats.why
     else:
         assert stats.fallbacks == 0 and stats.prompts == 1 and stats.chunks == 6, stats
+        assert (stats.set_experts_read > 0) == sets and (stats.waves_why is None) == sets, stats
 
 
 @pytest.mark.parametrize("arch", ["kimi_linear", "qwen3_next"])

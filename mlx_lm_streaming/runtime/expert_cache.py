@@ -103,8 +103,7 @@ class ExpertCache:
     def register(self, layer: LayerExperts, glu) -> LayerBank:
         bank = LayerBank(self, layer, glu)
         self._banks.add(bank)
-        self.planned = False
-        self._order = None
+        self.planned, self._order = False, None
         return bank
 
     def unregister(self, bank: LayerBank) -> None:

@@ -48,6 +48,7 @@ import mlx.core as mx
 from . import checked_late, mlx_shims, report
 from .layer_pass import Chunk, LayerPass
 from .modes import Mode
+from .set_pass import SetPass, layer_banks, layer_sets
 
 
 # why a chunk prefills as stock: its call could not take the mode (``modes``) while another
@@ -72,6 +73,14 @@ class PrefillStats:
     # routing, and calls given the layer's KV entry (attention) run again: their arguments differed
     parts_given: int = 0
     attention_run: int = 0
+    # where a long prompt's layers went in waves through the slots, not over layer sets: why
+    waves_why: Optional[str] = None
+    # layer sets (``bank.layer_set``): experts read into them, copied into them from the slot
+    # banks, copied from them into the slot banks after a layer; the most bytes both took
+    set_experts_read: int = 0
+    set_experts_copied: int = 0
+    set_kept: int = 0
+    set_bytes: int = 0
     # prompts that fell back, and why (the first reason)
     fallbacks: int = 0
     why: Optional[str] = None
@@ -149,6 +158,39 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     layer, the prompt tokens that many layers' worth of work stands for. Raises ``Fallback``, with
     nothing computed, where the model's forward is not as it must be."""
     state = model.expert_streaming
+    decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``)
+    sets, why = layer_sets(state, decoder)
+    stats = state.prefill
+    if why is not None:
+        stats.waves_why = why
+    try:
+        _prefill(state, model, kv, prompt, step, progress, _passes(state.cache, decoder, sets))
+    finally:
+        if sets is not None:
+            sets.release()
+            stats.set_experts_read += sets.read
+            stats.set_experts_copied += sets.copied
+            stats.set_kept += sets.kept
+            stats.set_bytes = max(stats.set_bytes, sets.nbytes)
+            mx.clear_cache()
+
+
+def _passes(cache, decoder, sets):
+    """``make(i)``: the pass of decoder layer ``i`` over a group of chunks: over the layer's set
+    where there are sets (``set_pass``), else through the slots in waves (``layer_pass``)."""
+    if sets is None:
+        return lambda i: LayerPass(cache, None, decoder[i])
+    banks = [(layer_banks(layer) or [None])[0] for layer in decoder]
+    last = len(banks) - 1  # (its MoE output is not computed: no set)
+
+    def make(i):
+        after = next((b for b in banks[i + 1 : last] if b is not None), None)
+        return SetPass(cache, sets, banks[i], after, last=i == last)
+
+    return make
+
+
+def _prefill(state, model, kv, prompt, step, progress, make) -> None:
     runner = state.steps
     layers = runner.layers
     stats = state.prefill
@@ -156,10 +198,9 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
     total = prompt.shape[0]
     starts = list(range(0, total, step))
     group: List[Chunk] = []
-    decoder = model.layers  # the decoder layers (``StepRunner.wrap_layers``)
+    decoder = model.layers
     cache = state.cache
-    # layer 0 of the group being recorded (its entry: ``route``)
-    first = LayerPass(cache, None, decoder[0])
+    first = None  # layer 0's pass of the group being recorded (its entry: ``route``)
     done = 0  # tokens of the groups finished
     for c, start in enumerate(starts):
         tokens = prompt[start : start + step]
@@ -177,21 +218,23 @@ def prefill(model, kv, prompt: mx.array, step: int, progress=None) -> None:
             if c == 0:
                 raise Fallback(why)
             # the chunks so far, layer-major; the rest chunk by chunk, as stock
-            done = _finish(group, first, kv, decoder, stats, progress, done)
+            done = _finish(group, first, make, stats, progress, done)
             _chunk_by_chunk(model, kv, prompt[start:], step, progress, done)
             note_fallback(state, why)
             return
         chunk = Chunk(recorder.calls)
         group.append(chunk)
+        if first is None:
+            first = make(0)
         # layer 0 now: the next chunk's forward makes its arguments from cache entry 0
         first.route(chunk, 0)
         stats.chunks += 1
-        # per token: hidden states, MoE input and output rows (top_k), the outputs of the
-        # attention and of its two norms
-        held = sum(ch.h.nbytes for ch in group) * (5 + first.top_k)
+        # per token held between layers: the hidden states, and where the layer runs twice its
+        # MoE's input and output rows (top_k), its attention's and two norms' outputs
+        held = sum(ch.h.nbytes for ch in group) * first.hold
         if c == len(starts) - 1 or (limit is not None and held >= limit):
-            done = _finish(group, first, kv, decoder, stats, progress, done)
-            group, first = [], LayerPass(cache, None, decoder[0])
+            done = _finish(group, first, make, stats, progress, done)
+            group, first = [], None
             mx.clear_cache()
     stats.prompts += 1
     runner.per_layer_calls = 1  # the last token's step (``StepRunner.per_layer_calls``)
@@ -209,19 +252,19 @@ def _chunk_by_chunk(model, kv, tokens: mx.array, step: int, progress, done: int)
             progress(done)
 
 
-def _finish(group, first, kv, decoder, stats, progress, done) -> int:
-    """Run a group's chunks (routed through layer 0 already) through every layer, layer-major;
-    the tokens done after it."""
+def _finish(group, first, make, stats, progress, done) -> int:
+    """Run a group's chunks (routed through layer 0 already, by ``first``) through every layer,
+    layer-major (``make(i)``: layer ``i``'s pass); the tokens done after it."""
     if not group:
         return done
     tokens = sum(ch.tokens for ch in group)
-    layers = len(decoder)
+    layers = len(group[0].calls)
     held = first.finish(0)
     _count(stats, first, held)
     if progress is not None:
         progress(done + tokens // layers)
     for i in range(1, layers):
-        layer = LayerPass(first.cache, None, decoder[i])
+        layer = make(i)
         for chunk in group:
             layer.route(chunk, i)
         _count(stats, layer, layer.finish(i))

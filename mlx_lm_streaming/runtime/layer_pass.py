@@ -73,6 +73,12 @@ class LayerPass(Mode):
                 if not any(isinstance(getattr(n, "bank", None), LayerBank) for n in m.modules())
             ]
 
+    @property
+    def hold(self) -> int:
+        """Held between layers per hidden state: it, the MoE's input and ``top_k`` output rows, the
+        outputs of the attention and of its two norms."""
+        return 5 + self.top_k
+
     def moe_call(self, module, x, indices):
         if self.routing:
             self.moe[-1].append([module, x, indices, None])

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..option_table import GB
+from .sizes import decimal_gb
 
 # Of the memory the resident weights leave free, this share goes to the expert cache by default.
 # Where the expert cache is in the machine's RAM (CPU, Metal's unified memory) the rest holds the
@@ -126,3 +127,25 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
+    """``(bytes, why)``: what two layers' whole expert sets take (a long prompt's prefill:
+    ``bank.layer_set``), and None where they fit beside the budget, else why a long prompt's
+    layers go in waves through the slots: the resident weights, the slots the budget gives and
+    both sets within this machine's memory (the GPU's on CUDA: ``budget_base``). The load line
+    says which (``report.choice_line``)."""
+    banks = cache.banks
+    nbytes = 2 * max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
+    if not cache.tuning.layer_sets:
+        return nbytes, "layer sets turned off (CacheTuning.layer_sets)"
+    if cache.host_cache is not None:
+        return nbytes, "a host cache serves the misses (--expert-host-gb)"
+    total, _, what = budget_base()
+    slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), banks))
+    if resident_bytes + slots + nbytes > total:
+        return nbytes, (
+            f"two layers' experts, {decimal_gb(nbytes)}, do not fit beside the resident weights "
+            f"and the budget in the {decimal_gb(total)} of {what}"
+        )
+    return nbytes, None

@@ -195,9 +195,9 @@ class StreamingOptions:
     # demand reads straight into the slot banks (bank/reads.py): None = where verified bit-exact, i.e.
     # MLX's CPU and CUDA backends; on Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
-    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with CUDA
-    # (checked there), off on the CPU (compute bounds it: measured slower) and on Metal (unchecked);
-    # docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md
+    # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with
+    # every backend (each layer over its whole expert set, stock's own calls, where two layers'
+    # sets fit beside the budget); docs/usage.md, "Long prompts"; docs/benchmarks/prefill.md
     layer_major_prefill: Optional[bool] = None
     # which resident expert a full bank evicts (policy.py): "decay_next" (default), "decay", "lru"
     cache_policy: str = DEFAULT_POLICY
@@ -275,12 +275,11 @@ class StreamingOptions:
 
     def use_layer_major_prefill(self, backend: str) -> bool:
         """Whether long prompts prefill layer by layer on ``backend`` (cpu, cuda, metal): as asked;
-        auto: on with CUDA, where it reads each uncached expert about once per prompt (1.00-1.02x the bytes
-        a prompt must read against 1.3-3.9x chunk by chunk on the H200) with the same tokens; off on
-        the CPU, where compute bounds it (0.85x chunk by chunk's speed in the median), and on Metal,
-        where it was never run (no Mac here): opt-in there (docs/benchmarks/prefill.md)."""
+        auto: on with every backend. Where two layers' whole expert sets fit beside the budget, each
+        chunk's MoE call is stock's own call over its layer's set, so what holds on the CPU and
+        CUDA holds on Metal too (its speed there is not measured: docs/benchmarks/prefill.md)."""
         if self.layer_major_prefill is None:
-            return backend == "cuda"
+            return True
         return self.layer_major_prefill
 
     def use_direct_reads(self, backend: str) -> bool:

@@ -57,7 +57,7 @@ def stats_line(state, label: bool = False) -> str:
         line += (
             f", layer-major prefill of {p.prompts} prompt{'s' if p.prompts > 1 else ''} "
             f"({p.chunks} chunks in {p.groups} group{'s' if p.groups > 1 else ''}, "
-            f"{decimal_gb(p.held_bytes)} of hidden states held at most)"
+            f"{decimal_gb(p.held_bytes)} of hidden states held at most{_sets_part(p)})"
         )
     if s.get("miss_read_busy_seconds"):
         line += _misses_part(s)
@@ -100,6 +100,36 @@ def _misses_part(s) -> str:
         f"; misses: the disk busy {busy:.2f} s reading them{rate}, the decode waiting "
         f"{waited:.2f} s for reads"
     )
+
+
+def _sets_part(p) -> str:
+    """What layer-major prefill's layer sets did (``bank.layer_set``), or why it went in waves."""
+    if p.set_bytes:
+        return (
+            f"; each layer over its whole expert set, two sets {decimal_gb(p.set_bytes)} beside "
+            f"the budget: {p.set_experts_read} experts read, {p.set_experts_copied} copied from "
+            f"the cache, {p.set_kept} given to the cache after"
+        )
+    return f"; in waves through the slots: {p.waves_why}" if p.waves_why else ""
+
+
+def _long_prompts(state) -> str:
+    """The load line's word on long prompts: over layer sets (what they take beside the budget),
+    in waves and why, or nothing (layer-major prefill off, or every expert cached)."""
+    cache = state.cache
+    if (
+        not cache.layer_major_prefill
+        or cache.tiers is not None
+        or cache.budget_bytes >= cache.total_expert_bytes
+    ):
+        return ""
+    nbytes, why = memory.layer_sets_fit(cache, state.resident_bytes)
+    if why is None:
+        return (
+            f"; long prompts a layer's whole expert set at a time, {decimal_gb(nbytes)} for two "
+            "beside the budget"
+        )
+    return f"; long prompts layer by layer in waves through the slots ({why})"
 
 
 def _decode_part(s) -> str:
@@ -244,7 +274,7 @@ def choice_line(state) -> str:
         f"[streaming] {state.model_path.name}: expert cache "
         f"{decimal_gb(cache_bytes(cache, cache.slot_budget))} ({how}), {slots} of {experts} "
         f"experts per layer{extra}{tier} in {len(banks)} MoE layer{'s' if len(banks) > 1 else ''}, "
-        f"resident weights {decimal_gb(state.resident_bytes)}"
+        f"resident weights {decimal_gb(state.resident_bytes)}{_long_prompts(state)}"
     )
 
 

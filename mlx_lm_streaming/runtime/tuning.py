@@ -62,6 +62,8 @@ class CacheTuning:
     staging_bytes: Optional[int] = None
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
+    # long prompts' layers over whole expert sets where two fit (``memory.layer_sets_fit``); off: waves
+    layer_sets: bool = True
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS

@@ -28,10 +28,16 @@ for it (a call on another stream first synchronizes that one). Where that cannot
 thread uses the model) or MLX memory has no host view, reads go through staging buffers and MLX's
 own copy-on-write slice updates.
 
+A long prompt's prefill holds every expert of one layer at once in a ``LayerSets`` (layer_set.py):
+two sets of arrays ``(num_experts, *expert_shape)`` taking turns, each chunk's MoE call stock's
+own over them, the next layer's set read while one computes, the slot bank given the most used
+experts from the set after its layer.
+
 Imports: the store interface through the cache, ``policy``, ``prefetch``, ``host_views``,
 ``lookahead`` (scoring guesses), ``index``; nothing of the schedules or the model.
 """
 
 from .layer_bank import LayerBank, load_together
+from .layer_set import LayerSets
 
-__all__ = ["LayerBank", "load_together"]
+__all__ = ["LayerBank", "LayerSets", "load_together"]

@@ -1,0 +1,265 @@
+"""A MoE layer's whole expert set, for a long prompt's prefill (``layer_major.py``): every routed
+expert of one layer in arrays of shape ``(num_experts, *expert_shape)``, expert e at row e, so that
+each chunk's MoE call is stock's own ``SwitchGLU`` call over them (``LayerSet.call``): the same
+rows, the same arrays' bytes, the same bits on every backend, with no padding and no waves.
+
+Two sets take turns (``LayerSets``): while the layer being computed runs over one, the next MoE
+layer's experts are read into the other on a bank thread (``fill``; ``take`` waits for it). An
+expert that the layer's slot bank holds is copied from the bank's memory where both are written by
+the host (the CPU backend), else read; every other expert is read once. After the layer, its slot
+bank is given the experts that the prompt used most there (``keep``: copied from the set by an MLX
+update, not read): those the last token's step and decode likely want.
+
+Writing a set's memory from the host is safe as a direct read into a bank is (the unit's
+docstring): a set is filled again only once every computation over it was evaluated
+(``layer_major`` evaluates each chunk's layer output before it goes on).
+
+Part of the bank unit: ``LayerSets`` is driven by ``layer_major`` on the thread that prefills.
+"""
+
+import threading
+import time
+from concurrent.futures import wait
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ...errors import StreamingError
+from .. import cuda_copy
+from ..host_views import host_address, host_bytes
+from ..safetensors_header import mx_dtype
+from .reads import _runs
+
+
+def set_bytes(bank) -> int:
+    """What one set of ``bank``'s layer takes: every expert of the layer."""
+    return bank.num_experts * bank.layer.expert_nbytes
+
+
+class LayerSet:
+    """One layer's whole expert set (module docstring): the arrays, their host views, the fill."""
+
+    def __init__(self, cache):
+        self.cache = cache  # the model's ExpertCache (its store, bank threads, tuning)
+        self.bank = None  # the slot bank whose layer the set holds, or is being filled with
+        self.shapes = None  # ((num_experts, *shape), dtype) of each part the arrays were made for
+        self.arrays: List[mx.array] = []
+        self.views: Optional[List[np.ndarray]] = None
+        self.addresses: Optional[List[int]] = None
+        self.copier = None  # on mlx-cuda, the writer of reads by device copies (``cuda_copy``)
+        self.future = None  # the fill running on a bank thread
+        # experts read from the store, and copied from the slot bank, by this set's fills
+        self.read = 0
+        self.copied = 0
+
+    def allocate(self, bank) -> bool:
+        """Arrays for ``bank``'s layer (kept where the last layer's parts had the same shapes),
+        evaluated on this thread, and their host views; whether the set can be written so."""
+        shapes = [((bank.num_experts, *p.shape), p.dtype) for p in bank.layer.parts]
+        if shapes != self.shapes:
+            self.arrays, self.views = [], None  # the old memory first
+            self.arrays = [mx.zeros(shape, dtype=mx_dtype(dtype)) for shape, dtype in shapes]
+            mx.eval(self.arrays)
+            self.shapes = shapes
+            self._make_views()
+        return self.views is not None
+
+    def _make_views(self) -> None:
+        """Host views of the arrays as they are now (remade after an MLX update moved them)."""
+        addresses = [host_address(a) for a in self.arrays]
+        views = None
+        if None not in addresses:
+            views = [host_bytes(a, at) for a, at in zip(self.arrays, addresses)]
+            if any(v is None for v in views):
+                views = None
+        self.views, self.addresses = views, addresses
+        self.copier = None
+        if views is not None and self.cache.tuning.device_copies:
+            self.copier = cuda_copy.copier_for(addresses)
+
+    def fill(self, bank) -> None:
+        """Start making every expert of ``bank``'s layer resident in the set, on a bank thread
+        (``allocate`` first, on this thread); ``ready`` waits for it. The experts the slot bank
+        holds are copied from it: through host views on that thread where the host writes both
+        (the CPU), else here by an MLX update (on a GPU: a device copy, no read)."""
+        self.ready()
+        self.bank = bank
+        host = bank.views is not None and bank.copier is None and self.copier is None
+        held = set() if host else self._copy_on_device(bank)
+        self.future = self.cache.bank_pool.submit(self._fill, bank, host, held)
+
+    def _copy_on_device(self, bank) -> set:
+        """The experts ``bank`` holds, copied into their rows by an MLX update, evaluated (every
+        computation over the set was); the views remade where it moved the arrays."""
+        with bank.lock:
+            held = np.nonzero(bank.slot_of >= 0)[0]
+            if not len(held):
+                return set()
+            rows, slots = mx.array(held), mx.array(bank.slot_of[held])
+            for i, p in enumerate(bank.layer.parts):
+                self.arrays[i][rows] = bank.array(p.proj, p.part)[slots]
+            mx.eval(self.arrays)
+        self._make_views()
+        self.copied += len(held)
+        return set(held.tolist())
+
+    def ready(self) -> None:
+        """Wait for the fill; its error, if it failed, raised here."""
+        future, self.future = self.future, None
+        if future is not None:
+            future.result()
+
+    def _fill(self, bank, host: bool, held: set) -> None:
+        start = time.perf_counter()
+        experts = range(bank.num_experts)
+        if host:  # the slot bank's experts copied through the host views
+            with bank.lock:
+                slots = {e: int(s) for e in experts if (s := bank.slot_of[e]) >= 0}
+                for e, slot in slots.items():
+                    for view, source in zip(self.views, bank.views):
+                        view[e] = source[slot]
+            held = set(slots)
+            self.copied += len(held)
+        rest = [e for e in experts if e not in held]
+        store, refs = self.cache.store, bank.layer.refs
+        if self.copier is not None:
+            # each thread reads into its own page-locked buffer, then the device copies: a few
+            # threads at once, so that reads and copies overlap
+            rows = [view.shape[1] for view in self.views]
+            pieces = [
+                (ref, self.addresses[i] + e * rows[i]) for e in rest for i, ref in enumerate(refs(e))
+            ]
+            parts = max(1, min(len(pieces), self.cache.store.threads))
+            pool = self.cache.demand_pool
+            futures = [
+                pool.submit(self.copier.read, store.read_on_this_thread, pieces[k::parts])
+                for k in range(parts)
+            ]
+            for future in futures:
+                future.result()
+        elif rest:
+            views = self.views
+            store.read_many(
+                [(ref, memoryview(views[i][e])) for e in rest for i, ref in enumerate(refs(e))]
+            )
+        self.read += len(rest)
+        self.cache.timeline.span(
+            "fill layer set", start, "read", layer=bank.path, read=len(rest), copied=len(held)
+        )
+
+    def call(self, module, x, indices):
+        """Stock's ``SwitchGLU`` call of ``module``'s layer over the set: the bank's stock module
+        given the set's arrays for the call's graph, its slot arrays put back after."""
+        bank = module.bank
+        glu, parts = bank.glu, bank.layer.parts
+        with bank.lock:
+            slots = [glu[p.proj][p.part] for p in parts]
+            try:
+                for p, arr in zip(parts, self.arrays):
+                    glu[p.proj][p.part] = arr
+                return glu(x, indices)
+            finally:
+                for p, arr in zip(parts, slots):
+                    glu[p.proj][p.part] = arr
+
+    def release(self) -> None:
+        """The memory given back, once a running fill ended (an error of one that no layer took
+        is moot: the prompt ended, or failed on another error)."""
+        future, self.future = self.future, None
+        if future is not None:
+            wait([future])
+        self.bank, self.shapes, self.arrays, self.views, self.copier = None, None, [], None, None
+
+
+def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
+    """Give ``bank``'s slots the experts the prompt used most (``uses``: its count per expert),
+    copied from ``layer_set`` by an MLX update of each run of slots, in place (every computation
+    over the bank was evaluated): a use of them for the eviction policy, no read. The experts
+    copied."""
+    want = np.argsort(-uses, kind="stable")[: bank.slots]
+    want = want[uses[want] > 0].astype(np.int64)
+    start = time.perf_counter()
+    with bank.lock:
+        if bank.staged:
+            bank.discard_staged()  # (never installed over what the set gave)
+        missing, slots, _ = bank.table.admit(want)
+        if not len(missing):
+            return 0
+        order = np.argsort(slots, kind="stable")
+        runs = _runs(missing[order].tolist(), slots[order].tolist())
+        parts = bank.layer.parts
+        for p, source in zip(parts, layer_set.arrays):
+            target = bank.array(p.proj, p.part)
+            for r, s, n in runs:
+                target[s : s + n] = source[r : r + n]
+        mx.eval([bank.array(p.proj, p.part) for p in parts])  # (on this thread: ``allocate``)
+        if bank.views is not None:
+            bank.refresh_views()
+        bank.table.place(missing, slots)
+    bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=len(missing))
+    return len(missing)
+
+
+class LayerSets:
+    """The two sets of a long prompt's prefill (module docstring), made at the prompt's first
+    layer and released at its end; ``nbytes``: what both take at most, beside the budget."""
+
+    def __init__(self, cache, nbytes: int):
+        self.cache = cache
+        self.nbytes = nbytes
+        self.sets = [LayerSet(cache), LayerSet(cache)]
+        self.lock = threading.Lock()
+        # experts read and copied into sets, and copied from them into slot banks, in all
+        self.read = self.copied = self.kept = 0
+
+    def writable(self, bank) -> bool:
+        """Whether a set for ``bank``'s layer can be written by the host here (allocated now)."""
+        return self.sets[0].allocate(bank)
+
+    def take(self, bank, after=None) -> Optional[LayerSet]:
+        """The set holding ``bank``'s layer, filled (a fill started now if none was), with the
+        next MoE layer's (``after``'s) fill started in the other set once it is, to run while this
+        layer computes (not before: the two would share the disk while this layer waits); ``bank``
+        None (a layer with no streamed experts): only that fill, and None."""
+        current = None
+        if bank is not None:
+            current = self._holding(bank) or self._fill(self._free(), bank)
+            current.ready()
+        if after is not None and self._holding(after) is None:
+            self._fill(self._free(current), after)
+        return current
+
+    def done(self, layer_set: LayerSet, uses: np.ndarray) -> None:
+        """The prompt's group is through the set's layer: its slot bank keeps the most used
+        experts; the set is free for another layer."""
+        self.kept += keep(layer_set.bank, layer_set, uses)
+        layer_set.bank = None
+
+    def _holding(self, bank) -> Optional[LayerSet]:
+        for s in self.sets:
+            if s.bank is bank:
+                return s
+        return None
+
+    def _free(self, besides=None) -> LayerSet:
+        """A set that holds no layer (every layer but the one computing is done), not ``besides``."""
+        return next(s for s in self.sets if s.bank is None and s is not besides)
+
+    def _fill(self, layer_set: LayerSet, bank) -> LayerSet:
+        layer_set.ready()
+        if not layer_set.allocate(bank):
+            raise StreamingError(
+                f"{bank.path}: a layer set's memory has no host view here: turn layer-major "
+                "prefill off (--layer-major-prefill off)"
+            )
+        layer_set.fill(bank)
+        return layer_set
+
+    def release(self) -> None:
+        """The prompt's end: both sets' memory given back, their counts kept."""
+        for s in self.sets:
+            s.release()
+            self.read += s.read
+            self.copied += s.copied
+            s.read = s.copied = 0
