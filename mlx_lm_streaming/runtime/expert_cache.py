@@ -89,6 +89,7 @@ class ExpertCache:
         # True once layers were called from more than one thread: direct reads are then off
         self.shared = False
         self._demand_pool: Optional[ThreadPoolExecutor] = None
+        self._set_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
         self._filler: Optional[threading.Thread] = None
         self._fill_queue: List[LayerBank] = []
@@ -184,6 +185,12 @@ class ExpertCache:
         else the store's threads, at least 2."""
         in_flight = self.tuning.reads_in_flight or self.store.threads
         return self._pool("_demand_pool", max(2, in_flight), "demand")
+
+    @property
+    def set_pool(self) -> ThreadPoolExecutor:
+        """The thread that fills a long prompt's next layer set (``bank.layer_set``) while this
+        layer computes; its reads go through the demand pool."""
+        return self._pool("_set_pool", 1, "sets")
 
     def _pool(self, attr: str, threads: int, name: str) -> ThreadPoolExecutor:
         """The pool kept as ``attr``, started on first use (a closed cache raises)."""
@@ -289,9 +296,11 @@ class ExpertCache:
         if self._prefetcher is not None:
             self._prefetcher.close(wait=wait)
         with self._lock:
-            pool, self._demand_pool = self._demand_pool, None
-        if pool is not None:
-            pool.shutdown(wait=wait)
+            pools = (self._set_pool, self._demand_pool)
+            self._set_pool = self._demand_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=wait)
         filler = self._filler
         if wait and filler is not None and filler is not threading.current_thread():
             filler.join()

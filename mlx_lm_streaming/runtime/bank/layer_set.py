@@ -87,7 +87,7 @@ class LayerSet:
         self.bank = bank
         host = bank.views is not None and bank.copier is None and self.copier is None
         held = set() if host else self._copy_on_device(bank)
-        self.future = self.cache.bank_pool.submit(self._fill, bank, host, held)
+        self.future = self.cache.set_pool.submit(self._fill, bank, host, held)
 
     def _copy_on_device(self, bank) -> set:
         """The experts ``bank`` holds, copied into their rows by an MLX update, evaluated (every
