@@ -53,20 +53,6 @@ def test_prefill(tmp_path):
     assert report["hold"]["held_gb"] > 0 and report["hold"]["groups"] == 1
 
 
-def test_disk_queue_depth(tmp_path):
-    # a scratch file of 20 MB, two thread counts: a figure for every way, O_DIRECT where the file
-    # system takes it
-    out = bench(
-        BENCH / "disk_queue_depth.py", "--scratch", tmp_path / "scratch.bin", "--scratch-gb",
-        "0.02", "--mb", "8", "--threads", "1,2", "--rounds", "1", "--out", tmp_path, "--tag", "qd",
-    )  # fmt: skip
-    gbps = json.loads((tmp_path / "qd.json").read_text())["gbps"]
-    assert {"whole", "split", "ranges", "advised"} <= set(gbps)
-    for way in ("whole", "split", "ranges", "advised"):
-        assert all(v[0] > 0 for v in gbps[way].values()) and set(gbps[way]) == {"1", "2"}, gbps
-    assert "| advised |" in out and (tmp_path / "qd.md").read_text() in out
-
-
 def test_the_index_names_every_script_and_only_those():
     scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
     indexed = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", INDEX, re.M))
