@@ -10,7 +10,7 @@ from .moving_budget import CHECK_SECONDS
 PHASE_MIN_BYTES = 16 << 20
 # demand reads in flight (``CacheTuning.reads_in_flight``): the H200's disk gave its best at 8-16
 # whole-expert reads; a stacked checkpoint's expert is nine ranges read in turn, which needed four
-# times the reads in flight of whole ones on this box's disk (docs/benchmarks/README.md)
+# times the reads in flight of whole ones on this box's disk (docs/benchmarks/streaming-path.md)
 READS_IN_FLIGHT = 16
 
 
@@ -48,8 +48,8 @@ class CacheTuning:
     # spread
     spread_reads_upto: Optional[int] = 1
     # demand reads in flight at once (the demand threads, each reading one expert): a token's
-    # misses read together keep this many reads queued at the disk (docs/benchmarks/README.md,
-    # "The reads' queue depth"); None: the store's threads
+    # misses read together keep this many reads queued at the disk
+    # (docs/benchmarks/streaming-path.md, "The reads' queue depth"); None: the store's threads
     reads_in_flight: Optional[int] = READS_IN_FLIGHT
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
@@ -62,7 +62,8 @@ class CacheTuning:
     staging_bytes: Optional[int] = None
     # bound on the hidden states held between layers for one group of chunks; None: no bound
     prefill_hold_bytes: Optional[int] = 1 << 30
-    # long prompts' layers over whole expert sets where two fit (``memory.layer_sets_fit``); off: waves
+    # long prompts' layers over whole expert sets where two fit (``memory.layer_sets_fit``);
+    # off: waves
     layer_sets: bool = True
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
