@@ -88,7 +88,8 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     budget = budget_of_slots(probe, SLOTS)
     probe.expert_streaming.close()
     # each model call checked in itself (not one token late, checked_late.py): its reads are its own
-    tuning = tuning or CacheTuning(checked_late=None)
+    sets = tuning is None or tuning.layer_sets
+    tuning = replace(tuning or CacheTuning(), checked_late=None)
     model, _ = load_streaming(path, expert_cache_gb=budget, tuning=tuning, layer_major_prefill=True)
     state = model.expert_streaming
     cache, store = state.cache, state.cache.store
@@ -125,7 +126,7 @@ def run(path, generate_step, prompt, monkeypatch, tuning=None):
     mx.eval(out)
     monkeypatch.undo()
     assert (state.prefill.prompts, state.prefill.fallbacks) == (1, 0)
-    if tuning is None:  # every layer over its whole set, read once; the last one's output is not
+    if sets:  # every layer over its whole set, read once; the last one's output is not
         # computed (stock's prefill evaluates only the cache entries): no set
         assert state.prefill.waves_why is None, state.prefill.waves_why
         assert state.prefill.set_experts_read == sum(b.num_experts for b in banks[:-1])
@@ -202,7 +203,7 @@ def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_expe
     # slot bank holds the experts the prompt used most there (given from the set, not read), the
     # stats line says what the sets did, and the tokens are stock's
     from mlx_lm_streaming.runtime import report
-    from mlx_lm_streaming.runtime.options import decimal_gb
+    from mlx_lm_streaming.runtime.sizes import decimal_gb
 
     path = small_experts("qwen3_moe")
     prompt = mx.array(PROMPTS[0])
