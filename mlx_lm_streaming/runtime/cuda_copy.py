@@ -17,6 +17,7 @@ before. The bytes written are the same either way, so results are unchanged (exa
 """
 
 import ctypes
+import functools
 import ctypes.util
 import dataclasses
 import glob
@@ -57,8 +58,9 @@ def _runtime_candidates() -> List[str]:
     return names
 
 
+@functools.lru_cache(maxsize=1)
 def _load_runtime():
-    """The CUDA runtime with the signatures used here, or None."""
+    """The CUDA runtime with the signatures used here, or None (looked for once)."""
     for name in _runtime_candidates():
         try:
             lib = ctypes.CDLL(name)

@@ -20,10 +20,13 @@ a reader that asks the OS; a reader returns None where the OS does not answer, n
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
+
+from .memory import _ram
 
 # pressure levels of a ``Reading``
 NORMAL, SHORT, CRITICAL = 0, 1, 2
@@ -190,6 +193,7 @@ def macos_available(stats: VmStatistics64, page_size: int) -> int:
     return (int(stats.free_count) + int(stats.inactive_count)) * int(page_size)
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c"))
 
@@ -228,7 +232,7 @@ def read_macos(libc=None) -> Optional[Reading]:
     if pages is None and level is None:
         return None
     available = macos_available(*pages) if pages is not None else None
-    total = _physical()
+    total = _ram()[0]
     return Reading(available, total, NORMAL if level is None else level, "host_statistics64")
 
 
@@ -238,31 +242,15 @@ def read_macos(libc=None) -> Optional[Reading]:
 def read_cuda(runtime=None) -> Optional[Reading]:
     """``cudaMemGetInfo``'s free and total bytes of the current device, or None."""
     if runtime is None:
-        from .cuda_copy import _runtime_candidates
+        from .cuda_copy import _load_runtime
 
-        for name in _runtime_candidates():
-            try:
-                runtime = ctypes.CDLL(name)
-                runtime.cudaMemGetInfo.argtypes = [
-                    ctypes.POINTER(ctypes.c_size_t),
-                    ctypes.POINTER(ctypes.c_size_t),
-                ]
-                break
-            except (OSError, AttributeError):
-                runtime = None
+        runtime = _load_runtime()  # (loaded once: this runs every check)
         if runtime is None:
             return None
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
     if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)):
         return None
     return Reading(int(free.value), int(total.value), NORMAL, "cudaMemGetInfo")
-
-
-def _physical() -> Optional[int]:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def read_host() -> Optional[Reading]:

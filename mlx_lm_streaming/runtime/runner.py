@@ -17,9 +17,9 @@ call): its forward is built and handed back unchecked, with the arrays its check
 """
 
 import operator
+from dataclasses import dataclass
 from threading import get_ident
 from time import perf_counter
-from dataclasses import dataclass
 from typing import Optional
 
 from . import costs, mlx_shims
