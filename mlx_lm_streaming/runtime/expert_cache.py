@@ -298,7 +298,7 @@ class ExpertCache:
         with self._lock:
             pools = (self._set_pool, self._demand_pool)
             self._set_pool = self._demand_pool = None
-        for pool in pools:
+        for pool in pools:  # a set's fill waits on the demand pool: it goes first
             if pool is not None:
                 pool.shutdown(wait=wait)
         filler = self._filler
