@@ -260,10 +260,17 @@ def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monk
 
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["host_copies", "mlx_copies"])
-def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads):
+def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads, monkeypatch):
     # a second prompt finds the slot banks holding the first one's most used experts: its sets
     # take them from the banks (through host views, or by an MLX update where the banks have none)
-    # instead of reading them, and its tokens are still stock's
+    # instead of reading them, and its tokens are still stock's; an MLX update that left the
+    # sets' memory where it was remakes no host view (a view's check writes from the host: on
+    # mlx-cuda, where the sets' held experts are copied so, a page migrated out and back)
+    from mlx_lm_streaming.runtime.bank import layer_set
+
+    checked = []
+    real = layer_set.host_bytes
+    monkeypatch.setattr(layer_set, "host_bytes", lambda *a: checked.append(1) or real(*a))
     path = small_experts("qwen3_moe")
     probe, _ = load_streaming(path)
     budget = budget_of_slots(probe, SLOTS)
@@ -275,9 +282,42 @@ def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads):
     read, copied = p.set_experts_read, p.set_experts_copied
     assert copied == 0  # (the cache started empty)
     second = mx.array(PROMPTS[1])
+    checked.clear()
     out = _streamed_steps(model, second)
     assert difference(_stock_steps(path, second), out) is None
+    parts = len(state.cache.banks[0].layer.parts)
+    assert len(checked) == 2 * parts, checked  # each set's views made once, at its allocation
     sets = (LAYERS - 1) * CASES["qwen3_moe"]["experts"]
     assert p.set_experts_copied >= (LAYERS - 1) * SLOTS
     assert p.set_experts_read - read == sets - p.set_experts_copied
     state.close()
+
+
+def test_layer_sets_wait_for_compute_once_a_layer(small_experts, monkeypatch):
+    # a layer's chunks are submitted one after another (mx.async_eval) and waited for once, at
+    # the layer's end: no host sync between a layer's chunks that leaves the device idle while
+    # the host builds the next chunk's graph; the tokens are stock's
+    from mlx_lm_streaming.runtime import set_pass
+
+    calls = {"eval": 0, "async_eval": 0}
+
+    class CountingMx:
+        def __getattr__(self, name):
+            if name in calls:
+                calls[name] += 1
+            return getattr(mx, name)
+
+    path = small_experts("qwen3_moe")
+    prompt = mx.array(PROMPTS[0])
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=budget)
+    monkeypatch.setattr(set_pass, "mx", CountingMx())
+    out = _streamed_steps(model, prompt)
+    monkeypatch.undo()
+    assert difference(_stock_steps(path, prompt), out) is None
+    p = model.expert_streaming.prefill
+    assert (p.prompts, p.groups, p.waves_why) == (1, 1, None)
+    assert calls == {"eval": LAYERS, "async_eval": LAYERS * p.chunks}, (calls, p.chunks)
+    model.expert_streaming.close()

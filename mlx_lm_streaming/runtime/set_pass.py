@@ -70,6 +70,7 @@ class SetPass(Mode):
         self.uses = np.zeros(bank.num_experts if bank is not None else 0, dtype=np.int64)
         self.ids = []  # the router's ids of the running chunk's MoE calls
         self.chunks = []
+        self.submitted = []  # each routed chunk's outputs, submitted and not waited for yet
         self.replayed = self.rerun = 0  # (``LayerPass``'s counts: nothing is given back here)
 
     def moe_call(self, module, x, indices):
@@ -82,31 +83,41 @@ class SetPass(Mode):
 
     def route(self, chunk, i: int) -> None:
         """Chunk ``chunk`` through decoder layer ``i``: its hidden states replaced by the layer's
-        output, evaluated (with the KV entry the layer wrote and its router's ids; the last
-        layer's output is not, nor its ids unless recorded)."""
+        output, submitted (``mx.async_eval``, with the KV entry the layer wrote and its router's
+        ids; the last layer's output is not, nor its ids unless recorded): the next chunk's graph
+        is built while this one computes, with no host sync between a layer's chunks (``finish``
+        waits once)."""
         _, call, args, kwargs = chunk.calls[i]
         entry = mlx_shims.layer_cache(args, kwargs)
         with self.cache.running(self):
             # (not installed, where another thread's call runs: the MoE calls per layer, exact)
             h = call(chunk.h, *args[1:], **kwargs)
         ids, self.ids = self.ids, []
-        recorder = self.cache.recorder
-        if self.last and recorder is None:
+        if self.last and self.cache.recorder is None:
             ids = []
-        mx.eval([] if self.last else h, mlx_shims.kv_state(entry), ids)
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
-        for idx in ids:
-            flat = np.array(idx, copy=False).reshape(-1).astype(np.int64)
-            self.uses += np.bincount(flat, minlength=len(self.uses))
-            if recorder is not None:
-                recorder.record(self.bank, flat.reshape(idx.shape))
+        outputs = [[] if self.last else h, mlx_shims.kv_state(entry), ids]
+        mx.async_eval(outputs)
+        self.submitted.append(outputs)
         chunk.h = h
         self.chunks.append(chunk)
 
     def finish(self, i: int) -> int:
-        """The group is through the layer: the slot bank keeps what the prompt used most there,
-        the set is free; the bytes of hidden states held."""
+        """The group is through the layer: its chunks evaluated (every computation over the set),
+        their router's ids counted (and recorded), the slot bank keeps what the prompt used most
+        there, the set is free; the bytes of hidden states held."""
+        timeline, recorder = self.cache.timeline, self.cache.recorder
+        start = timeline.now()
+        mx.eval(self.submitted)
+        timeline.span("compute layer", start, "compute", layer=i, chunks=len(self.chunks))
+        for _, _, ids in self.submitted:
+            for idx in ids:
+                flat = np.array(idx, copy=False).reshape(-1).astype(np.int64)
+                self.uses += np.bincount(flat, minlength=len(self.uses))
+                if recorder is not None:
+                    recorder.record(self.bank, flat.reshape(idx.shape))
+        self.submitted = []
         if self.set is not None:
             self.sets.done(self.set, self.uses)
         return sum(ch.h.nbytes for ch in self.chunks)

@@ -66,8 +66,12 @@ class LayerSet:
         return self.views is not None
 
     def _make_views(self) -> None:
-        """Host views of the arrays as they are now (remade after an MLX update moved them)."""
+        """Host views of the arrays as they are now (remade only where an MLX update moved them:
+        a view's check writes a byte from the host, which on mlx-cuda migrates the page from the
+        device and back, every layer where it ran on each fill)."""
         addresses = [host_address(a) for a in self.arrays]
+        if self.views is not None and addresses == self.addresses:
+            return
         views = None
         if None not in addresses:
             views = [host_bytes(a, at) for a, at in zip(self.arrays, addresses)]
@@ -225,7 +229,9 @@ class LayerSets:
         current = None
         if bank is not None:
             current = self._holding(bank) or self._fill(self._free(), bank)
+            start = self.cache.timeline.now()
             current.ready()
+            self.cache.timeline.span("wait for layer set", start, "wait", layer=bank.path)
         if after is not None and self._holding(after) is None:
             self._fill(self._free(current), after)
         return current
