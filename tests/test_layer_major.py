@@ -179,6 +179,14 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
     assert difference(ref, out) is None, (arch, difference(ref, out))
 
 
+def _with_slots(path, **options):
+    """A streamed model of ``path`` whose budget holds ``SLOTS`` experts a layer."""
+    probe, _ = load_streaming(path)
+    budget = budget_of_slots(probe, SLOTS)
+    probe.expert_streaming.close()
+    return load_streaming(path, expert_cache_gb=budget, **options)[0]
+
+
 def _stock_steps(path, prompt):
     import mlx_lm.generate  # noqa: F401
 
@@ -207,10 +215,7 @@ def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_expe
 
     path = small_experts("qwen3_moe")
     prompt = mx.array(PROMPTS[0])
-    probe, _ = load_streaming(path)
-    budget = budget_of_slots(probe, SLOTS)
-    probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=budget, stats=True)  # (auto: on)
+    model = _with_slots(path, stats=True)  # (auto: on)
     state = model.expert_streaming
     cache = state.cache
     one_set = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
@@ -238,10 +243,7 @@ def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monk
 
     path = small_experts("mixtral")
     prompt = mx.array(PROMPTS[1])
-    probe, _ = load_streaming(path)
-    budget = budget_of_slots(probe, SLOTS)
-    probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=budget)
+    model = _with_slots(path)
     state = model.expert_streaming
     cache = state.cache
     slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
@@ -272,10 +274,7 @@ def test_layer_sets_copy_what_the_cache_holds(small_experts, direct_reads, monke
     real = layer_set.host_bytes
     monkeypatch.setattr(layer_set, "host_bytes", lambda *a: checked.append(1) or real(*a))
     path = small_experts("qwen3_moe")
-    probe, _ = load_streaming(path)
-    budget = budget_of_slots(probe, SLOTS)
-    probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=budget, direct_reads=direct_reads)
+    model = _with_slots(path, direct_reads=direct_reads)
     state = model.expert_streaming
     _streamed_steps(model, mx.array(PROMPTS[0]))
     p = state.prefill
@@ -309,10 +308,7 @@ def test_layer_sets_wait_for_compute_once_a_layer(small_experts, monkeypatch):
 
     path = small_experts("qwen3_moe")
     prompt = mx.array(PROMPTS[0])
-    probe, _ = load_streaming(path)
-    budget = budget_of_slots(probe, SLOTS)
-    probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=budget)
+    model = _with_slots(path)
     monkeypatch.setattr(set_pass, "mx", CountingMx())
     out = _streamed_steps(model, prompt)
     monkeypatch.undo()
@@ -321,3 +317,60 @@ def test_layer_sets_wait_for_compute_once_a_layer(small_experts, monkeypatch):
     assert (p.prompts, p.groups, p.waves_why) == (1, 1, None)
     assert calls == {"eval": LAYERS, "async_eval": LAYERS * p.chunks}, (calls, p.chunks)
     model.expert_streaming.close()
+
+
+class HostCopier:
+    """``cuda_copy.SlotCopier``'s contract on the host (the CPU backend, whose arrays' memory is
+    the host's): each call's ranges read into buffers of its own, then copied to their addresses."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def read(self, read_ranges, pieces):
+        import ctypes
+
+        buffers = [np.empty(ref.nbytes, dtype=np.uint8) for ref, _ in pieces]
+        read_ranges([(ref, memoryview(b)) for (ref, _), b in zip(pieces, buffers)])
+        for (ref, address), b in zip(pieces, buffers):
+            ctypes.memmove(address, b.ctypes.data, ref.nbytes)
+        self.calls += 1
+
+
+def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
+    # the way mlx-cuda fills a set (each reader's page-locked buffer, then a device copy:
+    # cuda_copy; the experts the slot banks hold copied by an MLX update), taken here by a host
+    # copier with the same contract: every expert in its row, the tokens stock's
+    from mlx_lm_streaming.runtime import cuda_copy
+
+    copier = HostCopier()
+    monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    path = small_experts("qwen3_moe")
+    model = _with_slots(path)
+    p = model.expert_streaming.prefill
+    for prompt in PROMPTS:
+        out = _streamed_steps(model, mx.array(prompt))
+        assert difference(_stock_steps(path, mx.array(prompt)), out) is None
+    assert p.set_experts_read > 0 and p.set_experts_copied > 0 and copier.calls > 0
+    model.expert_streaming.close()
+
+
+def test_layer_set_readers_take_whole_experts():
+    # each reader of a set's fill by device copies gets whole experts, an expert's ranges one
+    # after another in part order, each range once, at its row of its array
+    from mlx_lm_streaming.runtime.bank.layer_set import by_expert
+
+    def refs(e):
+        return [f"e{e}p{i}" for i in range(3)]
+
+    dealt = by_expert(range(7), refs, [1000, 2000, 3000], [10, 20, 30], 3)
+    assert len(dealt) == 3
+    for k, pieces in enumerate(dealt):
+        experts = list(range(7))[k::3]
+        assert pieces == [
+            (f"e{e}p{i}", [1000, 2000, 3000][i] + e * [10, 20, 30][i])
+            for e in experts
+            for i in range(3)
+        ]
+    assert sorted(r for pieces in dealt for r, _ in pieces) == sorted(
+        r for e in range(7) for r in refs(e)
+    )

@@ -128,17 +128,14 @@ class LayerSet:
         rest = [e for e in experts if e not in held]
         store, refs = self.cache.store, bank.layer.refs
         if self.copier is not None:
-            # each thread reads into its own page-locked buffer, then the device copies: a few
-            # threads at once, so that reads and copies overlap
+            # each thread reads whole experts into its own page-locked buffer, then the device
+            # copies: a few threads at once, so that reads and copies overlap
             rows = [view.shape[1] for view in self.views]
-            pieces = [
-                (ref, self.addresses[i] + e * rows[i]) for e in rest for i, ref in enumerate(refs(e))
-            ]
-            parts = max(1, min(len(pieces), self.cache.store.threads))
+            parts = max(1, min(len(rest), store.threads))
             pool = self.cache.demand_pool
             futures = [
-                pool.submit(self.copier.read, store.read_on_this_thread, pieces[k::parts])
-                for k in range(parts)
+                pool.submit(self.copier.read, store.read_on_this_thread, pieces)
+                for pieces in by_expert(rest, refs, self.addresses, rows, parts)
             ]
             for future in futures:
                 future.result()
@@ -174,6 +171,24 @@ class LayerSet:
         if future is not None:
             wait([future])
         self.bank, self.shapes, self.arrays, self.views, self.copier = None, None, [], None, None
+
+
+def by_expert(experts, refs, addresses, row_bytes, parts: int) -> list:
+    """``experts`` dealt out whole to ``parts`` readers: per reader, ``(ref, address)`` for each
+    range of its experts (``refs(e)``, part i at ``addresses[i] + e * row_bytes[i]``), expert by
+    expert. A reader takes an expert's ranges one after another, not one range of each of several
+    experts: on the H200, page cache to slots at 8 readers, 3.5-4.7 GB/s so against 2.3-2.5 with
+    each expert's ranges spread over the readers (docs/benchmarks/gpu-regimes-*.md, the ram
+    probe's "slots k8" and "slots k8 spread")."""
+    experts = list(experts)
+    return [
+        [
+            (ref, addresses[i] + e * row_bytes[i])
+            for e in experts[k::parts]
+            for i, ref in enumerate(refs(e))
+        ]
+        for k in range(parts)
+    ]
 
 
 def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
