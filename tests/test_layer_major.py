@@ -355,8 +355,9 @@ def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
 
 
 def test_layer_set_readers_take_whole_experts():
-    # each reader of a set's fill by device copies gets whole experts, an expert's ranges one
-    # after another in part order, each range once, at its row of its array
+    # each reader of a set's fill by device copies gets a run of consecutive whole experts
+    # (their ranges of one tensor follow each other in the file), an expert's ranges one after
+    # another in part order, each range once, at its row of its array
     from mlx_lm_streaming.runtime.bank.layer_set import by_expert
 
     def refs(e):
@@ -364,8 +365,7 @@ def test_layer_set_readers_take_whole_experts():
 
     dealt = by_expert(range(7), refs, [1000, 2000, 3000], [10, 20, 30], 3)
     assert len(dealt) == 3
-    for k, pieces in enumerate(dealt):
-        experts = list(range(7))[k::3]
+    for experts, pieces in zip([[0, 1], [2, 3], [4, 5, 6]], dealt):
         assert pieces == [
             (f"e{e}p{i}", [1000, 2000, 3000][i] + e * [10, 20, 30][i])
             for e in experts

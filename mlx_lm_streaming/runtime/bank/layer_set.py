@@ -174,17 +174,20 @@ class LayerSet:
 
 
 def by_expert(experts, refs, addresses, row_bytes, parts: int) -> list:
-    """``experts`` dealt out whole to ``parts`` readers: per reader, ``(ref, address)`` for each
-    range of its experts (``refs(e)``, part i at ``addresses[i] + e * row_bytes[i]``), expert by
-    expert. A reader takes an expert's ranges one after another, not one range of each of several
-    experts: on the H200, page cache to slots at 8 readers, 3.5-4.7 GB/s so against 2.3-2.5 with
-    each expert's ranges spread over the readers (docs/benchmarks/gpu-regimes-*.md, the ram
-    probe's "slots k8" and "slots k8 spread")."""
+    """``experts`` dealt out whole to ``parts`` readers, a run of consecutive experts each: per
+    reader, ``(ref, address)`` for each range of its experts (``refs(e)``, part i at
+    ``addresses[i] + e * row_bytes[i]``), expert by expert. A reader takes an expert's ranges one
+    after another, and consecutive experts' ranges of one tensor follow each other in the file, so
+    the store reads them in one go (``stores.safetensors.runs``); dealt every 8th range of the
+    layer, each thread read one range of many experts, each alone. The H200's ram probe: page cache
+    to slots with whole experts per thread 3.5-4.7 GB/s at 8 threads ("slots k8"), 2.3-2.5 with
+    each expert's ranges spread over the readers ("slots k8 spread"; docs/benchmarks/prefill.md)."""
     experts = list(experts)
+    bounds = [len(experts) * k // parts for k in range(parts + 1)]
     return [
         [
             (ref, addresses[i] + e * row_bytes[i])
-            for e in experts[k::parts]
+            for e in experts[bounds[k] : bounds[k + 1]]
             for i, ref in enumerate(refs(e))
         ]
         for k in range(parts)
