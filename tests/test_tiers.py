@@ -6,7 +6,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support import PlacementRecorder as Recorder
-from support import decode, load_streaming, per_slot, same
+from support import (
+    assert_same_steps,
+    decode,
+    generate_steps,
+    load_stock,
+    load_streaming,
+    per_slot,
+    same,
+)
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
@@ -106,6 +114,35 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     s = cache.summary()
     assert s["tier_device_gb"] == pytest.approx(4 * per_slot(model) / GB)
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
+
+
+def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path):
+    # banks complete across both tiers, a prompt of more chunks than MOVE_EVERY through mlx-lm's
+    # generate_step: each chunk's MoE calls run over a device copy of their bank and are not
+    # counted (a prompt names every expert: counting it moved the device tier for decode's sake),
+    # so nothing moves during the prefill; tokens and log-probabilities are stock's bit for bit
+    step = 32
+    prompt = mx.array([(7 * i + 5) % 512 for i in range(step * (tiers.MOVE_EVERY + 1) + 2)])
+    stock, _ = load_stock(q3_path)
+    want = generate_steps(stock, prompt, 4, prefill_step_size=step)
+    model, cache = tiered(q3_path, 4, Recorder())
+    for bank in cache.banks:
+        bank.load(np.arange(bank.num_experts))
+    assert cache.all_complete
+    t = cache.tiers
+    seen = []
+
+    def after_first(i):
+        if i == 0:  # the prompt done, the first decode step's graph built
+            seen.append((t.moves, [int(p.size) for b in t.banks.values() for p in b.pending]))
+
+    got = generate_steps(model, prompt, 4, between=after_first, prefill_step_size=step)
+    assert_same_steps(want, got)
+    moves, kept = seen[0]
+    assert moves == 0 and max(kept) < tiers.PROMPT_ROWS_PER_EXPERT * 16, seen
+    layers = len(cache.banks)
+    assert t.summary()["tier_prompt_calls"] == layers * (tiers.MOVE_EVERY + 1)
+    assert not any(t.counts.any() for t in t.banks.values())  # no decode count yet either
 
 
 class _Layer:

@@ -39,6 +39,35 @@ DECAY = 0.8
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
+# a call of at least this many (token, expert) rows per expert of the layer is a prompt's (a
+# chunk of a long prompt names nearly every expert): its ids are not counted (the device tier is
+# for decode; a prompt's uses would move it wrongly), and the call runs over a copy of the whole
+# bank in device memory (``over_device_copy``): the host tier crosses the bus once per call, not
+# once per kernel pass over each expert (27x stock's TTFT at 4K tokens on the H200 before)
+PROMPT_ROWS_PER_EXPERT = 4
+
+
+def over_device_copy(bank, glu, x, indices):
+    """``glu(x, indices)`` with the bank's arrays swapped for copies made by the device (a take
+    of every slot: the bytes moved, not computed, so the kernel reads stock's bits and gives
+    stock's output), evaluated before the swap is undone, so that one layer's copy at a time is
+    in device memory (a host wait per MoE layer of a prompt chunk: nothing beside its compute)."""
+    import mlx.core as mx
+
+    parts = bank.layer.parts
+    with bank.lock:
+        kept = [bank.array(spec.proj, spec.part) for spec in parts]
+        every = mx.arange(bank.slots)
+        try:
+            for spec, arr in zip(parts, kept):
+                bank.glu[spec.proj][spec.part] = mx.take(arr, every, axis=0)
+            y = glu(x, indices)
+            mx.eval(y)
+        finally:
+            for spec, arr in zip(parts, kept):
+                bank.glu[spec.proj][spec.part] = arr
+    return y
+
 
 def device_slots(banks, device_bytes: int) -> List[int]:
     """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
@@ -78,6 +107,7 @@ class Tiers:
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
         self.moves = 0  # experts moved between the tiers after the first placement
+        self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.error: Optional[str] = None  # the first placement the runtime refused, if any
         self._lock = threading.Lock()
         self._queue: List[tuple] = []
@@ -156,29 +186,25 @@ class Tiers:
     # -- following the routing ----------------------------------------------------------------
 
     def caller(self, bank, glu):
-        """A complete bank's call (``LayerBank.complete_call``): the router's ids kept, then
-        stock's ``glu``; every ``MOVE_EVERY`` calls the kept ids counted and the tier re-chosen."""
+        """A complete bank's call (``LayerBank.complete_call``, ``StockGraph``): ``glu(x,
+        indices)``, stock's code over the bank. A decode call's ids are kept for the device
+        tier's count (``MOVE_EVERY``); a prompt's call (``PROMPT_ROWS_PER_EXPERT``) is not
+        counted and runs over a device copy of the bank (``over_device_copy``)."""
         tier = self.banks.get(id(bank))
         if tier is None:
             return glu
-        pending, rebalance = tier.pending, self.rebalance
+        pending, prompt_rows = tier.pending, PROMPT_ROWS_PER_EXPERT * bank.num_experts
 
         def call(x, indices):
+            if indices.size >= prompt_rows:
+                self.prompt_calls += 1
+                return over_device_copy(bank, glu, x, indices)
             pending.append(indices)
             if len(pending) >= MOVE_EVERY:
-                rebalance(tier)
+                self.rebalance(tier)
             return glu(x, indices)
 
         return call
-
-    def note(self, bank, indices) -> None:
-        """A call of ``bank`` with the router's ``indices``, kept for the next count (``caller``
-        does the same inline)."""
-        tier = self.banks.get(id(bank))
-        if tier is not None:
-            tier.pending.append(indices)
-            if len(tier.pending) >= MOVE_EVERY:
-                self.rebalance(tier)
 
     def count(self, tier: BankTier) -> None:
         """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted."""
@@ -250,6 +276,7 @@ class Tiers:
             "tier_device_share": on / (on + off) if on + off else float("nan"),
             "tier_sampled_uses": on + off,
             "tier_moves": self.moves,
+            "tier_prompt_calls": self.prompt_calls,
             "tier_error": self.error,
             "tier_placed": self.check(),
         }
