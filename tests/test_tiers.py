@@ -18,7 +18,7 @@ from support import (
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
-from mlx_lm_streaming.runtime import memory, report, tiers
+from mlx_lm_streaming.runtime import device_copy, memory, report, tiers
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
@@ -116,19 +116,21 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
 
 
-def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path):
-    # banks complete across both tiers, a prompt of more chunks than MOVE_EVERY through mlx-lm's
-    # generate_step: each chunk's MoE calls run over a device copy of their bank and are not
-    # counted (a prompt names every expert: counting it moved the device tier for decode's sake),
-    # so nothing moves during the prefill; tokens and log-probabilities are stock's bit for bit
+@pytest.mark.parametrize("filled", [True, False], ids=["banks-filled", "banks-empty"])
+def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, filled):
+    # two tiers, a prompt of more chunks than MOVE_EVERY through mlx-lm's generate_step: each
+    # chunk's MoE calls run over a device copy of their bank and are not counted (a prompt names
+    # every expert: counting it moved the device tier for decode's sake), so nothing moves during
+    # the prefill; tokens and log-probabilities are stock's bit for bit. Banks the fill has not
+    # completed (a first prompt right after loading) are completed by the first chunk's calls
     step = 32
     prompt = mx.array([(7 * i + 5) % 512 for i in range(step * (tiers.MOVE_EVERY + 1) + 2)])
     stock, _ = load_stock(q3_path)
     want = generate_steps(stock, prompt, 4, prefill_step_size=step)
     model, cache = tiered(q3_path, 4, Recorder())
-    for bank in cache.banks:
+    for bank in cache.banks if filled else ():
         bank.load(np.arange(bank.num_experts))
-    assert cache.all_complete
+    assert cache.all_complete == filled
     t = cache.tiers
     seen = []
 
@@ -139,7 +141,7 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path):
     got = generate_steps(model, prompt, 4, between=after_first, prefill_step_size=step)
     assert_same_steps(want, got)
     moves, kept = seen[0]
-    assert moves == 0 and max(kept) < tiers.PROMPT_ROWS_PER_EXPERT * 16, seen
+    assert moves == 0 and max(kept) < device_copy.ROWS_PER_EXPERT * 16, seen
     layers = len(cache.banks)
     assert t.summary()["tier_prompt_calls"] == layers * (tiers.MOVE_EVERY + 1)
     assert not any(t.counts.any() for t in t.banks.values())  # no decode count yet either

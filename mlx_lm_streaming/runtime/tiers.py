@@ -16,7 +16,7 @@ every ``MOVE_EVERY`` tokens, at a step's first layer call (right after mlx-lm la
 before: the device is busy, not waiting), the ids mlx-lm has evaluated are read (no extra sync)
 and counted with a decay, every bank's hottest experts chosen for the device (by a margin), and
 the moves of all the banks issued as one batch, in the background. A prompt's calls are neither
-counted nor moved for: they run over a device copy of their bank (``over_device_copy``). A move
+counted nor moved for: they run over a device copy of their bank (``device_copy``). A move
 changes where bytes live, never what they are.
 
 Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from . import device_copy
 from .sizes import decimal_gb, gb_as_given
 
 # decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
@@ -42,33 +43,6 @@ DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
-# a call of at least this many (token, expert) rows per expert of the layer is a prompt's (it names
-# nearly every expert): not counted (a prompt's uses would move the device tier wrongly for the
-# decode), and run over a copy of the whole bank in device memory (``over_device_copy``): the host
-# tier crosses the bus once per call, not per kernel pass (27x stock's 4K TTFT on the H200 before)
-PROMPT_ROWS_PER_EXPERT = 4
-
-
-def over_device_copy(bank, glu, x, indices):
-    """``glu(x, indices)`` over copies of the bank's arrays made by the device (a take: bytes moved,
-    not computed, so stock's bits in, stock's output out), evaluated before the arrays are swapped
-    back: one layer's copy at a time in device memory, a host wait per MoE layer of a chunk."""
-    import mlx.core as mx
-
-    parts = bank.layer.parts
-    with bank.lock:
-        kept = [bank.array(spec.proj, spec.part) for spec in parts]
-        try:
-            for spec, arr in zip(parts, kept):
-                bank.glu[spec.proj][spec.part] = mx.take(arr, mx.arange(bank.slots), axis=0)
-            y = glu(x, indices)
-            mx.eval(y)
-        finally:
-            for spec, arr in zip(parts, kept):
-                bank.glu[spec.proj][spec.part] = arr
-    return y
-
-
 def device_slots(banks, device_bytes: int) -> List[int]:
     """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
     plan shares a budget (the same count each, then one more to layers in model order while what
@@ -198,17 +172,17 @@ class Tiers:
     def caller(self, bank, glu):
         """A complete bank's call (``LayerBank.complete_call``, ``StockGraph``): ``glu(x,
         indices)``, stock's code over the bank. A decode call's ids are kept for the device
-        tier's count (``MOVE_EVERY``); a prompt's call (``PROMPT_ROWS_PER_EXPERT``) is not
-        counted and runs over a device copy of the bank (``over_device_copy``)."""
+        tier's count (``MOVE_EVERY``); a prompt's call (``device_copy.is_prompt``) is not
+        counted and runs over a device copy of the bank (``device_copy.run``)."""
         tier = self.banks.get(id(bank))
         if tier is None:
             return glu
-        pending, prompt_rows = tier.pending, PROMPT_ROWS_PER_EXPERT * bank.num_experts
+        pending = tier.pending
 
         def call(x, indices):
-            if indices.size >= prompt_rows:
+            if device_copy.is_prompt(bank, indices):
                 self.prompt_calls += 1
-                return over_device_copy(bank, glu, x, indices)
+                return device_copy.run(bank, glu, x, indices)
             tier.calls += 1
             if tier.calls > self.tokens:  # the step's first call: a token begins
                 self.tokens = tier.calls
