@@ -10,7 +10,9 @@ bf16, the Qwen3-30B-A3B expert shape; or ``BENCH=pipeline bash bench/gpu.sh <the
         --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
         --variants default,default_tl --rounds 4
 
-A trained checkpoint's own router: ``--routings model:DIR``. A variant is "_"-joined words:
+A trained checkpoint's own router: ``--routings model:DIR``. ``--placed``: stock with each layer's
+most used experts placed on the device by ``cudaMemAdvise`` alone, the placement's limit, beside
+(``stock_placed``; every row's ``of_placed``). A variant is "_"-joined words:
 ``default``, ``tl`` (records a timeline) and the words ``--tuning-variant NAME:field=value,...``
 defines (``CacheTuning`` fields: ``--tuning-variant nocopy:device_copies=false --variants
 default,nocopy``). On the CPU, everything at tiny size in ~10 s:
@@ -143,6 +145,63 @@ def sync_per_token(model) -> None:
     model.__class__ = SyncToken
 
 
+# -- the placement's limit (issue 49): stock, its experts placed by cudaMemAdvise alone -----------
+
+
+def count_uses(model, places) -> None:
+    """Each expert module of ``places`` keeps the ids of its calls (``_kept``): the uses
+    ``place_hottest`` places by (the routed ids, where a routing wraps it); ``model._counted``."""
+    object.__setattr__(model, "_counted", places)
+    for _, _, module in places:
+        base = type(module)
+
+        def call(self, x, indices, base=base):
+            self._kept.append(indices)
+            return base.__call__(self, x, indices)
+
+        object.__setattr__(module, "_kept", [])
+        module.__class__ = type(base.__name__, (base,), {"__call__": call})
+
+
+def place_hottest(places, budget, placer) -> float:
+    """Stock's experts placed by ``placer`` (``cuda_placer.CudaPlacer``: advice and prefetch) and
+    no package code in the decode: each layer's ``budget`` share most used in the calls kept since
+    the last placement preferred on the device, the rest on the host. The share of those uses the
+    device experts had."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from mlx_lm_streaming.runtime.host_views import host_address
+
+    on = used = 0
+    for _, _, module in places:
+        arrays = [a for _, a in tree_flatten(module.parameters())]  # each (experts, ...)
+        experts = arrays[0].shape[0]
+        ids = np.concatenate([np.array(i).reshape(-1) for i in module._kept]).astype(np.int64)
+        module._kept.clear()
+        counts = np.bincount(ids, minlength=experts)
+        hot = np.zeros(experts, dtype=bool)
+        hot[np.argsort(-counts, kind="stable")[: int(budget * experts)]] = True
+        on, used = on + counts[hot].sum(), used + counts.sum()
+        per = [(host_address(a), a.nbytes // experts) for a in arrays]
+        for flag in (False, True):  # out of the device first
+            chosen = np.flatnonzero(hot == flag)
+            placer.place([(at + int(e) * n, n) for at, n in per for e in chosen], on_device=flag)
+    placer.wait()
+    return float(on / used) if used else None
+
+
+def limit_placer(quick: bool):
+    """``cuda_placer``'s placer on mlx-cuda; off it with ``--quick`` one that places nothing (the
+    script's logic, no figure); else a one-line exit."""
+    from mlx_lm_streaming.runtime.cuda_placer import cuda_placer
+
+    placer = cuda_placer()
+    if placer is None and not quick:
+        raise SystemExit("--placed: stock placed by cudaMemAdvise needs mlx-cuda (--quick: a try)")
+    return placer or type("NoPlacer", (), {"place": lambda *a, **k: None, "wait": lambda _: None})()
+
+
 # -- one group: a regime x routing x budget -------------------------------------------------------
 
 # regime -> (the page cache dropped before every token, a pass over the measured steps before the
@@ -236,6 +295,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
                 start(cfg)
             if mode["warm_pass"] == "replay" and routing is not None:
                 routing.cursor = cursor
+        if cfg.name == "stock_placed":  # placed by the uses so far (the warm pass's, where one)
+            placed = place_hottest(cfg.model._counted, budget, args.placer)
         cfg.tokens, cfg.decode_s = [], []
         cfg.stats0 = cfg.counters()
     # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,
@@ -277,6 +338,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]
+    if "stock_placed" in configs:  # every row against the placement's limit too
+        for key, entry in out["configs"].items():
+            entry["of_placed"] = statistics.median(r["stock_placed"] / r[key] for r in rounds)
+        out["configs"]["stock_placed"]["placed_device_share"] = placed
     if "stock_own" in out["configs"]:
         c = out["configs"]
         out["injection_cost"] = 1 - c["stock"]["tok_s"] / c["stock_own"]["tok_s"]
@@ -468,7 +533,8 @@ def open_checkpoint(path, args, first_routing):
         log(f"{path}: ram probe GB/s: {ck['ram_probe']['gbps']}")
     stocks = {}
     own = () if first_routing.startswith("model:") else ("stock_own",)
-    for name in ("stock", "stock_again") + own + (FLOORS if args.floors else ()):
+    placed = ("stock_placed",) if args.placed else ()
+    for name in ("stock", "stock_again") + own + (FLOORS if args.floors else ()) + placed:
         model, config = harness.load_stock(path)
         places = routing_replay.expert_modules(model)
         routing = harness.make_routing(first_routing, ck["experts"], ck["moe_layers"])
@@ -479,6 +545,8 @@ def open_checkpoint(path, args, first_routing):
             sync_per_layer(places)
         if name == "stock_synctoken":
             sync_per_token(model)
+        if name == "stock_placed":
+            count_uses(model, places)
         stocks[name] = model
     ck["vocab"] = vocab_size(config)
     return ck, files, stocks
@@ -567,6 +635,7 @@ def parse_args(argv):
     add("--hit-budget", type=float, default=0.99)
     add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
     add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
+    add("--placed", action="store_true", help="also time stock_placed: the placement's limit")
     add("--routings", type=_list(str), default=None,
         help="uniform, trace:FILE, model:DIR (default: uniform and the shape's trace if any)")
     add("--variants", type=_list(str), default="default", help="(the module's docstring)")
@@ -608,6 +677,7 @@ def main(argv=None):
     routing_replay.unwind_on_rewind()  # verified steps that run a forward again
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    args.placer = limit_placer(args.quick) if args.placed else None
 
     import mlx.core as mx
 

@@ -1,7 +1,7 @@
 """The benchmarks' library: checkpoints of the real expert shapes, the page cache and the disk
 probe, the routing a configuration replays and decode timing, loading stock and streaming models.
 
-Imported by ``gpu_pipeline.py``, ``prefill.py``, ``memory.py`` and ``distributed.py``
+Imported by ``gpu_pipeline.py``, ``prefill.py``, ``memory.py`` and ``tiers_shift.py``
 (bench/README.md); it imports only the standard library at import time. Why the routing and the
 token stream are forced, how decode is timed: docs/benchmarks/methods.md (harness.py).
 """

@@ -89,14 +89,16 @@ def decode(model, tokens, steps=6):
     return out
 
 
-def generate_steps(model, prompt, steps, between=None):
+def generate_steps(model, prompt, steps, between=None, **kwargs):
     """Tokens and log-probabilities (numpy) of greedy decoding through mlx-lm's own
-    ``generate_step``, which builds step t+1's graph before step t is evaluated; ``between(i)``
-    runs after token i is taken, while step i+1 is already built."""
+    ``generate_step`` (``kwargs``: its other arguments), which builds step t+1's graph before
+    step t is evaluated; ``between(i)`` runs after token i is taken, while step i+1 is already
+    built."""
     from mlx_lm.generate import generate_step
 
     out = []
-    for (token, logprobs), i in zip(generate_step(prompt, model, max_tokens=steps), range(steps)):
+    stepping = generate_step(prompt, model, max_tokens=steps, **kwargs)
+    for (token, logprobs), i in zip(stepping, range(steps)):
         out.append((int(token), np.array(logprobs)))
         if between is not None:
             between(i)

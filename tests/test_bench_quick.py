@@ -149,16 +149,6 @@ def test_cuda_parity(tmp_path):
     assert case["stock_run_to_run"] == {"1": None, "2": None}, case
 
 
-def test_distributed(tmp_path):
-    # --quick builds its tiny checkpoint under the temporary directory: this test's own
-    env = {"TMPDIR": str(tmp_path)}
-    out = bench(BENCH / "distributed.py", "--quick", "--json", tmp_path / "rows.json", env=env)
-    assert "same text in every run and rank: True" in out
-    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    assert sorted({(r["ranks"], r["rank"]) for r in rows}) == [(1, 0), (2, 0), (2, 1)]
-    assert all(r["experts_read"] > 0 for r in rows)
-
-
 def test_device_scripts_parse():
     # gpu.sh and gpu_env.sh need the H200; here only that bash can read them
     for script in ("gpu.sh", "gpu_env.sh"):

@@ -1,8 +1,17 @@
 """bench/gpu_pipeline.py --quick: the three regimes, the stock floors and a command-line tuning
 variant, run on the CPU at tiny size; every configuration exact, every regime's ratio there."""
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
-from support import gpu_pipeline_quick
+from mlx.utils import tree_flatten
+from support import PlacementRecorder, decode, gpu_pipeline_quick, load_stock, same
+
+from mlx_lm_streaming.runtime.host_views import host_address
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 SPLIT = ("ids wait", "host to submit", "reads", "installs", "compute", "rest", "between layers")
 
@@ -13,7 +22,7 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
         "--tuning-variant", "nolk:lookahead=false",
         # the split is the per-layer schedule's (a verified step has one check per token)
         "--tuning-variant", "perlayer:verified_steps=false",
-        "--variants", "default,perlayer_tl,nolk_tl",
+        "--variants", "default,perlayer_tl,nolk_tl", "--placed",
     )  # fmt: skip
     assert res["tuning_variants"] == {
         "nolk": {"lookahead": False},
@@ -24,7 +33,7 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
     # hit and ram at one budget each, cold at --quick's two; uniform and trace routing each
     assert len(res["groups"]) == 2 + 2 + 4
     names = {"stock", "stock_again", "stock_own", "stock_synclayer", "stock_synctoken"}
-    names |= {"default", "perlayer_tl", "nolk_tl"}
+    names |= {"default", "perlayer_tl", "nolk_tl", "stock_placed"}
     for g in res["groups"]:
         where = f"{g['regime']} {g['routing']} {g['budget']}"
         assert set(g["configs"]) == names, where
@@ -41,7 +50,9 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
                 continue
             assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
             assert c["total_steps"] == res["rounds"] * (res["block"] + 1), where
-            assert c["ratio"] > 0, f"{where} {key}"
+            assert c["ratio"] > 0 and c["of_placed"] > 0, f"{where} {key}"
+            if key == "stock_placed":  # the placement's limit: its device experts' share of uses
+                assert 0 < c["placed_device_share"] <= 1 and c["of_placed"] == 1.0, where
             if key.startswith("stock"):
                 continue
             assert 0 <= c["hit_rate"] <= 1, f"{where} {key}"
@@ -95,3 +106,43 @@ def test_quick_new_families(tmp_path, shape, layers, experts, traced):
                 assert c["exact"], f"{where} {key}: {c['exact_steps']}/{c['total_steps']}"
         hit = g["configs"]["default"]["hit_rate"]
         assert hit == 1.0 if g["regime"] == "hit" else hit < 1, where
+
+
+def test_the_placement_limit_places_each_layers_most_used_experts(q3):
+    # stock_placed (gpu_pipeline.py --placed): stock's expert modules keep their calls' ids and
+    # compute stock's bits; each layer's most used quarter is placed on the device, the rest on
+    # the host, a range per expert and array (recorded here: the CUDA calls need mlx-cuda)
+    path, tokens, want = q3
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_pipeline
+        import routing_replay
+    finally:
+        sys.path.remove(str(BENCH))
+    model, _ = load_stock(path)
+    places = routing_replay.expert_modules(model)
+    gpu_pipeline.count_uses(model, places)
+    assert same(want, decode(model, tokens))
+    uses = [np.bincount(np.concatenate([np.array(i).reshape(-1) for i in m._kept]), minlength=16)
+            for _, _, m in places]  # fmt: skip
+
+    class Placer(PlacementRecorder):
+        def wait(self):
+            pass
+
+    placer = Placer()
+    share = gpu_pipeline.place_hottest(model._counted, 0.25, placer)
+    served = 0
+    for (_, _, module), counts in zip(places, uses):
+        weight = module.gate_proj.weight
+        per = weight.nbytes // 16
+        base = host_address(weight)
+        on = sorted((a - base) // per for a, n, flag in placer.placed
+                    if flag and base <= a < base + weight.nbytes)  # fmt: skip
+        assert len(on) == 4 and min(counts[on]) >= max(np.delete(counts, on)), (on, counts)
+        served += counts[on].sum()
+        assert module._kept == []  # counted afresh for the next placement
+    assert share == pytest.approx(served / sum(u.sum() for u in uses))
+    # a range per expert of every array of every layer, each once
+    arrays = sum(len(tree_flatten(m.parameters())) for _, _, m in places)
+    assert len(placer.placed) == 16 * arrays == len({a for a, _, _ in placer.placed})

@@ -6,11 +6,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support import PlacementRecorder as Recorder
-from support import decode, load_streaming, per_slot, same
+from support import (
+    assert_same_steps,
+    decode,
+    generate_steps,
+    load_stock,
+    load_streaming,
+    per_slot,
+    same,
+)
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
-from mlx_lm_streaming.runtime import memory, report, tiers
+from mlx_lm_streaming.runtime import device_copy, memory, report, tiers
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
@@ -108,6 +116,37 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
 
 
+@pytest.mark.parametrize("filled", [True, False], ids=["banks-filled", "banks-empty"])
+def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, filled):
+    # two tiers, a prompt of more chunks than MOVE_EVERY through mlx-lm's generate_step: each
+    # chunk's MoE calls run over a device copy of their bank and are not counted (a prompt names
+    # every expert: counting it moved the device tier for decode's sake), so nothing moves during
+    # the prefill; tokens and log-probabilities are stock's bit for bit. Banks the fill has not
+    # completed (a first prompt right after loading) are completed by the first chunk's calls
+    step = 32
+    prompt = mx.array([(7 * i + 5) % 512 for i in range(step * (tiers.MOVE_EVERY + 1) + 2)])
+    stock, _ = load_stock(q3_path)
+    want = generate_steps(stock, prompt, 4, prefill_step_size=step)
+    model, cache = tiered(q3_path, 4, Recorder())
+    for bank in cache.banks if filled else ():
+        bank.load(np.arange(bank.num_experts))
+    assert cache.all_complete == filled
+    t = cache.tiers
+    seen = []
+
+    def after_first(i):
+        if i == 0:  # the prompt done, the first decode step's graph built
+            seen.append((t.moves, [int(p.size) for b in t.banks.values() for p in b.pending]))
+
+    got = generate_steps(model, prompt, 4, between=after_first, prefill_step_size=step)
+    assert_same_steps(want, got)
+    moves, kept = seen[0]
+    assert moves == 0 and max(kept) < device_copy.ROWS_PER_EXPERT * 16, seen
+    layers = len(cache.banks)
+    assert t.summary()["tier_prompt_calls"] == layers * (tiers.MOVE_EVERY + 1)
+    assert not any(t.counts.any() for t in t.banks.values())  # no decode count yet either
+
+
 class _Layer:
     expert_nbytes = 1000
     parts = ()
@@ -123,6 +162,22 @@ class _Bank:
         self.view_addresses = None
 
 
+class _PlacedBank(_Bank):
+    """A bank of one part whose expert e's bytes are at ``address + 1000 * e``."""
+
+    def __init__(self, experts, address):
+        super().__init__(experts)
+        self.layer = type("L", (), {"expert_nbytes": 1000, "parts": (_Part,)})()
+        self.view_addresses = [address]
+
+    def array(self, proj, part):
+        return np.zeros(self.slots * 1000, dtype=np.uint8)
+
+
+class _Part:
+    proj, part = "up_proj", "weight"
+
+
 def test_the_device_tier_follows_the_uses():
     placer = Recorder()
     t = tiers.Tiers(placer, device_bytes=2 * 1000, host_bytes=6 * 1000)
@@ -134,20 +189,21 @@ def test_the_device_tier_follows_the_uses():
     hot = mx.array([[5, 6]], dtype=mx.uint32)
     for _ in range(tiers.MOVE_EVERY):
         assert call(None, hot) is hot
-    # at the MOVE_EVERY-th call the ids kept are counted, but for the last READ_LAG calls' (not
-    # evaluated yet where mlx-lm runs ahead): 5 and 6 on the device, 0 and 1 out
-    counted = tiers.MOVE_EVERY - tiers.READ_LAG
+    # at the MOVE_EVERY-th token, before its ids are kept, the ids kept are counted but for the
+    # last READ_LAG calls' (not evaluated yet where mlx-lm runs ahead): 5 and 6 on the device
+    counted = tiers.MOVE_EVERY - 1 - tiers.READ_LAG
     assert tier.counts[5] == tier.counts[6] == pytest.approx(counted * tiers.DECAY)
     assert tier.uses == {"device": 0, "host": 2 * counted}  # served before the move
     assert tier.device.tolist() == [False] * 5 + [True, True, False]
-    assert t.moves == 4 and len(tier.pending) == tiers.READ_LAG
+    assert t.moves == 4 and len(tier.pending) == tiers.READ_LAG + 1
     s = t.summary()
     assert s["tier_moves"] == 4 and s["tier_device_share"] == 0.0
+    assert s["tier_move_batches"] == 1 and s["tier_moves_per_token"] == 4 / tiers.MOVE_EVERY
     for _ in range(tiers.MOVE_EVERY):
         call(None, hot)
     assert t.moves == 4  # no move for experts already on the device
-    # every use since the move served by the device: half the uses counted
-    assert t.summary()["tier_device_share"] == 0.5 and tier.uses["host"] == 2 * counted
+    # the uses counted at the second batch: every one on the device
+    assert tier.uses == {"device": 2 * tiers.MOVE_EVERY, "host": 2 * counted}
 
 
 def test_near_ties_do_not_move():
@@ -157,12 +213,65 @@ def test_near_ties_do_not_move():
     tier = t.banks[id(bank)]
     # 0 and 1 on the device; 2 used as often as 0, 3 a little more: no swap pays for its move
     tier.counts[:] = [10, 30, 10, 12, 0, 0, 0, 0]
-    t.rebalance(tier)
+    t.rebalance()
     assert tier.device.tolist() == [True, True] + [False] * 6 and t.moves == 0
     # 3 well past 0: those two swap, 1 stays
     tier.counts[:] = [10, 30, 10, 40, 0, 0, 0, 0]
-    t.rebalance(tier)
+    t.rebalance()
     assert np.flatnonzero(tier.device).tolist() == [1, 3] and t.moves == 2
+
+
+def test_moves_come_in_one_batch_per_move_every_tokens_right_after_a_step():
+    # three banks, a decode that uses experts 5 and 6 of each: their moves come as one batch (one
+    # placement of the device's leavers, one of its comers), at the first call of the
+    # MOVE_EVERY-th token, before that call's own compute; no other placement between
+    placer = Recorder()
+    t = tiers.Tiers(placer, device_bytes=3 * 2 * 1000, host_bytes=3 * 6 * 1000)
+    banks = [_PlacedBank(8, address=j * 10**6) for j in range(3)]
+    t.plan(banks)
+    t.drain()
+    first = len(placer.placed)
+    asked = []  # one entry a placement job's half
+    placer.place = lambda ranges, on_device: asked.append(on_device) or Recorder.place(
+        placer, ranges, on_device
+    )
+    seen = []  # (layer, batches issued) at each layer call's compute
+    calls = [
+        t.caller(b, lambda x, i, j=j: seen.append((j, t.batches)) or i) for j, b in enumerate(banks)
+    ]
+    hot = mx.array([[5, 6]], dtype=mx.uint32)
+    for token in range(1, 3 * tiers.MOVE_EVERY + 1):
+        for call in calls:
+            call(None, hot)
+        t.drain()
+        # a batch only at tokens MOVE_EVERY, 2 * MOVE_EVERY, ... (and only where a swap pays)
+        assert t.batches == (1 if token >= tiers.MOVE_EVERY else 0), token
+    # the batch was issued before the first layer's call of its token computed
+    assert (0, 1) in seen and seen.index((0, 1)) == tiers.MOVE_EVERY * 3 - 3
+    assert asked == [False, True]  # out of the device, then in: one job for the three banks
+    moved = placer.placed[first:]  # 0 and 1 of each bank out, 5 and 6 in
+    assert [(a % 10**6 // 1000, on) for a, _, on in moved] == [(0, False), (1, False)] * 3 + [
+        (5, True), (6, True)] * 3
+    assert t.summary()["tier_moves_per_token"] == pytest.approx(12 / (3 * tiers.MOVE_EVERY))
+
+
+def test_a_routing_shift_moves_the_device_tier_within_32_tokens():
+    # a decode that used experts 0-3 of 16 long enough to hold them (steady counts), then 8-11:
+    # the device tier (4 experts) holds 8-11 within 32 tokens of the shift
+    t = tiers.Tiers(Recorder(), device_bytes=4 * 1000, host_bytes=12 * 1000)
+    bank = _Bank(16)
+    t.plan([bank])
+    tier = t.banks[id(bank)]
+    call = t.caller(bank, lambda x, i: i)
+    for _ in range(64):
+        call(None, mx.array([[0, 1, 2, 3]], dtype=mx.uint32))
+    assert tier.counts[:4].min() > 10 * tier.counts[4:].max()
+    shifted = mx.array([[8, 9, 10, 11]], dtype=mx.uint32)
+    for token in range(1, 101):
+        call(None, shifted)
+        if np.flatnonzero(tier.device).tolist() == [8, 9, 10, 11]:
+            break
+    assert token <= 32, token
 
 
 def test_the_stats_line_names_both_tiers(q3):
@@ -171,6 +280,7 @@ def test_the_stats_line_names_both_tiers(q3):
     decode(model, tokens)
     line = report.stats_line(model.expert_streaming)
     assert "tiers: device" in line and "host" in line and "read in place" in line
+    assert "a token in" in line and "prompt calls over device copies" in line
     assert "two tiers" in report.choice_line(model.expert_streaming)
 
 

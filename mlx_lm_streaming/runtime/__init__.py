@@ -6,7 +6,8 @@ layer call that computes with them.
 - the cache: ``policy`` (slot tables, eviction), ``bank`` (a layer's slot bank and its writes),
   ``expert_cache`` (the byte budget over all banks), ``prefetch`` and ``lookahead`` (reads ahead),
   ``host_views`` and ``cuda_copy`` (the ways into slot memory), ``counters``; on mlx-cuda
-  ``tiers`` (every expert across device and host memory, placed by ``cuda_placer``) or below that
+  ``tiers`` (every expert across device and host memory, placed by ``cuda_placer``; a long prompt's
+  calls over a device copy of their bank, ``device_copy``) or below that
   ``host_cache`` (host slots between the banks and disk);
 - the layer call: ``switch`` (the drop-in ``SwitchGLU`` / ``SwitchMLP``), ``schedules``,
   ``verified_step`` (and ``step_caches``, the cache entries it puts back), ``layer_major`` (the

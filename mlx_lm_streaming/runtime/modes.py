@@ -27,7 +27,7 @@ chose it (``ExpertCache.running``), and ``PER_LAYER`` between calls. The modes:
 
 from threading import get_ident
 
-from . import schedules
+from . import device_copy, schedules
 
 
 class Mode:
@@ -50,6 +50,8 @@ class Mode:
         # left to do)
         if not cache.planned or get_ident() not in cache.callers:
             cache.enter_call()  # before the choice: a second calling thread turns direct reads off
+        if cache.tiers is not None:  # two tiers: a prompt's call completes its bank first
+            device_copy.complete(bank, indices)
         return schedules.choose(layer, x, indices).run()
 
     def layer_call(self, i: int, call, args, kwargs):

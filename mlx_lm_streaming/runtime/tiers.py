@@ -11,11 +11,13 @@ device, for the host tier) and ``cudaMemPrefetchAsync`` moves them there on a st
 The GPU reads a host-tier expert over the bus inside the kernel; the bytes, the arrays and the
 kernels are stock's, so results are bit-identical wherever the pages are.
 
-The device tier follows the routing (``Tiers``): every layer call's expert ids are kept, and every
-``MOVE_EVERY`` calls of a bank those that mlx-lm has evaluated are read (no extra sync) and counted
-with a decay; the bank's hottest experts by that count are placed on the device and the others on
-the host, in the background, an expert displacing a colder one only by a margin. A move changes
-where bytes live, never what they are.
+The device tier follows the decode's routing (``Tiers``): every decode call's expert ids are kept;
+every ``MOVE_EVERY`` tokens, at a step's first layer call (right after mlx-lm launched the step
+before: the device is busy, not waiting), the ids mlx-lm has evaluated are read (no extra sync)
+and counted with a decay, every bank's hottest experts chosen for the device (by a margin), and
+the moves of all the banks issued as one batch, in the background. A prompt's calls are neither
+counted nor moved for: they run over a device copy of their bank (``device_copy``). A move
+changes where bytes live, never what they are.
 
 Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
 what it was asked. The option is refused off CUDA (``options``: unified memory, where the cache
@@ -27,19 +29,20 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from . import device_copy
 from .sizes import decimal_gb, gb_as_given
 
-# a bank's calls: every call's ids are kept (a reference: no host work), and every MOVE_EVERY-th
-# call those mlx-lm has evaluated (all but the last READ_LAG) are counted at once and the device
-# tier re-chosen; counts decay by DECAY at each choice; an expert takes a device slot from a colder
-# one only where its count beats that one's by SWAP_RATIO and SWAP_MIN (no churn between near ties:
-# measured on the H200, 1,400-1,800 moves in 500 tokens without it)
-MOVE_EVERY = 16
-DECAY = 0.8
+# decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
+# before its first call's ids are kept, those mlx-lm has evaluated (all but each bank's last
+# READ_LAG) are counted, decayed by DECAY, and every bank's device tier re-chosen, the moves issued
+# as one batch (a shift moves the device tier at the second batch: within 2 * MOVE_EVERY tokens);
+# an expert takes a device slot from a colder one only where its count beats that one's by
+# SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without it)
+MOVE_EVERY = 8
+DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
-
 def device_slots(banks, device_bytes: int) -> List[int]:
     """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
     plan shares a budget (the same count each, then one more to layers in model order while what
@@ -65,6 +68,7 @@ class BankTier:
         self.device = np.zeros(bank.num_experts, dtype=bool)
         self.device[:on_device] = True  # no counts yet: the first experts
         self.pending: List = []  # the calls' ids arrays kept, not counted yet
+        self.calls = 0  # decode calls (a token each)
         self.uses = {"device": 0, "host": 0}  # counted uses each tier served
 
 
@@ -78,6 +82,9 @@ class Tiers:
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
         self.moves = 0  # experts moved between the tiers after the first placement
+        self.tokens = 0  # decode tokens: the most decode calls of any bank
+        self.batches = 0  # batches of moves issued (``rebalance``)
+        self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.error: Optional[str] = None  # the first placement the runtime refused, if any
         self._lock = threading.Lock()
         self._queue: List[tuple] = []
@@ -90,7 +97,7 @@ class Tiers:
         """The device tier's size per bank (``device_slots``), first placement queued."""
         for bank, n in zip(banks, device_slots(banks, self.device_bytes)):
             tier = self.banks[id(bank)] = BankTier(bank, n)
-            self._submit(bank, np.arange(bank.num_experts), tier.device.copy())
+            self._submit([(bank, np.arange(bank.num_experts), tier.device.copy())])
 
     def ranges(self, bank, experts) -> List[tuple]:
         """``(address, nbytes)`` of each expert's bytes in each part of the bank. On the calling
@@ -111,10 +118,17 @@ class Tiers:
             out += [(base + int(e) * per, per) for e in experts]
         return out
 
-    def _submit(self, bank, experts, on_device) -> None:
-        experts, on_device = np.asarray(experts), np.asarray(on_device)
+    def _submit(self, moves) -> None:
+        """``moves``: ``(bank, experts, on_device)`` each, placed as one job: every range out of
+        the device first, then every range in."""
         # the ranges taken here, on the model's thread; the worker only calls the runtime
-        jobs = [(flag, self.ranges(bank, experts[on_device == flag])) for flag in (False, True)]
+        jobs = []
+        for flag in (False, True):
+            ranges = []
+            for bank, experts, on_device in moves:
+                experts, on_device = np.asarray(experts), np.asarray(on_device)
+                ranges += self.ranges(bank, experts[on_device == flag])
+            jobs.append((flag, ranges))
         with self._lock:
             if self._closed:
                 return
@@ -156,29 +170,28 @@ class Tiers:
     # -- following the routing ----------------------------------------------------------------
 
     def caller(self, bank, glu):
-        """A complete bank's call (``LayerBank.complete_call``): the router's ids kept, then
-        stock's ``glu``; every ``MOVE_EVERY`` calls the kept ids counted and the tier re-chosen."""
+        """A complete bank's call (``LayerBank.complete_call``, ``StockGraph``): ``glu(x,
+        indices)``, stock's code over the bank. A decode call's ids are kept for the device
+        tier's count (``MOVE_EVERY``); a prompt's call (``device_copy.is_prompt``) is not
+        counted and runs over a device copy of the bank (``device_copy.run``)."""
         tier = self.banks.get(id(bank))
         if tier is None:
             return glu
-        pending, rebalance = tier.pending, self.rebalance
+        pending = tier.pending
 
         def call(x, indices):
+            if device_copy.is_prompt(bank, indices):
+                self.prompt_calls += 1
+                return device_copy.run(bank, glu, x, indices)
+            tier.calls += 1
+            if tier.calls > self.tokens:  # the step's first call: a token begins
+                self.tokens = tier.calls
+                if self.tokens % MOVE_EVERY == 0:
+                    self.rebalance()
             pending.append(indices)
-            if len(pending) >= MOVE_EVERY:
-                rebalance(tier)
             return glu(x, indices)
 
         return call
-
-    def note(self, bank, indices) -> None:
-        """A call of ``bank`` with the router's ``indices``, kept for the next count (``caller``
-        does the same inline)."""
-        tier = self.banks.get(id(bank))
-        if tier is not None:
-            tier.pending.append(indices)
-            if len(tier.pending) >= MOVE_EVERY:
-                self.rebalance(tier)
 
     def count(self, tier: BankTier) -> None:
         """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted."""
@@ -193,16 +206,30 @@ class Tiers:
         tier.uses["device"] += on
         tier.uses["host"] += len(ids) - on
 
-    def rebalance(self, tier: BankTier) -> None:
+    def rebalance(self) -> None:
+        """One batch: every bank's kept ids counted and its swaps chosen (``swaps``), the moves
+        of all the banks submitted as one job."""
+        moves = []
+        for tier in self.banks.values():
+            changed = self.swaps(tier)
+            if len(changed):
+                moves.append((tier.bank, changed, tier.device[changed]))
+        if moves:
+            self.batches += 1
+            self._submit(moves)
+
+    def swaps(self, tier: BankTier) -> np.ndarray:
         """The kept ids counted; then the hottest experts outside the device tier swap places
         with the coldest in it, pair by pair, while the one coming in beats the one going out by
-        ``SWAP_RATIO`` and ``SWAP_MIN``; only the experts that swap move."""
+        ``SWAP_RATIO`` and ``SWAP_MIN``: the experts that swap (``tier.device`` says where each
+        goes)."""
         self.count(tier)
         counts = tier.counts
         n = tier.capacity
+        none = np.zeros(0, dtype=np.int64)
         if n in (0, len(counts)) or not counts.any():
             counts *= DECAY
-            return
+            return none
         inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
         cold = inside[np.argsort(counts[inside], kind="stable")]
         hot = outside[np.argsort(-counts[outside], kind="stable")]
@@ -213,12 +240,11 @@ class Tiers:
             k += 1
         counts *= DECAY
         if not k:
-            return
-        changed = np.concatenate([cold[:k], hot[:k]])
+            return none
         tier.device[cold[:k]] = False
         tier.device[hot[:k]] = True
         self.moves += 2 * k
-        self._submit(tier.bank, changed, tier.device[changed])
+        return np.concatenate([cold[:k], hot[:k]])
 
     # -- the figures -------------------------------------------------------------------------
 
@@ -250,6 +276,9 @@ class Tiers:
             "tier_device_share": on / (on + off) if on + off else float("nan"),
             "tier_sampled_uses": on + off,
             "tier_moves": self.moves,
+            "tier_moves_per_token": self.moves / self.tokens if self.tokens else 0.0,
+            "tier_move_batches": self.batches,
+            "tier_prompt_calls": self.prompt_calls,
             "tier_error": self.error,
             "tier_placed": self.check(),
         }

@@ -13,6 +13,9 @@ class StockGraph(Schedule):
 
     def run(self):
         tiers = self.bank.cache.tiers
-        if tiers is not None:  # two tiers: the ids kept for the device tier's count (``tiers``)
-            tiers.note(self.bank, self.indices)
-        return self.kernel(self.x, self.indices, None, self.bank)
+        if tiers is not None:  # two tiers: counted, or a prompt's over a device copy (``tiers``)
+            return tiers.caller(self.bank, self.call)(self.x, self.indices)
+        return self.call(self.x, self.indices)
+
+    def call(self, x, indices):
+        return self.kernel(x, indices, None, self.bank)
