@@ -34,18 +34,17 @@ instead. Which decode calls are verified steps: ``runner.StepRunner``.
 """
 
 from threading import get_ident
-from time import perf_counter
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import costs, schedules
+from . import schedules, share_limits
 from .bank import load_together
 from .modes import Mode
 from .step_caches import StepCaches
 
-MISSED_WEIGHT = costs.MISSED_WEIGHT  # (the running means' weight of the newest call)
+MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
 
 
 class _Again(Exception):
@@ -198,11 +197,8 @@ class VerifiedStep(Mode):
         start = tl.now()
         runner = self.runner
         guesses = self.named_after(first) if runner.together else []
-        # reads what is missing; counts the call's hits and misses (timed for ``costs``)
-        began = perf_counter()
+        # reads what is missing; counts the call's hits and misses
         load_together([(bank, experts, {})] + guesses)
-        runner.read_seconds += perf_counter() - began
-        runner.read_experts += len(experts) + sum(len(g[1]) for g in guesses)
         self.loaded.add(id(bank))
         tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
                 guessed=sum(len(g[1]) for g in guesses))
