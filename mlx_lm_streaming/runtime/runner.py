@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from threading import get_ident
 from typing import Optional
 
+import numpy as np
+
 from . import mlx_shims, share_limits
 from .modes import COMPLETE, PER_LAYER
 from .verified_step import VerifiedStep, _Again
@@ -245,12 +247,13 @@ class StepRunner:
         return held
 
     def check(self, held: Held) -> bool:
-        """Whether the held step found every expert resident (one host sync: its counts, which
-        were evaluated with its output); if so its host work is done now, while the next token
+        """Whether the held step found every expert resident (one host sync: its miss counts,
+        evaluated with its output); if so its host work is done now, while the next token
         computes. False: ``redo`` it."""
         step = held.step
         self.checked_late += 1
-        if step.missed():
+        counts = step.counts = np.array(step.held_counts, copy=False)  # (the one host sync)
+        if counts.any():
             return False
         self.verified += 1
         step.calls = []
