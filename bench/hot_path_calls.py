@@ -3,8 +3,8 @@
     PYTHONPATH=. python bench/hot_path_calls.py [--by-function]
 
 Prints JSON per case: calls into the package on the calling thread in one token (call and check),
-host µs to build a token's graph (syncs too) and to check it, stock's build beside, per MoE layer;
-a verified step's graph nodes against stock's. The cases: docs/benchmarks/methods.md.
+host µs to build a token's graph (syncs too) and to check it, stock's build beside, per MoE layer.
+The cases: docs/benchmarks/methods.md.
 """
 
 import argparse
@@ -61,22 +61,15 @@ def load(path, slots, verified_steps):
     return parity.load_streaming(path, tuning=tuning, expert_cache_gb=budget)[0]
 
 
-def nodes(*outputs):
-    """The primitives of the graph of ``outputs``, by name (``mx.export_to_dot``)."""
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *outputs)
-        return collections.Counter(line.split('"')[1] for line in f if "shape=rectangle" in line)
-
-
 def count(model, case, stock):
     """The calls of the first decode token of ``case`` after the warm-up, by function; host
-    seconds ``(build, check, stock's build)`` of the later ones; a verified step's graph nodes."""
+    seconds ``(build, check, stock's build)`` of the later ones."""
     runner, banks = model.expert_streaming.steps, model.expert_streaming.cache.banks
     kv, stock_kv, calls, times = make_prompt_cache(model), make_prompt_cache(stock), None, []
     mx.eval(model(PROMPT, cache=kv), stock(PROMPT, cache=stock_kv))
     for bank in banks if case == "complete" else ():  # every expert now, not by the fill
         bank.load(np.arange(bank.num_experts))
-    clean_before, graph = True, {}
+    clean_before = True
     for token in range(MAX_TOKENS):
         if case == "verified":  # as after tokens that missed nowhere (the CPU's rule), held
             runner.missed_share, runner.defer = 0.0, threading.get_ident()
@@ -87,8 +80,6 @@ def count(model, case, stock):
             t = [now(), model(x, cache=kv), now(), stock(x, cache=stock_kv), now()]
             runner.defer, held = None, runner.take_held() if case == "verified" else None
             arrays = [t[1], *(held.arrays() if held else ()), t[3]]  # (as checked_late's)
-            if held is not None and calls is None:
-                graph = {"ours": nodes(*arrays[:-1]), "stock": nodes(t[3])}
             t += [mx.eval(*arrays), now()]
             if held is not None and not runner.check(held):
                 runner.redo(held)
@@ -106,7 +97,7 @@ def count(model, case, stock):
         clean_before = clean
     if not times:
         raise RuntimeError(f"fewer than two decode tokens of case {case} in {MAX_TOKENS}")
-    return calls, np.median(times, axis=0), graph
+    return calls, np.median(times, axis=0)
 
 
 def main(argv=None):
@@ -120,15 +111,12 @@ def main(argv=None):
         stock = parity.load_stock(path)[0]
         for case, (slots, verified_steps) in CASES.items():
             model = load(path, slots, verified_steps)
-            calls, seconds, graph = count(model, case, stock)
+            calls, seconds = count(model, case, stock)
             result["moe_layers"] = layers = len(model.expert_streaming.cache.banks)
             result["per_moe_layer_call"][case] = round(sum(calls.values()) / layers, 1)
             us = dict(zip(("build", "check", "stock_build"), np.round(seconds * 1e6 / layers, 1)))
             us["ours_over_stock"] = round((us["build"] + us["check"]) / us["stock_build"], 2)
             result["host_us_per_moe_layer"][case] = us
-            if graph:  # (per MoE layer; what a verified step's graph has beyond stock's, in all)
-                n = {k: round(c.total() / layers, 1) for k, c in graph.items()}
-                result["graph_nodes"] = {**n, "beyond_stock": graph["ours"] - graph["stock"]}
             result["by_function"][case] = dict(sorted(calls.items(), key=lambda c: (-c[1], c[0])))
             model.expert_streaming.close()
     if not args.by_function:
