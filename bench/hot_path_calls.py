@@ -1,24 +1,23 @@
-"""The package's Python function calls per MoE layer call, on one decode token (issue 29, item 4).
+"""The package's Python calls and host time per MoE layer call of one decode token (issues 29, 46).
 
     PYTHONPATH=. python bench/hot_path_calls.py [--by-function]
 
-Prints JSON: for a verified step, a per-layer step that hit and one that missed, the calls into
-``mlx_lm_streaming`` code on the calling thread during one decode token, divided by the MoE layers
-(``--by-function``: each case's calls by function too); a 3-layer qwen3_moe checkpoint on the CPU.
-The counts are deterministic. Each case: docs/benchmarks/methods.md (hot_path_calls.py).
+Prints JSON per case: calls into the package on the calling thread in one token (call and check),
+host µs to build a token's graph (syncs too) and to check it, stock's build beside, per MoE layer.
+The cases: docs/benchmarks/methods.md.
 """
 
 import argparse
 import collections
 import contextlib
 import json
-import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from time import perf_counter as now
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the checkout's package, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's, not installed
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,14 +28,13 @@ from mlx_lm_streaming.runtime.expert_cache import CacheTuning  # noqa: E402
 from mlx_lm_streaming.tools import parity  # noqa: E402
 from synthetic import build_checkpoint  # noqa: E402
 
-PACKAGE = os.path.dirname(os.path.abspath(mlx_lm_streaming.__file__)) + os.sep
+PACKAGE = str(Path(mlx_lm_streaming.__file__).resolve().parent) + "/"
 PROMPT = mx.array([[3, 17, 42, 5, 9, 101, 7, 64]])
 MAX_TOKENS = 200
 # decode tokens before any is counted: first calls of a row count choose their kernel once
 WARMUP_TOKENS = 3
-# case -> (slots a layer, verified steps on)
 CASES = {"verified": (15, True), "per_layer_hit": (15, False), "per_layer_miss": (3, False),
-         "complete": (16, True)}  # (every bank complete: stock's graph)
+         "complete": (16, True)}  # case -> (slots a layer, verified steps on); complete: stock's
 
 
 @contextlib.contextmanager
@@ -58,57 +56,68 @@ def counting(calls):
 def load(path, slots, verified_steps):
     """The streaming model of ``path`` with ``slots`` slots a layer."""
     tuning = CacheTuning(verified_steps=verified_steps)
-    probe, _ = parity.load_streaming(path, tuning=tuning)
-    budget = parity.budget_of_slots(probe, slots)
-    probe.expert_streaming.close()
+    probe = parity.load_streaming(path, tuning=tuning)[0]
+    budget, _ = parity.budget_of_slots(probe, slots), probe.expert_streaming.close()
     return parity.load_streaming(path, tuning=tuning, expert_cache_gb=budget)[0]
 
 
-def count(model, case):
-    """The calls of the first decode token of ``case`` after the warm-up, by function."""
+def count(model, case, stock):
+    """The calls of the first decode token of ``case`` after the warm-up, by function; host
+    seconds ``(build, check, stock's build)`` of the later ones."""
     runner, banks = model.expert_streaming.steps, model.expert_streaming.cache.banks
-    kv = make_prompt_cache(model)
-    mx.eval(model(PROMPT, cache=kv))
-    if case == "complete":  # every expert read now, not by the background fill (timing-free)
-        for bank in banks:
-            bank.load(np.arange(bank.num_experts))
+    kv, stock_kv, calls, times = make_prompt_cache(model), make_prompt_cache(stock), None, []
+    mx.eval(model(PROMPT, cache=kv), stock(PROMPT, cache=stock_kv))
+    for bank in banks if case == "complete" else ():  # every expert now, not by the fill
+        bank.load(np.arange(bank.num_experts))
     clean_before = True
     for token in range(MAX_TOKENS):
-        if case == "verified":
-            runner.missed_share = 0.0  # as after tokens that missed nowhere (the CPU's rule)
+        if case == "verified":  # as after tokens that missed nowhere (the CPU's rule), held
+            runner.missed_share, runner.defer = 0.0, threading.get_ident()
         verified, replays, misses = runner.verified, runner.replays, [b.misses for b in banks]
-        stock = all(b.stock_call is not None for b in banks)  # every layer straight to stock's
-        calls = collections.Counter()
-        with counting(calls):
-            mx.eval(model(mx.array([[(37 * token + 11) % 512]]), cache=kv))
+        complete = all(b.stock_call is not None for b in banks)  # every layer straight to stock's
+        counted, x = collections.Counter(), mx.array([[(37 * token + 11) % 512]])
+        with counting(counted) if calls is None else contextlib.nullcontext():
+            t = [now(), model(x, cache=kv), now(), stock(x, cache=stock_kv), now()]
+            runner.defer, held = None, runner.take_held() if case == "verified" else None
+            arrays = [t[1], *(held.arrays() if held else ()), t[3]]  # (as checked_late's)
+            t += [mx.eval(*arrays), now()]
+            if held is not None and not runner.check(held):
+                runner.redo(held)
+        t.append(now())
         missed = [b.misses > m for b, m in zip(banks, misses)]
         # a verified step that found every expert resident, after one that did too (its host work
         # is done at the next token's check: the token counted does one step's worth of it)
         clean = runner.verified == verified + 1 and runner.replays == replays and not any(missed)
         found = {"verified": clean and clean_before, "per_layer_hit": not any(missed),
-                 "per_layer_miss": all(missed), "complete": stock}[case]  # fmt: skip
-        if token >= WARMUP_TOKENS and found:
-            return dict(calls)
+                 "per_layer_miss": all(missed), "complete": complete}[case]  # fmt: skip
+        if token >= WARMUP_TOKENS and found and calls is not None:
+            times.append((t[2] - t[0], t[7] - t[6], t[4] - t[2]))  # build, check, stock's build
+        elif token >= WARMUP_TOKENS and found:
+            calls = dict(counted)
         clean_before = clean
-    raise RuntimeError(f"no decode token of case {case} within MAX_TOKENS tokens")
+    if not times:
+        raise RuntimeError(f"fewer than two decode tokens of case {case} in {MAX_TOKENS}")
+    return calls, np.median(times, axis=0)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--by-function", action="store_true")
     args = parser.parse_args(argv)
-    result = {"per_moe_layer_call": {}, "by_function": {}}
+    result = {"per_moe_layer_call": {}, "host_us_per_moe_layer": {}, "by_function": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "q3"
         build_checkpoint(path, "qwen3_moe", "affine4", num_layers=3, overrides={"experts": 16})
+        stock = parity.load_stock(path)[0]
         for case, (slots, verified_steps) in CASES.items():
             model = load(path, slots, verified_steps)
-            calls = count(model, case)
-            layers = len(model.expert_streaming.cache.banks)
+            calls, seconds = count(model, case, stock)
+            result["moe_layers"] = layers = len(model.expert_streaming.cache.banks)
             result["per_moe_layer_call"][case] = round(sum(calls.values()) / layers, 1)
-            result["moe_layers"] = layers
-            ranked = sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))
-            result["by_function"][case] = dict(ranked)
+            us = dict(zip(("build", "check", "stock_build"), np.round(seconds * 1e6 / layers, 1)))
+            us["ours_over_stock"] = round((us["build"] + us["check"]) / us["stock_build"], 2)
+            result["host_us_per_moe_layer"][case] = us
+            result["by_function"][case] = dict(sorted(calls.items(), key=lambda c: (-c[1], c[0])))
             model.expert_streaming.close()
     if not args.by_function:
         del result["by_function"]

@@ -20,7 +20,7 @@ from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from synthetic import build_checkpoint
 
 STEPS = 20
-# a verified step wherever one may run, whatever the measured costs say (``costs.way``), held
+# a verified step wherever one may run, whatever the share limits say (``share_limits.way``), held
 # for a late check whatever the share of tokens that missed
 ALWAYS = CacheTuning(verify_choice="always", checked_late=1.0)
 

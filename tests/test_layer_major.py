@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.runtime import costs
+from mlx_lm_streaming.runtime import share_limits
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.runner import StepRunner
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
@@ -147,9 +147,8 @@ def test_layer_major_prefill_reads_each_uncached_expert_once(small_experts, arch
 
     generate = sys.modules["mlx_lm.generate"]
     if limits == "gpu":  # a GPU's choice of steps: verified whatever the misses (read together)
-        monkeypatch.setattr(costs, "CHOICE", {})  # (by the limits: the chooser is opt-in there)
-        monkeypatch.setattr(costs, "MAX_MISSED_SHARE", {})
-        monkeypatch.setattr(costs, "CLEAN_TOKEN_RETRIES", {})
+        monkeypatch.setattr(share_limits, "MAX_MISSED_SHARE", {})
+        monkeypatch.setattr(share_limits, "CLEAN_TOKEN_RETRIES", {})
     path = small_experts(arch)
     prompt = mx.array(PROMPTS[prompt])
     tuning = None if sets else replace(CacheTuning(), layer_sets=False)

@@ -83,7 +83,7 @@ def hybrid_paths(tmp_path_factory):
     return Paths()
 
 
-# a verified step wherever one may run, whatever the measured costs say (``costs.way``)
+# a verified step wherever one may run, whatever the share limits say (``share_limits.way``)
 ALWAYS = CacheTuning(verify_choice="always")
 
 

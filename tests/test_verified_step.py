@@ -20,14 +20,15 @@ from support import (
     with_slots,
 )
 
-from mlx_lm_streaming.runtime import costs, mlx_shims, verified_step
+from mlx_lm_streaming.errors import ConfigurationError
+from mlx_lm_streaming.runtime import mlx_shims, report, share_limits, verified_step
 from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.modes import PER_LAYER, Mode
 from mlx_lm_streaming.runtime.runner import StepRunner
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
-# a verified step wherever one may run, whatever the measured costs say (``costs.way``)
+# a verified step wherever one may run, whatever the share limits say (``share_limits.way``)
 ALWAYS = CacheTuning(verify_choice="always")
 
 
@@ -114,6 +115,28 @@ def test_a_token_that_missed_nowhere_tries_a_verified_step_on_gpus(q3_path, retr
             clean += 1
             assert (runner.missed_share <= runner.limit()) == retries
     assert clean > 0
+
+
+@pytest.mark.parametrize("choice, words", [("costs", "is retired: the measured-cost chooser"),
+                                           ("sometimes", "is none of limits, always")])
+def test_a_retired_or_unknown_decode_choice_is_refused_by_name(q3_path, choice, words):
+    # (issue 46: the measured-cost chooser left the package; its value is named, not a traceback)
+    with pytest.raises(ConfigurationError, match=f"verify_choice '{choice}' {words}"):
+        with_slots(q3_path, 15, tuning=CacheTuning(verify_choice=choice))
+
+
+def test_the_stats_say_how_decode_calls_chose(q3_path):
+    for choice, how in (("limits", "by share limits"), ("always", "by verified wherever possible")):
+        model = with_slots(q3_path, 4, tuning=CacheTuning(verify_choice=choice))
+        decode(model, PROMPT[None], steps=6)
+        state = model.expert_streaming
+        stats = state.stats()
+        assert stats["decode_choice"] == choice and "decode_costs" not in stats
+        verified, per_layer = stats["verified_steps"], stats["per_layer_decodes"]
+        assert verified + per_layer == 6
+        line = f"decode calls: {verified} verified steps, {per_layer} per layer ({how})"
+        assert line in report.layers_table(state)
+        state.close()
 
 
 def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
@@ -263,9 +286,9 @@ def test_reading_together_lets_gpus_verify_whatever_the_misses(
     # step. Read layer by layer, the running share of layers that missed passes the GPU's limit
     # and calls fall back to the per-layer schedule; so do they, read together, under a limit of
     # 0. Exact every way
-    monkeypatch.setattr(costs, "MAX_MISSED_SHARE", {})
+    monkeypatch.setattr(share_limits, "MAX_MISSED_SHARE", {})
     if given is not None:
-        monkeypatch.setattr(costs, "MAX_MISSED_SHARE_TOGETHER_GPU", given)
+        monkeypatch.setattr(share_limits, "MAX_MISSED_SHARE_TOGETHER_GPU", given)
     tokens, want = varied
     tuning = CacheTuning(read_misses_together=together, verify_choice="limits")
     model = with_slots(q3_path, 2, tuning=tuning)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..errors import ConfigurationError, ExpertIOError
-from . import costs, moving_budget
+from . import moving_budget, share_limits
 from .bank import LayerBank
 from .counters import CacheStats
 from .index import LayerExperts, natural_key
@@ -401,7 +401,7 @@ class ExpertCache:
             "other_seconds": max(0.0, span - s.io_wait_seconds - s.install_seconds),
             "cache_gb": self.resident_bytes / 1e9,
             "complete_layers": sum(b.complete for b in self.banks),
-            **costs.summary(self.steps),
+            **share_limits.summary(self.steps),
             "per_layer": [b.summary() for b in self.banks],
             **(t.summary() if (t := self.tiers or self.host_cache) is not None else {}),
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),

@@ -166,10 +166,10 @@ def marks(cache) -> dict:
     if cache is None:
         return {}
     arrays = _cache_class("ArraysCache")
-    return {
-        id(c): None if c is None else list(c.cache) if type(c) is arrays else c.offset
-        for c in cache
-    }
+    marked = {}
+    for c in cache:  # (a loop: on Python 3.11 a comprehension is a call, once per decode token)
+        marked[id(c)] = None if c is None else list(c.cache) if type(c) is arrays else c.offset
+    return marked
 
 
 def put_back(entry, marked) -> None:

@@ -136,29 +136,13 @@ def _long_prompts(state) -> str:
 
 def _decode_part(s) -> str:
     """``--streaming-stats layers``' first line: how many decode-sized calls ran as verified steps
-    and per layer, how that was chosen, and the costs measured for the choice
-    (``costs.DecodeCosts``). The default line leaves it out: it is the runtime's own words."""
+    and per layer, and how that was chosen (``share_limits``). The default line leaves it out: it
+    is the runtime's own words."""
     verified, per_layer = s.get("verified_steps", 0), s.get("per_layer_decodes", 0)
     if not verified + per_layer:
         return ""
-    part = f"decode calls: {verified} verified steps, {per_layer} per layer"
-    c = s.get("decode_costs")
-    if c is None:
-        how = {"always": "verified wherever possible"}.get(s.get("decode_choice"), "share limits")
-        return part + f" (by {how})"
-    ms = [
-        f"{what} {c[key] * 1e3:.3f} ms" if c[key] is not None else f"{what} n/a"
-        for what, key in (("host sync", "sync"), ("MoE layer", "layer"),
-                          ("read", "read_per_layer"))
-    ]  # fmt: skip
-    limit = c["limit"]
-    if limit is None or limit < 0:
-        upto = "never"
-    elif limit >= 1:
-        upto = "whatever the misses"
-    else:
-        upto = f"while at most {limit:.1%} of MoE layers miss"
-    return part + f" (by measured costs: {', '.join(ms)} an expert; verified steps {upto})"
+    how = {"always": "verified wherever possible"}.get(s.get("decode_choice"), "share limits")
+    return f"decode calls: {verified} verified steps, {per_layer} per layer (by {how})"
 
 
 def _read_split(s) -> str:

@@ -5,9 +5,8 @@ cache (``modes``; ``ExpertCache.install``) for its length: stock's graph where e
 (``modes.COMPLETE``), a verified step (``verified_step.VerifiedStep``) or each layer on its own
 (``modes.PER_LAYER``). It chooses verified steps for calls of up to
 ``VERIFY_MAX_TOKENS`` tokens, over caches that can be rewound, on one calling thread, outside
-pipeline stages, while recent tokens missed in few enough layers: by share limits
-(``costs.MAX_MISSED_SHARE``, the default) or by this run's measured costs (``costs.DecodeCosts``,
-opt-in: ``costs.CHOICE`` says why); the per-layer schedule otherwise (prefill, cold caches).
+pipeline stages, while recent tokens missed in few enough layers (``share_limits``); the
+per-layer schedule otherwise (prefill, cold caches).
 
 A verified step may also be held (``defer``, set by ``checked_late.generate`` around one decode
 call): its forward is built and handed back unchecked, with the arrays its check reads
@@ -19,10 +18,11 @@ call): its forward is built and handed back unchecked, with the arrays its check
 import operator
 from dataclasses import dataclass
 from threading import get_ident
-from time import perf_counter
 from typing import Optional
 
-from . import costs, mlx_shims
+import numpy as np
+
+from . import mlx_shims, share_limits
 from .modes import COMPLETE, PER_LAYER
 from .verified_step import VerifiedStep, _Again
 
@@ -34,17 +34,13 @@ _MISSES = operator.attrgetter("misses")
 
 @dataclass
 class Held:
-    """A verified step handed back unchecked (``StepRunner.defer``): its mode, the call to run
-    again on a miss, and what the call's time and reads were when it started (``costs``)."""
+    """A verified step handed back unchecked (``StepRunner.defer``): its mode, and the call to
+    run again on a miss."""
 
     step: VerifiedStep
     call: object
     args: tuple
     kwargs: dict
-    seconds: float  # the forward's building
-    replays: int
-    reads: float
-    experts: int
 
     def arrays(self) -> list:
         """What to evaluate with the call's output: the miss counts and the ids its check reads."""
@@ -63,15 +59,13 @@ class StepRunner:
         self.missed_share = self.missed_tokens = 0.0
         # calls run as verified steps; layers run again; calls run again whole; calls per layer
         self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
-        self.read_seconds, self.read_experts = 0.0, 0  # the verified steps' loads (``costs``)
-        # how a decode call's mode is chosen (``costs.way``), the costs measured for it, and
-        # whether a token that missed nowhere brings the running share down to the limit
-        tuning = state.cache.tuning
-        self.choice, self.costs, limit, self.clean_retries = costs.way(
-            tuning.verify_choice, state.selector.backend, tuning.verified_steps
+        # how a decode call's mode is chosen (``share_limits.way``), and whether a token that
+        # missed nowhere brings the running share down to the limit
+        self.choice, limit, self.clean_retries = share_limits.way(
+            state.cache.tuning.verify_choice, state.selector.backend
         )
         if limit is not None:
-            self.limit = limit  # (by costs, a bound method: one call per decode call)
+            self.limit = limit
         # the last verified step found complete, whose host work (``commit``) is still to do
         self.pending: Optional[VerifiedStep] = None
         # whether a miss reads the experts the pass beyond it named too (``load_together``), and
@@ -134,35 +128,27 @@ class StepRunner:
             self.flush()
             return call(*args, **kwargs)
         if not self.moe:
-            self.start()
-        start = perf_counter()
+            self.moe = max(1, len(cache.banks))
         if self.per_layer_calls or not self._may_verify(tokens, kv):
             self.per_layer_calls = max(0, self.per_layer_calls - 1)
             if self.pending is not None:
                 self.flush()
-            stats = cache.stats
             banks = cache.banks
             before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
-            misses, waited = stats.misses, stats.io_wait_seconds + stats.install_seconds
             out = call(*args, **kwargs)
             missed = sum(map(operator.gt, map(_MISSES, banks), before))
             self.per_layer_decodes += 1
-            seconds = perf_counter() - start
-            waited = stats.io_wait_seconds + stats.install_seconds - waited
-            costs.note_call(self, missed, False, seconds, waited, stats.misses - misses)
+            share_limits.note_call(self, missed, False)
             return out
-        return self._verified(call, args, kwargs, kv, tokens, start)
-
-    def start(self) -> None:
-        """At the first decode-sized call: the MoE layers counted, the costs' probe taken."""
-        self.moe = max(1, len(self.state.cache.banks))
-        if self.costs is not None:
-            self.costs.start(self.moe)
+        return self._verified(call, args, kwargs, kv, tokens)
 
     def limit(self) -> float:
         """The running share of layers that missed up to which calls may be verified steps."""
-        gpu = costs.MAX_MISSED_SHARE_TOGETHER_GPU if self.together else costs.MAX_MISSED_SHARE_GPU
-        return costs.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
+        if self.together:
+            gpu = share_limits.MAX_MISSED_SHARE_TOGETHER_GPU
+        else:
+            gpu = share_limits.MAX_MISSED_SHARE_GPU
+        return share_limits.MAX_MISSED_SHARE.get(self.state.selector.backend, gpu)
 
     def defers(self, kv) -> bool:
         """Whether the next one-token call over ``kv`` would be a verified step that can be held
@@ -198,7 +184,7 @@ class StepRunner:
             return moe
         return max(1, round(moe / (1 + self.missed_share * moe)))
 
-    def _verified(self, call, args, kwargs, kv, tokens, start, held: Optional[Held] = None):
+    def _verified(self, call, args, kwargs, kv, tokens, held: Optional[Held] = None):
         """A verified step of this call, checked after its forward (or handed back unchecked,
         ``defer``); ``held``: a held step that missed, run again from the layer that missed
         (``redo``), its forward not run again here."""
@@ -206,11 +192,8 @@ class StepRunner:
         if held is None:
             cache.enter_call()  # (for every layer call of the step: ``StreamingSwitchGLU``)
             step = VerifiedStep(self, kv, tokens, self.every())
-            replays, reads, experts = self.replays, self.read_seconds, self.read_experts
-            seconds = 0.0
         else:
             step = held.step
-            replays, reads, experts, seconds = held.replays, held.reads, held.experts, held.seconds
         if not cache.install(step):  # another thread's call runs: this one per layer
             if held is not None:
                 step.caches.rewind_all()  # (every entry as it was before the step)
@@ -224,8 +207,7 @@ class StepRunner:
                 out = call(*args, **kwargs)
             if step.kept and hold:
                 step.hold()
-                seconds = perf_counter() - start
-                self.held = Held(step, call, args, kwargs, seconds, replays, reads, experts)
+                self.held = Held(step, call, args, kwargs)
                 return out
             if step.kept:
                 self.verified += 1
@@ -252,14 +234,10 @@ class StepRunner:
         finally:
             if cache.mode is step:
                 cache.mode = PER_LAYER
-        if missed is not None:
-            costs.note_call(self, missed, True, again=True)
-            return out
-        # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
-        missed = len(step.loaded | step.guessed.keys())
-        reads, experts = self.read_seconds - reads, self.read_experts - experts
-        seconds += perf_counter() - start
-        costs.note_call(self, missed, True, seconds, reads, experts, self.replays - replays)
+        if missed is None:
+            # the MoE layers that missed: those loaded, and those a pass beyond a miss found missing
+            missed = len(step.loaded | step.guessed.keys())
+        share_limits.note_call(self, missed, True)
         return out
 
     def take_held(self) -> Optional[Held]:
@@ -269,22 +247,20 @@ class StepRunner:
         return held
 
     def check(self, held: Held) -> bool:
-        """Whether the held step found every expert resident (one host sync: its counts, which
-        were evaluated with its output); if so its host work is done now, while the next token
-        computes, and its costs noted. False: ``redo`` it."""
-        start = perf_counter()
+        """Whether the held step found every expert resident (one host sync: its miss counts,
+        evaluated with its output); if so its host work is done now, while the next token
+        computes. False: ``redo`` it."""
         step = held.step
         self.checked_late += 1
-        if step.missed():
+        counts = step.counts = np.array(step.held_counts, copy=False)  # (the one host sync)
+        if counts.any():
             return False
         self.verified += 1
         step.calls = []
         if self.pending is not None:
             self.flush()
         step.commit(self.state.cache)  # (the next step's graph is built: nothing evicts between)
-        seconds = held.seconds + perf_counter() - start
-        reads, experts = self.read_seconds - held.reads, self.read_experts - held.experts
-        costs.note_call(self, 0, True, seconds, reads, experts, self.replays - held.replays)
+        share_limits.note_call(self, 0, True)
         return True
 
     def redo(self, held: Held):
@@ -292,7 +268,7 @@ class StepRunner:
         missing (or again whole, per layer), as an unheld step is: its output. The caller has
         taken back what came after it (its caches, pending work that reads the slots)."""
         step = held.step
-        out = self._verified(held.call, held.args, held.kwargs, None, 0, perf_counter(), held)
+        out = self._verified(held.call, held.args, held.kwargs, None, 0, held)
         if self.pending is step:  # (its host work now: nothing of the next token is built)
             self.flush()
         return out

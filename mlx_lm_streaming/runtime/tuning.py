@@ -38,9 +38,8 @@ class CacheTuning:
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # how a decode-sized call chooses between a verified step and the per-layer schedule
-    # (``costs.CHOICES``): "costs", by this run's measured costs (``costs.py``); "limits",
-    # by the per-backend limits on the share of MoE layers that missed; "always", a verified step
-    # wherever one may run; None: the backend's default (``costs.CHOICE``)
+    # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
+    # that missed; "always", a verified step wherever one may run; None: "limits"
     verify_choice: Optional[str] = None
     # with direct reads, a load of at most this many experts spreads each expert's ranges over the
     # store's readers; a load of more reads each expert on its own demand thread alone (fewer

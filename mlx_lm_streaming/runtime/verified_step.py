@@ -33,19 +33,20 @@ written outside them), a miss puts every cache entry back and runs the whole cal
 instead. Which decode calls are verified steps: ``runner.StepRunner``.
 """
 
+from operator import itemgetter
 from threading import get_ident
-from time import perf_counter
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import costs, schedules
+from . import schedules, share_limits
 from .bank import load_together
 from .modes import Mode
 from .step_caches import StepCaches
 
-MISSED_WEIGHT = costs.MISSED_WEIGHT  # (the running means' weight of the newest call)
+MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
+_FLAT, _SIZE = itemgetter(2), itemgetter(3)  # (a kept call's flat ids, its size: C, no frame)
 
 
 class _Again(Exception):
@@ -78,11 +79,11 @@ class VerifiedStep(Mode):
         # each got a cache entry of its own or none (``StepCaches.claim``) and took the output of
         # the layer before as its input
         self.replayable = self.layers > 0
-        # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
-        # experts as the call saw it), lazy
+        # MoE calls not yet checked: (decoder layer, bank, ids flattened, the bank's device map of
+        # missing experts as the call saw it), lazy
         self.calls: List[tuple] = []
-        # id(bank) -> (bank, ids) of the call kept for each MoE layer; banks whose experts a load
-        # in this step made resident (counted there)
+        # id(bank) -> (bank, ids, ids flattened, their count) of the call kept for each MoE layer;
+        # banks whose experts a load in this step made resident (counted there)
         self.kept: Dict[int, tuple] = {}
         self.loaded: set = set()
         # the kept calls' ids, concatenated in the order of ``kept`` (set by the check after the
@@ -95,6 +96,8 @@ class VerifiedStep(Mode):
         self.guesses_read = False
         # a held step's miss counts (``hold``), lazy until ``missed`` or the first check reads them
         self.held_counts: Optional[mx.array] = None
+        # the stream its layers' work is submitted to (``LayerBank.last_stream``)
+        self.stream = mx.default_stream(mx.default_device())
 
     def moe_call(self, layer, x, indices):
         """Chosen for a bank with slots and a kernel that takes the ids on the device: the
@@ -111,7 +114,6 @@ class VerifiedStep(Mode):
             return Mode.moe_call(self, layer, x, indices)
         tl = cache.timeline
         start = tl.now()
-        indices = mx.stop_gradient(indices)
         with bank.lock:
             if bank.identity and bank.staged:
                 # the fill's reads that landed: into slots no resident expert has, which no pending
@@ -124,9 +126,10 @@ class VerifiedStep(Mode):
             else:
                 slots, missing = bank.device_map()
             y = kernel(x, slots[indices], None, bank)
-        self.calls.append((self.layer, bank, indices, missing))
-        self.kept[id(bank)] = (bank, indices)
-        bank.last_stream = mx.default_stream(mx.default_device())
+        flat = indices.reshape(-1)  # (one reshape for the check's counts and ``commit``'s ids)
+        self.calls.append((self.layer, bank, flat, missing))
+        self.kept[id(bank)] = (bank, indices, flat, flat.size)
+        bank.last_stream = self.stream
         # its ids are not on the host: its experts and misses are the step's to count
         tl.layer(start, bank.path, indices.size // indices.shape[-1], verified=True)
         return y
@@ -198,11 +201,8 @@ class VerifiedStep(Mode):
         start = tl.now()
         runner = self.runner
         guesses = self.named_after(first) if runner.together else []
-        # reads what is missing; counts the call's hits and misses (timed for ``costs``)
-        began = perf_counter()
+        # reads what is missing; counts the call's hits and misses
         load_together([(bank, experts, {})] + guesses)
-        runner.read_seconds += perf_counter() - began
-        runner.read_experts += len(experts) + sum(len(g[1]) for g in guesses)
         self.loaded.add(id(bank))
         tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
                 guessed=sum(len(g[1]) for g in guesses))
@@ -233,13 +233,8 @@ class VerifiedStep(Mode):
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
         check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
         ``commit``, the miss counts)."""
-        self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
+        self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
         self.held_counts = miss_counts(self.calls) if self.calls else mx.zeros((1,), mx.int32)
-
-    def missed(self) -> bool:
-        """Whether a held step's forward found an expert missing (one host sync)."""
-        self.counts = np.array(self.held_counts, copy=False)
-        return bool(self.counts.any())
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -251,7 +246,7 @@ class VerifiedStep(Mode):
             return int(hit[0]) if len(hit) else None
         pending = ()
         if out is not None:
-            self.ids = mx.concatenate([i.reshape(-1) for _, i in self.kept.values()])
+            self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
             pending = (out, self.ids)
         if not self.calls:
             if pending:
@@ -272,18 +267,23 @@ class VerifiedStep(Mode):
         counted as hits (unless a load in this step counted them), the routing recorded, identity
         banks' fill asked for."""
         hits = misses = named = used = 0
-        # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
+        kept = self.kept
+        # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``); each
+        # call's distinct experts from one ``np.unique`` over all of them (call j's ids offset by
+        # j << 32), not one per layer
         flat = np.array(self.ids, copy=False).astype(np.int64)
-        at = 0
-        for key, (bank, indices) in self.kept.items():
-            idx = flat[at : at + indices.size].reshape(indices.shape)
-            at += indices.size
+        sizes = list(map(_SIZE, kept.values()))
+        calls = np.arange(len(kept), dtype=np.int64) << 32
+        distinct = np.unique(flat + np.repeat(calls, sizes))
+        ends = np.searchsorted(distinct, calls + (1 << 32)).tolist()
+        at = begin = j = 0
+        for key, (bank, indices, _, size) in kept.items():
+            experts = distinct[begin : ends[j]] - (j << 32)
+            begin, j = ends[j], j + 1
             guessed = self.guessed.get(key)
-            if key not in self.loaded or guessed:
-                experts = np.unique(idx)
-                if guessed:  # the guess, read or not, against the experts the call used
-                    named += len(guessed)
-                    used += len(guessed.intersection(experts.tolist()))
+            if guessed:  # the guess, read or not, against the experts the call used
+                named += len(guessed)
+                used += len(guessed.intersection(experts.tolist()))
             if key in self.loaded:
                 bank.drop_guesses()  # its load counted what it used
             else:
@@ -291,11 +291,14 @@ class VerifiedStep(Mode):
                 h, m = bank.note_use(experts)
                 hits, misses = hits + h, misses + m
             if cache.recorder is not None:
-                cache.recorder.record(bank, idx)
+                cache.recorder.record(bank, flat[at : at + size].reshape(indices.shape))
+            at += size
             if bank.identity and not bank.complete:
                 cache.request_fill(bank)
-        cache.stats.start()
-        cache.stats.add(hits, misses, 0)
+        stats = cache.stats
+        if stats.first_request is None:
+            stats.start()
+        stats.add(hits, misses, 0)
         runner = self.runner
         if named:
             runner.named_used += used if self.guesses_read else 0
@@ -308,11 +311,10 @@ def miss_counts(calls) -> mx.array:
     (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
     step's host time there), else two per call."""
     maps, ids, same = [], [], True  # one loop: on Python 3.11 a comprehension is a call
-    for _, _, i, m in calls:
+    for _, _, i, m in calls:  # (``i``: a call's ids, flattened)
         maps.append(m)
-        ids.append(i.reshape(-1))
+        ids.append(i)
         same = same and m.size == maps[0].size and ids[-1].size == ids[0].size
     if same:
         return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
     return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
-

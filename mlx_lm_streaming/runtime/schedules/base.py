@@ -93,7 +93,18 @@ class ExpertRows(PerLayer):
         if self.staged_reads:
             waves.staged(bank, experts, self, ahead)
         else:
-            if len(experts) > bank.slots:
+            if not (bank.identity and bank.staged) and bank.slot_of[experts].min() >= 0:
+                # a hit, every expert resident (none of them staged: staged ones are not): the
+                # use told to the policy and counted (nothing to read), then the call's rows in
+                # one kernel call in stock's shape, as ``OneCall``'s (exact: docs/design.md), not
+                # through the wave engine (an identity bank's landed fill: ``take_staged``)
+                bank.reads(experts)
+                slots_np = bank.slot_of[idx]
+                y = self.kernel(self.x, mx.array(slots_np.astype(np.uint32)), slots_np, bank)
+                outs.append(y)
+                rows_done.append(None)
+                mx.async_eval(y)  # (``submit``, spelt out)
+            elif len(experts) > bank.slots:
                 # resident experts first (no read), then those read in the background (installed
                 # with the first wave, before any of this call's work is pending), then the rest
                 resident = bank.slot_of[experts] >= 0
@@ -102,7 +113,8 @@ class ExpertRows(PerLayer):
                 experts = np.concatenate(
                     [experts[resident], experts[staged], experts[~resident & ~staged]]
                 )
-            waves.direct(bank, experts, self, self.by_projection)
+            if not outs:
+                waves.direct(bank, experts, self, self.by_projection)
             if ahead is not None:
                 lookahead.stage(*ahead)
             if bank.identity and not bank.complete:
@@ -110,6 +122,8 @@ class ExpertRows(PerLayer):
             bank.last_stream = mx.default_stream(mx.default_device())
         # every row submitted before the lock is let go: a later call's host sync on this stream
         # then waits for it, so no pending work reads a slot that call rewrites
+        if rows_done and rows_done[0] is None:  # (the hit above: the call's own shape)
+            return outs[0]
         if len(outs) == 1 and len(rows_done[0]) == self.flat.size:
             y = outs[0]  # every row, in order: submitted already (``rows``)
             return y.reshape(*idx.shape, y.shape[-1])
