@@ -349,6 +349,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
     entry.update(
         hit_rate=c["hits"] / asked if asked else None, misses_per_token=c["misses"] / n,
         bytes_per_token=c["bytes_read"] / n, io_wait_s_per_token=c["io_wait_seconds"] / n,
+        uncached_share=c["uncached_bytes"] / c["bytes_read"] if c["bytes_read"] else None,
         install_s_per_token=c["install_seconds"] / n,
         # the disk busy for the misses (at least one demand read in flight) and the GB/s then
         busy_s_per_token=c["miss_read_busy_seconds"] / n,

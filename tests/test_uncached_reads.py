@@ -185,3 +185,27 @@ def test_logits_are_stocks_with_reads_past_the_page_cache(checkpoint):
             assert mx.array_equal(got, want[i]).item(), (direct, i)
         uncached_bytes = state.store.stats.uncached_bytes
         assert (uncached_bytes > 0) == direct, (direct, uncached_bytes)
+
+
+def test_the_stats_line_says_bytes_read_against_those_the_misses_need(checkpoint):
+    """Cold decode with 2 slots a layer: the stats line gives the bytes read over the missed
+    experts' bytes and the share of the reads past the page cache, from the counters."""
+    from mlx_lm_streaming.runtime.report import stats_line
+
+    path = checkpoint("qwen3_moe", "affine4")
+    model = with_slots(path, 2, store_options={"direct": True})
+    state = model.expert_streaming
+    shards = {f for bank in state.cache.banks for f in bank.layer.files()}
+    for token in (3, 9, 27, 81):
+        for f in shards:
+            drop_cached(f)
+        mx.eval(model(mx.array([[token]])))
+    s = state.stats()
+    missed = sum(b["misses"] for b in s["per_layer"])
+    nbytes = state.cache.banks[0].layer.expert_nbytes
+    assert s["gb_needed"] * 1e9 == pytest.approx(missed * nbytes) and missed > 0
+    assert s["gb_read"] >= s["gb_needed"] and s["gb_uncached"] > 0, s
+    line = stats_line(state)
+    assert f", {s['gb_read'] / s['gb_needed']:.2f}x the bytes the misses need, " in line, line
+    assert f", {s['gb_uncached'] / s['gb_read']:.0%} of the reads past the page cache" in line
+    state.close()

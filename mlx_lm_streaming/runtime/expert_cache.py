@@ -393,6 +393,8 @@ class ExpertCache:
             "evictions": s.evictions,
             "experts_read": s.misses - (self.host_cache.hits if self.host_cache else 0),
             "gb_read": st.bytes_read / 1e9,
+            "gb_needed": sum(b.misses * b.layer.expert_nbytes for b in self.banks) / 1e9,
+            "gb_uncached": st.uncached_bytes / 1e9,
             "io_seconds": st.seconds,
             "io_wait_seconds": s.io_wait_seconds,
             "miss_read_busy_seconds": s.miss_read_busy_seconds,
