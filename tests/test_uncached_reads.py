@@ -50,6 +50,18 @@ def no_check(path, stat):
     pass
 
 
+def refuse_o_direct(monkeypatch) -> None:
+    """``open`` with O_DIRECT fails with EINVAL, as on a filesystem without it."""
+    real_open = os.open
+
+    def refusing_open(p, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(uncached.os, "open", refusing_open)
+
+
 # unaligned starts and lengths, several buffers, a range longer than the bounce buffer, the end
 CASES = [(0, [4096]), (1, [5000, 3, 70001]), (12345, [1 << 20]), (3 << 20, [123, 456])]
 
@@ -85,14 +97,7 @@ def test_cold_bytes_read_with_o_direct_are_the_files(tmp_path, monkeypatch, offs
 def test_a_refused_o_direct_leaves_the_rest_to_the_buffered_read(tmp_path, monkeypatch):
     path = tmp_path / "data.bin"
     data = random_file(path, 1 << 20)
-    real_open = os.open
-
-    def refusing_open(p, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
-
-    monkeypatch.setattr(uncached.os, "open", refusing_open)
+    refuse_o_direct(monkeypatch)
     reads = uncached.UncachedReads(no_check)
     assert read(reads, path, 100, [1000])[1] == 0  # O_DIRECT refused: all left to the caller
     assert reads._files[path] is None  # asked once
@@ -147,14 +152,7 @@ def test_the_store_reads_the_checkpoints_bytes_every_way(checkpoint, monkeypatch
     assert none == 0
     direct, cold = read_all(direct=True)
     assert direct == buffered and cold == sum(r.nbytes for r in refs)
-    real_open = os.open
-
-    def refusing_open(p, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
-
-    monkeypatch.setattr(uncached.os, "open", refusing_open)
+    refuse_o_direct(monkeypatch)
     refused, none = read_all(direct=True)
     assert refused == buffered and none == 0
 
