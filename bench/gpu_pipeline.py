@@ -367,8 +367,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         late_share=c.get("checked_late", 0) / n, dropped_per_token=c["checked_late_dropped"] / n,
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
-    # the limit: 1 / max(stock's step, the bytes the token's misses need (each missed expert
-    # once) / the disk's best bandwidth); the median of per-round ratios takes each round's stock
+    # the limit: 1 / max(stock's step, the missed experts' bytes / the disk's best GB/s), per round
     need = entry["needed_bytes_per_token"] = entry["misses_per_token"] * ck["expert_bytes"]
     entry["read_over_needed"] = entry["bytes_per_token"] / need if need else None
     stock_s = statistics.mean(r[basis] for r in timed)
@@ -376,9 +375,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
     limit_s = max(stock_s, read_s)
     entry.update(
         limit_tok_s=1 / limit_s, ratio_to_limit=entry["tok_s"] * limit_s,
-        ratio_to_limit_median=statistics.median(
-            max(r[basis], read_s) / r[cfg.name] for r in timed
-        ),
+        ratio_to_limit_median=statistics.median(max(r[basis], read_s) / r[cfg.name] for r in timed),
     )
     if regime == "cold":
         entry["ratio"] = entry["ratio_to_limit_median"]
@@ -734,13 +731,11 @@ def markdown(res):
     what = [f"{res['shape']} shape" if k == "synthetic" else k for k in res["checkpoints"]]
     head = [
         f"# gpu_pipeline: {', '.join(what)}, {res['moe_layers']} MoE layers, {res['dtype']}, "
-        f"{res['device']} (mlx {res['mlx']})",
-        "",
+        f"{res['device']} (mlx {res['mlx']})", "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
         f"steps per configuration after {res.get('warmup')} untimed; stock as a user sees it: "
         f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios, "
-        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).",
-        "",
+        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).", "",
     ]
     for name, ck in res["checkpoints"].items():
         head += [f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "
