@@ -207,3 +207,13 @@ def test_the_stats_line_says_bytes_read_against_those_the_misses_need(checkpoint
     assert f", {s['gb_read'] / s['gb_needed']:.2f}x the bytes the misses need, " in line, line
     assert f", {s['gb_uncached'] / s['gb_read']:.0%} of the reads past the page cache" in line
     state.close()
+
+
+def test_after_close_nothing_is_opened_again(tmp_path):
+    """A read racing the store's close opens no descriptor that close would not see."""
+    path = tmp_path / "data.bin"
+    random_file(path, 1 << 16)
+    reads = uncached.UncachedReads(no_check)
+    assert read(reads, path, 0, [4096])[1] == 4096
+    reads.close()
+    assert read(reads, path, 0, [4096])[1] == 0 and reads._files == {}

@@ -65,13 +65,14 @@ class UncachedReads:
         self._files: Dict[object, Optional[Tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._closed = False
 
     def _file(self, path, fd: int) -> Optional[Tuple[int, int, int]]:
         """``(mapping address, file size, O_DIRECT descriptor)`` of ``path`` (``fd``: its buffered
         descriptor), or None: read it buffered."""
         with self._lock:
-            if path in self._files:
-                return self._files[path]
+            if path in self._files or self._closed:  # (closed: a read racing close, buffered)
+                return self._files.get(path)
             self._files[path] = None
             size = os.fstat(fd).st_size
             addr = LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0) if size else None
@@ -138,7 +139,7 @@ class UncachedReads:
     def close(self) -> None:
         with self._lock:
             states = [state for state in self._files.values() if state is not None]
-            self._files = {}
+            self._files, self._closed = {}, True
         for addr, size, dfd in states:
             os.close(dfd)
             LIBC.munmap(addr, size)
