@@ -207,6 +207,12 @@ def test_the_stats_line_says_bytes_read_against_those_the_misses_need(checkpoint
     assert f", {s['gb_read'] / s['gb_needed']:.2f}x the bytes the misses need, " in line, line
     assert f", {s['gb_uncached'] / s['gb_read']:.0%} of the reads past the page cache" in line
     state.close()
+    # the default store reads buffered (direct is off by default): no share said
+    model = with_slots(path, 2)
+    assert model.expert_streaming.store.uncached is None
+    mx.eval(model(mx.array([[3]])))
+    line = stats_line(model.expert_streaming)
+    assert "the bytes the misses need" in line and "past the page cache" not in line, line
 
 
 def test_after_close_nothing_is_opened_again(tmp_path):

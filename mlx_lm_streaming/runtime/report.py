@@ -99,10 +99,9 @@ def _misses_part(s) -> str:
     # bytes read against those the misses need (each missed expert once, less a host cache's)
     needed = s.get("gb_needed", 0.0) - s.get("host_cache_served_gb", 0.0)
     if needed > 0 and s["gb_read"] > 0:
-        rate += (
-            f", {s['gb_read'] / needed:.2f}x the bytes the misses need, "
-            f"{s.get('gb_uncached', 0.0) / s['gb_read']:.0%} of the reads past the page cache"
-        )
+        rate += f", {s['gb_read'] / needed:.2f}x the bytes the misses need"
+        if "gb_uncached" in s:  # (the store reads past the page cache: ``direct``)
+            rate += f", {s['gb_uncached'] / s['gb_read']:.0%} of the reads past the page cache"
     return (
         f"; misses: the disk busy {busy:.2f} s reading them{rate}, the decode waiting "
         f"{waited:.2f} s for reads"

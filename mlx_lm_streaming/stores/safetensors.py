@@ -6,8 +6,10 @@ once. Ranges asked for together that follow each other in a file (an expert's te
 checkpoint keeps them side by side, as Hugging Face's per-expert layout often does; neighbouring
 experts of a stacked tensor) are one read that scatters into their buffers. Short reads and EINTR
 are retried; other errors raise ``ExpertIOError`` naming file and tensor.
-Option ``direct`` (default: on where the platform has O_DIRECT, i.e. Linux; off on macOS): a range
-the page cache holds all of is read from it, any other with O_DIRECT (uncached.py).
+Option ``direct`` (default off; Linux only, refused on macOS): a range the page cache holds all of
+is read from it, any other with O_DIRECT (uncached.py). Off by default until a GPU run shows it
+faster: on this CPU's capped disk it was within noise, and slower for a tiny model's small ranges
+(docs/benchmarks/streaming-path.md, "Reads past the page cache").
 Before and after a batch touches a file, its size, mtime and inode (of the open file and of the path)
 are compared with what the index saw, so a checkpoint replaced, truncated, deleted or rewritten after
 load (even during the read) is an error, never silently different logits.
@@ -37,13 +39,12 @@ class SafetensorsStore(ExpertStore):
     name = "safetensors"
     option_checks = {"threads": thread_count, "direct": lambda v: direct_option(v)}
 
-    def __init__(self, files, threads: int = DEFAULT_THREADS, direct=None, **options):
+    def __init__(self, files, threads: int = DEFAULT_THREADS, direct=False, **options):
         super().__init__(files)
         self.threads = thread_count(threads)
         self._fds: Dict[Path, int] = {}
         # O_DIRECT for what the page cache lacks (None: buffered reads only)
-        direct = AVAILABLE if direct is None else direct_option(direct)
-        self.uncached = UncachedReads(files.check_unchanged) if direct else None
+        self.uncached = UncachedReads(files.check_unchanged) if direct_option(direct) else None
 
     def _fd(self, path: Path) -> int:
         return self._per_file(self._fds, path, self._open)
