@@ -73,7 +73,7 @@ def tuning_variant(spec: str):
     """``NAME:field=value,...`` -> ``(NAME, {field: value})``, checked before anything is built."""
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
-    known = {f.name for f in dataclasses.fields(CacheTuning)}
+    known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct"}  # (a store option)
     name, _, body = spec.partition(":")
     name = name.strip()
     items = [item.partition("=") for item in body.split(",") if item.strip()]
@@ -88,8 +88,8 @@ def tuning_variant(spec: str):
 
 
 def variant_tuning(name: str):
-    """``(records a timeline, CacheTuning or None)`` of a variant: "_"-joined words, "default",
-    "tl" and ``TUNING_VARIANTS``'."""
+    """``(records a timeline, CacheTuning or None, store options)`` of a variant: "_"-joined words,
+    "default", "tl" and ``TUNING_VARIANTS``' (``direct``: the safetensors store's option)."""
     from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 
     timeline, tuning = False, {}
@@ -101,7 +101,8 @@ def variant_tuning(name: str):
         elif word != "default":
             known = ", ".join(["default", "tl", *TUNING_VARIANTS])
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {known})")
-    return timeline, CacheTuning(**tuning) if tuning else None
+    store = {"direct": tuning.pop("direct")} if "direct" in tuning else {}
+    return timeline, CacheTuning(**tuning) if tuning else None, store
 
 
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
@@ -252,10 +253,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     host = {} if args.expert_host_gb is None else dict(expert_host_gb=args.expert_host_gb)
     for v in args.variants:
         timelines[v].unlink(missing_ok=True)
-        traced, tuning = variant_tuning(v)
+        traced, tuning, store = variant_tuning(v)
         trace = str(timelines[v]) if traced else None
         model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning,
-                                          **host)
+                                          store_options=store, **host)
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         own = cfg.name == "stock_own"  # the router's own ids: what the injection costs
@@ -413,6 +414,7 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
     entry.update(
         hit_rate=c["hits"] / asked if asked else None, misses_per_token=c["misses"] / n,
         bytes_per_token=c["bytes_read"] / n, io_wait_s_per_token=c["io_wait_seconds"] / n,
+        uncached_share=c["uncached_bytes"] / c["bytes_read"] if c["bytes_read"] else None,
         install_s_per_token=c["install_seconds"] / n,
         # the disk busy for the misses (at least one demand read in flight) and the GB/s then
         busy_s_per_token=c["miss_read_busy_seconds"] / n,
@@ -430,16 +432,15 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         late_share=c.get("checked_late", 0) / n, dropped_per_token=c["checked_late_dropped"] / n,
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
-    # the limit: 1 / max(stock's step, bytes read per token / the disk's best bandwidth); the
-    # median of per-round ratios takes each round's stock time
+    # the limit: 1 / max(stock's step, the missed experts' bytes / the disk's best GB/s), per round
+    need = entry["needed_bytes_per_token"] = entry["misses_per_token"] * ck["expert_bytes"]
+    entry["read_over_needed"] = entry["bytes_per_token"] / need if need else None
     stock_s = statistics.mean(r[basis] for r in timed)
-    read_s = entry["bytes_per_token"] / (ck["disk_best_gbps"] * GB)
+    read_s = need / (ck["disk_best_gbps"] * GB)
     limit_s = max(stock_s, read_s)
     entry.update(
         limit_tok_s=1 / limit_s, ratio_to_limit=entry["tok_s"] * limit_s,
-        ratio_to_limit_median=statistics.median(
-            max(r[basis], read_s) / r[cfg.name] for r in timed
-        ),
+        ratio_to_limit_median=statistics.median(max(r[basis], read_s) / r[cfg.name] for r in timed),
     )
     if regime == "cold":
         entry["ratio"] = entry["ratio_to_limit_median"]
@@ -767,7 +768,7 @@ def regime_tables(res):
         against = "limit" if regime == "cold" else "stock"
         head = ["routing", "budget", "config", "tok/s", f"ratio to {against}"]
         head += ["ram limit tok/s (K)", "of ram limit"] if ram else []
-        head += ["stock/stock", "user stock tok/s", "exact", "hit",
+        head += ["stock/stock", "user stock tok/s", "exact", "hit", "read / needed",
                  "ms per layer: " + " / ".join(SPLIT.values()),
                  "ms per token: same / outside / token"]
         lines += ["", f"### {regime}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -784,8 +785,9 @@ def regime_tables(res):
                 user = g["stock_basis"]["user_tok_s"]
                 exact = "-" if c["exact"] is None else f"{c['exact_steps']}/{c['total_steps']}"
                 cells += [f"{g['stock_vs_stock']:.3f}", "-" if user is None else f"{user:.1f}",
-                          exact,
-                          "" if hit is None else f"{hit:.3f}", _split_cell(c, "ms per layer"),
+                          exact, "" if hit is None else f"{hit:.3f}",
+                          f"{c['read_over_needed']:.2f}" if c.get("read_over_needed") else "",
+                          _split_cell(c, "ms per layer"),
                           _split_cell(c, "ms per token", ("outside", "token"))]
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
             lines += [f"\n{w}\n" for w in g.get("warnings", [])]
@@ -799,13 +801,11 @@ def markdown(res):
     what = [f"{res['shape']} shape" if k == "synthetic" else k for k in res["checkpoints"]]
     head = [
         f"# gpu_pipeline: {', '.join(what)}, {res['moe_layers']} MoE layers, {res['dtype']}, "
-        f"{res['device']} (mlx {res['mlx']})",
-        "",
+        f"{res['device']} (mlx {res['mlx']})", "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
         f"steps per configuration after {res.get('warmup')} untimed; stock as a user sees it: "
         f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios, "
-        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).",
-        "",
+        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).", "",
     ]
     for name, ck in res["checkpoints"].items():
         head += [f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "

@@ -229,7 +229,7 @@ class Config:
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
                                              "verified_named_used", "checked_late",
                                              "checked_late_dropped")},
-                store_reads=io.reads,
+                store_reads=io.reads, uncached_bytes=io.uncached_bytes,
             )
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))
 

@@ -235,7 +235,7 @@ def test_a_store_declares_its_options():
     from mlx_lm_streaming.stores.packed import PackedStore
     from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
-    assert plugins.store_option_names(SafetensorsStore) == {"threads"}
+    assert plugins.store_option_names(SafetensorsStore) == {"threads", "direct"}
     assert plugins.store_option_names(PackedStore) == {"path", "direct", "verify", "threads"}
     assert plugins.store_option_names(MemoryStore) == set()
 

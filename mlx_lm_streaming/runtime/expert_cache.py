@@ -393,6 +393,9 @@ class ExpertCache:
             "evictions": s.evictions,
             "experts_read": s.misses - (self.host_cache.hits if self.host_cache else 0),
             "gb_read": st.bytes_read / 1e9,
+            "gb_needed": sum(b.misses * b.layer.expert_nbytes for b in self.banks) / 1e9,
+            # (a store reading past the page cache: the safetensors store's ``direct``)
+            **({"gb_uncached": st.uncached_bytes / 1e9} if _uncached(self.store) else {}),
             "io_seconds": st.seconds,
             "io_wait_seconds": s.io_wait_seconds,
             "miss_read_busy_seconds": s.miss_read_busy_seconds,
@@ -407,6 +410,10 @@ class ExpertCache:
             **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
             **(self.moving.summary() if self.moving is not None else {}),
         }
+
+
+def _uncached(store) -> bool:
+    return getattr(store, "uncached", None) is not None
 
 
 def close_all() -> None:

@@ -98,6 +98,12 @@ def _misses_part(s) -> str:
     busy, waited = s["miss_read_busy_seconds"], s["io_wait_seconds"]
     demand_gb = s["gb_read"] - s.get("background_gb", 0.0)
     rate = f", {demand_gb / busy:.2f} GB/s while busy" if demand_gb > 0 else ""
+    # bytes read against those the misses need (each missed expert once, less a host cache's)
+    needed = s.get("gb_needed", 0.0) - s.get("host_cache_served_gb", 0.0)
+    if needed > 0 and s["gb_read"] > 0:
+        rate += f", {s['gb_read'] / needed:.2f}x the bytes the misses need"
+        if "gb_uncached" in s:  # (the store reads past the page cache: ``direct``)
+            rate += f", {s['gb_uncached'] / s['gb_read']:.0%} of the reads past the page cache"
     return (
         f"; misses: the disk busy {busy:.2f} s reading them{rate}, the decode waiting "
         f"{waited:.2f} s for reads"

@@ -63,6 +63,9 @@ class StoreStats(Counters):
     reads: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    # of ``bytes_read``, those read past the page cache (O_DIRECT: the safetensors store's
+    # ``direct``)
+    uncached_bytes: int = 0
 
     def add(self, reads: int, nbytes: int, seconds: float) -> None:
         self.add_counts(reads=reads, bytes_read=nbytes, seconds=seconds)

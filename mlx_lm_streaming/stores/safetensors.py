@@ -6,6 +6,10 @@ once. Ranges asked for together that follow each other in a file (an expert's te
 checkpoint keeps them side by side, as Hugging Face's per-expert layout often does; neighbouring
 experts of a stacked tensor) are one read that scatters into their buffers. Short reads and EINTR
 are retried; other errors raise ``ExpertIOError`` naming file and tensor.
+Option ``direct`` (default off; Linux only, refused on macOS): a range the page cache holds all of
+is read from it, any other with O_DIRECT (uncached.py). Off by default until a GPU run shows it
+faster: on this CPU's capped disk it was within noise, and slower for a tiny model's small ranges
+(docs/benchmarks/streaming-path.md, "Reads past the page cache").
 Before and after a batch touches a file, its size, mtime and inode (of the open file and of the path)
 are compared with what the index saw, so a checkpoint replaced, truncated, deleted or rewritten after
 load (even during the read) is an error, never silently different logits.
@@ -16,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ..errors import CheckpointChangedError, ExpertIOError
+from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..runtime.safetensors_header import TensorRef
-from .base import ExpertStore, shard_error, thread_count
+from .base import ExpertStore, shard_error, switch_option, thread_count
+from .uncached import AVAILABLE, UncachedReads, after
 
 # reads in flight: a fast disk serves several readers faster than one, and more than 8 gained nothing
 # cold (docs/benchmarks/README.md, "What won")
@@ -32,12 +37,14 @@ class SafetensorsStore(ExpertStore):
     """Reads expert byte ranges straight from the safetensors shards."""
 
     name = "safetensors"
-    option_checks = {"threads": thread_count}
+    option_checks = {"threads": thread_count, "direct": lambda v: direct_option(v)}
 
-    def __init__(self, files, threads: int = DEFAULT_THREADS, **options):
+    def __init__(self, files, threads: int = DEFAULT_THREADS, direct=False, **options):
         super().__init__(files)
         self.threads = thread_count(threads)
         self._fds: Dict[Path, int] = {}
+        # O_DIRECT for what the page cache lacks (None: buffered reads only)
+        self.uncached = UncachedReads(files.check_unchanged) if direct_option(direct) else None
 
     def _fd(self, path: Path) -> int:
         return self._per_file(self._fds, path, self._open)
@@ -85,9 +92,13 @@ class SafetensorsStore(ExpertStore):
         if len(run) > 1:
             what += f" and the {len(run) - 1} after it"
         done, retries = 0, 0
+        if self.uncached is not None:
+            done = self.uncached.read(fd, ref.file, views, ref.offset, end)
+            if done:
+                self.stats.add_counts(uncached_bytes=done)
         while done < end:
             try:
-                n = os.preadv(fd, _after(views, done), ref.offset + done)
+                n = os.preadv(fd, after(views, done), ref.offset + done)
             except InterruptedError:
                 retries += 1
                 if retries > MAX_RETRIES:
@@ -147,6 +158,18 @@ class SafetensorsStore(ExpertStore):
             self._pool = None
         for fd in fds:
             os.close(fd)
+        if self.uncached is not None:
+            self.uncached.close()
+
+
+def direct_option(value) -> bool:
+    """The ``direct`` option: true only where the platform has O_DIRECT."""
+    direct = switch_option(value, "direct")
+    if direct and not AVAILABLE:
+        raise ConfigurationError(
+            f"direct={value!r}: reads past the page cache need O_DIRECT (Linux); give direct=false"
+        )
+    return direct
 
 
 def runs(jobs: List[Tuple[TensorRef, memoryview]]) -> List[List[Tuple[TensorRef, memoryview]]]:
@@ -162,13 +185,3 @@ def runs(jobs: List[Tuple[TensorRef, memoryview]]) -> List[List[Tuple[TensorRef,
         end = (ref.file, ref.offset + ref.nbytes)
     return out
 
-
-def _after(views: List[memoryview], skip: int) -> List[memoryview]:
-    """The buffers ``views`` less their first ``skip`` bytes (a short read's rest)."""
-    if not skip:
-        return views
-    for i, view in enumerate(views):
-        if skip < len(view):
-            return [view[skip:], *views[i + 1 :]]
-        skip -= len(view)
-    return []
