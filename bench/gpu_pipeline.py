@@ -71,7 +71,7 @@ def _tuning_value(text: str):
 
 def tuning_variant(spec: str):
     """``NAME:field=value,...`` -> ``(NAME, {field: value})``, checked before anything is built."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct"}  # (a store option)
     name, _, body = spec.partition(":")
@@ -90,7 +90,7 @@ def tuning_variant(spec: str):
 def variant_tuning(name: str):
     """``(records a timeline, CacheTuning or None, store options)`` of a variant: "_"-joined words,
     "default", "tl" and ``TUNING_VARIANTS``' (``direct``: the safetensors store's option)."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     timeline, tuning = False, {}
     for word in name.split("_"):
@@ -172,7 +172,7 @@ def place_hottest(places, budget, placer) -> float:
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from mlx_lm_streaming.runtime.host_views import host_address
+    from mlx_lm_streaming.runtime.reads.host_views import host_address
 
     on = used = 0
     for _, _, module in places:
@@ -195,7 +195,7 @@ def place_hottest(places, budget, placer) -> float:
 def limit_placer(quick: bool):
     """``cuda_placer``'s placer on mlx-cuda; off it with ``--quick`` one that places nothing (the
     script's logic, no figure); else a one-line exit."""
-    from mlx_lm_streaming.runtime.cuda_placer import cuda_placer
+    from mlx_lm_streaming.runtime.memory.cuda_placer import cuda_placer
 
     placer = cuda_placer()
     if placer is None and not quick:
@@ -561,8 +561,8 @@ def ram_probe(path, files, ck, args):
     one expert alone and K in parallel (docs/benchmarks/methods.md (gpu_pipeline.py))."""
     import mlx.core as mx
 
-    from mlx_lm_streaming.runtime.bank import reads as bank_reads
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.reads import bank_reads
 
     start_s = time.perf_counter()
     gb = args.ram_budget[0] * ck["total_expert_bytes"] / harness.BUDGET_GB

@@ -296,7 +296,7 @@ def delta(a, b):
 
 def reset_banks(model):
     """Empty every slot bank (as after load) and zero the counters, keeping the model."""
-    from mlx_lm_streaming.runtime.expert_cache import CacheStats
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheStats
 
     cache = model.expert_streaming.cache
     cache.ensure_planned()

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import mlx_lm_streaming  # noqa: E402
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning  # noqa: E402
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning  # noqa: E402
 from mlx_lm_streaming.tools import parity  # noqa: E402
 from synthetic import build_checkpoint  # noqa: E402
 

@@ -29,7 +29,7 @@ from harness import (
     load_stock, load_streaming, log, machine, probe_disk, shards, use_device,
 )  # fmt: skip
 
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import vocab_size
 
 

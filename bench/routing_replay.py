@@ -149,8 +149,8 @@ def expert_modules(model):
     """``(parent, name, module)`` of every MoE expert module of ``model``, in layer order."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlx_lm_streaming.runtime.index import natural_key
-    from mlx_lm_streaming.runtime.switch import StreamingSwitchGLU
+    from mlx_lm_streaming.runtime.decode.switch import StreamingSwitchGLU
+    from mlx_lm_streaming.runtime.reads.index import natural_key
 
     kinds = (SwitchGLU, StreamingSwitchGLU)
     found = sorted(

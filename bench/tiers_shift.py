@@ -58,7 +58,7 @@ def main(argv=None):
 
     shape = "qwen3"
     if args.try_on_cpu:
-        from mlx_lm_streaming.runtime import tiers
+        from mlx_lm_streaming.runtime.memory import tiers
 
         set_up, placer = tiers.set_up, type("Placer", (), {"place": lambda *a, **k: None})()
         tiers.set_up = lambda cache, gb, backend, **k: set_up(cache, gb, "cuda", placer)

@@ -13,7 +13,7 @@ import json
 import sys
 from collections import defaultdict
 
-# names of the spans inside a layer call, on the calling thread (schedules/, bank/reads.py)
+# names of the spans inside a layer call, on the calling thread (schedules/, reads/bank_reads.py)
 INSIDE = ("host sync", "wait read", "wait staged", "wait compute", "submit", "install")
 
 # span name -> its part of the per-layer split

@@ -188,7 +188,7 @@ def _check_plan_flags(args) -> None:
 
 def _print_plan(args, state, trace) -> None:
     from .integration.loading import check_budget_fits, default_budget
-    from .runtime.report import budget_how, cache_bytes
+    from .runtime.memory.report import budget_how, cache_bytes
     from .tools.budget_table import slots_text
 
     cache = state.cache
@@ -230,10 +230,10 @@ def _print_plan(args, state, trace) -> None:
     plan = cache.plan_slots()
     used = sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
     print(f"slots per layer: {slots_text(plan)} ({decimal_gb(used)} used)")
-    from .runtime.moving_budget import plan_line
+    from .runtime.memory.moving_budget import plan_line
 
     print(plan_line(cache))
-    from .runtime import tiers
+    from .runtime.memory import tiers
 
     print(tiers.plan_line(cache, state.selector.backend, trace))
     if trace is None:

@@ -7,7 +7,7 @@ import re
 import mlx.core as mx
 from mlx_lm import utils as mlx_utils
 
-from mlx_lm_streaming.runtime.index import natural_key
+from mlx_lm_streaming.runtime.reads.index import natural_key
 
 # HF names of stacked experts: (mlx infix, hf infix, {mlx proj: hf proj}).
 _GLU = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}

@@ -17,7 +17,7 @@ from support import (
 )
 
 from mlx_lm_streaming.kernels.gather import GatherKernel
-from mlx_lm_streaming.runtime import free_memory, report
+from mlx_lm_streaming.runtime.memory import free_memory, report
 from mlx_lm_streaming.runtime.options import ENV
 from synthetic import build_checkpoint
 

@@ -54,7 +54,7 @@ def run_atheris(seconds: int, extra) -> None:
     import atheris
 
     with atheris.instrument_imports():
-        from mlx_lm_streaming.runtime import index
+        from mlx_lm_streaming.runtime.reads import index
     import numpy as np
     from safetensors.numpy import save
 

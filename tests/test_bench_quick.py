@@ -108,7 +108,7 @@ def test_timeline_png_and_summary(q3_path, tmp_path):
     import mlx.core as mx
     from support import decode, with_slots
 
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     trace, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
     model = with_slots(q3_path, 4, trace=str(trace), tuning=CacheTuning(verified_steps=False))
@@ -127,7 +127,7 @@ def test_timeline_summary_of_a_verified_steps_loads(q3_path, tmp_path):
     import mlx.core as mx
     from support import decode, with_slots
 
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     trace = tmp_path / "timeline.json"
     tuning = CacheTuning(verify_choice="always", lookahead_min_precision=0.0)

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 from support import PlacementRecorder, decode, gpu_pipeline_quick, load_stock, same
 
-from mlx_lm_streaming.runtime.host_views import host_address
+from mlx_lm_streaming.runtime.reads.host_views import host_address
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

@@ -15,8 +15,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from support import load_stock, with_slots
 
-from mlx_lm_streaming.runtime import checked_late, mlx_compat
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime import mlx_compat
+from mlx_lm_streaming.runtime.decode import checked_late
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from synthetic import build_checkpoint
 
 STEPS = 20

@@ -132,8 +132,8 @@ def test_the_stats_line_splits_the_bytes_read_on_demand_and_in_the_background(ch
 
     import mlx.core as mx
 
+    from mlx_lm_streaming.runtime.memory.report import stats_line
     from mlx_lm_streaming.runtime.sizes import decimal_gb
-    from mlx_lm_streaming.runtime.report import stats_line
 
     model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=1000)
     state = model.expert_streaming
@@ -165,7 +165,7 @@ def test_the_stats_line_says_how_long_the_disk_was_busy_for_the_misses(checkpoin
 
     import mlx.core as mx
 
-    from mlx_lm_streaming.runtime.report import stats_line
+    from mlx_lm_streaming.runtime.memory.report import stats_line
 
     model, _ = load_streaming(checkpoint("qwen3_moe"), expert_cache_gb=4e-5)  # 2 slots a layer
     state = model.expert_streaming

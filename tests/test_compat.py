@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlx_lm_streaming.runtime import mlx_compat
 from mlx_lm_streaming.errors import IncompatibleMlxLmError
+from mlx_lm_streaming.runtime import mlx_compat
 
 from support import BIN, clean_env, generate_cmd, generated_text, run
 
@@ -204,7 +204,7 @@ def test_a_generate_step_left_stock_says_why_with_the_stats(monkeypatch, capsys)
     import types
 
     from mlx_lm_streaming.integration import integration
-    from mlx_lm_streaming.runtime import report
+    from mlx_lm_streaming.runtime.memory import report
 
     def generate_step(prompt, model):  # (none of the parameters the prefill reads)
         yield from ()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from support import decode, same, with_slots
 
-from mlx_lm_streaming.runtime import cuda_copy
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.safetensors_header import TensorRef
+from mlx_lm_streaming.runtime.bank import cuda_copy
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.reads.safetensors_header import TensorRef
 
 
 class HostRuntime:

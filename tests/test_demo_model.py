@@ -23,7 +23,7 @@ from support import (
     with_slots,
 )
 
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from synthetic import build_checkpoint
 
 DEMO = Path(__file__).resolve().parent.parent / "docs" / "demo-model"

@@ -18,9 +18,9 @@ import pytest
 from support import decode, load_stock, load_streaming, per_slot, registered, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.hookspecs import hookimpl
 from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 NO_LOOKAHEAD = CacheTuning(lookahead=False)
@@ -320,7 +320,7 @@ def test_a_load_beside_other_banks_never_spreads(q3):
     # a lone expert's ranges are spread over the store's readers; the same load on a bank thread of
     # a verified step's misses read together (``load_together``: ``LayerBank.load(...,
     # alone=True)``) reads it on its demand thread alone
-    from mlx_lm_streaming.runtime.verified_step import load_together
+    from mlx_lm_streaming.runtime.decode.verified_step import load_together
 
     path, tokens, want = q3
     with registered(CountingStorePlugin(), "counting-store-test"):

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
 
 from mlx_lm_streaming.errors import CheckpointError
-from mlx_lm_streaming.runtime.index import CheckpointFiles
-from mlx_lm_streaming.runtime.safetensors_header import DTYPES, read_header
+from mlx_lm_streaming.runtime.reads.index import CheckpointFiles
+from mlx_lm_streaming.runtime.reads.safetensors_header import DTYPES, read_header
 from mlx_lm_streaming.stores.safetensors import SafetensorsStore
 
 FUZZ = settings(

@@ -1,4 +1,4 @@
-"""A host cache between the device's slots and disk (runtime/host_cache.py, issue 39 item 4), on
+"""A host cache between the device's slots and disk (runtime/memory/host_cache.py, issue 39 item 4), on
 the CPU: set up as on mlx-cuda (backend "cuda" passed in, a placer that records what it was
 asked, as tests/test_tiers.py does), the banks, copies, policy and counters the package's own."""
 
@@ -12,10 +12,10 @@ from support import PlacementRecorder as Recorder
 from support import decode, load_stock, load_streaming, per_slot, same
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime import report, tiers
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.memory import report, tiers
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.reads.prefetch import LOOKAHEAD
 from mlx_lm_streaming.runtime.sizes import decimal_gb
-from mlx_lm_streaming.runtime.prefetch import LOOKAHEAD
 
 GB = 10**9
 ROOT = Path(__file__).resolve().parent.parent

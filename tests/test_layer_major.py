@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.runtime import share_limits
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.runner import StepRunner
+from mlx_lm_streaming.runtime.decode import share_limits
+from mlx_lm_streaming.runtime.decode.runner import StepRunner
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import budget_of_slots, difference
 from synthetic import build_checkpoint
 
@@ -209,7 +209,7 @@ def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_expe
     # the load line says what two layers' sets take beside the budget; after the prompt each
     # slot bank holds the experts the prompt used most there (given from the set, not read), the
     # stats line says what the sets did, and the tokens are stock's
-    from mlx_lm_streaming.runtime import report
+    from mlx_lm_streaming.runtime.memory import report
     from mlx_lm_streaming.runtime.sizes import decimal_gb
 
     path = small_experts("qwen3_moe")
@@ -238,7 +238,7 @@ def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_expe
 def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monkeypatch):
     # two layers' sets beyond this machine's memory beside the resident weights and the budget:
     # the load line says so and why, the prompt goes through the slots in waves, stock's tokens
-    from mlx_lm_streaming.runtime import memory, report
+    from mlx_lm_streaming.runtime.memory import machine as memory, report
 
     path = small_experts("mixtral")
     prompt = mx.array(PROMPTS[1])
@@ -295,7 +295,7 @@ def test_layer_sets_wait_for_compute_once_a_layer(small_experts, monkeypatch):
     # a layer's chunks are submitted one after another (mx.async_eval) and waited for once, at
     # the layer's end: no host sync between a layer's chunks that leaves the device idle while
     # the host builds the next chunk's graph; the tokens are stock's
-    from mlx_lm_streaming.runtime import set_pass
+    from mlx_lm_streaming.runtime.prefill import set_pass
 
     calls = {"eval": 0, "async_eval": 0}
 
@@ -339,7 +339,7 @@ def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
     # the way mlx-cuda fills a set (each reader's page-locked buffer, then a device copy:
     # cuda_copy; the experts the slot banks hold copied by an MLX update), taken here by a host
     # copier with the same contract: every expert in its row, the tokens stock's
-    from mlx_lm_streaming.runtime import cuda_copy
+    from mlx_lm_streaming.runtime.bank import cuda_copy
 
     copier = HostCopier()
     monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)

@@ -177,7 +177,7 @@ def test_streaming_off_is_stock(checkpoint, monkeypatch):
 @pytest.mark.parametrize("failure", ["raises", "unsupported"])
 def test_unknown_memory_size_is_said_once(monkeypatch, capsys, failure):
     """The default budget assumed 16 GB without a word where the OS does not give the RAM size."""
-    from mlx_lm_streaming.runtime import memory
+    from mlx_lm_streaming.runtime.memory import machine as memory
 
     def sysconf(name):
         if failure == "raises":
@@ -204,7 +204,7 @@ def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeyp
     from types import SimpleNamespace
 
     from mlx_lm_streaming.integration import loading
-    from mlx_lm_streaming.runtime import memory
+    from mlx_lm_streaming.runtime.memory import machine as memory
 
     bank = SimpleNamespace(layer=SimpleNamespace(expert_nbytes=10**6))
     cache = SimpleNamespace(banks=[bank, bank], total_expert_bytes=10**15)
@@ -220,7 +220,7 @@ def test_the_default_budget_is_a_share_of_the_memory_the_experts_live_in(monkeyp
 
 
 def test_no_cuda_memory_off_cuda():
-    from mlx_lm_streaming.runtime import memory
+    from mlx_lm_streaming.runtime.memory import machine as memory
 
     assert memory.cuda_memory_bytes() is None  # this CPU box: the machine's RAM
 

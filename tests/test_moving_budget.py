@@ -12,10 +12,10 @@ import pytest
 from support import assert_same_steps, generate_steps, load_stock, load_streaming, per_slot
 
 from mlx_lm_streaming.option_table import GB
-from mlx_lm_streaming.runtime import free_memory, moving_budget
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.free_memory import CRITICAL, NORMAL, SHORT, Reading
-from mlx_lm_streaming.runtime.moving_budget import MovingBudget
+from mlx_lm_streaming.runtime.memory import free_memory, moving_budget
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.memory.free_memory import CRITICAL, NORMAL, SHORT, Reading
+from mlx_lm_streaming.runtime.memory.moving_budget import MovingBudget
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24

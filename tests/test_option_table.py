@@ -19,9 +19,10 @@ from support import held_out_env
 
 import mlx_lm_streaming
 from mlx_lm_streaming import _bootstrap, option_table, plugins
-from mlx_lm_streaming.integration import cli
-from mlx_lm_streaming.runtime import mlx_compat, report
 from mlx_lm_streaming.errors import ConfigurationError
+from mlx_lm_streaming.integration import cli
+from mlx_lm_streaming.runtime import mlx_compat
+from mlx_lm_streaming.runtime.memory import report
 from mlx_lm_streaming.runtime.options import ENV, StreamingOptions, requested
 
 REPO = Path(__file__).resolve().parent.parent
@@ -247,7 +248,7 @@ def test_a_store_declares_its_options():
 
 def test_the_budget_help_gives_the_default_shares_the_code_uses():
     # the help once said half of the free memory where CUDA's default is 80% of the GPU's
-    from mlx_lm_streaming.runtime import memory
+    from mlx_lm_streaming.runtime.memory import machine as memory
 
     option = next(o for o in option_table.OPTIONS if o.name == "expert_cache_gb")
     words = " ".join(option.help.split())

@@ -12,13 +12,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.__main__ import main as cli
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, ExpertIOError
-from mlx_lm_streaming.tools.pack import index_checkpoint, pack_checkpoint
 from mlx_lm_streaming.files.packfile import ALIGN, PACK_NAME, PREFIX
+from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.stores import packed as packed_mod
 from mlx_lm_streaming.stores.packed import PackedStore
+from mlx_lm_streaming.tools.pack import index_checkpoint, pack_checkpoint
 from synthetic import build_checkpoint
 
 

@@ -14,8 +14,8 @@ import pytest
 from mlx.utils import tree_flatten
 from support import held_out_env, load_streaming
 
-from mlx_lm_streaming.runtime import schedules
-from mlx_lm_streaming.runtime.expert_cache import PHASE_MIN_BYTES
+from mlx_lm_streaming.runtime.decode import schedules
+from mlx_lm_streaming.runtime.memory.expert_cache import PHASE_MIN_BYTES
 from mlx_lm_streaming.tools.parity import GB, budget_of_slots, compare, difference
 from synthetic import build_checkpoint
 from synthetic import configs as synthetic_configs
@@ -283,7 +283,7 @@ def check_layer_major(path, waves=False, **options):
     ``waves`` through the slots) and with a slot per expert (chunk by chunk: nothing to save)."""
     from dataclasses import replace
 
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     if waves:
         options["tuning"] = replace(CacheTuning(), layer_sets=False)
@@ -354,7 +354,7 @@ def test_layer_major_prefill_reads_each_expert_once(checkpoint):
     # reads the uncached experts several times over, layer-major about once
     from dataclasses import replace
 
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
@@ -412,7 +412,7 @@ def test_layer_major_prefill_falls_back_after_a_chunk(checkpoint, monkeypatch):
     # the rest chunk by chunk, and the result stock's bits, with the reason said once
     from support import load_stock
 
-    from mlx_lm_streaming.runtime import layer_major
+    from mlx_lm_streaming.runtime.prefill import layer_major
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()
@@ -448,8 +448,8 @@ def test_parity_layer_major_prefill_attention_run_again(checkpoint, monkeypatch)
     # the same KV entries again, at the chunk's own offset
     from dataclasses import replace
 
-    from mlx_lm_streaming.runtime import layer_pass
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.prefill import layer_pass
 
     monkeypatch.setattr(layer_pass, "_same", lambda a, b: False)
     waves = replace(CacheTuning(), layer_sets=False)  # (layer sets run each layer once anyway)
@@ -539,7 +539,7 @@ def test_parity_layer_major_prefill_in_groups(checkpoint, sets):
 
     from support import load_stock
 
-    from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     path = checkpoint("qwen3_moe")
     generate = generate_step_module()

@@ -14,7 +14,7 @@ from support import load_stock, with_slots
 from test_parity import PREFILL_STEP, check_parity, generate_step_module, run_generate_step
 
 from mlx_lm_streaming.runtime import mlx_shims
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import difference
 from synthetic import build_checkpoint
 

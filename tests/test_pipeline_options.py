@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from support import KernelPlugin, decode, load_stock, registered, same, with_slots
 
-from mlx_lm_streaming.runtime.bank import LayerBank
-from mlx_lm_streaming.runtime.bank import reads as bank_reads
-from mlx_lm_streaming.runtime import lookahead
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
 from mlx_lm_streaming.kernels.gather import GatherKernel
+from mlx_lm_streaming.runtime.bank import LayerBank
+from mlx_lm_streaming.runtime.decode.schedules import direct
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.mlx_compat import SORT_THRESHOLD
-from mlx_lm_streaming.runtime.schedules import direct
+from mlx_lm_streaming.runtime.reads import bank_reads
+from mlx_lm_streaming.runtime.reads import lookahead
 
 
 def test_one_call_per_landing_is_exact(q3, tmp_path):

@@ -16,8 +16,8 @@ import pytest
 from support import GB, decode, load_streaming, per_slot, same, with_slots
 
 from mlx_lm_streaming.errors import ExpertIOError
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.lookahead import find_router
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.reads.lookahead import find_router
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -75,7 +75,7 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
 def test_staged_reads_are_exact(q3, monkeypatch):
     """Without direct reads: a call loads its experts through staging buffers, then computes in one
     kernel call, or in waves when it needs more experts than the bank has slots."""
-    from mlx_lm_streaming.runtime import schedules
+    from mlx_lm_streaming.runtime.decode import schedules
 
     path, tokens, want = q3
     model = with_slots(path, 4, direct_reads=False)
@@ -97,7 +97,7 @@ def test_more_rows_than_slots_but_experts_that_fit_run_as_one_wave(q3, monkeypat
     """Without direct reads, ``choose`` picks ``Waves`` for a call with more rows than slots (it
     cannot know the call's distinct experts before the host sync); where they fit after all, the
     call is one wave, over all rows: stock's bits."""
-    from mlx_lm_streaming.runtime.schedules import Waves
+    from mlx_lm_streaming.runtime.decode.schedules import Waves
 
     path, tokens, want = q3
     model = with_slots(path, 3, direct_reads=False)
@@ -131,7 +131,7 @@ def test_a_fill_whose_staged_reads_were_dropped_runs_again(q3):
     completes. (Before, the fill stayed marked as asked for: the dropped experts were read only
     if a call used them, and a bank whose calls did not use all never completed, so its calls
     never skipped the host sync. Seen as a flaky test_complete_banks_skip_the_host_sync.)"""
-    from mlx_lm_streaming.runtime.prefetch import FILL
+    from mlx_lm_streaming.runtime.reads.prefetch import FILL
 
     path, tokens, want = q3
     model, _ = load_streaming(path)  # default budget: every expert here

@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.runtime.bank import LayerBank
 from mlx_lm_streaming.errors import ConfigurationError, ExpertIOError
-from mlx_lm_streaming.runtime.expert_cache import ExpertCache
 from mlx_lm_streaming.option_table import GB
-from mlx_lm_streaming.runtime.index import LayerExperts, PartSpec
-from mlx_lm_streaming.runtime.safetensors_header import TensorRef
+from mlx_lm_streaming.runtime.bank import LayerBank
+from mlx_lm_streaming.runtime.memory.expert_cache import ExpertCache
 from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY, POLICIES
+from mlx_lm_streaming.runtime.reads.index import LayerExperts, PartSpec
+from mlx_lm_streaming.runtime.reads.safetensors_header import TensorRef
 from mlx_lm_streaming.stores.base import ExpertStore
 from synthetic import build_checkpoint
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from support import load_stock, load_streaming
 
-from mlx_lm_streaming.option_table import GB
-from mlx_lm_streaming.runtime.index import CheckpointFiles
 from mlx_lm_streaming.errors import CheckpointChangedError, ExpertIOError, StreamingError
+from mlx_lm_streaming.option_table import GB
+from mlx_lm_streaming.runtime.reads.index import CheckpointFiles
 from mlx_lm_streaming.stores import safetensors as safetensors_store
 
 STORES = [

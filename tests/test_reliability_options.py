@@ -19,13 +19,13 @@ import mlx_lm.utils
 import pytest
 from support import load_streaming
 
-from mlx_lm_streaming.integration import cli as command_line
-from mlx_lm_streaming.runtime import report
 from mlx_lm_streaming.__main__ import main as cli
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
+from mlx_lm_streaming.files.routing_trace import TraceWriter
+from mlx_lm_streaming.integration import cli as command_line
+from mlx_lm_streaming.runtime.memory import report
 from mlx_lm_streaming.runtime.options import StreamingOptions
 from mlx_lm_streaming.runtime.sizes import decimal_gb
-from mlx_lm_streaming.files.routing_trace import TraceWriter
 from synthetic import build_checkpoint
 
 OTHER_UNITS = re.compile(r"\d ?(B|KB|MB|KiB|MiB|GiB)\b|2\*\*30|GiB")
@@ -243,7 +243,7 @@ def test_a_budget_above_every_expert_means_every_expert(ckpt, capsys):
 
 
 def test_a_budget_that_cannot_fit_is_refused_at_load_with_both_figures(ckpt, monkeypatch, capsys):
-    from mlx_lm_streaming.runtime import memory
+    from mlx_lm_streaming.runtime.memory import machine as memory
 
     model, _ = load_streaming(ckpt)
     state = model.expert_streaming
@@ -486,8 +486,8 @@ def test_good_store_option_values_pass():
 def test_an_unknown_variable_is_named_once_when_mlx_lm_loads_without_streaming(
     ckpt, environ, capsys, monkeypatch
 ):
-    from mlx_lm_streaming.runtime import options
     from mlx_lm_streaming.integration.integration import install
+    from mlx_lm_streaming.runtime import options
     from mlx_lm_streaming.runtime.options import requested
 
     install()

@@ -19,7 +19,7 @@ import pytest
 from support import load_stock, load_streaming
 
 from mlx_lm_streaming.errors import CheckpointChangedError, CheckpointError, UnsupportedModelError
-from mlx_lm_streaming.runtime.index import CheckpointFiles
+from mlx_lm_streaming.runtime.reads.index import CheckpointFiles
 
 PROMPT = mx.array([[5, 17, 99, 3, 250, 41, 7]])
 

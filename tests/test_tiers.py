@@ -1,4 +1,4 @@
-"""Two tiers (runtime/tiers.py, issue 39): what is not CUDA-specific, on the CPU. The CUDA calls
+"""Two tiers (runtime/memory/tiers.py, issue 39): what is not CUDA-specific, on the CPU. The CUDA calls
 (``cuda_placer.CudaPlacer``) are replaced by a placer that records what it was asked; the banks,
 the budget split, the counting of uses, the moves and the figures are the package's own."""
 
@@ -18,7 +18,8 @@ from support import (
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
-from mlx_lm_streaming.runtime import device_copy, memory, report, tiers
+from mlx_lm_streaming.runtime.bank import device_copy
+from mlx_lm_streaming.runtime.memory import machine as memory, report, tiers
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
@@ -353,7 +354,7 @@ class _Runtime:
 def test_no_two_tiers_without_concurrent_managed_access():
     # WSL2 and Windows: a kernel launch would migrate every managed page to the device, so
     # advice cannot keep a host tier; the placer refuses and the loader keeps today's path
-    from mlx_lm_streaming.runtime.cuda_placer import CudaPlacer
+    from mlx_lm_streaming.runtime.memory.cuda_placer import CudaPlacer
 
     with pytest.raises(OSError, match="concurrent managed access"):
         CudaPlacer(_Runtime(concurrent=0))

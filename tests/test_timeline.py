@@ -22,9 +22,9 @@ from support import (
     with_slots,
 )
 
-from mlx_lm_streaming.files import timeline
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
+from mlx_lm_streaming.files import timeline
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
 KEYS = {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"}
 TOKENS = mx.array([[(5 * i + 3) % 512 for i in range(12)]])

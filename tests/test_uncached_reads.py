@@ -35,7 +35,7 @@ def random_file(path, size: int, seed: int = 0) -> bytes:
 
 
 def read(reads, path, offset: int, sizes):
-    """``reads.read`` of ``sum(sizes)`` bytes at ``offset`` into buffers of ``sizes``: (the bytes,
+    """``bank_reads.read`` of ``sum(sizes)`` bytes at ``offset`` into buffers of ``sizes``: (the bytes,
     how many it read with O_DIRECT)."""
     bufs = [bytearray(n) for n in sizes]
     fd = os.open(path, os.O_RDONLY)
@@ -188,7 +188,7 @@ def test_logits_are_stocks_with_reads_past_the_page_cache(checkpoint):
 def test_the_stats_line_says_bytes_read_against_those_the_misses_need(checkpoint):
     """Cold decode with 2 slots a layer: the stats line gives the bytes read over the missed
     experts' bytes and the share of the reads past the page cache, from the counters."""
-    from mlx_lm_streaming.runtime.report import stats_line
+    from mlx_lm_streaming.runtime.memory.report import stats_line
 
     path = checkpoint("qwen3_moe", "affine4")
     model = with_slots(path, 2, store_options={"direct": True})

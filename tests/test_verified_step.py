@@ -21,10 +21,12 @@ from support import (
 )
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime import mlx_shims, report, share_limits, verified_step
-from mlx_lm_streaming.runtime.expert_cache import CacheTuning
-from mlx_lm_streaming.runtime.modes import PER_LAYER, Mode
-from mlx_lm_streaming.runtime.runner import StepRunner
+from mlx_lm_streaming.runtime import mlx_shims
+from mlx_lm_streaming.runtime.decode import share_limits, verified_step
+from mlx_lm_streaming.runtime.decode.modes import PER_LAYER, Mode
+from mlx_lm_streaming.runtime.decode.runner import StepRunner
+from mlx_lm_streaming.runtime.memory import report
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
@@ -377,7 +379,7 @@ def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahea
 def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, expected, monkeypatch):
     # what the pass beyond a miss names (on a wrong input) is scored at every check that finds
     # it, read or not, and read only while such guesses were mostly right: never at the start
-    from mlx_lm_streaming.runtime import verified_step
+    from mlx_lm_streaming.runtime.decode import verified_step
 
     model = with_slots(q3_path, 4, tuning=ALWAYS)
     runner = model.expert_streaming.steps

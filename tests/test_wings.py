@@ -214,3 +214,55 @@ def test_sizes_the_house_keeps():
     )  # fmt: skip
     lines = sum(len(p.read_text().splitlines()) for p in bench)
     assert lines <= 2900, f"bench/ holds {lines} lines (at most 2,900): retire answered scripts"
+
+
+# ROOMS of runtime/ (written by rooms.py): room -> the rooms it may import, bottom to top
+ROOMS = {
+    "reads": {"runtime"},
+    "bank": {"runtime", "reads"},
+    "decode": {"runtime", "reads", "bank"},
+    "memory": {"runtime", "reads", "bank", "decode"},
+    "prefill": {"runtime", "reads", "bank", "decode", "memory"},
+}
+# end of ROOMS
+# runtime/'s alias modules: an old public path that is the moved module (``sys.modules``)
+ALIASES = ["index", "safetensors_header"]
+MAX_LOOSE_IN_RUNTIME = 10
+
+
+def room(module: str) -> str:
+    """runtime/'s room of a module of the runtime wing: its folder, or "runtime" for the plumbing."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in ROOMS) else "runtime"
+
+
+def test_runtime_rooms_each_say_what_they_hold_and_may_import():
+    folders = {p.parent.name for p in (PKG / "runtime").glob("*/__init__.py")}
+    assert folders == set(ROOMS), f"runtime/'s folders {sorted(folders)}, its ROOMS {sorted(ROOMS)}"
+    for name, below in ROOMS.items():
+        doc = ast.get_docstring(ast.parse((PKG / "runtime" / name / "__init__.py").read_text())) or ""
+        line = re.search(r"^May import: (.*)$", doc, re.M)
+        assert line, f"runtime/{name}/__init__.py: its docstring does not say which rooms it may import"
+        said = {w.strip() for w in line.group(1).split(",") if w.strip()}
+        assert said == below, f"runtime/{name} says {sorted(said)}, ROOMS {sorted(below)}"
+
+
+def test_runtime_rooms_import_only_rooms_below_them():
+    _, edges = graph()
+    wrong = []
+    for m, targets in edges.items():
+        if unit(m) != "runtime" or m.rsplit(".", 1)[-1] in ALIASES:
+            continue
+        for t, top in targets:
+            if unit(t) != "runtime":
+                continue
+            a, b = room(m), room(t)
+            if a != b and b not in ROOMS.get(a, set()):
+                wrong.append(f"{m} -> {t} ({a} may not import {b}{'' if top else '; inside a function'})")
+    assert not wrong, "imports against runtime/'s rooms:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_at_most_10_files_directly_in_runtime():
+    # its alias modules aside: an old path, not code
+    loose = sorted(p.name for p in (PKG / "runtime").glob("*.py") if p.stem not in ALIASES)
+    assert len(loose) <= MAX_LOOSE_IN_RUNTIME, f"{len(loose)} files directly in runtime/: {loose}"

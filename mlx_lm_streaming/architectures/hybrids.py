@@ -2,7 +2,7 @@
 
 The experts stream as in every other family; what is particular to these models is their cache:
 the verified step puts each layer's recurrent state back as it was when a step misses
-(``runtime/step_caches.py``), and layer-major prefill puts it back between a layer's two runs of
+(``runtime/decode/step_caches.py``), and layer-major prefill puts it back between a layer's two runs of
 a chunk, or falls back to chunk by chunk where the model makes a layer's masks from the caches
 and says so (``--streaming-stats``; docs/architectures.md lists which). Each adapter says only where
 the experts are and how Hugging Face names them (``raw_key=None``: HF fuses them, so only

@@ -43,7 +43,7 @@ from ..errors import (
     ExpertIOError,
     StreamingError,
 )
-from ..runtime.safetensors_header import FileIdentity
+from ..runtime.reads.safetensors_header import FileIdentity
 from .outputs import PACK_MAGIC
 from .pack_target import PACK_NAME, pack_path, pack_target, write_failed
 
@@ -311,7 +311,7 @@ def _write_pack(model_path: Path, index, out: Path, progress: bool, force: bool)
         except (ValueError, KeyError, TypeError) as e:  # stale or damaged: say so, write it again
             reason = str(e).replace(f"; {HINT}", "")
             print(f"{reason}; writing a new pack", file=sys.stderr, flush=True)
-    from ..runtime.index import natural_key
+    from ..runtime.reads.index import natural_key
 
     index = index() if callable(index) else index
     layers = sorted(index.layers.values(), key=lambda l: natural_key(l.path))

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from ..option_table import OPTIONS
-from ..runtime import report
+from ..runtime.memory import report
 from ..runtime.mlx_compat import say_refusal, streaming_in_environment
 from ..runtime.options import (
     ENV,

@@ -137,8 +137,9 @@ def wrap_generate_step(generate) -> None:
     where ``mlx_compat.generate_step_problem`` finds it as expected; else leave it stock and keep
     the reason for ``--streaming-stats``. Modules that import ``generate_step`` by name
     (``cache_prompt``) do so after this runs, and get the wrapper."""
-    from ..runtime import layer_major, report
+    from ..runtime.memory import report
     from ..runtime.mlx_compat import generate_step_problem
+    from ..runtime.prefill import layer_major
 
     stock = getattr(generate, "generate_step", None)
     if stock is None or getattr(stock, "mlx_lm_streaming", False):
@@ -157,7 +158,7 @@ def wrap_other_prefills(generate) -> None:
     ``BatchGenerator``, ``speculative_generate_step``): layer-major prefill does not apply there,
     and a long prompt's stats line says so (``layer_major.note_elsewhere``). Each only where
     ``mlx_compat``'s check finds it as expected; else left stock, silent."""
-    from ..runtime import layer_major
+    from ..runtime.prefill import layer_major
     from ..runtime.mlx_compat import (
         batch_insert_problem,
         speculative_problem,

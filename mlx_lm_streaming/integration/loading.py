@@ -28,22 +28,23 @@ from ..files.outputs import ROUTING_TRACE, TIMELINE, check_output
 from ..files.routing_trace import RoutingRecorder
 from ..files.timeline import Timeline, open_timeline
 from ..kernels.selector import KernelSelector
-from ..runtime import memory, mlx_compat, mlx_shims, report, tiers
-from ..runtime.expert_cache import CacheTuning, ExpertCache, close_all
-from ..runtime.index import CheckpointFiles, ExpertIndex, checkpoint_layer, projections_of
-from ..runtime.layer_major import PrefillStats
-from ..runtime.lookahead import find_router
+from ..runtime import mlx_compat, mlx_shims
+from ..runtime.decode.runner import StepRunner
+from ..runtime.decode.switch import StreamingSwitchGLU
+from ..runtime.memory import machine as memory, report, tiers
+from ..runtime.memory.expert_cache import CacheTuning, ExpertCache, close_all
 from ..runtime.options import CONFIG_KEY, StreamingOptions
+from ..runtime.prefill.layer_major import PrefillStats
+from ..runtime.reads.index import CheckpointFiles, ExpertIndex, checkpoint_layer, projections_of
+from ..runtime.reads.lookahead import find_router
 from ..runtime.sizes import budget_bytes, decimal_gb, gb_as_given
-from ..runtime.switch import StreamingSwitchGLU
-from ..runtime.runner import StepRunner
 from .unstreamable import adapter_for, model_module, refuse_listed
 
 
 def default_budget(state: "StreamingState"):
     """``(budget, free)``: the default budget for ``state``'s model on this machine,
     ``clamp(share * free, one expert per layer, every expert)``, and ``free``, the memory the
-    resident weights leave (``memory.budget_base``: the GPU's on CUDA, the machine's RAM elsewhere)."""
+    resident weights leave (``machine.budget_base``: the GPU's on CUDA, the machine's RAM elsewhere)."""
     cache = state.cache
     total, share, _ = memory.budget_base()
     free = total - state.resident_bytes

@@ -11,7 +11,7 @@ there and is only used when asked for by name. Global-scale (nvfp4) banks are no
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.index import PROJECTIONS
+from ..runtime.reads.index import PROJECTIONS
 from .base import ExpertKernel
 
 

@@ -183,7 +183,7 @@ class StreamingOptions:
     # is a ceiling, the cache follows free memory below it (moving_budget.py)
     expert_cache_fixed: bool = False
     # mlx-cuda only: decimal GB of host memory for the experts the device budget cannot hold
-    # (runtime/tiers.py); 0: none; None: every expert where free host RAM allows (``tiers``)
+    # (runtime/memory/tiers.py); 0: none; None: every expert where free host RAM allows (``tiers``)
     expert_host_gb: Optional[float] = None
     store: str = "safetensors"
     kernel: str = "auto"
@@ -192,7 +192,7 @@ class StreamingOptions:
     # say at load which budget was chosen, on stderr (the mlx-lm commands always do)
     verbose: bool = False
     store_options: Dict[str, Any] = field(default_factory=dict)
-    # demand reads straight into the slot banks (bank/reads.py): None = where verified bit-exact, i.e.
+    # demand reads straight into the slot banks (reads/bank_reads.py): None = where verified bit-exact, i.e.
     # MLX's CPU and CUDA backends; on Metal off unless asked for (docs/usage.md says why)
     direct_reads: Optional[bool] = None
     # prompts of several chunks prefilled layer by layer (layer_major.py): None = auto, on with

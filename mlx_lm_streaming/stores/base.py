@@ -14,8 +14,8 @@ from typing import List, Tuple
 
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..runtime.counters import Counters
-from ..runtime.index import CheckpointFiles
-from ..runtime.safetensors_header import TensorRef
+from ..runtime.reads.index import CheckpointFiles
+from ..runtime.reads.safetensors_header import TensorRef
 
 
 # the most reader threads a store option may ask for (a typo such as threads=80 still works,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict
 
 from ..errors import CheckpointChangedError
-from ..runtime.safetensors_header import TensorRef
+from ..runtime.reads.safetensors_header import TensorRef
 from .base import ExpertStore, shard_error
 
 

@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError, ExpertIOError
 from ..files.packfile import HINT, PackFile, align_up, pack_path
 from ..runtime.devices import backend
-from ..runtime.safetensors_header import FileIdentity, TensorRef
+from ..runtime.reads.safetensors_header import FileIdentity, TensorRef
 from .base import ExpertStore, switch_option, thread_count
 from .safetensors import SafetensorsStore
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
-from ..runtime.safetensors_header import TensorRef
+from ..runtime.reads.safetensors_header import TensorRef
 from .base import ExpertStore, shard_error, switch_option, thread_count
 from .uncached import AVAILABLE, UncachedReads, after
 

@@ -63,7 +63,7 @@ def budget_rows(state, trace, default_bytes: int, gbps: float, given: bool) -> L
     cache = state.cache
     banks = cache.banks
     per_slot = sum(b.layer.expert_nbytes for b in banks)
-    from ..runtime.report import cache_bytes  # a budget above every expert's bytes means every expert
+    from ..runtime.memory.report import cache_bytes  # a budget above every expert's bytes means every expert
 
     budgets = [("default", cache_bytes(cache, default_bytes))]
     if given:

@@ -115,7 +115,7 @@ def host_cache_served(
     policy: str = DEFAULT_POLICY, host_policy: str = "decay",
 ) -> float:
     """The share of the device slots' decode misses that a host cache of ``host_slots`` slots per
-    MoE layer would serve (``runtime/host_cache.py``), each layer's decode rows in order, cold.
+    MoE layer would serve (``runtime/memory/host_cache.py``), each layer's decode rows in order, cold.
     ``exclusive`` (the host cache's policy): the device's victims enter the host bank, the ones it
     serves leave it, in the order of its copies (the victims kept, the served experts pinned, then
     those dropped); else every expert read from disk enters it and the served ones stay."""

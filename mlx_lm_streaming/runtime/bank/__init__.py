@@ -11,17 +11,17 @@ nothing is stacked or rebuilt per token.
 
 ``LayerBank.reads`` starts making a call's experts resident: it never evicts an expert the call
 pins (the experts it is about to compute), issues the reads of the others into their slots, and
-returns their landings, which the caller takes as they land (reads.py: ``landings``, a generator,
+returns their landings, which the caller takes as they land (reads/bank_reads.py: ``landings``, a generator,
 as ``concurrent.futures.as_completed``); ``load`` does the same and waits; ``load_together`` runs several banks' loads at once (a verified
 step's misses). A bank with a slot per
 expert (``slots == num_experts``) maps expert ``e`` to slot ``e`` (identity): once every expert of
 the layer is resident the bank is ``complete``, and the layer passes the router's indices straight
 to the kernel with no host sync, the same graph as stock. ``stage`` starts background reads
-(lookahead, next wave, fill) into staging buffers (prefetch.py); only a load writes them into the
+(lookahead, next wave, fill) into staging buffers (reads/prefetch.py); only a load writes them into the
 bank, on the thread that calls the layer.
 
 Demand reads go straight into the banks (direct reads) through host views of the bank's memory
-(host_views.py). Writing bank memory behind MLX's back is safe only when no pending MLX work reads
+(reads/host_views.py). Writing bank memory behind MLX's back is safe only when no pending MLX work reads
 the slot being written: the victims are never slots the call uses, and every call that used the
 bank was submitted (``mx.async_eval``) on the same stream before this call's host sync, which waits
 for it (a call on another stream first synchronizes that one). Where that cannot be known (a second
@@ -33,8 +33,12 @@ two sets of arrays ``(num_experts, *expert_shape)`` taking turns, each chunk's M
 own over them, the next layer's set read while one computes, the slot bank given the most used
 experts from the set after its layer.
 
-Imports: the store interface through the cache, ``policy``, ``prefetch``, ``host_views``,
-``lookahead`` (scoring guesses), ``index``; nothing of the schedules or the model.
+The room also holds a layer's slot bank: ``layer_bank`` (the slots, their table and a layer call's loads),
+``layer_set`` (a layer's every expert for a long prompt), ``waves`` (a call's rows computed as
+their experts land), ``cuda_copy`` (copies into device slots on mlx-cuda) and ``device_copy``
+(a prompt's call over a device copy of a bank in host memory: two tiers).
+
+May import: runtime, reads
 """
 
 from .layer_bank import LayerBank, load_together

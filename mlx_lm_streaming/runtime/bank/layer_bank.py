@@ -8,13 +8,14 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import cuda_copy, lookahead
-from ..host_views import host_address, host_bytes
-from ..index import LayerExperts
 from ..policy import SlotTable
-from ..prefetch import WAVE, StagedBatch
-from ..safetensors_header import mx_dtype
-from .reads import NOTHING_TO_READ, install_finished, landings
+from ..reads import lookahead
+from ..reads.bank_reads import NOTHING_TO_READ, install_finished, landings
+from ..reads.host_views import host_address, host_bytes
+from ..reads.index import LayerExperts
+from ..reads.prefetch import WAVE, StagedBatch
+from ..reads.safetensors_header import mx_dtype
+from . import cuda_copy
 
 
 class LayerBank:
@@ -231,10 +232,10 @@ class LayerBank:
         ``lock``: the policy told of the call's use, a slot for each missing expert (free ones
         first, then the policy's victims; never a slot of ``experts`` or ``keep``, the experts of
         a wave still computing: pinned), and their reads issued. Returns the landings
-        (``reads.landings``): iterate it to take each as it lands, ``close()`` it if the caller
+        (``bank_reads.landings``): iterate it to take each as it lands, ``close()`` it if the caller
         stops early. The victims are freed before reading: if the read fails, no slot may still
         name an evicted expert (evicting that slot later would unmap the expert from wherever it
-        lives by then). ``by_projection``, ``alone``: as for ``reads.landings``."""
+        lives by then). ``by_projection``, ``alone``: as for ``bank_reads.landings``."""
         stats = self.cache.stats
         if stats.first_request is None:
             stats.start()
@@ -354,8 +355,8 @@ class LayerBank:
             if not want:
                 return 0
         # on the CPU backend a bank with direct reads copies staged bytes in through its host
-        # views (``reads.copy_in``): host buffers (should it lose them before the load,
-        # ``reads.install`` copies from those buffers instead). On a GPU an MLX update was faster
+        # views (``bank_reads.copy_in``): host buffers (should it lose them before the load,
+        # ``bank_reads.install`` copies from those buffers instead). On a GPU an MLX update was faster
         host = self.direct and not self.identity and mx.default_device().type == mx.cpu
         batch = prefetcher.submit(
             self.layer, np.array(want), kind, priority, block=block, start=False, host=host

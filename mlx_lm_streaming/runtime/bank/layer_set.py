@@ -26,10 +26,10 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import StreamingError
-from .. import cuda_copy
-from ..host_views import host_address, host_bytes
-from ..safetensors_header import mx_dtype
-from .reads import _runs
+from ..reads.bank_reads import _runs
+from ..reads.host_views import host_address, host_bytes
+from ..reads.safetensors_header import mx_dtype
+from . import cuda_copy
 
 
 def set_bytes(bank) -> int:

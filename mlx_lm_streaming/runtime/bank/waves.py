@@ -25,8 +25,8 @@ Part of the bank unit: on the thread that calls the layer, under the bank's lock
 import mlx.core as mx
 import numpy as np
 
-from .. import lookahead
-from ..prefetch import WAVE
+from ..reads import lookahead
+from ..reads.prefetch import WAVE
 
 
 def direct(bank, ordered: np.ndarray, work, by_projection: bool = False) -> None:

@@ -1,0 +1,196 @@
+"""Slot writes on mlx-cuda through the CUDA runtime's copy engine, instead of host writes.
+
+mlx-cuda allocates arrays in managed memory. A host write into a page the GPU last touched
+migrates that page to the host, and the next kernel that reads it faults it back: a direct read
+into a slot bank's host view pays for the bytes three times (the read, the migration of the old
+bytes out, the migration of the new bytes in, during the next layer's compute). Here a demand read
+goes into a page-locked host buffer of the reading thread and is copied into the slot with
+``cudaMemcpyAsync`` on that thread's stream: the slot's pages stay on the device. Measured on the
+H200 (docs/design.md, "Device copies on mlx-cuda"): several times faster per expert, counting the
+device's next read of the slots.
+
+Used only where every check passes (``copier_for``): the default device is a GPU, the CUDA runtime
+loads through ctypes with the functions used here, and the bank's memory is managed memory the
+runtime knows (``cudaPointerGetAttributes``). Anywhere else (the CPU backend, Metal, whose shared
+memory does not migrate, a runtime that will not load) the caller writes through the host views as
+before. The bytes written are the same either way, so results are unchanged (exactness).
+"""
+
+import ctypes
+import functools
+import ctypes.util
+import dataclasses
+import glob
+import os
+import sys
+import threading
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ...errors import ExpertIOError
+
+# bytes of each reading thread's page-locked buffer: an expert of Qwen3-30B-A3B's shape (2.65 MB) in
+# one go; bigger experts in pieces of this size
+BUFFER_BYTES = 8 << 20
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the runtime works out the direction from the addresses
+_MEMORY_TYPE_MANAGED = 3  # cudaMemoryTypeManaged
+_STREAM_NON_BLOCKING = 1
+
+
+class _PointerAttributes(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),  # (room for fields a later runtime adds)
+    ]
+
+
+def _runtime_candidates() -> List[str]:
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.append(found)
+    for d in sys.path:  # the nvidia-cuda-runtime wheels
+        names += sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so*")))
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def _load_runtime():
+    """The CUDA runtime with the signatures used here, or None (looked for once)."""
+    for name in _runtime_candidates():
+        try:
+            lib = ctypes.CDLL(name)
+            p, size, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+            lib.cudaMemcpyAsync.argtypes = [p, p, size, i, p]
+            lib.cudaStreamSynchronize.argtypes = [p]
+            lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(p), ctypes.c_uint]
+            lib.cudaStreamDestroy.argtypes = [p]
+            lib.cudaHostAlloc.argtypes = [ctypes.POINTER(p), size, ctypes.c_uint]
+            lib.cudaFreeHost.argtypes = [p]
+            lib.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_PointerAttributes), p]
+            lib.cudaGetLastError.argtypes = []
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+class _ThreadBuffer:
+    """A reading thread's page-locked buffer and stream, given back when the thread ends."""
+
+    def __init__(self, lib, nbytes: int):
+        self.lib = lib
+        self.pointer, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.cudaHostAlloc(ctypes.byref(self.pointer), nbytes, 0) != 0:
+            raise MemoryError(f"cudaHostAlloc of {nbytes} bytes failed")
+        if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), _STREAM_NON_BLOCKING) != 0:
+            lib.cudaFreeHost(self.pointer)
+            raise MemoryError("cudaStreamCreateWithFlags failed")
+        raw = (ctypes.c_uint8 * nbytes).from_address(self.pointer.value)
+        self.array = np.ctypeslib.as_array(raw)
+
+    def __del__(self):
+        self.lib.cudaStreamSynchronize(self.stream)
+        self.lib.cudaStreamDestroy(self.stream)
+        self.lib.cudaFreeHost(self.pointer)
+
+
+class SlotCopier:
+    """Reads ranges into the calling thread's page-locked buffer, then copies them to device
+    addresses (``read``)."""
+
+    def __init__(self, lib, buffer_bytes: int = BUFFER_BYTES):
+        self.lib = lib
+        self.buffer_bytes = buffer_bytes
+        self._local = threading.local()
+
+    def manages(self, address: int) -> bool:
+        """Whether ``address`` is managed memory the runtime knows (an mlx-cuda array's)."""
+        attributes = _PointerAttributes()
+        if self.lib.cudaPointerGetAttributes(ctypes.byref(attributes), address) != 0:
+            self.lib.cudaGetLastError()  # (clear the runtime's sticky error)
+            return False
+        return attributes.type == _MEMORY_TYPE_MANAGED
+
+    def _buffer(self) -> _ThreadBuffer:
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = self._local.buffer = _ThreadBuffer(self.lib, self.buffer_bytes)
+        return buffer
+
+    def read(self, read_ranges, pieces: List[Tuple[object, int]]) -> None:
+        """Each ``(ref, address)`` of ``pieces``: the ref's bytes (a ``TensorRef``) read with
+        ``read_ranges`` (a store's ``read_many`` or ``read_on_this_thread``) into this thread's
+        buffer, as many at once as fit, then copied to ``address``. Returns once every copy ended."""
+        buffer = self._buffer()
+        cap = self.buffer_bytes
+        group, used = [], 0
+        for ref, address in pieces:
+            for start in range(0, ref.nbytes, cap):
+                n = min(cap, ref.nbytes - start)
+                if used + n > cap:
+                    self._flush(buffer, read_ranges, group)
+                    group, used = [], 0
+                part = ref if n == ref.nbytes else _piece(ref, start, n)
+                group.append((part, address + start, used))
+                used += n
+        self._flush(buffer, read_ranges, group)
+
+    def _flush(self, buffer: _ThreadBuffer, read_ranges, group) -> None:
+        if not group:
+            return
+        data = buffer.array
+        read_ranges([(ref, memoryview(data[at : at + ref.nbytes])) for ref, _, at in group])
+        base = buffer.pointer.value
+        for ref, address, at in group:
+            err = self.lib.cudaMemcpyAsync(
+                address, base + at, ref.nbytes, _MEMCPY_DEFAULT, buffer.stream
+            )
+            if err != 0:
+                break
+        else:
+            err = self.lib.cudaStreamSynchronize(buffer.stream)
+        if err != 0:
+            self.lib.cudaStreamSynchronize(buffer.stream)  # the buffer is free again either way
+            raise ExpertIOError(f"cudaMemcpyAsync into an expert slot failed (CUDA error {err})")
+
+
+def _piece(ref, start: int, nbytes: int):
+    """Bytes ``start : start + nbytes`` of ``ref``, as a ref of their own."""
+    return dataclasses.replace(ref, offset=ref.offset + start, nbytes=nbytes)
+
+
+_COPIER: Optional[SlotCopier] = None
+_CHECKED = False
+_LOCK = threading.Lock()
+
+
+def copier_for(addresses) -> Optional[SlotCopier]:
+    """The copier, if every check passes for a bank at ``addresses`` (its parts' memory); else
+    None (module docstring)."""
+    global _COPIER, _CHECKED
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.gpu or not _cuda_backend(mx):
+        return None
+    with _LOCK:
+        if not _CHECKED:
+            _CHECKED = True
+            lib = _load_runtime()
+            _COPIER = SlotCopier(lib) if lib is not None else None
+    copier = _COPIER
+    if copier is None or not all(copier.manages(a) for a in addresses):
+        return None
+    return copier
+
+
+def _cuda_backend(mx) -> bool:
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available())
+    except Exception:
+        return False

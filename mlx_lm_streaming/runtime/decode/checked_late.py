@@ -1,0 +1,223 @@
+"""Decode with each token's check one token late: t+1 built on t's sample, then t checked.
+
+mlx-lm's ``generate_step`` builds token t+1's graph while token t computes (``async_eval``): the
+host's work of a step hides behind the device's. A verified step (verified_step.py) reads its miss
+counts back before it returns, so t+1's graph could be built only once t had computed: with every
+used expert resident, decode ran at 0.69-0.74 of stock on the H200 (issue 46). Here the decode
+loop asks the runner to hold each verified step (``StepRunner.defer``): its forward is sampled and
+t+1's graph built on that sample before the host waits for t's counts. Then:
+
+- t found nothing missing: its token is yielded (every token a user sees is a checked one);
+- t missed: t+1 was built on a sample of wrong logits. It is let finish (no pending work may read a
+  slot that t's reads write), its cache entries are taken back (``mlx_shims.rewind`` to the marks
+  taken before it: KV entries trimmed, a hybrid's recurrent state given back its arrays), the
+  random state is given back as it was before t's draw (``mx.random.state``) and the tokens the
+  logits processors see as they were; t runs again from the layer that missed (``StepRunner.
+  redo``), is sampled again, and t+1 is built again on the new sample. So the draws, and the text,
+  are stock's, greedy or sampled.
+
+The prompt and the first token are stock's own code (``generate_step`` with ``max_tokens=0`` stops
+right after the first token's step, which is checked as it runs); the decode loop after it does
+what stock's does (``mlx_compat.DECODE_LOOP_BODY``, checked against the installed mlx-lm). When the
+generator is closed with a step still held, that step is checked and, if it missed, run again, so
+a prompt cache kept by the caller (the server's, chat's) holds stock's entries.
+
+Where it does not apply, stock's loop runs as before (each verified step checked in its own call):
+a sampler or logits processor that keeps state of its own (a dropped token's draw could not be
+given back; mlx-lm's own, from ``mlx_lm.sample_utils``, keep none, and a caller's may say how to
+take draws back with ``take_back(n)``), KV quantization (``kv_bits``: its caches change class
+between steps), input embeddings, caches that cannot be taken back by two tokens, and verified
+steps off (``CacheTuning.checked_late`` None, ``verified_steps``). A call that would not be held (every
+bank complete, the per-layer mode chosen) first checks the token before it, as before.
+"""
+
+import functools
+from threading import get_ident
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import mlx_compat, mlx_shims
+
+STOCK_SAMPLING = "mlx_lm.sample_utils"
+
+
+class Token:
+    """One decode step's token: its sample and log-probabilities (lazy), the verified step held
+    unchecked for it (None: checked), and what taking it back restores."""
+
+    __slots__ = ("y", "logprobs", "held", "key", "tokens", "input", "marks")
+
+    def __init__(self, y, logprobs, held=None, key=None, tokens=None, input=None, marks=None):
+        self.y, self.logprobs, self.held = y, logprobs, held
+        self.key = key  # mx.random.state[0] before its draw
+        self.tokens = tokens  # the tokens the logits processors had seen before its step
+        self.input = input  # the token its step ran on
+        self.marks = marks  # the prompt cache's entries before its step (``mlx_shims.marks``)
+
+
+def problem(stock, a, state) -> Optional[str]:
+    """None if a call of mlx-lm's ``generate_step`` (``stock``) with arguments ``a`` over the
+    streaming model of ``state`` may decode with checks one token late (module docstring), else
+    why not."""
+    runner = state.steps
+    tuning = state.cache.tuning
+    if runner is None or tuning.checked_late is None or not tuning.verified_steps:
+        return "verified steps or late checks are off"
+    if a["kv_bits"] is not None:
+        return "a quantized KV cache"
+    if a["input_embeddings"] is not None:
+        return "input embeddings"
+    if a["max_tokens"] == 0:
+        return "no tokens"
+    if not all(map(_repeatable, [a["sampler"], *(a["logits_processors"] or [])])):
+        return "a sampler or logits processor that keeps state of its own"
+    return _loop_problem(stock)
+
+
+def _repeatable(f) -> bool:
+    """Whether calling ``f`` (a sampler or logits processor; None: greedy) again for a token gives
+    what its first call gave once ``mx.random.state`` is put back: mlx-lm's own, or one that can
+    take its last draws back (``take_back``)."""
+    return (
+        f is None
+        or getattr(f, "__module__", None) == STOCK_SAMPLING
+        or callable(getattr(f, "take_back", None))
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _loop_problem(generate_step) -> Optional[str]:
+    """``mlx_compat.decode_loop_problem``, read once per ``generate_step`` (it reads the source)."""
+    return mlx_compat.decode_loop_problem(generate_step)
+
+
+def generate(stock, a):
+    """``generate_step``'s tokens for the bound arguments ``a`` (a mapping, changed here), its
+    steps held and checked one token late (module docstring)."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    model, kv = a["model"], a["prompt_cache"]
+    if kv is None:
+        kv = a["prompt_cache"] = mlx_shims.make_prompt_cache(model, max_kv_size=a["max_kv_size"])
+    runner = model.expert_streaming.steps
+    sampler = a["sampler"] or greedy_sampler
+    processors = list(a["logits_processors"] or [])
+    max_tokens, stream = a["max_tokens"], a["stream"]
+
+    # the prompt and the first token's step: stock's code, its sample and what its processors saw
+    first = {}
+
+    def first_sampler(logprobs):
+        first["y"], first["logprobs"] = sampler(logprobs), logprobs.squeeze(0)
+        return first["y"]
+
+    def seen(processor):
+        def process(toks, logits):
+            first["tokens"] = toks
+            return processor(toks, logits)
+
+        return process
+
+    a["max_tokens"], a["sampler"] = 0, first_sampler
+    a["logits_processors"] = [seen(p) for p in processors] or None
+    for _ in stock(**a):  # (yields nothing: it stops after the first token's step)
+        pass
+    tokens = first.get("tokens")
+
+    def step(prev: Token, hold: bool) -> Token:
+        """The step on ``prev``'s sample; ``hold``: its verified step held unchecked (where the
+        call is one)."""
+        nonlocal tokens
+        # (marks only where it may be taken back: the token before it is held only if this one
+        # is, and then the caches can be taken back, ``StepRunner.defers``)
+        key, before, marks = mx.random.state[0], tokens, mlx_shims.marks(kv) if hold else None
+        runner.defer = get_ident() if hold else None
+        try:
+            logits = model(prev.y[None], cache=kv)
+        finally:
+            runner.defer = None
+        held = runner.take_held()
+        logits, tokens = _processed(logits[:, -1, :], processors, tokens, prev.y)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = Token(sampler(logprobs), logprobs.squeeze(0), held, key, before, prev.y, marks)
+        mx.async_eval(token.y, token.logprobs, *(held.arrays() if held is not None else ()))
+        return token
+
+    def checked(t: Token, after: Optional[Token]) -> Token:
+        """``t`` checked: itself if nothing was missing; else ``after`` (built on ``t``'s
+        sample) taken back and ``t`` run again and sampled again."""
+        nonlocal tokens
+        if runner.check(t.held):
+            t.held = None
+            return t
+        if after is not None:  # no pending work may read a slot that t's reads write
+            mx.eval(after.y, after.logprobs)
+            _take_back(kv, after)
+            runner.dropped += 1
+        draws = 1 + (after is not None)
+        for f in (sampler, *processors):
+            if callable(getattr(f, "take_back", None)):
+                f.take_back(draws)
+        _put_back_key(t.key)
+        logits = runner.redo(t.held)
+        logits, tokens = _processed(logits[:, -1, :], processors, t.tokens, t.input)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return Token(sampler(logprobs), logprobs.squeeze(0))
+
+    current = Token(first["y"], first["logprobs"])
+    after = None
+    n = 0
+    with mx.stream(stream):
+        try:
+            while True:
+                after = None
+                if n != max_tokens:
+                    hold = runner.defers(kv)
+                    if current.held is not None and not hold:
+                        current = checked(current, None)  # the next call checks in its own
+                        hold = runner.defers(kv)
+                    after = step(current, hold)
+                if current.held is not None:
+                    redone = checked(current, after)
+                    if redone is not current:  # t missed: t+1 was taken back, built again
+                        current = redone
+                        after = step(current, runner.defers(kv)) if after is not None else None
+                if n == max_tokens:
+                    break
+                yield current.y.item(), current.logprobs
+                if n % 256 == 0:
+                    mx.clear_cache()
+                current = after
+                n += 1
+        except GeneratorExit:
+            pass
+        # a step still held: checked, and run again if it missed, so that the prompt cache
+        # holds stock's entries
+        for t in (current, after):
+            if t is not None and t.held is not None:
+                if not runner.check(t.held):
+                    runner.redo(t.held)
+                t.held = None
+
+
+def _take_back(kv, token: Token) -> None:
+    """The prompt cache's entries as they were before ``token``'s step."""
+    mlx_shims.rewind(kv, token.marks)
+
+
+def _processed(logits, processors, tokens, y):
+    """``logits`` through the logits processors as stock's step does, with ``y`` added to the
+    tokens they see; ``(logits, tokens)``."""
+    if processors and len(y) > 0:
+        tokens = mx.concat([tokens, y]) if tokens is not None else y
+        for processor in processors:
+            logits = processor(tokens, logits)
+    return logits, tokens
+
+
+def _put_back_key(key: mx.array) -> None:
+    """MLX's global random key set to ``key`` (a key ``mx.random.state`` held): the state cannot
+    be assigned (mlx 0.32), but ``seed(n)`` sets the key ``[n >> 32, n & 0xffffffff]``."""
+    hi, lo = key.tolist()
+    mx.random.seed((hi << 32) | lo)

@@ -1,0 +1,320 @@
+"""The verified step: a forward runs with no host sync per MoE layer, its experts checked once.
+
+mlx-lm's own ``SwitchGLU`` never waits for the host: the router's ids index the experts on the
+device. The per-layer schedule (``switch.py``) reads the ids back in every MoE layer, to make the
+experts resident before the layer computes; on a GPU that wait, once per layer, costs more than the
+layer itself. Nothing needs it while the experts a forward picks are resident already. A verified
+step runs the forward with each MoE layer's ids turned into slot ids on the device
+(``LayerBank.device_map``) and a count of its missing experts, then reads the counts once:
+
+- none missing: every row came from its expert's slot: the per-layer schedule's graph (gather over
+  the slot bank, exact: docs/design.md), so stock's bits. The host work the layers skipped (the
+  policy's record of uses, the counters, the routing record) is done from the ids, which are on the
+  host by then at no wait;
+- some missing: the first MoE layer with a miss computed rows from the wrong slot, and every layer
+  after it took a wrong input; the layers before it are right. Its ids are right (its input is), so
+  its missing experts are read, the cache entries of that decoder layer and those after it are
+  put back as they were before the step (``StepCaches``: KV entries' tokens taken back, hybrids'
+  recurrent states given back their arrays), and the forward runs again, each decoder layer
+  before that one giving back its recorded output (``layer_call``) instead of computing (a layer
+  run again gets its first call's arguments: masks made before the step). Repeated until nothing is
+  missing: one host sync per token plus one per layer that missed, instead of one per layer.
+- read together (``CacheTuning.read_misses_together``): the layers after the first miss ran on a
+  slightly wrong input, but on a trained model they pick nearly the experts they will pick once
+  right (98.5% of them on the routing model, docs/routing.md). So the experts that pass picked and
+  its banks lack are read too, at the same time as the missed layer's (``load_together``: several
+  banks at once, each expert on its own demand thread), as guesses (``LayerBank.load(...,
+  guessed=True)``: counted as misses only if the pass run again uses them). The forward then runs
+  again from the first missed layer, and usually finds nothing missing: about one host sync more
+  per token that missed, however many layers missed, and its reads overlapped.
+
+Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry shared by layers or
+written outside them), a miss puts every cache entry back and runs the whole call per layer
+instead. Which decode calls are verified steps: ``runner.StepRunner``.
+"""
+
+from operator import itemgetter
+from threading import get_ident
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..bank import load_together
+from . import schedules, share_limits
+from .modes import Mode
+from .step_caches import StepCaches
+
+MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
+_FLAT, _SIZE = itemgetter(2), itemgetter(3)  # (a kept call's flat ids, its size: C, no frame)
+
+
+class _Again(Exception):
+    """A miss the step cannot take back layer by layer: the call runs again whole, per layer."""
+
+
+class VerifiedStep(Mode):
+    """One model call run as a verified step (the mode of that call: ``modes``): its MoE calls,
+    its decoder layers' calls and outputs."""
+
+    wraps = True  # its decoder layers' calls are recorded (``layer_call``), to be run again
+
+    def __init__(self, runner, kv, tokens: int, every: int):
+        self.owner = get_ident()  # (``modes``: another thread's layer calls run per layer)
+        self.runner = runner
+        self.kv = kv
+        self.layers = runner.layers  # decoder layers wrapped in the model, or 0
+        # MoE calls between two checks (at least 1); the last decoder layer always checks
+        self.every = every
+        # decoder layers below this give back their recorded output (a forward run again)
+        self.replay_below = 0
+        # the decoder layer running now, and each one's call and output in this step
+        self.layer: Optional[int] = None
+        self.ran = -1
+        self.inputs: Dict[int, tuple] = {}
+        self.outputs: Dict[int, object] = {}
+        # the cache entries as they were before the step, and the layer that got each
+        self.caches = StepCaches(kv)
+        # whether layers can be run again from one that missed: the model's layers were wrapped,
+        # each got a cache entry of its own or none (``StepCaches.claim``) and took the output of
+        # the layer before as its input
+        self.replayable = self.layers > 0
+        # MoE calls not yet checked: (decoder layer, bank, ids flattened, the bank's device map of
+        # missing experts as the call saw it), lazy
+        self.calls: List[tuple] = []
+        # id(bank) -> (bank, ids, ids flattened, their count) of the call kept for each MoE layer;
+        # banks whose experts a load in this step made resident (counted there)
+        self.kept: Dict[int, tuple] = {}
+        self.loaded: set = set()
+        # the kept calls' ids, concatenated in the order of ``kept`` (set by the check after the
+        # forward)
+        self.ids: Optional[mx.array] = None
+        # the last check's per-call miss counts (host); id(bank) -> experts read for it on the
+        # word of a pass that ran beyond a miss (``load_together``)
+        self.counts: Optional[np.ndarray] = None
+        self.guessed: Dict[int, set] = {}
+        self.guesses_read = False
+        # a held step's miss counts (``hold``), lazy until ``missed`` or the first check reads them
+        self.held_counts: Optional[mx.array] = None
+        # the stream its layers' work is submitted to (``LayerBank.last_stream``)
+        self.stream = mx.default_stream(mx.default_device())
+
+    def moe_call(self, layer, x, indices):
+        """Chosen for a bank with slots and a kernel that takes the ids on the device: the
+        router's ids mapped to slot ids on the device, with no host sync, and the bank's device
+        map of missing experts kept for the check, which counts every layer's misses at once
+        after the forward. Elsewhere (a complete bank with no routing recorded, a kernel that wants
+        the slots on the host, no slots) the layer's own schedule (``Mode.moe_call``). Measured:
+        the per-layer host sync costs more than the layer on a GPU."""
+        bank = layer.bank
+        cache = bank.cache
+        kernel = (layer.kernels.get(indices.size) or schedules.kernel_of(layer, indices.size))[0]
+        # (a complete bank's graph is stock's where no recorder wants the step's record of ids)
+        if kernel.needs_host_slots or bank.slots == 0 or bank.complete and cache.recorder is None:
+            return Mode.moe_call(self, layer, x, indices)
+        tl = cache.timeline
+        start = tl.now()
+        with bank.lock:
+            if bank.identity and bank.staged:
+                # the fill's reads that landed: into slots no resident expert has, which no pending
+                # work reads but for rows a miss makes wrong anyway (dropped at the check)
+                bank.install_finished()
+                bank.note_complete()
+            made, table = bank.last_map, bank.table
+            if made is not None and made[0] is table and made[1] == table.version:
+                slots, missing = made[2], made[3]  # (``device_map``'s check, inline)
+            else:
+                slots, missing = bank.device_map()
+            y = kernel(x, slots[indices], None, bank)
+        flat = indices.reshape(-1)  # (one reshape for the check's counts and ``commit``'s ids)
+        self.calls.append((self.layer, bank, flat, missing))
+        self.kept[id(bank)] = (bank, indices, flat, flat.size)
+        bank.last_stream = self.stream
+        # its ids are not on the host: its experts and misses are the step's to count
+        tl.layer(start, bank.path, indices.size // indices.shape[-1], verified=True)
+        return y
+
+    def layer_call(self, i: int, call, args, kwargs):
+        """Decoder layer ``i`` of the model (``mlx_shims.wrap_call``): run, recorded, and checked
+        every ``every`` MoE calls and at the last layer."""
+        # its cache entry (``mlx_shims.layer_cache``, inline: every decode step's layers pass)
+        entry = args[2] if len(args) > 2 else kwargs.get("cache")
+        if not self.caches.claim(i, entry):
+            self.replayable = False
+        if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
+            self.replayable = False
+        if i < self.replay_below:  # the forward run again after a miss in a later layer
+            return self.outputs[i]
+        if i in self.inputs and args:
+            # run again: the arguments its first call got, made from the caches as they were
+            # before the step (masks and offsets made again now would see the layers before
+            # written), with its input of now
+            _, first_args, first_kwargs = self.inputs[i]
+            args, kwargs = (args[0], *first_args[1:]), first_kwargs
+        self.layer, self.ran = i, max(self.ran, i)
+        self.inputs[i] = (call, args, kwargs)
+        self.outputs[i] = call(*args, **kwargs)
+        if len(self.calls) >= self.every and i < self.layers - 1:
+            self.settle(i)
+        return self.outputs[i]
+
+    def settle(self, upto: int) -> None:
+        """Check the MoE calls so far (one host sync); while one has a missing expert, read its
+        experts, take back the cache entries its decoder layer and those after it wrote, and run
+        them again, up to decoder layer ``upto``."""
+        while True:
+            layer = self.read_missing()
+            if layer is None:
+                return
+            self.caches.rewind(layer, upto + 1)
+            self.runner.replays += 1
+            for i in range(layer, upto + 1):
+                call, args, kwargs = self.inputs[i]
+                if i > 0:  # the layer before's output, as it is now (it may have run again)
+                    args = (self.outputs[i - 1], *args[1:])
+                self.inputs[i] = (call, args, kwargs)
+                self.layer = i
+                self.outputs[i] = call(*args, **kwargs)
+
+    def read_missing(self, out=None) -> Optional[int]:
+        """Check the MoE calls not yet checked (one host sync; ``out``: the forward's output, for
+        the check after it). None if nothing is missing; else read the first missing call's
+        experts and return its decoder layer, from which the forward must run again (raises
+        ``_Again`` where it cannot)."""
+        first = self.first_miss(out)  # (it did the step before's host work)
+        if first is None:
+            self.calls = []
+            return None
+        layer, bank, indices, _ = self.calls[first]
+        experts = np.unique(np.array(indices, copy=False).astype(np.int64))
+        if (
+            not self.replayable
+            or self.caches.unclaimed_changed()
+            or layer is None
+            or len(experts) > bank.slots
+            or id(bank) in self.loaded  # it missed again after its load: ids that changed
+        ):
+            raise _Again
+        # no pending work may read a slot the load writes
+        mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
+        tl = bank.cache.timeline
+        start = tl.now()
+        runner = self.runner
+        guesses = self.named_after(first) if runner.together else []
+        # reads what is missing; counts the call's hits and misses
+        load_together([(bank, experts, {})] + guesses)
+        self.loaded.add(id(bank))
+        tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
+                guessed=sum(len(g[1]) for g in guesses))
+        self.calls = []
+        return layer
+
+    def named_after(self, first: int) -> List[tuple]:
+        """``(bank, experts, load options)`` for each MoE call after ``calls[first]`` that the
+        check found missing experts: those its ids (picked on a wrong input) name and its bank
+        lacks, to be read as guesses, the call's other experts kept; none while the runner's
+        guesses scored badly (``StepRunner.guess_precision``: scored at ``commit`` either way)."""
+        out = []
+        read = self.runner.guess_precision >= self.runner.min_precision
+        for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
+            _, bank, indices, _ = self.calls[j]
+            named = np.unique(np.array(indices, copy=False).astype(np.int64))
+            lack = named[bank.slot_of[named] < 0]
+            if len(lack) == 0 or id(bank) in self.loaded or len(named) > bank.slots:
+                continue  # (more than its slots: that call runs in waves, if it comes)
+            self.guessed.setdefault(id(bank), set()).update(lack.tolist())
+            if read:
+                self.runner.named += len(lack)
+                self.guesses_read = True
+                out.append((bank, lack, {"keep": named, "guessed": True}))
+        return out
+
+    def hold(self) -> None:
+        """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
+        check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
+        ``commit``, the miss counts)."""
+        self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
+        self.held_counts = miss_counts(self.calls) if self.calls else mx.zeros((1,), mx.int32)
+
+    def first_miss(self, out=None) -> Optional[int]:
+        """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
+        sync. With the forward's output ``out``: it, the counts and every kept call's ids
+        (``ids``, for ``commit``) handed to MLX in one evaluation."""
+        if self.held_counts is not None:  # a held step's first check: its counts were made
+            self.held_counts = None
+            hit = np.nonzero(self.counts)[0]
+            return int(hit[0]) if len(hit) else None
+        pending = ()
+        if out is not None:
+            self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
+            pending = (out, self.ids)
+        if not self.calls:
+            if pending:
+                mx.async_eval(*pending)
+            return None
+        counts = miss_counts(self.calls)
+        mx.async_eval(*pending, counts)
+        self.runner.flush()  # the step before's host work, while this one computes
+        tl = self.calls[0][1].cache.timeline
+        start = tl.now()
+        counts = self.counts = np.array(counts, copy=False)
+        tl.span("verify", start, "sync", calls=len(self.calls))
+        hit = np.nonzero(counts)[0]
+        return int(hit[0]) if len(hit) else None
+
+    def commit(self, cache) -> None:
+        """The host work of a step found complete: each kept MoE call's uses told to its policy and
+        counted as hits (unless a load in this step counted them), the routing recorded, identity
+        banks' fill asked for."""
+        hits = misses = named = used = 0
+        kept = self.kept
+        # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``); each
+        # call's distinct experts from one ``np.unique`` over all of them (call j's ids offset by
+        # j << 32), not one per layer
+        flat = np.array(self.ids, copy=False).astype(np.int64)
+        sizes = list(map(_SIZE, kept.values()))
+        calls = np.arange(len(kept), dtype=np.int64) << 32
+        distinct = np.unique(flat + np.repeat(calls, sizes))
+        ends = np.searchsorted(distinct, calls + (1 << 32)).tolist()
+        at = begin = j = 0
+        for key, (bank, indices, _, size) in kept.items():
+            experts = distinct[begin : ends[j]] - (j << 32)
+            begin, j = ends[j], j + 1
+            guessed = self.guessed.get(key)
+            if guessed:  # the guess, read or not, against the experts the call used
+                named += len(guessed)
+                used += len(guessed.intersection(experts.tolist()))
+            if key in self.loaded:
+                bank.drop_guesses()  # its load counted what it used
+            else:
+                # nothing missing: the policy's record of a use; guesses it used are its misses
+                h, m = bank.note_use(experts)
+                hits, misses = hits + h, misses + m
+            if cache.recorder is not None:
+                cache.recorder.record(bank, flat[at : at + size].reshape(indices.shape))
+            at += size
+            if bank.identity and not bank.complete:
+                cache.request_fill(bank)
+        stats = cache.stats
+        if stats.first_request is None:
+            stats.start()
+        stats.add(hits, misses, 0)
+        runner = self.runner
+        if named:
+            runner.named_used += used if self.guesses_read else 0
+            runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
+
+
+def miss_counts(calls) -> mx.array:
+    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's map marks
+    missing, ``missing[ids].sum()``, for all the calls in four ops where they have the same shapes
+    (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
+    step's host time there), else two per call."""
+    maps, ids, same = [], [], True  # one loop: on Python 3.11 a comprehension is a call
+    for _, _, i, m in calls:  # (``i``: a call's ids, flattened)
+        maps.append(m)
+        ids.append(i)
+        same = same and m.size == maps[0].size and ids[-1].size == ids[0].size
+    if same:
+        return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
+    return mx.stack([m[i].sum() for m, i in zip(maps, ids)])

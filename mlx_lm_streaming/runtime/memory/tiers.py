@@ -1,0 +1,423 @@
+"""Two tiers on mlx-cuda: every routed expert in a complete identity bank, the hottest in device
+memory, the rest in host memory that the GPU reads in place (issue 39).
+
+Where the device budget (``--expert-cache-gb``) plus the host budget (``--expert-host-gb``) hold
+every routed expert, each MoE layer's bank gets a slot per expert (an identity bank): once its
+background fill is done it is complete, and the layer runs stock's graph (``StockGraph``: the
+router's ids straight to the kernel, no host sync, no replay). The banks are MLX arrays, which
+mlx-cuda allocates in managed memory: ``cudaMemAdvise`` on each expert's byte ranges says where its
+pages live (preferred location the device for the device tier; the host, and accessed by the
+device, for the host tier) and ``cudaMemPrefetchAsync`` moves them there on a stream of our own.
+The GPU reads a host-tier expert over the bus inside the kernel; the bytes, the arrays and the
+kernels are stock's, so results are bit-identical wherever the pages are.
+
+The device tier follows the decode's routing (``Tiers``): every decode call's expert ids are kept;
+every ``MOVE_EVERY`` tokens, at a step's first layer call (right after mlx-lm launched the step
+before: the device is busy, not waiting), the ids mlx-lm has evaluated are read (no extra sync)
+and counted with a decay, every bank's hottest experts chosen for the device (by a margin), and
+the moves of all the banks issued as one batch, in the background. A prompt's calls are neither
+counted nor moved for: they run over a device copy of their bank (``device_copy``). A move
+changes where bytes live, never what they are.
+
+Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
+what it was asked. The option is refused off CUDA (``options``: unified memory, where the cache
+already is host memory).
+"""
+
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..bank import device_copy
+from ..sizes import decimal_gb, gb_as_given
+
+# decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
+# before its first call's ids are kept, those mlx-lm has evaluated (all but each bank's last
+# READ_LAG) are counted, decayed by DECAY, and every bank's device tier re-chosen, the moves issued
+# as one batch (a shift moves the device tier at the second batch: within 2 * MOVE_EVERY tokens);
+# an expert takes a device slot from a colder one only where its count beats that one's by
+# SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without it)
+MOVE_EVERY = 8
+DECAY = 0.5
+READ_LAG = 2
+SWAP_RATIO = 1.25
+SWAP_MIN = 2.0
+def device_slots(banks, device_bytes: int) -> List[int]:
+    """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
+    plan shares a budget (the same count each, then one more to layers in model order while what
+    is left lasts), at most every expert."""
+    per = sum(b.layer.expert_nbytes for b in banks)
+    each = max(0, device_bytes // per) if per else 0
+    plan = [min(each, b.num_experts) for b in banks]
+    left = device_bytes - sum(n * b.layer.expert_nbytes for n, b in zip(plan, banks))
+    for i, b in enumerate(banks):
+        if plan[i] < b.num_experts and left >= b.layer.expert_nbytes:
+            plan[i] += 1
+            left -= b.layer.expert_nbytes
+    return plan
+
+
+class BankTier:
+    """One identity bank's tiers: which experts are on the device, the decayed use counts."""
+
+    def __init__(self, bank, on_device: int):
+        self.bank = bank
+        self.capacity = on_device
+        self.counts = np.zeros(bank.num_experts, dtype=np.float64)
+        self.device = np.zeros(bank.num_experts, dtype=bool)
+        self.device[:on_device] = True  # no counts yet: the first experts
+        self.pending: List = []  # the calls' ids arrays kept, not counted yet
+        self.calls = 0  # decode calls (a token each)
+        self.uses = {"device": 0, "host": 0}  # counted uses each tier served
+
+
+class Tiers:
+    """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
+    object with ``place(ranges, on_device)``; moves run on one background thread."""
+
+    def __init__(self, placer, device_bytes: int, host_bytes: int):
+        self.placer = placer
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
+        self.banks: Dict[int, BankTier] = {}
+        self.moves = 0  # experts moved between the tiers after the first placement
+        self.tokens = 0  # decode tokens: the most decode calls of any bank
+        self.batches = 0  # batches of moves issued (``rebalance``)
+        self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
+        self.error: Optional[str] = None  # the first placement the runtime refused, if any
+        self._lock = threading.Lock()
+        self._queue: List[tuple] = []
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
+
+    # -- placement --------------------------------------------------------------------------
+
+    def plan(self, banks) -> None:
+        """The device tier's size per bank (``device_slots``), first placement queued."""
+        for bank, n in zip(banks, device_slots(banks, self.device_bytes)):
+            tier = self.banks[id(bank)] = BankTier(bank, n)
+            self._submit([(bank, np.arange(bank.num_experts), tier.device.copy())])
+
+    def ranges(self, bank, experts) -> List[tuple]:
+        """``(address, nbytes)`` of each expert's bytes in each part of the bank. On the calling
+        thread (the model's): taking an MLX array's address evaluates it, which another thread
+        must not do (MLX ties an array to its thread's stream; seen on the H200 as placements
+        that never ran, and as a decode that stopped). The bank's views' addresses where it has
+        them (kept current by ``refresh_views``)."""
+        from ..reads.host_views import host_address
+
+        out = []
+        known = bank.view_addresses
+        for i, spec in enumerate(bank.layer.parts):
+            arr = bank.array(spec.proj, spec.part)
+            base = known[i] if known is not None else host_address(arr)
+            if base is None:
+                return []
+            per = arr.nbytes // bank.slots
+            out += [(base + int(e) * per, per) for e in experts]
+        return out
+
+    def _submit(self, moves) -> None:
+        """``moves``: ``(bank, experts, on_device)`` each, placed as one job: every range out of
+        the device first, then every range in."""
+        # the ranges taken here, on the model's thread; the worker only calls the runtime
+        jobs = []
+        for flag in (False, True):
+            ranges = []
+            for bank, experts, on_device in moves:
+                experts, on_device = np.asarray(experts), np.asarray(on_device)
+                ranges += self.ranges(bank, experts[on_device == flag])
+            jobs.append((flag, ranges))
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.append(jobs)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(
+                    target=self._work, name="mlx-lm-streaming-tiers", daemon=True
+                )
+                self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queue:
+                    self._worker = None
+                    return
+                jobs = self._queue.pop(0)
+            try:
+                for flag, ranges in jobs:  # out of the device first, then in
+                    if ranges:
+                        self.placer.place(ranges, on_device=flag)
+            except OSError as e:  # where bytes live, not what they are: said, not fatal
+                self.error = str(e)
+
+    def drain(self) -> None:
+        """Wait until every queued placement was issued (and, on CUDA, ran)."""
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+        wait = getattr(self.placer, "wait", None)
+        if wait is not None:
+            wait()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._queue = []
+
+    # -- following the routing ----------------------------------------------------------------
+
+    def caller(self, bank, glu):
+        """A complete bank's call (``LayerBank.complete_call``, ``StockGraph``): ``glu(x,
+        indices)``, stock's code over the bank. A decode call's ids are kept for the device
+        tier's count (``MOVE_EVERY``); a prompt's call (``device_copy.is_prompt``) is not
+        counted and runs over a device copy of the bank (``device_copy.run``)."""
+        tier = self.banks.get(id(bank))
+        if tier is None:
+            return glu
+        pending = tier.pending
+
+        def call(x, indices):
+            if device_copy.is_prompt(bank, indices):
+                self.prompt_calls += 1
+                return device_copy.run(bank, glu, x, indices)
+            tier.calls += 1
+            if tier.calls > self.tokens:  # the step's first call: a token begins
+                self.tokens = tier.calls
+                if self.tokens % MOVE_EVERY == 0:
+                    self.rebalance()
+            pending.append(indices)
+            return glu(x, indices)
+
+        return call
+
+    def count(self, tier: BankTier) -> None:
+        """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted."""
+        done = tier.pending[: len(tier.pending) - READ_LAG]
+        del tier.pending[: len(done)]
+        if not done:
+            return
+        ids = np.concatenate([np.array(i).reshape(-1) for i in done]).astype(np.int64)
+        ids = ids[(ids >= 0) & (ids < len(tier.counts))]
+        tier.counts += np.bincount(ids, minlength=len(tier.counts))
+        on = int(tier.device[ids].sum())
+        tier.uses["device"] += on
+        tier.uses["host"] += len(ids) - on
+
+    def rebalance(self) -> None:
+        """One batch: every bank's kept ids counted and its swaps chosen (``swaps``), the moves
+        of all the banks submitted as one job."""
+        moves = []
+        for tier in self.banks.values():
+            changed = self.swaps(tier)
+            if len(changed):
+                moves.append((tier.bank, changed, tier.device[changed]))
+        if moves:
+            self.batches += 1
+            self._submit(moves)
+
+    def swaps(self, tier: BankTier) -> np.ndarray:
+        """The kept ids counted; then the hottest experts outside the device tier swap places
+        with the coldest in it, pair by pair, while the one coming in beats the one going out by
+        ``SWAP_RATIO`` and ``SWAP_MIN``: the experts that swap (``tier.device`` says where each
+        goes)."""
+        self.count(tier)
+        counts = tier.counts
+        n = tier.capacity
+        none = np.zeros(0, dtype=np.int64)
+        if n in (0, len(counts)) or not counts.any():
+            counts *= DECAY
+            return none
+        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
+        cold = inside[np.argsort(counts[inside], kind="stable")]
+        hot = outside[np.argsort(-counts[outside], kind="stable")]
+        k = 0
+        while k < min(len(cold), len(hot)) and (
+            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + SWAP_MIN
+        ):
+            k += 1
+        counts *= DECAY
+        if not k:
+            return none
+        tier.device[cold[:k]] = False
+        tier.device[hot[:k]] = True
+        self.moves += 2 * k
+        return np.concatenate([cold[:k], hot[:k]])
+
+    # -- the figures -------------------------------------------------------------------------
+
+    def check(self) -> Optional[str]:
+        """Where the runtime says each bank's first device-tier and first host-tier expert live
+        (their first part's range), against the tier each is in: "k of n as planned" (a placer
+        that cannot tell: None). On the model's thread (``ranges``)."""
+        where = getattr(self.placer, "where", None)
+        if where is None:
+            return None
+        ok = n = 0
+        for tier in self.banks.values():
+            for flag in (True, False):
+                picked = np.flatnonzero(tier.device == flag)[:1]
+                ranges = self.ranges(tier.bank, picked) if len(picked) else []
+                if ranges:
+                    n += 1
+                    ok += where(*ranges[0]) == (("device",) * 2 if flag else ("host",) * 2)
+        return f"{ok} of {n} as planned"
+
+    def summary(self) -> dict:
+        device = sum(int(t.device.sum()) * t.bank.layer.expert_nbytes for t in self.banks.values())
+        total = sum(t.bank.num_experts * t.bank.layer.expert_nbytes for t in self.banks.values())
+        on = sum(t.uses["device"] for t in self.banks.values())
+        off = sum(t.uses["host"] for t in self.banks.values())
+        return {
+            "tier_device_gb": device / 1e9,
+            "tier_host_gb": (total - device) / 1e9,
+            "tier_device_share": on / (on + off) if on + off else float("nan"),
+            "tier_sampled_uses": on + off,
+            "tier_moves": self.moves,
+            "tier_moves_per_token": self.moves / self.tokens if self.tokens else 0.0,
+            "tier_move_batches": self.batches,
+            "tier_prompt_calls": self.prompt_calls,
+            "tier_error": self.error,
+            "tier_placed": self.check(),
+        }
+
+
+# the host tier when --expert-host-gb is not given: ``split``'s default (every expert the device
+# cannot hold, where host RAM less a margin allows it), on mlx-cuda only where the placement was
+# measured faster than streaming misses from the page cache, and exact (docs/design.md, "Two tiers
+# on mlx-cuda", gives the run)
+DEFAULT_ON = True
+# of the host RAM the OS calls available, this much stays free for the OS, other programs and the
+# page cache when the default host tier is sized (the larger of the two)
+HOST_MARGIN_BYTES = 4 * 10**9
+HOST_MARGIN_SHARE = 0.1
+_FLAG = "--expert-host-gb / MLX_LM_STREAMING_HOST_GB / expert_host_gb"
+
+
+def available_host_bytes() -> Optional[int]:
+    """``MemAvailable`` of /proc/meminfo (Linux: where mlx-cuda runs), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_room(available: Optional[int]) -> int:
+    """What the host tier may take of ``available`` bytes: less the margin, never below 0."""
+    if available is None:
+        return 0
+    return max(0, available - max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * available)))
+
+
+def split(total: int, device: int, given_gb, available: Optional[int]) -> int:
+    """The host tier's bytes for ``total`` expert bytes of which ``device`` fit the device budget:
+    0 where the device holds them all; given: its bytes (``ConfigurationError`` where more than
+    the host can spare); the default: the rest where the host can spare it, else 0. A tier that
+    with the device's cannot hold every expert is 0 (misses stream from disk, as without)."""
+    from ...errors import ConfigurationError
+    from ...option_table import GB
+
+    rest = max(0, total - device)
+    if rest == 0 or given_gb == 0:
+        return 0
+    room = host_room(available)
+    if given_gb is None:
+        return rest if rest <= room else 0
+    asked = min(int(given_gb * GB), rest)
+    if asked > room:
+        raise ConfigurationError(
+            f"{_FLAG} {gb_as_given(given_gb)}: the host tier would take {decimal_gb(asked)}, more "
+            f"than the {decimal_gb(room)} of available host memory less a margin; lower it or give 0"
+        )
+    return asked if asked >= rest else 0
+
+
+def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
+    """Give ``cache`` its host tier (``split``) and ``Tiers`` where it is on mlx-cuda and the two
+    tiers hold every expert; where a host budget is given below what they would need, a host
+    cache between the device's slots and disk (``host_cache``: off by default, not yet measured
+    on a GPU); elsewhere nothing changes. A host budget given off CUDA is refused in one line
+    (``ConfigurationError``)."""
+    from ...errors import ConfigurationError
+
+    if backend != "cuda":
+        if given_gb:
+            raise ConfigurationError(
+                f"{_FLAG} is for mlx-cuda only: on {backend}, memory is unified and the expert "
+                "cache already is host memory; leave it out"
+            )
+        return
+    if cache.budget_bytes is None or not cache.banks or (given_gb is None and not DEFAULT_ON):
+        return
+    total = cache.total_expert_bytes
+    device = min(cache.budget_bytes, total)
+    available = available_host_bytes() if available is None else available
+    host = split(total, device, given_gb, available)
+    if host == 0 and not given_gb:
+        return
+    from ...option_table import GB
+    from . import host_cache, machine as memory
+    from .cuda_placer import cuda_placer
+
+    placer = placer if placer is not None else cuda_placer()
+    if placer is None:
+        return
+    # never more device memory for the device tier than the device has free (a managed range
+    # prefetched beyond it can hang the GPU): at most the default budget's share of it
+    free = getattr(placer, "free_device_bytes", lambda: None)()
+    slots = device  # today's slot banks' budget, where there are no two tiers
+    if host and free is not None and device > int(free * memory.CUDA_CACHE_SHARE):
+        device = int(free * memory.CUDA_CACHE_SHARE)
+        host = split(total, device, given_gb, available)
+    if host == 0:  # given below the rest: today's slot banks, a host cache behind them
+        if given_gb and total > slots:
+            host_cache.set_up(cache, min(int(given_gb * GB), total - slots), placer)
+        return
+    cache.host_bytes = host
+    cache.tiers = Tiers(placer, device, host)
+    cache.planned = False
+
+
+def plan_line(cache, backend: str, trace=None) -> str:
+    """``plan``'s line on the two tiers: what the device and the host would hold at this budget
+    (the host tier as ``split`` sizes it where asked for), and with a routing trace the share of
+    its decode uses that the device tier would serve (each layer's hottest experts there)."""
+    if backend != "cuda":
+        return f"two tiers (--expert-host-gb): mlx-cuda only; {backend} memory is unified"
+    total = cache.total_expert_bytes
+    device = min(cache.budget_bytes or 0, total)
+    host = split(total, device, None, available_host_bytes())
+    line = (
+        f"two tiers (--expert-host-gb): device {decimal_gb(device)}, host {decimal_gb(host)}"
+    )
+    if not host and device < total:
+        line += (
+            f" (host RAM cannot hold the rest, {decimal_gb(total - device)}: a value below it "
+            "gives a host cache between the device's slots and disk)"
+        )
+    if trace is not None and device < total:
+        share = trace_share(cache, trace)
+        line += f"; the trace's decode uses served by the device tier: {share:.1%}"
+    return line
+
+
+def trace_share(cache, trace) -> float:
+    """The share of a trace's decode uses that each layer's hottest experts, as many as the
+    device tier holds (``device_slots``), would serve."""
+    banks = cache.banks
+    plan = device_slots(banks, min(cache.budget_bytes or 0, cache.total_expert_bytes))
+    served = used = 0
+    for layer, (bank, n) in enumerate(zip(banks, plan)):
+        counts = np.zeros(bank.num_experts)
+        for row in trace.rows:
+            if row.phase == "decode" and row.experts[layer]:
+                np.add.at(counts, np.asarray(row.experts[layer], dtype=np.int64), 1)
+        served += np.sort(counts)[::-1][:n].sum()
+        used += counts.sum()
+    return float(served / used) if used else float("nan")

@@ -1,0 +1,69 @@
+"""How an ``ExpertCache`` schedules its reads: ``CacheTuning``, the settings benchmarks and tests
+vary (``expert_cache`` imports it for those that import it from there)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .moving_budget import CHECK_SECONDS
+
+# experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
+PHASE_MIN_BYTES = 16 << 20
+# demand reads in flight (``CacheTuning.reads_in_flight``): the H200's disk gave its best at 8-16
+# whole-expert reads; a stacked checkpoint's expert is nine ranges read in turn, which needed four
+# times the reads in flight of whole ones on this box's disk (docs/benchmarks/streaming-path.md)
+READS_IN_FLIGHT = 16
+
+
+@dataclass(frozen=True)
+class CacheTuning:
+    """How an ``ExpertCache`` schedules its reads, fixed at construction. Each setting only moves or
+    drops work; none changes what is computed, and each is kept for a measured reason
+    (docs/benchmarks/README.md). Defaults that benchmarks and tests vary (through the internal
+    ``tuning`` entry of the streaming options, not a user option); what users choose (direct reads,
+    layer-major prefill) is theirs alone (``StreamingOptions``), resolved at load and given to the
+    cache beside this (``ExpertCache.direct_reads``, ``ExpertCache.layer_major_prefill``)."""
+
+    # next-layer lookahead (prefetch.py); its guesses are read only while a layer's running
+    # precision is at least ``lookahead_min_precision`` (a wrong guess costs a read), and so are
+    # a verified step's (``read_misses_together``: ``StepRunner.guess_precision``)
+    lookahead: bool = True
+    lookahead_min_precision: float = 0.5
+    # decode-sized calls whose experts are all resident run with no host sync per layer, checked
+    # once per call (``verified_step.py``)
+    verified_steps: bool = True
+    # a verified step that finds a miss reads, with the missed layer's experts, those the pass
+    # beyond it picked and lacks, all at once, then runs again from the missed layer
+    # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
+    read_misses_together: bool = True
+    # checked_late.py: steps held while at most this share of decode calls missed; None: off
+    checked_late: Optional[float] = 0.25
+    # how a decode-sized call chooses between a verified step and the per-layer schedule
+    # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
+    # that missed; "always", a verified step wherever one may run; None: "limits"
+    verify_choice: Optional[str] = None
+    # with direct reads, a load of at most this many experts spreads each expert's ranges over the
+    # store's readers; a load of more reads each expert on its own demand thread alone (fewer
+    # thread hand-offs: docs/history.md, "A token's misses read together"); None: always
+    # spread
+    spread_reads_upto: Optional[int] = 1
+    # demand reads in flight at once (the demand threads, each reading one expert): a token's
+    # misses read together keep this many reads queued at the disk
+    # (docs/benchmarks/streaming-path.md, "The reads' queue depth"); None: the store's threads
+    reads_in_flight: Optional[int] = READS_IN_FLIGHT
+    # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
+    # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
+    # writes through the banks' views. Nothing changes on other backends
+    device_copies: bool = True
+    # with direct reads, experts of at least this many bytes are read a projection at a time
+    # (``schedules.ByProjection``); None: never
+    phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
+    # bound on bytes staged by background reads; None: ``STAGING_SHARE`` of the budget
+    staging_bytes: Optional[int] = None
+    # bound on the hidden states held between layers for one group of chunks; None: no bound
+    prefill_hold_bytes: Optional[int] = 1 << 30
+    # long prompts' layers over whole expert sets where two fit (``machine.layer_sets_fit``);
+    # off: waves
+    layer_sets: bool = True
+    # seconds between two readings of free memory where the budget follows it
+    # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
+    budget_check_seconds: Optional[float] = CHECK_SECONDS
