@@ -34,7 +34,7 @@ FILL_AT_EXIT = """
 import sys, threading, time, types
 import mlx.core as mx
 from mlx_lm import generate, load
-from mlx_lm_streaming.runtime import prefetch
+from mlx_lm_streaming.runtime.reads import prefetch
 
 stock = prefetch.staging_buffer
 entered, go = threading.Event(), threading.Event()
