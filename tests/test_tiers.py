@@ -117,13 +117,28 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
 
 
-@pytest.mark.parametrize("filled", [True, False], ids=["banks-filled", "banks-empty"])
-def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, filled):
+class _Ids:
+    """A routing recorder's one call: every call's ids, by bank."""
+
+    def __init__(self):
+        self.calls = []
+
+    def record(self, bank, ids):
+        self.calls.append((bank.path, ids.shape))
+
+
+@pytest.mark.parametrize(
+    "filled, recorded",
+    [(True, False), (False, False), (True, True)],
+    ids=["banks-filled", "banks-empty", "recorded"],
+)
+def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, filled, recorded):
     # two tiers, a prompt of more chunks than MOVE_EVERY through mlx-lm's generate_step: each
     # chunk's MoE calls run over a device copy of their bank and are not counted (a prompt names
     # every expert: counting it moved the device tier for decode's sake), so nothing moves during
     # the prefill; tokens and log-probabilities are stock's bit for bit. Banks the fill has not
-    # completed (a first prompt right after loading) are completed by the first chunk's calls
+    # completed (a first prompt right after loading) are completed by the first chunk's calls.
+    # A routing recorder (``--record-routing``) gets every chunk's ids and the copies all the same
     step = 32
     prompt = mx.array([(7 * i + 5) % 512 for i in range(step * (tiers.MOVE_EVERY + 1) + 2)])
     stock, _ = load_stock(q3_path)
@@ -132,6 +147,7 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, fille
     for bank in cache.banks if filled else ():
         bank.load(np.arange(bank.num_experts))
     assert cache.all_complete == filled
+    ids = cache.recorder = _Ids() if recorded else None
     t = cache.tiers
     seen = []
 
@@ -142,10 +158,13 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, fille
     got = generate_steps(model, prompt, 4, between=after_first, prefill_step_size=step)
     assert_same_steps(want, got)
     moves, kept = seen[0]
-    assert moves == 0 and max(kept) < device_copy.ROWS_PER_EXPERT * 16, seen
+    assert moves == 0 and max(kept, default=0) < device_copy.ROWS_PER_EXPERT * 16, seen
     layers = len(cache.banks)
     assert t.summary()["tier_prompt_calls"] == layers * (tiers.MOVE_EVERY + 1)
     assert not any(t.counts.any() for t in t.banks.values())  # no decode count yet either
+    if recorded:  # every chunk's call of every layer, in order, then decode's
+        chunks = [(b.path, (1, step, 2)) for _ in range(tiers.MOVE_EVERY + 1) for b in cache.banks]
+        assert ids.calls[: len(chunks)] == chunks, ids.calls[:4]
 
 
 class _Layer:

@@ -27,6 +27,7 @@ they land); what they share, ``base.py``.
 import mlx.core as mx
 
 from ... import mlx_shims
+from ...bank import device_copy
 from ...bank.waves import submit, wait
 from ...mlx_compat import SORT_THRESHOLD
 from .base import ExpertRows, PerLayer, Schedule, kernel_rows, member
@@ -59,11 +60,17 @@ def choose(layer, x: mx.array, indices: mx.array) -> "Schedule":
     rows = indices.size
     # (the selector's choice, kept on the layer for decode)
     kernel, exact_rows = layer.kernels.get(rows) or kernel_of(layer, rows)
-    if not kernel.needs_host_slots and bank.complete and bank.cache.recorder is None:
-        # (a recorder gets every call's ids)
-        if kernel.runs_switch_glu:  # stock's code: the layer's later calls go straight to it
-            bank.stock_call = bank.complete_call()
-        return StockGraph(layer, x, indices, kernel)
+    if not kernel.needs_host_slots and bank.complete:
+        cache = bank.cache
+        if cache.recorder is None:  # (a recorder gets every call's ids)
+            if kernel.runs_switch_glu:  # stock's code: the layer's later calls go straight to it
+                bank.stock_call = bank.complete_call()
+            return StockGraph(layer, x, indices, kernel)
+        if cache.tiers is not None and device_copy.is_prompt(bank, indices):
+            # a prompt's call over two tiers that a recorder wants: stock's graph over a device
+            # copy all the same (run in place, over host pages, it took a 4K prompt 19x stock's),
+            # its ids recorded once the copy's call was evaluated
+            return StockGraph(layer, x, indices, kernel)
     if bank.direct:
         least = bank.cache.tuning.phase_min_bytes  # (``CacheTuning.phase_min_bytes``)
         if rows >= SORT_THRESHOLD:

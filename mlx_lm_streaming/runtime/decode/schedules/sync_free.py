@@ -1,6 +1,8 @@
 """The schedule with no host sync: the router's ids go to the kernel on the device (a verified
 step's calls have none either: ``verified_step.VerifiedStep.moe_call``)."""
 
+import numpy as np
+
 from .base import Schedule
 
 
@@ -12,10 +14,16 @@ class StockGraph(Schedule):
     within noise."""
 
     def run(self):
-        tiers = self.bank.cache.tiers
-        if tiers is not None:  # two tiers: counted, or a prompt's over a device copy (``tiers``)
-            return tiers.caller(self.bank, self.call)(self.x, self.indices)
-        return self.call(self.x, self.indices)
+        cache = self.bank.cache
+        tiers = cache.tiers
+        if tiers is None:
+            return self.call(self.x, self.indices)
+        # two tiers: counted, or a prompt's over a device copy (``tiers``), whose ids a recorder
+        # may want (``choose``: the copy's call was evaluated, so reading them waits for nothing)
+        y = tiers.caller(self.bank, self.call)(self.x, self.indices)
+        if cache.recorder is not None:
+            cache.recorder.record(self.bank, np.array(self.indices).astype(np.int64))
+        return y
 
     def call(self, x, indices):
         return self.kernel(x, indices, None, self.bank)
