@@ -65,6 +65,8 @@ def test_guesses_are_read_only_once_they_have_proven_good(q3):
     assert stats.predicted > 0
     assert stats.staged["lookahead"] == 0
     assert all(b.ahead_precision < cache.tuning.lookahead_min_precision for b in cache.banks)
+    # the stats line scores them though nothing was read in the background
+    assert cache.summary()["lookahead_precision"] >= 0
     for bank in cache.banks:
         bank.ahead_precision = 1.0  # as after good guesses
     got += decode(model, tokens)[1:]  # a fresh prompt, then the decode steps

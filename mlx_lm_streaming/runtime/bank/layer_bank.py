@@ -251,7 +251,9 @@ class LayerBank:
             missed = experts[self.slot_of[experts] < 0]
             if len(used):
                 missed = np.union1d(missed, used).astype(np.int64)
-            lookahead.score(self, missed)
+            if self.predicted or len(missed):  # (an empty guess and no miss: nothing to score)
+                lookahead.score(self, missed)
+            self.predicted = None
         try:
             missing, victims, evicted = self.table.admit(experts, keep)
         except ValueError as e:

@@ -27,10 +27,10 @@ from ..decode.modes import PER_LAYER
 from ..no_timeline import NO_TIMELINE
 from ..policy import DEFAULT_POLICY
 from ..reads.index import LayerExperts, natural_key
-from ..reads.prefetch import FILL, ExpertPrefetcher, StagedBatch
+from ..reads.prefetch import FILL, ExpertPrefetcher, PrefetchStats, StagedBatch
+from ..sizes import gb_as_given, gb_at_least
 from . import moving_budget
 from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from here by many)
-from ..sizes import gb_as_given, gb_at_least
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
 # this share of the budget; without direct reads they hold at least two experts (demand reads and the
@@ -92,10 +92,14 @@ class ExpertCache:
         self._demand_pool: Optional[ThreadPoolExecutor] = None
         self._set_pool: Optional[ThreadPoolExecutor] = None
         self._prefetcher: Optional[ExpertPrefetcher] = None
+        # the background reads' and the lookahead's counters, made before the prefetcher (an
+        # attribute: ``lookahead.score`` reads it on a layer call)
+        self.prefetch_stats = PrefetchStats()
         self._filler: Optional[threading.Thread] = None
         self._fill_queue: List[LayerBank] = []
-        self._banks: "weakref.WeakSet[LayerBank]" = weakref.WeakSet()
-        self._order: Optional[List[LayerBank]] = None
+        # the banks in model order (``layers.2`` before ``layers.10``): an attribute, read on every
+        # decode call (``runner.StepRunner``); made anew by ``register`` and ``unregister``
+        self.banks: List[LayerBank] = []
         self._numbers: Dict[int, int] = {}
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()  # (``set_direct``)
@@ -104,27 +108,18 @@ class ExpertCache:
 
     def register(self, layer: LayerExperts, glu) -> LayerBank:
         bank = LayerBank(self, layer, glu)
-        self._banks.add(bank)
-        self.planned, self._order = False, None
+        self.banks = sorted([*self.banks, bank], key=lambda b: natural_key(b.path))
+        self.planned = False
         return bank
 
     def unregister(self, bank: LayerBank) -> None:
         """Drop a bank whose layer left the model (a pipeline stage keeps only its own layers)."""
-        self._banks.discard(bank)
+        self.banks = [b for b in self.banks if b is not bank]
         self.planned = False
-        self._order = None
-
-    @property
-    def banks(self) -> List[LayerBank]:
-        """In model order (``layers.2`` before ``layers.10``)."""
-        order = self._order
-        if order is None:
-            order = self._order = sorted(self._banks, key=lambda b: natural_key(b.path))
-        return list(order)
 
     def next_bank(self, bank: LayerBank) -> Optional[LayerBank]:
         """The MoE layer after ``bank``'s, in model order."""
-        order = self._order if self._order is not None else self.banks
+        order = self.banks
         try:
             i = order.index(bank)
         except ValueError:
@@ -168,7 +163,7 @@ class ExpertCache:
                 self.shared = len(self.callers) > 1
                 if self.shared:  # direct reads off for good (``LayerBank.direct``)
                     with self._direct_lock:
-                        for bank in self._banks:
+                        for bank in self.banks:
                             bank.direct = False
 
     def set_direct(self, bank) -> None:
@@ -215,7 +210,9 @@ class ExpertCache:
         if self._prefetcher is None:
             with self._lock:
                 if self._prefetcher is None:
-                    self._prefetcher = ExpertPrefetcher(self.store, self._staging_limit())
+                    self._prefetcher = ExpertPrefetcher(
+                        self.store, self._staging_limit(), self.prefetch_stats
+                    )
                     self._prefetcher.timeline = self.timeline
                     if self._closed:
                         self._prefetcher.close()
@@ -225,11 +222,6 @@ class ExpertCache:
     def staging_limit(self) -> int:
         """Bytes of expert staging buffers at once: background reads, and demand reads per chunk."""
         return self._prefetcher.max_bytes if self._prefetcher is not None else self._staging_limit()
-
-    @property
-    def prefetch_stats(self):
-        prefetcher = self._prefetcher
-        return (prefetcher if prefetcher is not None else self.prefetcher).stats
 
     def _staging_limit(self) -> int:
         if self.tuning.staging_bytes is not None:
@@ -384,8 +376,10 @@ class ExpertCache:
         decimal (10**9 bytes), as in mlx-lm's "Peak memory"."""
         if self.steps is not None:
             self.steps.flush()
-        s, st = self.stats, self.store.stats
+        s, st, ahead = self.stats, self.store.stats, self.prefetch_stats
         asked = s.hits + s.misses
+        # (the background reads' keys once one was set up or a guess was scored)
+        background = self._prefetcher is not None or ahead.predicted or ahead.demand
         span = s.span_seconds
         return {
             "hit_rate": s.hits / asked if asked else math.nan,
@@ -408,7 +402,7 @@ class ExpertCache:
             **share_limits.summary(self.steps),
             "per_layer": [b.summary() for b in self.banks],
             **(t.summary() if (t := self.tiers or self.host_cache) is not None else {}),
-            **(self._prefetcher.stats.summary() if self._prefetcher is not None else {}),
+            **(ahead.summary() if background else {}),
             **(self.moving.summary() if self.moving is not None else {}),
         }
 

@@ -159,10 +159,10 @@ class ExpertPrefetcher:
 
     threads = 2
 
-    def __init__(self, store, max_bytes: int):
+    def __init__(self, store, max_bytes: int, stats: Optional[PrefetchStats] = None):
         self.store = store
         self.max_bytes = int(max_bytes)
-        self.stats = PrefetchStats()
+        self.stats = stats if stats is not None else PrefetchStats()  # (the cache's)
         self._cv = threading.Condition()
         self._heap = []
         self._seq = itertools.count()
