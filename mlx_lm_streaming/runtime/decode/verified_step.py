@@ -40,7 +40,8 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..bank import load_together
+from ..bank import load_together, note_hits
+from ..policy import PolicyRows
 from . import schedules, share_limits
 from .modes import Mode
 from .step_caches import StepCaches
@@ -277,6 +278,8 @@ class VerifiedStep(Mode):
         distinct = np.unique(flat + np.repeat(calls, sizes))
         ends = np.searchsorted(distinct, calls + (1 << 32)).tolist()
         at = begin = j = 0
+        # nothing missing: the policies' records of the uses (``note_uses``), all at once
+        banks, uses = [], []
         for key, (bank, indices, _, size) in kept.items():
             experts = distinct[begin : ends[j]] - (j << 32)
             begin, j = ends[j], j + 1
@@ -287,14 +290,15 @@ class VerifiedStep(Mode):
             if key in self.loaded:
                 bank.drop_guesses()  # its load counted what it used
             else:
-                # nothing missing: the policy's record of a use; guesses it used are its misses
-                h, m = bank.note_use(experts)
-                hits, misses = hits + h, misses + m
+                banks.append(bank)
+                uses.append(experts)
             if cache.recorder is not None:
                 cache.recorder.record(bank, flat[at : at + size].reshape(indices.shape))
             at += size
             if bank.identity and not bank.complete:
                 cache.request_fill(bank)
+        if banks:  # (guesses a call used are its misses)
+            hits, misses = note_uses(banks, uses)
         stats = cache.stats
         if stats.first_request is None:
             stats.start()
@@ -318,3 +322,33 @@ def miss_counts(calls) -> mx.array:
     if same:
         return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
     return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
+
+
+def note_uses(banks: list, experts: list) -> tuple:
+    """Each of ``banks`` found every one of its ``experts`` (unique int64 ids) resident and loaded
+    nothing (a verified step's commit): the policies' records of the uses, at once for all banks
+    (``PolicyRows.use``: their policies joined here once, every bank of the cache, where they can
+    be), and the banks' counters (``note_hits``), every bank's lock held (taken in the banks'
+    order, as ``load_together``). Returns ``(hits, misses)`` summed, for the cache's counters.
+    """
+    every = banks[0].cache.banks
+    policies, rows = [], banks[0].table.policy.rows
+    for bank in every:  # (loops, not comprehensions: on Python 3.11 those are calls)
+        bank.lock.acquire()
+    try:
+        for bank in banks:
+            policies.append(bank.table.policy)
+            if policies[-1].rows is not rows:
+                rows = None
+        if rows is None:  # (joined once; again after a bank's policy was made anew)
+            joined = [bank.table.policy for bank in every]
+            rows = PolicyRows(joined) if PolicyRows.joinable(joined) else None
+        if rows is None:  # (policies of several kinds: each its own record)
+            for policy, used in zip(policies, experts):
+                policy.use(used)
+        else:
+            rows.use(policies, experts)
+        return note_hits(banks, experts)
+    finally:
+        for bank in every:
+            bank.lock.release()
