@@ -270,18 +270,24 @@ class VerifiedStep(Mode):
         hits = misses = named = used = 0
         kept = self.kept
         # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``); each
-        # call's distinct experts from one ``np.unique`` over all of them (call j's ids offset by
-        # j << 32), not one per layer
+        # call's distinct experts from one sort of all of them (call j's ids offset by j << 32),
+        # not one per layer; sorted and kept where unlike the one before (``np.unique``'s
+        # result, without its hashing: 12 µs on 32 ids against 3)
         flat = np.array(self.ids, copy=False).astype(np.int64)
         sizes = list(map(_SIZE, kept.values()))
         calls = np.arange(len(kept), dtype=np.int64) << 32
-        distinct = np.unique(flat + np.repeat(calls, sizes))
+        distinct = flat + np.repeat(calls, sizes)
+        distinct.sort()
+        first = np.ones(len(distinct), dtype=bool)
+        np.not_equal(distinct[1:], distinct[:-1], out=first[1:])
+        distinct = distinct[first]
         ends = np.searchsorted(distinct, calls + (1 << 32)).tolist()
+        distinct &= (1 << 32) - 1  # (each call's experts: views of this)
         at = begin = j = 0
         # nothing missing: the policies' records of the uses (``note_uses``), all at once
         banks, uses = [], []
         for key, (bank, indices, _, size) in kept.items():
-            experts = distinct[begin : ends[j]] - (j << 32)
+            experts = distinct[begin : ends[j]]
             begin, j = ends[j], j + 1
             guessed = self.guessed.get(key)
             if guessed:  # the guess, read or not, against the experts the call used
