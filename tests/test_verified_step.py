@@ -194,6 +194,18 @@ def test_a_steps_uses_are_recorded_for_every_layer_at_once_as_one_by_one(q3_path
     assert len(compared) >= 8 * len(cache.banks) * 4 and all(compared)
 
 
+@pytest.mark.parametrize("sizes", [[2] * 16, [8] * 3, [1] * 4, [2, 4, 2], [6, 6, 3]])
+def test_each_calls_distinct_experts_are_np_uniques(sizes):
+    # top-k ids (distinct in a call) and ids of several tokens (repeats), one size or several
+    rng = np.random.default_rng(len(sizes))
+    for repeats in (False, True):
+        calls = [rng.choice(16, n, replace=repeats).astype(np.int64) for n in sizes]
+        found = verified_step.distinct_per_call(np.concatenate(calls), sizes)
+        assert len(found) == len(calls)
+        for got, ids in zip(found, calls):
+            assert got.dtype == np.int64 and got.tolist() == np.unique(ids).tolist()
+
+
 def test_off_means_a_host_sync_in_every_layer(q3_path, expected):
     model = with_slots(q3_path, 15, tuning=CacheTuning(verified_steps=False))
     assert_same(expected, generated(model))
