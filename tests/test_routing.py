@@ -23,7 +23,13 @@ from support import load_stock, load_streaming
 
 from mlx_lm_streaming.option_table import GB
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError
-from mlx_lm_streaming.runtime.policy import DEFAULT_POLICY, POLICIES, EvictionPolicy, SlotTable
+from mlx_lm_streaming.runtime.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    EvictionPolicy,
+    PolicyRows,
+    SlotTable,
+)
 from mlx_lm_streaming.runtime.sizes import decimal_gb
 from mlx_lm_streaming.tools.replay import belady, replay
 from mlx_lm_streaming.files.routing_trace import TraceError, TraceWriter, read_trace
@@ -519,3 +525,68 @@ def test_decay_next_learns_only_from_what_followed():
     policy = table.policy
     assert policy.follows[0, 1] == 1 and policy.follows[1, 2] == 1
     assert policy.follows.sum() == 2 and policy.after[[0, 1]].tolist() == [1, 1]
+
+
+def _layers_replayed(policy, joined, seed, layers=4, experts=16, slots=6, calls=240):
+    """One token after another over ``layers`` slot tables: each layer's experts (1-3 of them,
+    mostly 2: a token's layers alike), now and then a guess read ahead or a table made anew; the
+    layers that hit recorded by their own ``use``, or (``joined``) all at once by ``PolicyRows``.
+    Returns every eviction (call, layer, victims) and the policies' state."""
+    rng = np.random.default_rng(seed)
+    tables, rows, evicted = (
+        [SlotTable(experts, policy) for _ in range(layers)],
+        None,
+        [],
+    )
+    for table in tables:
+        table.reset(slots)
+    for call in range(calls):
+        width = int(rng.integers(1, 4)) if rng.random() < 0.3 else 2
+        uses = [rng.choice(experts, width, replace=False).astype(np.int64) for _ in tables]
+        layer = int(rng.integers(layers))
+        if rng.random() < 0.1:  # a guess read ahead (its victims chosen on the joined rows)
+            missing, at, need = tables[layer].prefetch(rng.choice(experts, 2, replace=False))
+            tables[layer].place(missing, at)
+            if need:
+                evicted.append((call, layer, tables[layer].evicted[0].tolist()))
+        if call == calls // 2:  # a policy made anew (``LayerBank.reset``): joined again
+            tables[layer].reset(slots)
+        hits = [l for l, t in enumerate(tables) if joined and (t.slot_of[uses[l]] >= 0).all()]
+        if hits:
+            policies = [tables[l].policy for l in hits]
+            if rows is None or any(p.rows is not rows for p in policies):
+                rows = PolicyRows([t.policy for t in tables])
+            rows.use(policies, [uses[l] for l in hits])
+        for l, table in enumerate(tables):
+            if l not in hits:
+                missing, at, need = table.admit(uses[l])
+                table.place(missing, at)
+                if need:
+                    evicted.append((call, l, table.evicted[0].tolist()))
+    names = ("last", "probation", "score", "stamp", "follows", "after")
+    arrays = [[getattr(t.policy, n) for n in names] for t in tables]
+    state = [
+        (t.policy.clock, t.policy.order, *(None if a is None else a.tobytes() for a in row))
+        for t, row in zip(tables, arrays)
+    ]
+    return evicted, state
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_layers_uses_recorded_at_once_choose_the_victims_one_by_one_does(policy):
+    # a verified step's commit records every layer's use at once (``PolicyRows.use``): the same
+    # victims, and the same state bit for bit (scores included: each element's arithmetic is the
+    # per-layer ``use``'s), as each layer's own ``use`` in turn
+    for seed in range(4):
+        by_layer = _layers_replayed(policy, False, seed)
+        at_once = _layers_replayed(policy, True, seed)
+        assert len(by_layer[0]) > 50  # (evictions enough to tell them apart)
+        assert at_once[0] == by_layer[0]
+        assert at_once[1] == by_layer[1]
+
+
+def test_policies_of_several_kinds_are_not_joined():
+    lru, decay = EvictionPolicy(8, "lru"), EvictionPolicy(8, "decay")
+    assert not PolicyRows.joinable([lru, decay])
+    assert not PolicyRows.joinable([EvictionPolicy(8), EvictionPolicy(4)])
+    assert PolicyRows.joinable([EvictionPolicy(8), EvictionPolicy(8)])

@@ -5,6 +5,8 @@ step t is evaluated: a device slot map or a slot that the host rewrote under a p
 show here as a different token or log-probability.
 """
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from mlx_lm_streaming.runtime.decode.modes import PER_LAYER, Mode
 from mlx_lm_streaming.runtime.decode.runner import StepRunner
 from mlx_lm_streaming.runtime.memory import report
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+from mlx_lm_streaming.runtime.policy import EvictionPolicy, PolicyRows
 
 PROMPT = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
 STEPS = 24
@@ -161,6 +164,46 @@ def test_verified_hits_are_counted_and_told_to_the_policy(q3_path):
     assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
     changed = [k for k, v in bank.table.policy.__dict__.items() if not np.array_equal(v, before[2][k])]
     assert changed  # the policy saw the uses
+
+
+def test_a_steps_uses_are_recorded_for_every_layer_at_once_as_one_by_one(q3_path, monkeypatch):
+    # the commit records every layer's use in one ``PolicyRows.use``: each layer's policy ends as
+    # its own ``use`` would have left it (a copy of each, told the same use, bit for bit)
+    names = ("last", "probation", "score", "stamp", "follows", "after", "clock", "order")
+    at_once, compared = PolicyRows.use, []
+
+    def use(rows, policies, experts):
+        copies = [copy.copy(p) for p in policies]
+        for c in copies:
+            c.__dict__.update({n: np.copy(getattr(c, n)) for n in names[:6]})
+        at_once(rows, policies, experts)
+        for c, p, used in zip(copies, policies, experts):
+            EvictionPolicy.use(c, used)
+            compared.extend(np.array_equal(getattr(c, n), getattr(p, n)) for n in names)
+
+    monkeypatch.setattr(PolicyRows, "use", use)
+    model = with_slots(q3_path, 15, tuning=ALWAYS)
+    cache, runner = model.expert_streaming.cache, model.expert_streaming.steps
+    mx.eval(model(PROMPT[None], cache=(kv := make_prompt_cache(model))))
+    for token in range(12):
+        runner.missed_share = 0.0
+        mx.eval(model(mx.array([[11 + token % 3]]), cache=kv))
+    model.expert_streaming.stats()  # (the last step's host work)
+    rows = cache.banks[0].table.policy.rows
+    assert rows is not None and all(b.table.policy.rows is rows for b in cache.banks)
+    assert len(compared) >= 8 * len(cache.banks) * 4 and all(compared)
+
+
+@pytest.mark.parametrize("sizes", [[2] * 16, [8] * 3, [1] * 4, [2, 4, 2], [6, 6, 3]])
+def test_each_calls_distinct_experts_are_np_uniques(sizes):
+    # top-k ids (distinct in a call) and ids of several tokens (repeats), one size or several
+    rng = np.random.default_rng(len(sizes))
+    for repeats in (False, True):
+        calls = [rng.choice(16, n, replace=repeats).astype(np.int64) for n in sizes]
+        found = verified_step.distinct_per_call(np.concatenate(calls), sizes)
+        assert len(found) == len(calls)
+        for got, ids in zip(found, calls):
+            assert got.dtype == np.int64 and got.tolist() == np.unique(ids).tolist()
 
 
 def test_off_means_a_host_sync_in_every_layer(q3_path, expected):

@@ -27,6 +27,11 @@ again keeps its history):
   tried: it keeps the experts a layer keeps coming back to, where LRU lets one burst of
   rarely-used experts push them out.
 
+A verified step records every MoE layer's use of one token at once, after its check
+(``PolicyRows.use``): the layers' policies joined into one set of 2-D arrays, a row per layer, and
+each array updated by one numpy op for all of them, with each element's arithmetic the same as the
+layer's own ``use`` (the same scores, bit for bit, so the same victims).
+
 Pure Python and numpy: no threads, no MLX.
 """
 
@@ -86,6 +91,9 @@ class EvictionPolicy:
             self.after = np.zeros(num_experts, dtype=np.float32)
         self.previous = None  # the last call's experts (``decay_next``)
         self.current = None  # the experts of the call choosing victims (``decay_next``)
+        # joined with other layers' policies (``PolicyRows``): the arrays above are its rows there
+        self.rows: Optional["PolicyRows"] = None
+        self.row = 0
 
     def use(
         self, experts: np.ndarray, candidates: Optional[np.ndarray] = None, count: int = 0
@@ -160,6 +168,98 @@ class EvictionPolicy:
     def scores(self, experts: np.ndarray) -> np.ndarray:
         """``decay``'s scores of ``experts`` as of now."""
         return self.score[experts] * self.factor ** (self.clock - self.stamp[experts])
+
+
+class PolicyRows:
+    """Several layers' policies (one name, experts and half-life each) joined: each array of
+    their state one 2-D array (3-D: ``follows``), a row per layer, and each policy's arrays views
+    of its row, so that its own methods work on as before. ``use`` records one call of each of
+    several of them at once; their scalars (``clock``, ``order``, ``previous``) stay theirs.
+    """
+
+    def __init__(self, policies: Sequence[EvictionPolicy]):
+        first = policies[0]
+        self.num_experts, self.factor = first.num_experts, first.factor
+        for name in ("last", "probation", "score", "stamp", "follows", "after"):
+            if getattr(first, name) is None:
+                setattr(self, name, None)
+                continue
+            rows = np.stack([getattr(p, name) for p in policies])
+            setattr(self, name, rows)
+            for i, policy in enumerate(policies):
+                setattr(policy, name, rows[i])
+        for i, policy in enumerate(policies):
+            policy.rows, policy.row = self, i
+        # the arrays flat, indexed by ``row * num_experts + expert`` (``follows``: by that
+        # times ``num_experts`` plus the expert that followed)
+        for name in ("last", "probation", "score", "stamp", "follows", "after"):
+            rows = getattr(self, name)
+            setattr(self, f"flat_{name}", None if rows is None else rows.reshape(-1))
+
+    @staticmethod
+    def joinable(policies: Sequence[EvictionPolicy]) -> bool:
+        """Whether ``policies`` can be joined: plain ``EvictionPolicy``s of one name, number of
+        experts, half-life and weight."""
+        first = policies[0]
+        same = (first.name, first.num_experts, first.factor, first.weight)
+        return all(
+            type(p) is EvictionPolicy and (p.name, p.num_experts, p.factor, p.weight) == same
+            for p in policies
+        )
+
+    def use(self, policies: Sequence[EvictionPolicy], experts: Sequence[np.ndarray]) -> None:
+        """``policy.use(e)`` (no victims) for each of ``policies`` (rows of these, each once) and
+        its ``experts`` (unique int64 ids, rank order where known), in one numpy op per array for
+        all of them: element by element the same arithmetic, so the same state."""
+        n, learn = self.num_experts, self.follows is not None
+        offsets, clocks, orders, sizes, before = [], [], [], [], []
+        start, width = 0, len(experts[0])  # (``width``: every call's and previous call's count)
+        for policy, used in zip(policies, experts):  # (the scalars: one Python loop)
+            size = len(used)
+            offsets.append(policy.row * n)
+            policy.clock += 1
+            clocks.append(policy.clock)
+            # ``last[e] = arange(order, order + size)``: the use's place in all, made per row
+            orders.append(policy.order - start)
+            policy.order += size
+            start += size
+            sizes.append(size)
+            if learn:
+                previous = policy.previous
+                before.append(previous)
+                if previous is None or len(previous) != width or size != width:
+                    width = 0
+                policy.current, policy.previous = None, used
+        offset, clock, order = np.repeat(np.array((offsets, clocks, orders)), sizes, axis=1)
+        ids = np.concatenate(experts)
+        flat = ids + offset
+        if learn and width:  # (a token's layers, top-k each, after one: numpy ops once)
+            previous = np.concatenate(before) + offset
+            self.flat_after[previous] += 1.0
+            pairs = previous.reshape(-1, width, 1) * n + ids.reshape(-1, 1, width)
+            self.flat_follows[pairs.reshape(-1)] += 1.0
+        elif learn:
+            self._learn(offsets, before, experts)
+        self.flat_last[flat] = np.arange(start) + order
+        self.flat_probation[flat] = False
+        if self.score is not None:  # ``score[e] * factor ** (clock - stamp[e]) + 1`` per row
+            score, stamp = self.flat_score, self.flat_stamp
+            score[flat] = score[flat] * self.factor ** (clock - stamp[flat]) + 1.0
+            stamp[flat] = clock
+
+    def _learn(self, offsets: list, before: list, experts) -> None:
+        """``decay_next``'s record of what followed each row's last call (``before``), row by
+        row: ``after`` and ``follows`` counted (each pair once: unique ids), as ``use`` does.
+        """
+        n = self.num_experts
+        pairs, after = [], []
+        for offset, previous, used in zip(offsets, before, experts):
+            if previous is not None and len(previous):
+                after.append(previous + offset)
+                pairs.append(((previous + offset)[:, None] * n + used).reshape(-1))
+        if after:
+            self.flat_after[np.concatenate(after)] += 1.0
+            self.flat_follows[np.concatenate(pairs)] += 1.0
 
 
 class SlotTable:

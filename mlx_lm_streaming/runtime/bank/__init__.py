@@ -41,7 +41,7 @@ their experts land), ``cuda_copy`` (copies into device slots on mlx-cuda) and ``
 May import: runtime, reads
 """
 
-from .layer_bank import LayerBank, load_together
+from .layer_bank import LayerBank, load_together, note_hits
 from .layer_set import LayerSets
 
-__all__ = ["LayerBank", "LayerSets", "load_together"]
+__all__ = ["LayerBank", "LayerSets", "load_together", "note_hits"]

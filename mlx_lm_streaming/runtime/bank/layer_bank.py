@@ -283,21 +283,6 @@ class LayerBank:
         self._ahead_used = [e for e in self._ahead_used if e not in taken]
         return used
 
-    def note_use(self, experts: np.ndarray) -> tuple:
-        """A call found every one of ``experts`` resident and loaded nothing (a verified step's
-        commit): the policy's record of a use, and this layer's counters. Experts read ahead on a
-        guess for it (``load(..., guessed=True)``) count as its misses, the rest as hits; guesses it
-        did not use end here. Returns ``(hits, misses)`` for the cache's counters."""
-        with self.lock:
-            # every one resident: ``table.admit``'s whole work is the policy's record of the use
-            self.table.policy.use(np.asarray(experts, dtype=np.int64))
-            read = len(np.intersect1d(self._ahead_used, experts)) if self._ahead_used else 0
-            self._ahead_used = []
-            hits = len(experts) - read
-            self.hits += hits
-            self.misses += read
-        return hits, read
-
     def drop_guesses(self) -> None:
         """Guesses read ahead for a call that ended without using them are no longer its."""
         with self.lock:
@@ -440,3 +425,19 @@ def load_together(loads) -> None:
         finally:  # (an error: the reads still in flight end before the locks go)
             for _, landed, _ in issued:
                 landed.close()
+
+
+def note_hits(banks: List[LayerBank], experts: List[np.ndarray]) -> tuple:
+    """Each of ``banks`` found every one of its ``experts`` resident and loaded nothing (a verified
+    step's commit; the policies' records of the uses: ``decode.verified_step.note_uses``): their
+    counters. Experts read ahead on a guess for a call (``load(..., guessed=True)``) count as its
+    misses, the rest as hits; guesses it did not use end here. Returns ``(hits, misses)`` summed;
+    the caller holds the banks' locks."""
+    hits = misses = 0
+    for bank, used in zip(banks, experts):
+        read = len(np.intersect1d(bank._ahead_used, used)) if bank._ahead_used else 0
+        bank._ahead_used = []
+        bank.hits += len(used) - read
+        bank.misses += read
+        hits, misses = hits + len(used) - read, misses + read
+    return hits, misses
