@@ -329,3 +329,15 @@ def test_no_stats_line_leaks_after_the_suites_summary(tmp_path):
     )
     assert user.returncode == 0, user.stderr
     assert user.stderr.count("[streaming] hit rate") == 1, user.stderr
+
+
+def test_the_misses_rate_is_written_as_sizes_are():
+    """A small model's few slow reads printed ``0.00 GB/s while busy``: a rate of nothing, which
+    also failed the sizes test above now and then. The rate is written as sizes are
+    (``sizes.gb_digits``: never ``0.00``, never an exponent)."""
+    from mlx_lm_streaming.runtime.memory.report import _misses_part
+
+    slow = _misses_part({"miss_read_busy_seconds": 1.0, "io_wait_seconds": 1.0, "gb_read": 0.0012})
+    assert "0.0012 GB/s while busy" in slow, slow
+    quick = _misses_part({"miss_read_busy_seconds": 0.5, "io_wait_seconds": 1.0, "gb_read": 1.1})
+    assert "2.200 GB/s while busy" in quick, quick

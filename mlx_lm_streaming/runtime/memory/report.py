@@ -97,7 +97,8 @@ def _misses_part(s) -> str:
     overlapped compute."""
     busy, waited = s["miss_read_busy_seconds"], s["io_wait_seconds"]
     demand_gb = s["gb_read"] - s.get("background_gb", 0.0)
-    rate = f", {demand_gb / busy:.2f} GB/s while busy" if demand_gb > 0 else ""
+    # (a rate as sizes are written: "0.00 GB/s" where a small model's few reads ran slowly)
+    rate = f", {gb_digits(demand_gb / busy * 1e9)} GB/s while busy" if demand_gb > 0 else ""
     # bytes read against those the misses need (each missed expert once, less a host cache's)
     needed = s.get("gb_needed", 0.0) - s.get("host_cache_served_gb", 0.0)
     if needed > 0 and s["gb_read"] > 0:
