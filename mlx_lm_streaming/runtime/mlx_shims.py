@@ -58,15 +58,18 @@ def wrap_layer(module, i: int, cache) -> None:
     """Route calls of decoder layer ``module`` through ``cache.mode.layer_call(i, call, args,
     kwargs)`` while the running model call's mode takes its layers' calls (``modes.Mode.wraps``:
     a verified step, layer-major prefill's recorder) and is this thread's, stock otherwise:
-    ``wrap_call`` with the check in the method itself (one call fewer per layer)."""
+    ``wrap_call`` with the check in the method itself (one call fewer per layer), and the stock
+    call bound to ``module`` once (the subclass is the module's own), not per call."""
 
     def method(cls):
         stock = cls.__call__
+        bound = functools.partial(stock, module)
 
         def __call__(self, *args, **kwargs):
             mode = cache.mode
             if mode.wraps and mode.owner == get_ident():
-                return mode.layer_call(i, functools.partial(stock, self), args, kwargs)
+                call = bound if self is module else functools.partial(stock, self)
+                return mode.layer_call(i, call, args, kwargs)
             return stock(self, *args, **kwargs)
 
         return __call__

@@ -109,7 +109,8 @@ class VerifiedStep(Mode):
         the per-layer host sync costs more than the layer on a GPU."""
         bank = layer.bank
         cache = bank.cache
-        kernel = (layer.kernels.get(indices.size) or schedules.kernel_of(layer, indices.size))[0]
+        size = indices.size  # (an MLX attribute: read once)
+        kernel = (layer.kernels.get(size) or schedules.kernel_of(layer, size))[0]
         # (a complete bank's graph is stock's where no recorder wants the step's record of ids)
         if kernel.needs_host_slots or bank.slots == 0 or bank.complete and cache.recorder is None:
             return Mode.moe_call(self, layer, x, indices)
@@ -129,10 +130,10 @@ class VerifiedStep(Mode):
             y = kernel(x, slots[indices], None, bank)
         flat = indices.reshape(-1)  # (one reshape for the check's counts and ``commit``'s ids)
         self.calls.append((self.layer, bank, flat, missing))
-        self.kept[id(bank)] = (bank, indices, flat, flat.size)
+        self.kept[id(bank)] = (bank, indices, flat, size)
         bank.last_stream = self.stream
         # its ids are not on the host: its experts and misses are the step's to count
-        tl.layer(start, bank.path, indices.size // indices.shape[-1], verified=True)
+        tl.layer(start, bank.path, size // indices.shape[-1], verified=True)
         return y
 
     def layer_call(self, i: int, call, args, kwargs):
