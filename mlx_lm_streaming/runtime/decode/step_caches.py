@@ -26,17 +26,9 @@ class StepCaches:
         # id(entry) -> what puts it back as it was before the step (``mlx_shims.marks``)
         self.marks = mlx_shims.marks(kv)
         # decoder layer -> its entry (None: it has none), as its call got it; id(entry) -> layer
+        # (filled by ``VerifiedStep.layer_call`` as each layer is called)
         self.entries: Dict[int, object] = {}
         self.owners: Dict[int, int] = {}
-
-    def claim(self, i: int, entry) -> bool:
-        """Decoder layer ``i`` was called with ``entry``; False if that entry is none of the
-        call's, or another layer's."""
-        self.entries[i] = entry
-        if entry is None:
-            return True
-        key = id(entry)
-        return key in self.marks and self.owners.setdefault(key, i) == i
 
     def rewind(self, first: int, end: int) -> None:
         """The entries of decoder layers ``first`` to ``end - 1`` back as they were before the

@@ -47,7 +47,7 @@ from .modes import Mode
 from .step_caches import StepCaches
 
 MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
-_FLAT, _SIZE = itemgetter(2), itemgetter(3)  # (a kept call's flat ids, its size: C, no frame)
+_IDS, _SIZE = itemgetter(1), itemgetter(2)  # (a kept call's ids, their count: C, no frame)
 
 
 class _Again(Exception):
@@ -77,13 +77,13 @@ class VerifiedStep(Mode):
         # the cache entries as they were before the step, and the layer that got each
         self.caches = StepCaches(kv)
         # whether layers can be run again from one that missed: the model's layers were wrapped,
-        # each got a cache entry of its own or none (``StepCaches.claim``) and took the output of
+        # each got a cache entry of its own or none (``layer_call``) and took the output of
         # the layer before as its input
         self.replayable = self.layers > 0
-        # MoE calls not yet checked: (decoder layer, bank, ids flattened, the bank's device map of
-        # missing experts as the call saw it), lazy
+        # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
+        # experts as the call saw it), lazy
         self.calls: List[tuple] = []
-        # id(bank) -> (bank, ids, ids flattened, their count) of the call kept for each MoE layer;
+        # id(bank) -> (bank, ids, their count) of the call kept for each MoE layer;
         # banks whose experts a load in this step made resident (counted there)
         self.kept: Dict[int, tuple] = {}
         self.loaded: set = set()
@@ -128,9 +128,9 @@ class VerifiedStep(Mode):
             else:
                 slots, missing = bank.device_map()
             y = kernel(x, slots[indices], None, bank)
-        flat = indices.reshape(-1)  # (one reshape for the check's counts and ``commit``'s ids)
-        self.calls.append((self.layer, bank, flat, missing))
-        self.kept[id(bank)] = (bank, indices, flat, size)
+        # (its ids as the router gave them: the check flattens every call's at once)
+        self.calls.append((self.layer, bank, indices, missing))
+        self.kept[id(bank)] = (bank, indices, size)
         bank.last_stream = self.stream
         # its ids are not on the host: its experts and misses are the step's to count
         tl.layer(start, bank.path, size // indices.shape[-1], verified=True)
@@ -141,9 +141,15 @@ class VerifiedStep(Mode):
         every ``every`` MoE calls and at the last layer."""
         # its cache entry (``mlx_shims.layer_cache``, inline: every decode step's layers pass)
         entry = args[2] if len(args) > 2 else kwargs.get("cache")
-        if not self.caches.claim(i, entry):
-            self.replayable = False
-        if i > 0 and (not args or args[0] is not self.outputs.get(i - 1)):
+        # (its entry recorded in ``StepCaches`` here: a call fewer per decoder layer)
+        caches = self.caches
+        caches.entries[i] = entry
+        if entry is not None and (
+            id(entry) not in caches.marks or caches.owners.setdefault(id(entry), i) != i
+        ):
+            self.replayable = False  # an entry none of the call's, or another layer's
+        outputs = self.outputs
+        if i > 0 and (not args or args[0] is not outputs.get(i - 1)):
             self.replayable = False
         if i < self.replay_below:  # the forward run again after a miss in a later layer
             return self.outputs[i]
@@ -155,10 +161,11 @@ class VerifiedStep(Mode):
             args, kwargs = (args[0], *first_args[1:]), first_kwargs
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
-        self.outputs[i] = call(*args, **kwargs)
+        out = outputs[i] = call(*args, **kwargs)
         if len(self.calls) >= self.every and i < self.layers - 1:
             self.settle(i)
-        return self.outputs[i]
+            return outputs[i]
+        return out
 
     def settle(self, upto: int) -> None:
         """Check the MoE calls so far (one host sync); while one has a missing expert, read its
@@ -235,8 +242,11 @@ class VerifiedStep(Mode):
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
         check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
         ``commit``, the miss counts)."""
-        self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
-        self.held_counts = miss_counts(self.calls) if self.calls else mx.zeros((1,), mx.int32)
+        if self.calls:
+            self.held_counts, rows = miss_counts(self.calls)
+        else:
+            self.held_counts, rows = mx.zeros((1,), mx.int32), None
+        self.ids = self.flat_ids(rows)
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -246,15 +256,16 @@ class VerifiedStep(Mode):
             self.held_counts = None
             hit = np.nonzero(self.counts)[0]
             return int(hit[0]) if len(hit) else None
+        if not self.calls:
+            if out is not None:
+                self.ids = self.flat_ids(None)
+                mx.async_eval(out, self.ids)
+            return None
+        counts, rows = miss_counts(self.calls)
         pending = ()
         if out is not None:
-            self.ids = mx.concatenate(list(map(_FLAT, self.kept.values())))
+            self.ids = self.flat_ids(rows)
             pending = (out, self.ids)
-        if not self.calls:
-            if pending:
-                mx.async_eval(*pending)
-            return None
-        counts = miss_counts(self.calls)
         mx.async_eval(*pending, counts)
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
@@ -263,6 +274,20 @@ class VerifiedStep(Mode):
         tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None
+
+    def flat_ids(self, rows) -> mx.array:
+        """Every kept call's ids one after another, flat (``ids``, for ``commit``): ``rows``
+        (``miss_counts``': the unchecked calls' ids, a row each) where those calls are the kept
+        ones in order (a forward checked once: a token's layers), else each kept call's ids
+        flattened: no reshape per MoE call while the forward is built."""
+        kept = self.kept
+        if rows is not None and len(self.calls) == len(kept):
+            for call, kept_call in zip(self.calls, kept.values()):
+                if call[2] is not kept_call[1]:
+                    break
+            else:
+                return rows.reshape(-1)
+        return mx.concatenate(list(map(mx.flatten, map(_IDS, kept.values()))))
 
     def commit(self, cache) -> None:
         """The host work of a step found complete: each kept MoE call's uses told to its policy and
@@ -276,7 +301,7 @@ class VerifiedStep(Mode):
         at = j = 0
         # nothing missing: the policies' records of the uses (``note_uses``), all at once
         banks, uses = [], []
-        for key, (bank, indices, _, size) in kept.items():
+        for key, (bank, indices, size) in kept.items():
             experts = distinct[j]
             j += 1
             guessed = self.guessed.get(key)
@@ -305,19 +330,21 @@ class VerifiedStep(Mode):
             runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
 
 
-def miss_counts(calls) -> mx.array:
+def miss_counts(calls) -> tuple:
     """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's map marks
-    missing, ``missing[ids].sum()``, for all the calls in four ops where they have the same shapes
+    missing, ``missing[ids].sum()``, for all the calls in five ops where they have the same shapes
     (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
-    step's host time there), else two per call."""
+    step's host time there), else two per call; and the calls' ids stacked, a row each (None
+    where their shapes differ)."""
     maps, ids, same = [], [], True  # one loop: on Python 3.11 a comprehension is a call
-    for _, _, i, m in calls:  # (``i``: a call's ids, flattened)
+    for _, _, i, m in calls:  # (``i``: a call's ids, as the router gave them)
         maps.append(m)
         ids.append(i)
-        same = same and m.size == maps[0].size and ids[-1].size == ids[0].size
+        same = same and m.size == maps[0].size and i.shape == ids[0].shape
     if same:
-        return mx.take_along_axis(mx.stack(maps), mx.stack(ids), axis=1).sum(axis=1)
-    return mx.stack([m[i].sum() for m, i in zip(maps, ids)])
+        rows = mx.stack(ids).reshape(len(ids), -1)
+        return mx.take_along_axis(mx.stack(maps), rows, axis=1).sum(axis=1), rows
+    return mx.stack([m[i].sum() for m, i in zip(maps, ids)]), None
 
 
 def distinct_per_call(flat: np.ndarray, sizes: list):
