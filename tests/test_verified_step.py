@@ -194,6 +194,24 @@ def test_a_steps_uses_are_recorded_for_every_layer_at_once_as_one_by_one(q3_path
     assert len(compared) >= 8 * len(cache.banks) * 4 and all(compared)
 
 
+@pytest.mark.parametrize("made, unchecked", [("ab", "ab"), ("aab", "aab"), ("abb", "bb")])
+def test_the_commits_ids_are_each_kept_calls_in_order(made, unchecked):
+    # the check's stacked ids stand for the commit's only where the unchecked calls are the kept
+    # ones in order ("ab"); a bank called twice takes its latest call's ids, also where the
+    # unchecked calls are as many as the kept banks ("bb": "a" checked before)
+    step = verified_step.VerifiedStep.__new__(verified_step.VerifiedStep)
+    step.calls, step.kept, banks = [], {}, {}
+    for n, name in enumerate(made):
+        bank, ids = banks.setdefault(name, object()), mx.array([[[n, 10 + n]]])
+        step.calls.append((n, bank, ids, mx.zeros((16,), mx.bool_)))
+        step.kept[id(bank)] = (bank, ids, ids.size)
+    step.calls = step.calls[len(made) - len(unchecked) :]
+    counts, rows = verified_step.miss_counts(step.calls)
+    want = [n for n, name in enumerate(made) if name not in made[n + 1 :]]
+    assert np.array(step.flat_ids(rows)).tolist() == sum(([n, 10 + n] for n in want), [])
+    assert np.array(counts).tolist() == [0] * len(unchecked)
+
+
 @pytest.mark.parametrize("sizes", [[2] * 16, [8] * 3, [1] * 4, [2, 4, 2], [6, 6, 3]])
 def test_each_calls_distinct_experts_are_np_uniques(sizes):
     # top-k ids (distinct in a call) and ids of several tokens (repeats), one size or several
