@@ -145,3 +145,27 @@ class ExpertStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def after(views: List[memoryview], skip: int) -> List[memoryview]:
+    """The buffers ``views`` less their first ``skip`` bytes (a short read's rest: every store's
+    ``preadv`` loop)."""
+    if not skip:
+        return views
+    for i, view in enumerate(views):
+        if skip < len(view):
+            return [view[skip:], *views[i + 1 :]]
+        skip -= len(view)
+    return []
+
+
+def copy_into(views: List[memoryview], at: int, data: memoryview) -> None:
+    """``data`` into the concatenated ``views`` from byte ``at`` on (a bounce buffer's bytes read
+    with O_DIRECT: the packed store, ``uncached``)."""
+    for view in after(views, at):
+        view = view if view.format == "B" else view.cast("B")
+        n = min(len(view), len(data))
+        view[:n] = data[:n]
+        data = data[n:]
+        if not len(data):
+            return

@@ -26,7 +26,7 @@ from ..errors import CheckpointChangedError, CheckpointError, ConfigurationError
 from ..files.packfile import HINT, PackFile, align_up, pack_path
 from ..runtime.devices import backend
 from ..runtime.reads.safetensors_header import FileIdentity, TensorRef
-from .base import ExpertStore, switch_option, thread_count
+from .base import ExpertStore, after, copy_into, switch_option, thread_count
 from .safetensors import SafetensorsStore
 
 BOUNCE = 8 << 20  # O_DIRECT bounce buffer per reader thread
@@ -117,7 +117,7 @@ class PackedStore(ExpertStore):
                     entry["offset"] + pos,
                     n,
                 )
-                _scatter(memoryview(bounce), n, bufs, pos)
+                copy_into(bufs, pos, memoryview(bounce)[:n])
                 pos += n
         if total == entry["nbytes"] and (
             self.verify == "always" or (self.verify == "first" and not self.pack.verified[i])
@@ -138,7 +138,7 @@ class PackedStore(ExpertStore):
         done = 0
         while done < total:
             try:
-                n = os.preadv(fd, _skip(bufs, done), offset + done)
+                n = os.preadv(fd, after(bufs, done), offset + done)
             except InterruptedError:
                 continue
             except OSError as e:
@@ -234,26 +234,3 @@ def _address(buf: memoryview) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
-def _scatter(src, n: int, bufs, pos: int) -> None:
-    """Copy ``src[:n]``, which holds bytes ``pos..pos+n`` of the concatenated ``bufs``, into them."""
-    start = 0
-    for b in bufs:
-        end = start + len(b)
-        lo, hi = max(start, pos), min(end, pos + n)
-        if lo < hi:
-            b[lo - start : hi - start] = src[lo - pos : hi - pos]
-        start = end
-
-
-def _skip(bufs, n: int):
-    """The buffers after the first ``n`` bytes (for a short read)."""
-    out = []
-    for b in bufs:
-        if n >= len(b):
-            n -= len(b)
-            continue
-        out.append(b[n:] if n else b)
-        n = 0
-    return out

@@ -22,8 +22,8 @@ from typing import Dict, List, Tuple
 
 from ..errors import CheckpointChangedError, ConfigurationError, ExpertIOError
 from ..runtime.reads.safetensors_header import TensorRef
-from .base import ExpertStore, shard_error, switch_option, thread_count
-from .uncached import AVAILABLE, UncachedReads, after
+from .base import ExpertStore, after, shard_error, switch_option, thread_count
+from .uncached import AVAILABLE, UncachedReads
 
 # reads in flight: a fast disk serves several readers faster than one, and more than 8 gained nothing
 # cold (docs/benchmarks/README.md, "What won")

@@ -30,6 +30,8 @@ import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from .base import copy_into
+
 # where the platform has O_DIRECT: Linux
 AVAILABLE = hasattr(os, "O_DIRECT") and hasattr(mmap, "PROT_READ")
 # O_DIRECT's alignment of file offsets, lengths and memory (the logical block size is at most this
@@ -143,25 +145,3 @@ class UncachedReads:
         for addr, size, dfd in states:
             os.close(dfd)
             LIBC.munmap(addr, size)
-
-
-def after(views: List[memoryview], skip: int) -> List[memoryview]:
-    """The buffers ``views`` less their first ``skip`` bytes (a short read's rest)."""
-    if not skip:
-        return views
-    for i, view in enumerate(views):
-        if skip < len(view):
-            return [view[skip:], *views[i + 1 :]]
-        skip -= len(view)
-    return []
-
-
-def copy_into(views: List[memoryview], at: int, data: memoryview) -> None:
-    """``data`` into the concatenated ``views`` from byte ``at`` on."""
-    for view in after(views, at):
-        view = view if view.format == "B" else view.cast("B")
-        n = min(len(view), len(data))
-        view[:n] = data[:n]
-        data = data[n:]
-        if not len(data):
-            return
