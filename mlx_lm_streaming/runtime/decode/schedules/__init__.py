@@ -12,7 +12,8 @@ slot bank, so each gives stock's bits. Each is kept for a measured reason
 (docs/benchmarks/README.md; docs/design.md's table lists them, with the figures).
 
 ``choose`` takes, in order: ``StockGraph`` (a complete identity bank; where its kernel runs stock's
-``SwitchGLU`` code, the layer's later calls skip ``choose``: ``LayerBank.stock_call``); otherwise a
+``SwitchGLU`` code, the layer's later calls skip ``choose``: ``LayerBank.stock_call``; with a
+routing recorder, only a prompt's call over two tiers, its ids recorded after it); otherwise a
 per-layer schedule (one host sync per call):
 with direct reads ``PrefillWaves``, ``PrefillAsTheyLand``, ``ByProjection`` or ``AsTheyLand`` by
 the call's size, the experts' size and the kernel; without, ``OneCall`` where the call's experts
