@@ -276,7 +276,7 @@ def prefill_table(res) -> str:
             f"| {r['read_over_uncached']:.2f} | {r['prefill_tok_s']:.1f} | {r['of_limit']:.2f} "
             f"| {r['ttft_s']:.2f} | {r['ttft_over_stock']:.2f} | {r['held_gb']:.3f} "
             f"| {r.get('set_gb', 0):.3f} | {r['peak_prefill_gb']:.2f} "
-            f"| {r.get('peak_bound_gb', 0):.2f} | {r['decode_hit_rate']:.3f} "
+            f"| {r.get('peak_bound_gb', 0):.2f} | {_digits(r['decode_hit_rate'])} "
             f"| {r['tokens_equal_to_stock']}/{r['tokens_compared']}"
             f"{', first bits equal' if r['same_first_logprobs_as_stock'] else ''} |"
         )
@@ -294,6 +294,11 @@ def prefill_table(res) -> str:
             f"{h['gb_read']:.3f} GB read ({h['must_read_gb']:.3f} must be read)"
         )
     return "\n".join(lines)
+
+
+def _digits(x) -> str:
+    """A rate to 3 decimals, or "-" where none was measured (two tiers: no decode hits counted)."""
+    return "-" if x is None else f"{x:.3f}"
 
 
 def main():

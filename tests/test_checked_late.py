@@ -7,6 +7,7 @@ verified steps miss, and counts the path taken: steps checked late and next toke
 """
 
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -210,6 +211,38 @@ def test_late_checks_off_check_each_step_in_its_call(q3_path, stock_q3):
     assert_same(expected, generated(model, prompt, 0))
     runner = model.expert_streaming.steps
     assert runner.checked_late == runner.dropped == 0 and runner.replays > 0
+
+
+@pytest.mark.parametrize("seed", [None, 0])
+def test_checks_on_the_runners_thread_take_the_same_path_as_on_the_decode_thread(
+    q3_path, stock_q3, monkeypatch, seed
+):
+    # 8 slots of 16: held steps hit and miss; the host work of those that hit runs on the
+    # runner's thread (the first token's, checked in its own call, on the decode thread), and
+    # every count of the path taken is the one the decode thread's checks give, the text stock's
+    from mlx_lm_streaming.runtime.decode.verified_step import VerifiedStep
+
+    threads, commit = set(), VerifiedStep.commit
+
+    def recorded(step, cache):
+        threads.add(threading.get_ident())
+        return commit(step, cache)
+
+    monkeypatch.setattr(VerifiedStep, "commit", recorded)
+    prompt = prompt_of(2)
+    expected = generated(stock_q3, prompt, seed)
+    counts = []
+    for on_thread in (True, False):
+        threads.clear()
+        tuning = CacheTuning(verify_choice="always", checked_late=1.0, check_on_thread=on_thread)
+        model = with_slots(q3_path, 8, tuning=tuning)
+        assert_same(expected, generated(model, prompt, seed))
+        runner = model.expert_streaming.steps
+        counts.append((runner.checked_late, runner.dropped, runner.verified, runner.replays))
+        assert bool(threads - {threading.get_ident()}) == on_thread
+        assert (runner.checker is not None) == on_thread
+        assert model.expert_streaming.cache.stats.hits > 0
+    assert counts[0] == counts[1] and counts[0][0] > counts[0][1] > 0
 
 
 # -- other architectures, hybrids among them -------------------------------------------------------

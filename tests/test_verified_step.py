@@ -203,13 +203,28 @@ def test_the_commits_ids_are_each_kept_calls_in_order(made, unchecked):
     step.calls, step.kept, banks = [], {}, {}
     for n, name in enumerate(made):
         bank, ids = banks.setdefault(name, object()), mx.array([[[n, 10 + n]]])
-        step.calls.append((n, bank, ids, mx.zeros((16,), mx.bool_)))
+        step.calls.append((n, bank, ids, np.arange(16) == 10 + n))  # (its second id missing)
         step.kept[id(bank)] = (bank, ids, ids.size)
     step.calls = step.calls[len(made) - len(unchecked) :]
-    counts, rows = verified_step.miss_counts(step.calls)
+    ids, rows = verified_step.call_ids(step.calls)
     want = [n for n, name in enumerate(made) if name not in made[n + 1 :]]
     assert np.array(step.flat_ids(rows)).tolist() == sum(([n, 10 + n] for n in want), [])
-    assert np.array(counts).tolist() == [0] * len(unchecked)
+    assert verified_step.host_counts(step.calls, ids).tolist() == [1] * len(unchecked)
+
+
+def test_the_checks_host_counts_are_each_calls_misses_in_either_layout():
+    # ids of one shape (stacked, a row each) or of several (flattened one after another): each
+    # call's count of the ids its own host map marks missing, as the device's gather and sum did
+    maps = [np.arange(8) % 2 == 1, np.arange(8) >= 6, np.zeros(8, bool)]
+    for shapes in ([(1, 1, 3)] * 3, [(1, 1, 3), (1, 2, 3), (1, 1, 3)]):
+        rng = np.random.default_rng(len(shapes[1]))
+        calls = [(j, None, mx.array(rng.choice(8, s).astype(np.uint32)), m)
+                 for j, (s, m) in enumerate(zip(shapes, maps))]
+        ids, rows = verified_step.call_ids(calls)
+        assert (rows is None) == (shapes[1] != shapes[0])
+        want = [int(m[np.array(i).reshape(-1)].sum()) for _, _, i, m in calls]
+        assert verified_step.host_counts(calls, ids).tolist() == want
+    assert verified_step.host_counts([], None).tolist() == []
 
 
 @pytest.mark.parametrize("sizes", [[2] * 16, [8] * 3, [1] * 4, [2, 4, 2], [6, 6, 3]])

@@ -78,17 +78,18 @@ class LayerBank:
         self.last_map = None
 
     def device_map(self):
-        """``(slots, missing)``: the slot table as two device arrays indexed by expert id, the slot
-        (``uint32``; 0 for a missing expert) and whether the expert is missing (``bool``). Made anew
-        whenever the table changed: a graph that read one keeps the residency of its own moment,
-        whatever the host does to the table after (mlx-lm builds step t+1 before step t ran)."""
+        """``(slots, missing)``: the slot table indexed by expert id, as a device array of slots
+        (``uint32``; 0 for a missing expert) and a host array of whether each expert is missing
+        (``bool``, numpy: a verified step's check counts the misses on the host from the ids it
+        reads back anyway, no kernel). Made anew whenever the table changed: a graph that read one
+        keeps the residency of its own moment, whatever the host does to the table after (mlx-lm
+        builds step t+1 before step t ran)."""
         table = self.table
         made = self.last_map
         if made is None or made[0] is not table or made[1] != table.version:
             slot_of = table.slot_of
             slots = mx.array(np.maximum(slot_of, 0).astype(np.uint32))
-            missing = mx.array(slot_of < 0)
-            made = self.last_map = (table, table.version, slots, missing)
+            made = self.last_map = (table, table.version, slots, slot_of < 0)
         return made[2], made[3]
 
     def allocate(self, slots: int) -> None:

@@ -22,6 +22,12 @@ what stock's does (``mlx_compat.DECODE_LOOP_BODY``, checked against the installe
 generator is closed with a step still held, that step is checked and, if it missed, run again, so
 a prompt cache kept by the caller (the server's, chat's) holds stock's entries.
 
+The check of t (its wait for t's ids, and on a hit the policies' records of its uses) runs on the
+runner's own thread (``StepRunner.check_soon``, ``CacheTuning.check_on_thread``), started before
+t+1 is built: MLX's evaluation lets the interpreter go while it launches t+1's kernels, most of a
+decode step's host time on a GPU, and the check's Python runs then. The answer is taken where the
+check ran before, so the order of everything the decode loop does is unchanged.
+
 Where it does not apply, stock's loop runs as before (each verified step checked in its own call):
 a sampler or logits processor that keeps state of its own (a dropped token's draw could not be
 given back; mlx-lm's own, from ``mlx_lm.sample_utils``, keep none, and a caller's may say how to
@@ -144,11 +150,12 @@ def generate(stock, a):
         mx.async_eval(token.y, token.logprobs, *(held.arrays() if held is not None else ()))
         return token
 
-    def checked(t: Token, after: Optional[Token]) -> Token:
-        """``t`` checked: itself if nothing was missing; else ``after`` (built on ``t``'s
-        sample) taken back and ``t`` run again and sampled again."""
+    def checked(t: Token, after: Optional[Token], soon=None) -> Token:
+        """``t`` checked (``soon``: its check started on the runner's thread): itself if nothing
+        was missing; else ``after`` (built on ``t``'s sample) taken back and ``t`` run again and
+        sampled again."""
         nonlocal tokens
-        if runner.check(t.held):
+        if runner.check(t.held, soon):
             t.held = None
             return t
         if after is not None:  # no pending work may read a slot that t's reads write
@@ -171,15 +178,17 @@ def generate(stock, a):
     with mx.stream(stream):
         try:
             while True:
-                after = None
+                after = soon = None
                 if n != max_tokens:
                     hold = runner.defers(kv)
                     if current.held is not None and not hold:
                         current = checked(current, None)  # the next call checks in its own
                         hold = runner.defers(kv)
+                    if current.held is not None:  # (its wait and host work: while t+1 launches)
+                        soon = runner.check_soon(current.held)
                     after = step(current, hold)
                 if current.held is not None:
-                    redone = checked(current, after)
+                    redone, soon = checked(current, after, soon), None
                     if redone is not current:  # t missed: t+1 was taken back, built again
                         current = redone
                         after = step(current, runner.defers(kv)) if after is not None else None

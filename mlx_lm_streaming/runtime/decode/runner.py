@@ -16,16 +16,17 @@ call): its forward is built and handed back unchecked, with the arrays its check
 """
 
 import operator
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from threading import get_ident
 from typing import Optional
 
-import numpy as np
 
 from .. import mlx_shims
 from . import share_limits
 from .modes import COMPLETE, PER_LAYER
-from .verified_step import VerifiedStep, _Again
+from .verified_step import VerifiedStep, _Again, host_counts
 
 # calls of up to this many tokens (decode, a draft model's verification of its 3 default drafts) may
 # be verified steps; longer ones (prefill) read most experts and take the per-layer schedule
@@ -44,8 +45,8 @@ class Held:
     kwargs: dict
 
     def arrays(self) -> list:
-        """What to evaluate with the call's output: the miss counts and the ids its check reads."""
-        return [self.step.held_counts, self.step.ids]
+        """What to evaluate with the call's output: the ids its check and commit read."""
+        return [a for a in (self.step.held_ids, self.step.ids) if a is not None]
 
 
 class StepRunner:
@@ -91,13 +92,20 @@ class StepRunner:
         self.defer: Optional[int] = None
         self.held: Optional[Held] = None
         self.checked_late = self.dropped = 0
+        # the thread a held step's check runs on (``check_soon``), made at its first use; the
+        # lock that keeps the steps' host work (``commit``) one at a time, in order
+        self.checker: Optional[ThreadPoolExecutor] = None
+        self.commit_lock = threading.RLock()
+        on_thread = state.cache.tuning.check_on_thread
+        self.check_thread = state.selector.backend == "cuda" if on_thread is None else on_thread
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
         before the counters are read)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.commit(self.state.cache)
+        with self.commit_lock:
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                pending.commit(self.state.cache)
 
     def wrap_layers(self, model) -> None:
         """Route the model's decoder layers (``model.layers``) through ``layer_call``."""
@@ -247,21 +255,44 @@ class StepRunner:
         held, self.held = self.held, None
         return held
 
-    def check(self, held: Held) -> bool:
-        """Whether the held step found every expert resident (one host sync: its miss counts,
+    def check(self, held: Held, soon: Optional[Future] = None) -> bool:
+        """Whether the held step found every expert resident (one host sync: its calls' ids,
         evaluated with its output); if so its host work is done now, while the next token
-        computes. False: ``redo`` it."""
-        step = held.step
+        computes. False: ``redo`` it. ``soon``: ``check_soon``'s for this step, whose answer is
+        taken here."""
         self.checked_late += 1
-        counts = step.counts = np.array(step.held_counts, copy=False)  # (the one host sync)
-        if counts.any():
+        if not (soon.result() if soon is not None else self._check(held)):
             return False
         self.verified += 1
-        step.calls = []
-        if self.pending is not None:
-            self.flush()
-        step.commit(self.state.cache)  # (the next step's graph is built: nothing evicts between)
         share_limits.note_call(self, 0, True)
+        return True
+
+    def check_soon(self, held: Held) -> Optional[Future]:
+        """The held step's check started on the runner's own thread (``CacheTuning.
+        check_on_thread``; else None): ``checked_late.generate`` starts it before it builds the
+        next token, whose launch (MLX's evaluation lets the interpreter go) the check's wait and
+        host work then overlap; ``check(held, soon)`` takes its answer. Nothing of the next
+        token's graph depends on it: on a hit it only records uses (``commit``), on a miss
+        nothing."""
+        if not self.check_thread:
+            return None
+        if self.checker is None:
+            self.checker = ThreadPoolExecutor(1, thread_name_prefix="mlx-lm-streaming-check")
+        return self.checker.submit(self._check, held)
+
+    def _check(self, held: Held) -> bool:
+        """``check``'s wait and host work, on whichever thread runs it."""
+        step = held.step
+        # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
+        ids, step.held_ids = step.held_ids, None
+        step.counts, step.held = host_counts(step.calls, ids), True
+        if step.counts.any():
+            return False
+        step.calls = []
+        with self.commit_lock:  # (the step before's first, if the decode thread has not)
+            if self.pending is not None:
+                self.flush()
+            step.commit(self.state.cache)  # (nothing evicts before the caller takes the answer)
         return True
 
     def redo(self, held: Held):

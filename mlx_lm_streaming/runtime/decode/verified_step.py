@@ -5,7 +5,8 @@ device. The per-layer schedule (``switch.py``) reads the ids back in every MoE l
 experts resident before the layer computes; on a GPU that wait, once per layer, costs more than the
 layer itself. Nothing needs it while the experts a forward picks are resident already. A verified
 step runs the forward with each MoE layer's ids turned into slot ids on the device
-(``LayerBank.device_map``) and a count of its missing experts, then reads the counts once:
+(``LayerBank.device_map``), then reads every layer's ids back once and counts on the host the
+experts the layers' maps (host copies, as each call saw them) mark missing:
 
 - none missing: every row came from its expert's slot: the per-layer schedule's graph (gather over
   the slot bank, exact: docs/design.md), so stock's bits. The host work the layers skipped (the
@@ -48,6 +49,7 @@ from .step_caches import StepCaches
 
 MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
 _IDS, _SIZE = itemgetter(1), itemgetter(2)  # (a kept call's ids, their count: C, no frame)
+_MAP = itemgetter(3)  # (an unchecked call's host map of missing experts)
 
 
 class _Again(Exception):
@@ -80,8 +82,8 @@ class VerifiedStep(Mode):
         # each got a cache entry of its own or none (``layer_call``) and took the output of
         # the layer before as its input
         self.replayable = self.layers > 0
-        # MoE calls not yet checked: (decoder layer, bank, ids, the bank's device map of missing
-        # experts as the call saw it), lazy
+        # MoE calls not yet checked: (decoder layer, bank, ids (lazy), the bank's host map of
+        # missing experts as the call saw it)
         self.calls: List[tuple] = []
         # id(bank) -> (bank, ids, their count) of the call kept for each MoE layer;
         # banks whose experts a load in this step made resident (counted there)
@@ -95,8 +97,10 @@ class VerifiedStep(Mode):
         self.counts: Optional[np.ndarray] = None
         self.guessed: Dict[int, set] = {}
         self.guesses_read = False
-        # a held step's miss counts (``hold``), lazy until ``missed`` or the first check reads them
-        self.held_counts: Optional[mx.array] = None
+        # a held step's unchecked calls' ids (``hold``: ``call_ids``), lazy until its check
+        # (``StepRunner.check``) reads them
+        self.held_ids: Optional[mx.array] = None
+        self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -205,7 +209,7 @@ class VerifiedStep(Mode):
         ):
             raise _Again
         # no pending work may read a slot the load writes
-        mx.eval([m for *_, m in self.calls], self.outputs[self.ran])
+        mx.eval(self.outputs[self.ran])
         tl = bank.cache.timeline
         start = tl.now()
         runner = self.runner
@@ -241,19 +245,16 @@ class VerifiedStep(Mode):
     def hold(self) -> None:
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
         check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
-        ``commit``, the miss counts)."""
-        if self.calls:
-            self.held_counts, rows = miss_counts(self.calls)
-        else:
-            self.held_counts, rows = mx.zeros((1,), mx.int32), None
+        ``commit``, the unchecked calls' ids)."""
+        self.held_ids, rows = call_ids(self.calls)
         self.ids = self.flat_ids(rows)
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
         sync. With the forward's output ``out``: it, the counts and every kept call's ids
         (``ids``, for ``commit``) handed to MLX in one evaluation."""
-        if self.held_counts is not None:  # a held step's first check: its counts were made
-            self.held_counts = None
+        if self.held:  # a held step's first check: its counts were made (``StepRunner.check``)
+            self.held = False
             hit = np.nonzero(self.counts)[0]
             return int(hit[0]) if len(hit) else None
         if not self.calls:
@@ -261,23 +262,23 @@ class VerifiedStep(Mode):
                 self.ids = self.flat_ids(None)
                 mx.async_eval(out, self.ids)
             return None
-        counts, rows = miss_counts(self.calls)
+        ids, rows = call_ids(self.calls)
         pending = ()
         if out is not None:
             self.ids = self.flat_ids(rows)
             pending = (out, self.ids)
-        mx.async_eval(*pending, counts)
+        mx.async_eval(*pending, ids)
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
         start = tl.now()
-        counts = self.counts = np.array(counts, copy=False)
+        counts = self.counts = host_counts(self.calls, ids)
         tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None
 
     def flat_ids(self, rows) -> mx.array:
         """Every kept call's ids one after another, flat (``ids``, for ``commit``): ``rows``
-        (``miss_counts``': the unchecked calls' ids, a row each) where those calls are the kept
+        (``call_ids``': the unchecked calls' ids, a row each) where those calls are the kept
         ones in order (a forward checked once: a token's layers), else each kept call's ids
         flattened: no reshape per MoE call while the forward is built."""
         kept = self.kept
@@ -330,21 +331,38 @@ class VerifiedStep(Mode):
             runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
 
 
-def miss_counts(calls) -> tuple:
-    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's map marks
-    missing, ``missing[ids].sum()``, for all the calls in five ops where they have the same shapes
-    (a token's layers: each op is a kernel launch on a GPU, and launches are most of a decode
-    step's host time there), else two per call; and the calls' ids stacked, a row each (None
-    where their shapes differ)."""
-    maps, ids, same = [], [], True  # one loop: on Python 3.11 a comprehension is a call
-    for _, _, i, m in calls:  # (``i``: a call's ids, as the router gave them)
-        maps.append(m)
+def call_ids(calls) -> tuple:
+    """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
+    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel per
+    call on a GPU, where launches are most of a decode step's host time), else each call's
+    flattened one after another; ``rows``: the stacked ids, or None."""
+    ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
+    for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
         ids.append(i)
-        same = same and m.size == maps[0].size and i.shape == ids[0].shape
+        same = same and i.shape == ids[0].shape
+    if not ids:
+        return None, None
     if same:
         rows = mx.stack(ids).reshape(len(ids), -1)
-        return mx.take_along_axis(mx.stack(maps), rows, axis=1).sum(axis=1), rows
-    return mx.stack([m[i].sum() for m, i in zip(maps, ids)]), None
+        return rows, rows
+    return mx.concatenate([i.reshape(-1) for i in ids]), None
+
+
+def host_counts(calls, ids) -> np.ndarray:
+    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's host map of
+    missing experts (``LayerBank.device_map``, as the call saw it) marks, ``missing[ids].sum()``;
+    ``ids``: ``call_ids``' (read back here: the one host sync of a check; None: no calls)."""
+    if ids is None:
+        return np.zeros(0, dtype=np.int64)
+    flat = np.array(ids, copy=False)
+    maps = list(map(_MAP, calls))  # (C loops: no Python call per MoE call)
+    if flat.ndim == 2 and len(set(map(len, maps))) == 1:
+        return np.stack(maps)[np.arange(len(maps))[:, None], flat].sum(axis=1)
+    flat, counts, at = flat.reshape(-1), np.empty(len(calls), dtype=np.int64), 0
+    for j, (_, _, i, m) in enumerate(calls):
+        counts[j] = m[flat[at : at + i.size]].sum()
+        at += i.size
+    return counts
 
 
 def distinct_per_call(flat: np.ndarray, sizes: list):

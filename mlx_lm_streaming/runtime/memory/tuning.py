@@ -12,6 +12,11 @@ PHASE_MIN_BYTES = 16 << 20
 # whole-expert reads; a stacked checkpoint's expert is nine ranges read in turn, which needed four
 # times the reads in flight of whole ones on this box's disk (docs/benchmarks/streaming-path.md)
 READS_IN_FLIGHT = 16
+# readers of a layer set's fill through device copies (``CacheTuning.set_readers``): page cache ->
+# page-locked buffer -> device on the H200, a 0.36 GB range: 16.1 / 15.7 / 10.3 GB/s at 4 / 8 / 16
+# threads (the copy engine's queue, not the page cache, bounds it: the reads alone gave 24 / 37 /
+# 31 GB/s; docs/benchmarks/prefill.md); 8 keeps a cold disk's queue as deep as its best
+SET_READERS = 8
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,12 @@ class CacheTuning:
     read_misses_together: bool = True
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
+    # a held step's check (its wait for the ids, the policies' records) on a thread of its own,
+    # while the decode thread builds and launches the next token (``StepRunner.check_soon``);
+    # False: on the decode thread, after the next token's launch; None: on mlx-cuda only (the
+    # H100, 99% hits: 0.817 of stock against 0.753 without, side by side; the CPU: 0.717 and 0.671
+    # against 0.729 and 0.680, none gained; Metal unmeasured: docs/benchmarks/streaming-path.md)
+    check_on_thread: Optional[bool] = None
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
@@ -50,6 +61,9 @@ class CacheTuning:
     # misses read together keep this many reads queued at the disk
     # (docs/benchmarks/streaming-path.md, "The reads' queue depth"); None: the store's threads
     reads_in_flight: Optional[int] = READS_IN_FLIGHT
+    # a layer set's readers where its fill goes through device copies (mlx-cuda); None:
+    # ``reads_in_flight``
+    set_readers: Optional[int] = SET_READERS
     # on mlx-cuda, direct reads go into a page-locked buffer and are copied into the slots by the
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
     # writes through the banks' views. Nothing changes on other backends
