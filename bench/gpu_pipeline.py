@@ -299,6 +299,8 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if cfg.name == "stock_placed":  # placed by the uses so far (the warm pass's, where one)
             placed = place_hottest(cfg.model._counted, budget, args.placer)
         cfg.tokens, cfg.decode_s = [], []
+        cursor = getattr(cfg.routing, "cursor", None)  # (where ``--profile`` rewinds to)
+        cfg.start = (dict(cursor) if cursor is not None else None, cfg.pos)
         cfg.stats0 = cfg.counters()
     # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,
     # warmed like the others, then timed once a round among them
@@ -338,6 +340,9 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if cfg.cache is not None and cfg.cache.timeline:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
+    for key, cfg in configs.items() if args.profile else ():  # (its steps in no figure above)
+        out["configs"][key]["step_profile"] = p = step_profile(cfg, args.profile)
+        log(f"[{regime} {spec} {budget}] {key} profile: {json.dumps(p)}")
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]
     if "stock_placed" in configs:  # every row against the placement's limit too
         for key, entry in out["configs"].items():
@@ -514,6 +519,64 @@ def text_tokens(path, prompt_len: int):
     return tokens[:prompt_len], tokens[prompt_len:]
 
 
+# -- where a decode step's time goes (``--profile N``) ---------------------------------------------
+
+
+def step_profile(cfg, n):
+    """After the rounds, ``cfg`` rewound to their start (the same ids: a hit regime's hits) and
+    ``n`` steps timed twice: ms per step on the host building the graph (the model's call),
+    launching it (``mx.async_eval``) and checking it (``StepRunner.check``); then, where torch
+    is installed, its CUPTI trace of the device: kernels per step and their busy ms (stock on
+    mlx-cuda is host-bound: docs/benchmarks/streaming-path.md, issue 46)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    def rewind():
+        cursor, pos = cfg.start
+        trim_prompt_cache(cfg.kv, cfg.pos - pos)
+        cfg.pos = pos
+        if cursor is not None:
+            cfg.routing.cursor = dict(cursor)
+
+    spent = dict(build=0.0, launch=0.0, check=0.0)
+
+    def timed(key, f):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return run
+
+    cls, launch = type(cfg.model), mx.async_eval
+    call, runner = cls.__call__, getattr(getattr(cfg.model, "expert_streaming", None), "steps", None)
+    rewind()
+    cls.__call__, mx.async_eval = timed("build", call), timed("launch", launch)
+    if runner is not None:
+        runner.check = timed("check", runner.check)
+    try:
+        start = time.perf_counter()
+        decode_block(cfg, n)
+        spent["step"] = time.perf_counter() - start
+    finally:
+        cls.__call__, mx.async_eval = call, launch
+        if runner is not None:
+            del runner.check
+    out = {f"{k}_ms": round(1e3 * v / (n + 1), 3) for k, v in spent.items()}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return out
+    rewind()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        decode_block(cfg, n)
+    kernels = [e for e in trace.events() if str(e.device_type).endswith("CUDA")]
+    out["kernels"] = round(len(kernels) / (n + 1), 1)
+    out["kernel_ms"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / (n + 1), 3)
+    return out
+
+
 # -- a checkpoint: its figures, probes and stock models -------------------------------------------
 
 
@@ -653,6 +716,7 @@ def parse_args(argv):
     add("--probe-threads", type=_list(int), default="1,2,4,8,16")
     add("--ram-probe-mb", type=int, default=256, help="MB (decimal) per figure (0: no probe)")
     add("--ram-probe-k", type=_list(int), default="2,4,8", help="experts read at once")
+    add("--profile", type=int, default=0, help="steps of each configuration's step_profile")
     add("--quick", action="store_true", help="a CPU try of everything in well under a minute: "
         + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags given still win)")
     args = ap.parse_args(argv)

@@ -22,7 +22,7 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
         "--tuning-variant", "nolk:lookahead=false",
         # the split is the per-layer schedule's (a verified step has one check per token)
         "--tuning-variant", "perlayer:verified_steps=false",
-        "--variants", "default,perlayer_tl,nolk_tl", "--placed",
+        "--variants", "default,perlayer_tl,nolk_tl", "--placed", "--profile", "1",
     )  # fmt: skip
     assert res["tuning_variants"] == {
         "nolk": {"lookahead": False},
@@ -37,6 +37,10 @@ def test_quick_regimes_floors_and_tuning_variant(tmp_path):
     for g in res["groups"]:
         where = f"{g['regime']} {g['routing']} {g['budget']}"
         assert set(g["configs"]) == names, where
+        for name, c in g["configs"].items():  # --profile: each one's host time per step
+            p = c["step_profile"]
+            assert 0 < p["build_ms"] <= p["step_ms"] and p["launch_ms"] > 0, (where, name, p)
+            assert p["check_ms"] == 0 or not name.startswith("stock"), (where, name, p)
         assert g["stock_vs_stock"] > 0, where
         # stock as a user sees it timed in every round; the ratios' stock named, with its reason
         basis = g["stock_basis"]

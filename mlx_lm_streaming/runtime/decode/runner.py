@@ -46,7 +46,8 @@ class Held:
 
     def arrays(self) -> list:
         """What to evaluate with the call's output: the ids its check and commit read."""
-        return [a for a in (self.step.held_ids, self.step.ids) if a is not None]
+        step = self.step  # (no comprehension: on Python 3.11 that is a call)
+        return [step.ids] if step.held_ids is None else [step.held_ids, step.ids]
 
 
 class StepRunner:
