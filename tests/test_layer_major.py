@@ -355,8 +355,8 @@ def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
 
 def test_layer_set_readers_take_whole_experts():
     # each reader of a set's fill by device copies gets a run of consecutive whole experts
-    # (their ranges of one tensor follow each other in the file), an expert's ranges one after
-    # another in part order, each range once, at its row of its array
+    # (their ranges of one tensor follow each other in the file, and in the set), part by part,
+    # each part's experts in order, each range once, at its row of its array
     from mlx_lm_streaming.runtime.bank.layer_set import by_expert
 
     def refs(e):
@@ -367,9 +367,21 @@ def test_layer_set_readers_take_whole_experts():
     for experts, pieces in zip([[0, 1], [2, 3], [4, 5, 6]], dealt):
         assert pieces == [
             (f"e{e}p{i}", [1000, 2000, 3000][i] + e * [10, 20, 30][i])
-            for e in experts
             for i in range(3)
+            for e in experts
         ]
     assert sorted(r for pieces in dealt for r, _ in pieces) == sorted(
         r for e in range(7) for r in refs(e)
     )
+
+
+def test_a_readers_copies_join_the_ranges_that_follow_each_other():
+    # a flush's ranges that follow each other in the buffer and at their addresses are one copy
+    # (a set's consecutive experts of one part); a gap in either starts another
+    from types import SimpleNamespace as NS
+
+    from mlx_lm_streaming.runtime.bank.cuda_copy import _spans
+
+    group = [(NS(nbytes=10), 1000, 0), (NS(nbytes=10), 1010, 10), (NS(nbytes=5), 1020, 20),
+             (NS(nbytes=10), 2000, 25), (NS(nbytes=10), 2011, 35), (NS(nbytes=4), 2021, 50)]
+    assert _spans(group) == [(1000, 0, 25), (2000, 25, 10), (2011, 35, 10), (2021, 50, 4)]
