@@ -85,13 +85,13 @@ def test_the_default_host_tier_holds_the_rest_where_host_ram_allows(q3_path):
     assert cache.tiers is None and cache.host_bytes == 0
 
 
-def tiered(path, device_experts, placer):
+def tiered(path, device_experts, placer, **options):
     """A streaming model whose device budget holds ``device_experts`` experts per layer, set up
     with two tiers as on mlx-cuda (placement recorded)."""
     probe, _ = load_streaming(path)
     per = per_slot(probe)
     probe.expert_streaming.close()
-    model, _ = load_streaming(path, expert_cache_gb=(device_experts * per + 0.5) / GB)
+    model, _ = load_streaming(path, expert_cache_gb=(device_experts * per + 0.5) / GB, **options)
     cache = model.expert_streaming.cache
     tiers.set_up(cache, 1000.0, "cuda", placer=placer, available=1000 * GB)
     return model, cache
@@ -165,6 +165,38 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, fille
     if recorded:  # every chunk's call of every layer, in order, then decode's
         chunks = [(b.path, (1, step, 2)) for _ in range(tiers.MOVE_EVERY + 1) for b in cache.banks]
         assert ids.calls[: len(chunks)] == chunks, ids.calls[:4]
+
+
+def test_a_long_prompt_over_two_tiers_layer_major_over_sets(q3_path, monkeypatch):
+    # CacheTuning.tier_layer_sets: the prompt layer-major over layer sets, filled as on mlx-cuda
+    # (a copier: each reader's page-locked buffer, then a copy): each layer's device tier copied
+    # into its set on the device, its host tier read once; no call over a copy of a bank, nothing
+    # moved, tokens and log-probabilities stock's bit for bit
+    from test_cuda_copy import HostRuntime, Managed
+
+    from mlx_lm_streaming.runtime.bank import cuda_copy
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+
+    runtime = HostRuntime()
+    copier = Managed(runtime)
+    monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    step = 32
+    prompt = mx.array([(7 * i + 5) % 512 for i in range(step * 3 + 2)])
+    stock, _ = load_stock(q3_path)
+    want = generate_steps(stock, prompt, 4, prefill_step_size=step)
+    tuning = CacheTuning(tier_layer_sets=True)
+    model, cache = tiered(q3_path, 4, Recorder(), tuning=tuning)
+    for bank in cache.banks:
+        bank.load(np.arange(bank.num_experts))
+    runtime.copies.clear()
+    got = generate_steps(model, prompt, 4, prefill_step_size=step)
+    assert_same_steps(want, got)
+    t, p = cache.tiers, model.expert_streaming.prefill
+    assert t.summary()["tier_prompt_calls"] == 0 and t.moves == 0
+    sets = len(cache.banks) - 1  # (the last decoder layer has none)
+    assert (p.set_experts_copied, p.set_experts_read) == (4 * sets, 12 * sets)
+    assert runtime.copies
+    model.expert_streaming.close()
 
 
 class _Layer:

@@ -98,6 +98,9 @@ class LayerSet:
         computation over the set was); the views remade where it moved the arrays."""
         with bank.lock:
             held = np.nonzero(bank.slot_of >= 0)[0]
+            tier = self.cache.tiers.banks.get(id(bank)) if self.cache.tiers is not None else None
+            if tier is not None:  # two tiers: the device tier's; the host tier's read once
+                held = held[tier.device[held]]  # (``CacheTuning.tier_layer_sets``)
             if not len(held):
                 return set()
             rows, slots = mx.array(held), mx.array(bank.slot_of[held])

@@ -143,6 +143,8 @@ def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
         return nbytes, "a host cache serves the misses (--expert-host-gb)"
     total, _, what = budget_base()
     slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), banks))
+    if cache.tiers is not None:  # (two tiers: the device holds the device tier's slots alone)
+        slots = cache.tiers.device_bytes
     if resident_bytes + slots + nbytes > total:
         return nbytes, (
             f"two layers' experts, {decimal_gb(nbytes)}, do not fit beside the resident weights "

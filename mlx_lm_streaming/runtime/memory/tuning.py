@@ -78,6 +78,13 @@ class CacheTuning:
     # long prompts' layers over whole expert sets where two fit (``machine.layer_sets_fit``);
     # off: waves
     layer_sets: bool = True
+    # over two tiers (mlx-cuda), long prompts layer-major over layer sets too: each layer's device
+    # tier copied into its set on the device, its host tier read from the store once (the
+    # streaming path's fill), where two sets fit beside the device tier; off: each chunk's MoE
+    # calls over a device copy of the whole bank (``bank.device_copy``: 3.2-4.5x stock's first
+    # token at 4K on an H100, against 1.50x on the streaming path). Off until measured on a GPU
+    # (docs/benchmarks/tiers.md gives the command)
+    tier_layer_sets: bool = False
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS

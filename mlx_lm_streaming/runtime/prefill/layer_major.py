@@ -20,9 +20,8 @@ How, without knowing the architecture's forward (``prefill``):
 3. once a group's chunks went through layer 0, each later layer runs on each chunk in order: the
    recorded call, with the layer before's output as input.
 
-Each layer runs twice per chunk (``LayerPass``): once to route (its MoE answered with zeros), once
-with the experts' rows; the second time its attention and norms are given back their first outputs,
-so attention runs once per chunk and layer.
+In waves (``LayerPass``) each layer runs twice per chunk: to route (its MoE answered with zeros),
+then with the experts' rows, its attention and norms given back their first outputs.
 
 The recorded calls are checked (``Recorder.problem``); where the model's forward is not "make the
 layers' arguments, then each layer on the output of the one before, one cache entry each", the
@@ -53,8 +52,7 @@ from .layer_pass import Chunk, LayerPass
 from .set_pass import SetPass, layer_banks, layer_sets
 
 
-# why a chunk prefills as stock: its call could not take the mode (``modes``) while another
-# thread's model call held it
+# why a chunk prefills as stock: its call could not take the mode (``modes``), another's held it
 ANOTHER_CALL = "another thread's model call was running"
 
 
@@ -432,9 +430,11 @@ def _after(head: mx.array, processor):
 
 def _holds_every_expert(cache) -> bool:
     """Whether every bank has a slot per expert: an expert read once stays, so chunk by chunk reads
-    each at most once already, and layer-major would only run attention twice."""
+    each at most once already, and layer-major would only run attention twice (over two tiers,
+    unless ``CacheTuning.tier_layer_sets``: the host tier's pages are read once per layer then)."""
     cache.ensure_planned()
-    return bool(cache.banks) and all(b.identity for b in cache.banks)
+    every = bool(cache.banks) and all(b.identity for b in cache.banks)
+    return every and (cache.tiers is None or not cache.tuning.tier_layer_sets)
 
 
 def _problem(state, a) -> Optional[str]:
