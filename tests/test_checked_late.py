@@ -242,6 +242,8 @@ def test_checks_on_the_runners_thread_take_the_same_path_as_on_the_decode_thread
         assert bool(threads - {threading.get_ident()}) == on_thread
         assert (runner.checker is not None) == on_thread
         assert model.expert_streaming.cache.stats.hits > 0
+        model.expert_streaming.close()  # (the check's thread too)
+        assert runner.checker is None or runner.checker._shutdown
     assert counts[0] == counts[1] and counts[0][0] > counts[0][1] > 0
 
 

@@ -291,7 +291,8 @@ class ExpertCache:
         with self._lock:
             pools = (self._set_pool, self._demand_pool)
             self._set_pool = self._demand_pool = None
-        for pool in pools:  # a set's fill waits on the demand pool: it goes first
+        checker = getattr(self.steps, "checker", None)  # (``StepRunner.check_soon``'s thread)
+        for pool in (*pools, checker):  # a set's fill waits on the demand pool: it goes first
             if pool is not None:
                 pool.shutdown(wait=wait)
         filler = self._filler
