@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from threading import get_ident
 from typing import Optional
 
-
 from .. import mlx_shims
 from . import share_limits
 from .modes import COMPLETE, PER_LAYER
