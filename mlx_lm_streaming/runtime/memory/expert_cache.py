@@ -30,6 +30,7 @@ from ..reads.index import LayerExperts, natural_key
 from ..reads.prefetch import FILL, ExpertPrefetcher, PrefetchStats, StagedBatch
 from ..sizes import gb_as_given, gb_at_least
 from . import moving_budget
+from .queue_worker import QueueWorker
 from .tuning import PHASE_MIN_BYTES, CacheTuning  # noqa: F401 (imported from here by many)
 
 # staging buffers (background reads, and without direct reads demand reads per chunk) are bounded by
@@ -95,8 +96,8 @@ class ExpertCache:
         # the background reads' and the lookahead's counters, made before the prefetcher (an
         # attribute: ``lookahead.score`` reads it on a layer call)
         self.prefetch_stats = PrefetchStats()
-        self._filler: Optional[threading.Thread] = None
-        self._fill_queue: List[LayerBank] = []
+        # identity banks whose remaining experts are read in the background (``request_fill``)
+        self._fills = QueueWorker("mlx-lm-streaming-fill", self._fill)
         # the banks in model order (``layers.2`` before ``layers.10``): an attribute, read on every
         # decode call (``runner.StepRunner``); made anew by ``register`` and ``unregister``
         self.banks: List[LayerBank] = []
@@ -248,40 +249,26 @@ class ExpertCache:
         if bank.fill_requested or self._closed:
             return
         bank.fill_requested = True
-        with self._lock:
-            self._fill_queue.append(bank)
-            if self._filler is None or not self._filler.is_alive():
-                self._filler = threading.Thread(
-                    target=self._fill_loop, name="mlx-lm-streaming-fill", daemon=True
-                )
-                self._filler.start()
+        self._fills.put(bank)
 
-    def _fill_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed or not self._fill_queue:
-                    self._filler = None
-                    return
-                bank = self._fill_queue.pop(0)
-            chunk = max(
-                1, min(8, self.prefetcher.max_bytes // max(1, 4 * bank.layer.expert_nbytes))
-            )
-            with bank.lock:
-                todo = [
-                    e
-                    for e in range(bank.num_experts)
-                    if bank.slot_of[e] < 0 and e not in bank.staged
-                ]
-            for i in range(0, len(todo), chunk):
-                if self._closed or not bank.identity:
-                    break
-                bank.stage(np.array(todo[i : i + chunk]), "fill", FILL, block=True)
+    def _fill(self, bank: LayerBank) -> None:
+        """The background fill of one identity bank (``request_fill``), on its own thread."""
+        chunk = max(1, min(8, self.prefetcher.max_bytes // max(1, 4 * bank.layer.expert_nbytes)))
+        with bank.lock:
+            todo = [
+                e for e in range(bank.num_experts) if bank.slot_of[e] < 0 and e not in bank.staged
+            ]
+        for i in range(0, len(todo), chunk):
+            if self._closed or not bank.identity:
+                break
+            bank.stage(np.array(todo[i : i + chunk]), "fill", FILL, block=True)
 
     def close(self, wait: bool = True) -> None:
         """Stop background reads (the store is closed by its owner). ``wait=False`` joins no thread:
         for the finalizer that runs when a model is garbage collected, which can run inside another
         thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
         self._closed = True
+        self._fills.close()
         if self.budget_watch is not None:
             self.budget_watch.close(wait=wait)
         if self.tiers is not None:
@@ -295,9 +282,8 @@ class ExpertCache:
         for pool in (*pools, checker):  # a set's fill waits on the demand pool: it goes first
             if pool is not None:
                 pool.shutdown(wait=wait)
-        filler = self._filler
-        if wait and filler is not None and filler is not threading.current_thread():
-            filler.join()
+        if wait:
+            self._fills.join()
 
     def ensure_planned(self) -> None:
         if not self.planned:

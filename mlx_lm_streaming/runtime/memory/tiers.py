@@ -24,13 +24,13 @@ what it was asked. The option is refused off CUDA (``options``: unified memory, 
 already is host memory).
 """
 
-import threading
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..bank import device_copy
 from ..sizes import decimal_gb, gb_as_given
+from .queue_worker import QueueWorker
 
 # decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
 # before its first call's ids are kept, those mlx-lm has evaluated (all but each bank's last
@@ -86,10 +86,8 @@ class Tiers:
         self.batches = 0  # batches of moves issued (``rebalance``)
         self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.error: Optional[str] = None  # the first placement the runtime refused, if any
-        self._lock = threading.Lock()
-        self._queue: List[tuple] = []
-        self._worker: Optional[threading.Thread] = None
-        self._closed = False
+        # each queued placement: ``(on_device, ranges)`` jobs, run on one background thread
+        self._moves = QueueWorker("mlx-lm-streaming-tiers", self._place)
 
     # -- placement --------------------------------------------------------------------------
 
@@ -129,43 +127,25 @@ class Tiers:
                 experts, on_device = np.asarray(experts), np.asarray(on_device)
                 ranges += self.ranges(bank, experts[on_device == flag])
             jobs.append((flag, ranges))
-        with self._lock:
-            if self._closed:
-                return
-            self._queue.append(jobs)
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(
-                    target=self._work, name="mlx-lm-streaming-tiers", daemon=True
-                )
-                self._worker.start()
+        self._moves.put(jobs)
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed or not self._queue:
-                    self._worker = None
-                    return
-                jobs = self._queue.pop(0)
-            try:
-                for flag, ranges in jobs:  # out of the device first, then in
-                    if ranges:
-                        self.placer.place(ranges, on_device=flag)
-            except OSError as e:  # where bytes live, not what they are: said, not fatal
-                self.error = str(e)
+    def _place(self, jobs) -> None:
+        try:
+            for flag, ranges in jobs:  # out of the device first, then in
+                if ranges:
+                    self.placer.place(ranges, on_device=flag)
+        except OSError as e:  # where bytes live, not what they are: said, not fatal
+            self.error = str(e)
 
     def drain(self) -> None:
         """Wait until every queued placement was issued (and, on CUDA, ran)."""
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
+        self._moves.join()
         wait = getattr(self.placer, "wait", None)
         if wait is not None:
             wait()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._queue = []
+        self._moves.close()
 
     # -- following the routing ----------------------------------------------------------------
 
