@@ -14,7 +14,10 @@ class QueueWorker:
         self.handle = handle
         self.lock = threading.Lock()
         self.items: List[object] = []
+        # the running thread (None once it decided to end: a put starts another), and the last
+        # one started, which ``join`` waits for even while it is ending
         self.thread: Optional[threading.Thread] = None
+        self.last: Optional[threading.Thread] = None
         self.closed = False
 
     def put(self, item) -> bool:
@@ -24,7 +27,9 @@ class QueueWorker:
                 return False
             self.items.append(item)
             if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread = self.last = threading.Thread(
+                    target=self._run, name=self.name, daemon=True
+                )
                 self.thread.start()
         return True
 
@@ -44,7 +49,7 @@ class QueueWorker:
             self.items = []
 
     def join(self) -> None:
-        """Wait for the thread, if one runs and it is not the caller."""
-        thread = self.thread
+        """Wait for the last thread started, unless it is the caller."""
+        thread = self.last
         if thread is not None and thread is not threading.current_thread():
             thread.join()
