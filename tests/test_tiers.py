@@ -20,6 +20,7 @@ from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
 from mlx_lm_streaming.runtime.bank import device_copy
 from mlx_lm_streaming.runtime.memory import machine as memory, report, tiers
+from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.options import StreamingOptions
 
 GB = 10**9
@@ -143,7 +144,8 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_moves_nothing(q3_path, fille
     prompt = mx.array([(7 * i + 5) % 512 for i in range(step * (tiers.MOVE_EVERY + 1) + 2)])
     stock, _ = load_stock(q3_path)
     want = generate_steps(stock, prompt, 4, prefill_step_size=step)
-    model, cache = tiered(q3_path, 4, Recorder())
+    # (``CacheTuning.tier_layer_sets`` off: the per-chunk copies; on, the next test's sets)
+    model, cache = tiered(q3_path, 4, Recorder(), tuning=CacheTuning(tier_layer_sets=False))
     for bank in cache.banks if filled else ():
         bank.load(np.arange(bank.num_experts))
     assert cache.all_complete == filled
@@ -177,7 +179,6 @@ def test_a_long_prompt_over_two_tiers_layer_major_over_sets(q3_path, monkeypatch
     from test_cuda_copy import HostRuntime, Managed
 
     from mlx_lm_streaming.runtime.bank import cuda_copy
-    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     runtime = HostRuntime()
     copier = Managed(runtime)
@@ -186,8 +187,7 @@ def test_a_long_prompt_over_two_tiers_layer_major_over_sets(q3_path, monkeypatch
     prompt = mx.array([(7 * i + 5) % 512 for i in range(step * 3 + 2)])
     stock, _ = load_stock(q3_path)
     want = generate_steps(stock, prompt, 4, prefill_step_size=step)
-    tuning = CacheTuning(tier_layer_sets=True)
-    model, cache = tiered(q3_path, 4, Recorder(), tuning=tuning)
+    model, cache = tiered(q3_path, 4, Recorder())  # (``tier_layer_sets``: on by default)
     for bank in cache.banks if filled else ():
         bank.load(np.arange(bank.num_experts))
     runtime.copies.clear()

@@ -81,10 +81,10 @@ class CacheTuning:
     # over two tiers (mlx-cuda), long prompts layer-major over layer sets too: each layer's device
     # tier copied into its set on the device, its host tier read from the store once (the
     # streaming path's fill), where two sets fit beside the device tier; off: each chunk's MoE
-    # calls over a device copy of the whole bank (``bank.device_copy``: 3.2-4.5x stock's first
-    # token at 4K on an H100, against 1.50x on the streaming path). Off until measured on a GPU
-    # (docs/benchmarks/tiers.md gives the command)
-    tier_layer_sets: bool = False
+    # calls over a device copy of the whole bank (``bank.device_copy``). The H200, a 4K prompt at
+    # 25%: 2.61x / 2.59x stock's first token over sets, 4.28x / 8.89x over copies of the banks,
+    # the same bits (docs/benchmarks/tiers.md)
+    tier_layer_sets: bool = True
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS
