@@ -34,6 +34,17 @@ class HostRuntime:
         self.freed += 1
         return 0
 
+    def cudaMalloc(self, pointer, nbytes):  # (device memory: host memory here)
+        buf = ctypes.create_string_buffer(nbytes)
+        pointer._obj.value = ctypes.addressof(buf)
+        self.held[ctypes.addressof(buf)] = buf
+        self.device = getattr(self, "device", []) + [(ctypes.addressof(buf), nbytes)]
+        return 0
+
+    def cudaFree(self, pointer):
+        self.device_freed = getattr(self, "device_freed", 0) + 1
+        return 0
+
     def cudaStreamCreateWithFlags(self, stream, flags):
         return 0
 

@@ -353,6 +353,39 @@ def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
     model.expert_streaming.close()
 
 
+def test_layer_sets_filled_through_a_stage_on_the_device(small_experts, monkeypatch):
+    # CacheTuning.set_stage: the readers' copies go into a stage (device memory outside MLX,
+    # cudaMalloc; host memory here) while the layer before computes, and the experts read are
+    # moved into the set, a copy per part and run of experts, when the set's layer starts: the
+    # tokens stock's, the stage one set's bytes, freed with the sets at the prompt's end
+    from test_cuda_copy import HostRuntime, Managed
+
+    from mlx_lm_streaming.runtime.bank import cuda_copy
+    from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
+
+    runtime = HostRuntime()
+    copier = Managed(runtime, buffer_bytes=20_000)
+    monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    moved = []
+    move = cuda_copy.DeviceStage.move
+    monkeypatch.setattr(cuda_copy.DeviceStage, "move", lambda s, c: (moved.append(c), move(s, c)))
+    path = small_experts("qwen3_moe")
+    model = _with_slots(path, tuning=CacheTuning(set_stage=True))
+    cache, p = model.expert_streaming.cache, model.expert_streaming.prefill
+    for prompt in PROMPTS:
+        out = _streamed_steps(model, mx.array(prompt))
+        assert difference(_stock_steps(path, mx.array(prompt)), out) is None
+    assert p.set_experts_read > 0 and moved
+    assert [n for _, n in runtime.device] == [set_bytes(cache.banks[0])] * len(PROMPTS)
+    assert runtime.device_freed == len(PROMPTS)
+    # each move's copies: a part's run of experts, inside the stage
+    parts, stage_bytes = len(cache.banks[0].layer.parts), runtime.device[0][1]
+    for copies in moved:
+        assert len(copies) % parts == 0
+        assert all(0 <= at and at + n <= stage_bytes for _, at, n in copies)
+    model.expert_streaming.close()
+
+
 def test_layer_set_readers_take_whole_experts():
     # each reader of a set's fill by device copies gets a run of consecutive whole experts
     # (their ranges of one tensor follow each other in the file, and in the set), part by part,

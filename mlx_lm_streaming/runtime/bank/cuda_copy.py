@@ -73,6 +73,8 @@ def _load_runtime():
             lib.cudaFreeHost.argtypes = [p]
             lib.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_PointerAttributes), p]
             lib.cudaGetLastError.argtypes = []
+            lib.cudaMalloc.argtypes = [ctypes.POINTER(p), size]
+            lib.cudaFree.argtypes = [p]
         except (OSError, AttributeError):
             continue
         return lib
@@ -156,6 +158,50 @@ class SlotCopier:
         if err != 0:
             self.lib.cudaStreamSynchronize(buffer.stream)  # the buffer is free again either way
             raise ExpertIOError(f"cudaMemcpyAsync into an expert slot failed (CUDA error {err})")
+
+
+class DeviceStage:
+    """Device memory outside MLX (``cudaMalloc``) that a layer set's fill copies its reads into
+    while the device computes; ``move`` copies them on into the set's arrays, device to device,
+    once the set's layer is about to run and the device is idle (``layer_set.LayerSet.ready``).
+
+    Why (the H200, docs/benchmarks/prefill.md, "A set's fill under the device's compute"): a set's
+    fill copied into the set's managed memory took 17 ms with the device idle and as long as the
+    device's compute (60 ms and more) beside a layer's kernels, so a 4K prompt's prefill was bound
+    by the fills. The bytes are the same either way (exactness)."""
+
+    def __init__(self, lib, nbytes: int):
+        self.lib, self.nbytes = lib, nbytes
+        self.pointer, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.cudaMalloc(ctypes.byref(self.pointer), nbytes) != 0:
+            lib.cudaGetLastError()
+            raise MemoryError(f"cudaMalloc of {nbytes} bytes for a layer set's stage failed")
+        if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), _STREAM_NON_BLOCKING) != 0:
+            lib.cudaFree(self.pointer)
+            raise MemoryError("cudaStreamCreateWithFlags failed")
+        self.base = self.pointer.value
+
+    def move(self, copies) -> None:
+        """Each ``(address, stage offset, bytes)`` of ``copies`` copied from the stage to
+        ``address``; returns once every copy ended."""
+        err = 0
+        for address, at, nbytes in copies:
+            err = self.lib.cudaMemcpyAsync(address, self.base + at, nbytes, _MEMCPY_DEFAULT,
+                                           self.stream)  # fmt: skip
+            if err != 0:
+                break
+        else:
+            err = self.lib.cudaStreamSynchronize(self.stream)
+        if err != 0:
+            self.lib.cudaStreamSynchronize(self.stream)
+            raise ExpertIOError(f"cudaMemcpyAsync from a layer set's stage failed (CUDA error {err})")
+
+    def close(self) -> None:
+        if self.pointer is not None:
+            self.lib.cudaStreamSynchronize(self.stream)
+            self.lib.cudaStreamDestroy(self.stream)
+            self.lib.cudaFree(self.pointer)
+            self.pointer = None
 
 
 def _spans(group) -> List[Tuple[int, int, int]]:

@@ -40,8 +40,10 @@ def set_bytes(bank) -> int:
 class LayerSet:
     """One layer's whole expert set (module docstring): the arrays, their host views, the fill."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, owner=None):
         self.cache = cache  # the model's ExpertCache (its store, bank threads, tuning)
+        self.owner = owner  # the ``LayerSets`` whose stage a fill through device copies uses
+        self.staged = None  # experts the last fill left in the stage, moved in by ``ready``
         self.bank = None  # the slot bank whose layer the set holds, or is being filled with
         self.shapes = None  # ((num_experts, *shape), dtype) of each part the arrays were made for
         self.arrays: List[mx.array] = []
@@ -116,6 +118,14 @@ class LayerSet:
         future, self.future = self.future, None
         if future is not None:
             future.result()
+        staged, self.staged = self.staged, None
+        if staged:
+            start = time.perf_counter()
+            stage = self.owner.stage
+            rows = [view.shape[1] for view in self.views]
+            stage.move(stage_moves(staged, self.addresses, rows, self.owner.stage_parts))
+            self.cache.timeline.span("move layer set", start, "copy", layer=self.bank.path,
+                                     experts=len(staged))  # fmt: skip
 
     def _fill(self, bank, host: bool, held: set) -> None:
         start = time.perf_counter()
@@ -139,12 +149,16 @@ class LayerSet:
             readers = tuning.set_readers or tuning.reads_in_flight or store.threads
             parts = max(1, min(len(rest), readers))
             pool = self.cache.demand_pool
+            stage = self.owner.staging(self.copier) if self.owner is not None else None
+            targets = self.addresses if stage is None else self.owner.stage_addresses(rows, len(experts))
             futures = [
                 pool.submit(self.copier.read, store.read_on_this_thread, pieces)
-                for pieces in by_expert(rest, refs, self.addresses, rows, parts)
+                for pieces in by_expert(rest, refs, targets, rows, parts)
             ]
             for future in futures:
                 future.result()
+            if stage is not None:
+                self.staged = rest  # (moved into the set by ``ready``, the device idle)
         elif rest:
             views = self.views
             store.read_many(
@@ -176,6 +190,7 @@ class LayerSet:
         future, self.future = self.future, None
         if future is not None:
             wait([future])
+        self.staged = None
         self.bank, self.shapes, self.arrays, self.views, self.copier = None, None, [], None, None
 
 
@@ -202,6 +217,18 @@ def by_expert(experts, refs, addresses, row_bytes, parts: int) -> list:
             for e, ref in zip(mine, per_expert)
         ])  # fmt: skip
     return out
+
+
+def stage_moves(experts, addresses, row_bytes, offsets) -> list:
+    """``(address, stage offset, bytes)`` of the copies that move ``experts`` from a stage laid
+    out as the set (part i at ``offsets[i]``, expert e at row e) into the set's parts at
+    ``addresses``: a copy per part and run of consecutive experts."""
+    runs = _runs(list(experts), list(experts))
+    return [
+        (address + e * n, at + e * n, k * n)
+        for address, n, at in zip(addresses, row_bytes, offsets)
+        for e, _, k in runs
+    ]
 
 
 def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
@@ -240,10 +267,35 @@ class LayerSets:
     def __init__(self, cache, nbytes: int):
         self.cache = cache
         self.nbytes = nbytes
-        self.sets = [LayerSet(cache), LayerSet(cache)]
+        self.sets = [LayerSet(cache, self), LayerSet(cache, self)]
         self.lock = threading.Lock()
+        # on mlx-cuda, where fills copy through a reader's page-locked buffer: the device memory
+        # those copies go to first (``cuda_copy.DeviceStage``, ``CacheTuning.set_stage``), one
+        # set's bytes, made on the first fill; the offset of each part in it
+        self.stage = None
+        self.stage_parts: List[int] = []
         # experts read and copied into sets, and copied from them into slot banks, in all
         self.read = self.copied = self.kept = 0
+
+    def staging(self, copier):
+        """The stage a fill through ``copier`` copies into (made now if none), or None where
+        ``CacheTuning.set_stage`` is off. Filled by one fill at a time: a set's ``ready`` moves its
+        experts out before the other set's fill starts (``take``)."""
+        if not self.cache.tuning.set_stage:
+            return None
+        with self.lock:
+            if self.stage is None:
+                self.stage = cuda_copy.DeviceStage(
+                    copier.lib, max(set_bytes(b) for b in self.cache.banks))
+        return self.stage
+
+    def stage_addresses(self, row_bytes, num_experts: int) -> List[int]:
+        """Where each part of a set of ``num_experts`` rows of ``row_bytes`` lies in the stage."""
+        at = [0]
+        for n in row_bytes[:-1]:
+            at.append(at[-1] + num_experts * n)
+        self.stage_parts = at
+        return [self.stage.base + a for a in at]
 
     def writable(self, bank) -> bool:
         """Whether a set for ``bank``'s layer can be written by the host here (allocated now)."""
@@ -297,3 +349,6 @@ class LayerSets:
             self.read += s.read
             self.copied += s.copied
             s.read = s.copied = 0
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            stage.close()

@@ -129,6 +129,17 @@ def trim_heap() -> None:
         pass
 
 
+def staged_sets(cache) -> bool:
+    """Whether a long prompt's layer sets are filled through a stage on the device
+    (``CacheTuning.set_stage``, with device copies, where MLX runs on CUDA)."""
+    tuning = cache.tuning
+    if not (tuning.set_stage and tuning.device_copies):
+        return False
+    from ..bank import cuda_copy
+
+    return mx.default_device().type == mx.gpu and cuda_copy._cuda_backend(mx)
+
+
 def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
     """``(bytes, why)``: what two layers' whole expert sets take (a long prompt's prefill:
     ``bank.layer_set``), and None where they fit beside the budget, else why a long prompt's
@@ -136,7 +147,8 @@ def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
     both sets within this machine's memory (the GPU's on CUDA: ``budget_base``). The load line
     says which (``report.choice_line``)."""
     banks = cache.banks
-    nbytes = 2 * max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
+    sets = 3 if staged_sets(cache) else 2  # (a stage on the device beside the two: ``set_stage``)
+    nbytes = sets * max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
     if not cache.tuning.layer_sets:
         return nbytes, "layer sets turned off (CacheTuning.layer_sets)"
     if cache.host_cache is not None:
