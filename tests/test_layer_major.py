@@ -386,6 +386,27 @@ def test_layer_sets_filled_through_a_stage_on_the_device(small_experts, monkeypa
     model.expert_streaming.close()
 
 
+def test_layer_sets_without_room_for_a_stage_fill_straight_in(small_experts, monkeypatch):
+    # set_stage where the device has no room for the stage (cudaMalloc fails): the prompt's
+    # fills go into the sets as without it, the tokens stock's, nothing left to free
+    from test_cuda_copy import HostRuntime, Managed
+
+    from mlx_lm_streaming.runtime.bank import cuda_copy
+
+    runtime = HostRuntime()
+    runtime.cudaMalloc = lambda pointer, nbytes: 2  # cudaErrorMemoryAllocation
+    runtime.cudaGetLastError = lambda: 0
+    copier = Managed(runtime, buffer_bytes=20_000)
+    monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    path = small_experts("qwen3_moe")
+    model = _with_slots(path, tuning=CacheTuning(set_stage=True))
+    prompt = mx.array(PROMPTS[0])
+    assert difference(_stock_steps(path, prompt), _streamed_steps(model, prompt)) is None
+    assert model.expert_streaming.prefill.set_experts_read > 0 and runtime.copies
+    assert not hasattr(runtime, "device_freed")
+    model.expert_streaming.close()
+
+
 def test_layer_set_readers_take_whole_experts():
     # each reader of a set's fill by device copies gets a run of consecutive whole experts
     # (their ranges of one tensor follow each other in the file, and in the set), part by part,

@@ -274,6 +274,7 @@ class LayerSets:
         # set's bytes, made on the first fill; the offset of each part in it
         self.stage = None
         self.stage_parts: List[int] = []
+        self.unstaged = False  # (the stage could not be made: this prompt fills without one)
         # experts read and copied into sets, and copied from them into slot banks, in all
         self.read = self.copied = self.kept = 0
 
@@ -281,12 +282,15 @@ class LayerSets:
         """The stage a fill through ``copier`` copies into (made now if none), or None where
         ``CacheTuning.set_stage`` is off. Filled by one fill at a time: a set's ``ready`` moves its
         experts out before the other set's fill starts (``take``)."""
-        if not self.cache.tuning.set_stage:
+        if not self.cache.tuning.set_stage or self.unstaged:
             return None
         with self.lock:
             if self.stage is None:
-                self.stage = cuda_copy.DeviceStage(
-                    copier.lib, max(set_bytes(b) for b in self.cache.banks))
+                try:
+                    self.stage = cuda_copy.DeviceStage(
+                        copier.lib, max(set_bytes(b) for b in self.cache.banks))
+                except MemoryError:  # (no room on the device: the prompt's fills go straight in)
+                    self.unstaged = True
         return self.stage
 
     def stage_addresses(self, row_bytes, num_experts: int) -> List[int]:
