@@ -194,7 +194,7 @@ class DeviceStage:
             err = self.lib.cudaStreamSynchronize(self.stream)
         if err != 0:
             self.lib.cudaStreamSynchronize(self.stream)
-            raise ExpertIOError(f"cudaMemcpyAsync from a layer set's stage failed (CUDA error {err})")
+            raise ExpertIOError(f"cudaMemcpyAsync from a layer set's stage: CUDA error {err}")
 
     def close(self) -> None:
         if self.pointer is not None:

@@ -150,7 +150,9 @@ class LayerSet:
             parts = max(1, min(len(rest), readers))
             pool = self.cache.demand_pool
             stage = self.owner.staging(self.copier) if self.owner is not None else None
-            targets = self.addresses if stage is None else self.owner.stage_addresses(rows, len(experts))
+            targets = self.addresses  # (the set's, or the stage's: moved in by ``ready``)
+            if stage is not None:
+                targets = self.owner.stage_addresses(rows, len(experts))
             futures = [
                 pool.submit(self.copier.read, store.read_on_this_thread, pieces)
                 for pieces in by_expert(rest, refs, targets, rows, parts)
