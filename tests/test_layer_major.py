@@ -386,6 +386,22 @@ def test_layer_sets_filled_through_a_stage_on_the_device(small_experts, monkeypa
     model.expert_streaming.close()
 
 
+def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypatch):
+    # where a stage is made (set_stage on mlx-cuda), the bytes a long prompt takes beside the
+    # budget are three sets', not two; off, or where it does not apply (the CPU), two
+    from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
+    from mlx_lm_streaming.runtime.memory import machine
+
+    model = _with_slots(small_experts("qwen3_moe"), tuning=CacheTuning(set_stage=True))
+    state = model.expert_streaming
+    cache = state.cache
+    one = set_bytes(cache.banks[0])
+    assert machine.layer_sets_fit(cache, state.resident_bytes) == (2 * one, None)
+    monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage)
+    assert machine.layer_sets_fit(cache, state.resident_bytes) == (3 * one, None)
+    state.close()
+
+
 def test_layer_sets_without_room_for_a_stage_fill_straight_in(small_experts, monkeypatch):
     # set_stage where the device has no room for the stage (cudaMalloc fails): the prompt's
     # fills go into the sets as without it, the tokens stock's, nothing left to free
