@@ -111,8 +111,10 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert all(b.slots == b.num_experts and b.identity for b in banks)
     assert [int(t.device.sum()) for t in cache.tiers.banks.values()] == [4] * len(banks)
     parts = len(banks[0].layer.parts)
-    first = placer.placed[: 16 * parts]
-    assert sum(on for *_, on in first) == 4 * parts  # a range per expert and part
+    first = placer.placed[: 2 * parts]  # experts 4-15 of each part out, then 0-3 in: a range each
+    per = [b.array(p.proj, p.part).nbytes // 16 for b in banks[:1] for p in banks[0].layer.parts]
+    assert [(n, on) for _, n, on in first] == [(12 * n, False) for n in per] + [
+        (4 * n, True) for n in per]
     s = cache.summary()
     assert s["tier_device_gb"] == pytest.approx(4 * per_slot(model) / GB)
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
@@ -305,9 +307,9 @@ def test_moves_come_in_one_batch_per_move_every_tokens_right_after_a_step():
     # the batch was issued before the first layer's call of its token computed
     assert (0, 1) in seen and seen.index((0, 1)) == tiers.MOVE_EVERY * 3 - 3
     assert asked == [False, True]  # out of the device, then in: one job for the three banks
-    moved = placer.placed[first:]  # 0 and 1 of each bank out, 5 and 6 in
-    assert [(a % 10**6 // 1000, on) for a, _, on in moved] == [(0, False), (1, False)] * 3 + [
-        (5, True), (6, True)] * 3
+    moved = placer.placed[first:]  # 0 and 1 of each bank out, 5 and 6 in: a range a pair
+    assert [(a % 10**6 // 1000, n, on) for a, n, on in moved] == [(0, 2000, False)] * 3 + [
+        (5, 2000, True)] * 3
     assert t.summary()["tier_moves_per_token"] == pytest.approx(12 / (3 * tiers.MOVE_EVERY))
 
 

@@ -43,6 +43,17 @@ DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
+def _runs(experts) -> List[tuple]:
+    """``(first, length)`` of each run of consecutive ids in ``experts``, in order."""
+    runs: List[list] = []
+    for e in sorted(int(e) for e in experts):
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    return [tuple(r) for r in runs]
+
+
 def device_slots(banks, device_bytes: int) -> List[int]:
     """Experts per bank in the device tier: ``device_bytes`` shared over the banks as the slot
     plan shares a budget (the same count each, then one more to layers in model order while what
@@ -98,7 +109,9 @@ class Tiers:
             self._submit([(bank, np.arange(bank.num_experts), tier.device.copy())])
 
     def ranges(self, bank, experts) -> List[tuple]:
-        """``(address, nbytes)`` of each expert's bytes in each part of the bank. On the calling
+        """``(address, nbytes)`` of the experts' bytes in each part of the bank, a range per run
+        of consecutive experts (the first placement: two a part, not one per expert and part;
+        each range costs the runtime two advices and a prefetch). On the calling
         thread (the model's): taking an MLX array's address evaluates it, which another thread
         must not do (MLX ties an array to its thread's stream; seen on the H200 as placements
         that never ran, and as a decode that stopped). The bank's views' addresses where it has
@@ -106,6 +119,7 @@ class Tiers:
         from ..reads.host_views import host_address
 
         out = []
+        runs = _runs(experts)
         known = bank.view_addresses
         for i, spec in enumerate(bank.layer.parts):
             arr = bank.array(spec.proj, spec.part)
@@ -113,7 +127,7 @@ class Tiers:
             if base is None:
                 return []
             per = arr.nbytes // bank.slots
-            out += [(base + int(e) * per, per) for e in experts]
+            out += [(base + e * per, k * per) for e, k in runs]
         return out
 
     def _submit(self, moves) -> None:
