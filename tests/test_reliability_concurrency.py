@@ -63,10 +63,18 @@ def open_fds() -> dict:
     return found
 
 
-def opened_since(before: dict) -> dict:
+def opened_since(before: dict, settle: float = 0.0) -> dict:
     """Descriptors open now that were not, or named something else, in ``before``. Descriptors
-    that other tests' models close meanwhile do not count: only what this test left open."""
-    return {fd: name for fd, name in open_fds().items() if before.get(fd) != name}
+    that other tests' models close meanwhile do not count: only what this test left open. With
+    ``settle``: looked at again for up to that many seconds while any is open, so that a file
+    another live model's thread holds for a moment (its free-memory reading of ``/proc``) is not
+    taken for one this test left open; one left open stays open."""
+    deadline = time.monotonic() + settle
+    while True:
+        opened = {fd: name for fd, name in open_fds().items() if before.get(fd) != name}
+        if not opened or time.monotonic() >= deadline:
+            return opened
+        time.sleep(0.02)
 
 
 def reader_threads():
@@ -146,7 +154,7 @@ def test_concurrent_forward_passes_match_serial(setup, store, store_options):
         assert [t for t in reader_threads() if t not in threads]
     state.close()
     assert started_since(threads, timeout=0) == []  # close joins them
-    assert opened_since(fds) == {}
+    assert opened_since(fds, settle=2.0) == {}
     with pytest.raises(ExpertIOError, match="closed"):
         # experts not resident must be read: a closed store says so
         for i in range(8):
@@ -164,7 +172,7 @@ def test_dropping_the_model_closes_the_store(setup):
     # the finalizer joins no thread (it can run inside another thread's start-up): the readers end
     # on their own, promptly
     assert started_since(threads) == []
-    assert opened_since(fds) == {}
+    assert opened_since(fds, settle=2.0) == {}
 
 
 def test_model_loaded_in_one_thread_runs_in_another(setup):
