@@ -1,7 +1,7 @@
 """Long prompts: layer-major prefill against chunk by chunk, against stock and the disk limit.
 
     python bench/prefill.py [--archs small] [--layers N] [--prefill-tokens 4096,16384]
-        [--prefill-step N] [--shares 0.25,0.5] [--modes chunked,layer_major,waves,tier_sets,staged]
+        [--prefill-step N] [--shares 0.25,0.5] [--modes chunked,layer_major,...]
         [--page-cache cold|warm] [--rounds N] [--hold-tokens N] [--decode-tokens N] ...
 
 Each prompt runs with empty banks (cold: the page cache dropped; warm: the checkpoint read first)
@@ -153,10 +153,11 @@ def layer_major_figures(args, dtype: str) -> None:
         """``run`` (cold or warm), a model loaded with ``share`` of the expert bytes, prefill by
         ``mode``: chunked, layer_major (the defaults), waves (layer-major without layer sets),
         tier_sets (over two tiers, layer-major over sets: ``CacheTuning.tier_layer_sets``; the
-        other modes over two tiers: copies of the banks), staged (the sets filled through a stage
-        on the device: ``CacheTuning.set_stage``)."""
+        other modes over two tiers: copies of the banks), staged, hoststaged (the sets filled
+        through a stage on the device, in page-locked host memory: ``CacheTuning.set_stage``)."""
+        stage = {"staged": "device", "hoststaged": "host"}.get(mode)
         tuning = CacheTuning(layer_sets=mode != "waves", tier_layer_sets=mode == "tier_sets",
-                             set_stage=mode == "staged")  # fmt: skip
+                             set_stage=stage)  # fmt: skip
         model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning,
                                   layer_major_prefill=mode != "chunked")  # fmt: skip
         r = run(model, prompt, cold=cold)
@@ -315,7 +316,7 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--layers", type=int, default=None, help="MoE layers (default: the shape's)")
     ap.add_argument("--modes", default="chunked,layer_major",
-                    help="chunked,layer_major,waves,tier_sets,staged")
+                    help="chunked,layer_major,waves,tier_sets,staged,hoststaged")
     ap.add_argument("--page-cache", choices=["cold", "warm"], default="cold")
     ap.add_argument("--hold-tokens", type=int, default=None,
                     help="one more layer-major prompt this long (held states)")

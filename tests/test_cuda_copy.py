@@ -32,6 +32,7 @@ class HostRuntime:
 
     def cudaFreeHost(self, pointer):
         self.freed += 1
+        self.freed_pointers = getattr(self, "freed_pointers", []) + [pointer.value]
         return 0
 
     def cudaMalloc(self, pointer, nbytes):  # (device memory: host memory here)

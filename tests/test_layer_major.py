@@ -353,11 +353,13 @@ def test_layer_sets_filled_the_way_of_device_copies(small_experts, monkeypatch):
     model.expert_streaming.close()
 
 
-def test_layer_sets_filled_through_a_stage_on_the_device(small_experts, monkeypatch):
-    # CacheTuning.set_stage: the readers' copies go into a stage (device memory outside MLX,
-    # cudaMalloc; host memory here) while the layer before computes, and the experts read are
-    # moved into the set, a copy per part and run of experts, when the set's layer starts: the
-    # tokens stock's, the stage one set's bytes, freed with the sets at the prompt's end
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
+    # CacheTuning.set_stage: the readers' copies go into a stage ("device": device memory outside
+    # MLX, cudaMalloc; "host": page-locked host memory the readers read into, cudaHostAlloc; both
+    # host memory here) while the layer before computes, and the experts read are moved into the
+    # set, a copy per part and run of experts, when the set's layer starts: the tokens stock's,
+    # the stage one set's bytes, freed with the sets at the prompt's end
     from test_cuda_copy import HostRuntime, Managed
 
     from mlx_lm_streaming.runtime.bank import cuda_copy
@@ -370,16 +372,22 @@ def test_layer_sets_filled_through_a_stage_on_the_device(small_experts, monkeypa
     move = cuda_copy.DeviceStage.move
     monkeypatch.setattr(cuda_copy.DeviceStage, "move", lambda s, c: (moved.append(c), move(s, c)))
     path = small_experts("qwen3_moe")
-    model = _with_slots(path, tuning=CacheTuning(set_stage=True))
+    model = _with_slots(path, tuning=CacheTuning(set_stage=kind))
     cache, p = model.expert_streaming.cache, model.expert_streaming.prefill
     for prompt in PROMPTS:
         out = _streamed_steps(model, mx.array(prompt))
         assert difference(_stock_steps(path, mx.array(prompt)), out) is None
     assert p.set_experts_read > 0 and moved
-    assert [n for _, n in runtime.device] == [set_bytes(cache.banks[0])] * len(PROMPTS)
-    assert runtime.device_freed == len(PROMPTS)
+    stage_bytes = set_bytes(cache.banks[0])
+    if kind == "device":
+        assert [n for _, n in runtime.device] == [stage_bytes] * len(PROMPTS)
+        assert runtime.device_freed == len(PROMPTS)
+    else:  # (the copier's own buffers are 20,000 bytes)
+        stages = [at for at, b in runtime.held.items() if len(b) == stage_bytes]
+        assert len(stages) == len(PROMPTS) and not hasattr(runtime, "device")
+        assert set(stages) <= set(runtime.freed_pointers)
     # each move's copies: a part's run of experts, inside the stage
-    parts, stage_bytes = len(cache.banks[0].layer.parts), runtime.device[0][1]
+    parts = len(cache.banks[0].layer.parts)
     for copies in moved:
         assert len(copies) % parts == 0
         assert all(0 <= at and at + n <= stage_bytes for _, at, n in copies)
@@ -392,12 +400,12 @@ def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypa
     from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
     from mlx_lm_streaming.runtime.memory import machine
 
-    model = _with_slots(small_experts("qwen3_moe"), tuning=CacheTuning(set_stage=True))
+    model = _with_slots(small_experts("qwen3_moe"), tuning=CacheTuning(set_stage="device"))
     state = model.expert_streaming
     cache = state.cache
     one = set_bytes(cache.banks[0])
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (2 * one, None)
-    monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage)
+    monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage == "device")
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (3 * one, None)
     state.close()
 
@@ -415,7 +423,7 @@ def test_layer_sets_without_room_for_a_stage_fill_straight_in(small_experts, mon
     copier = Managed(runtime, buffer_bytes=20_000)
     monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
     path = small_experts("qwen3_moe")
-    model = _with_slots(path, tuning=CacheTuning(set_stage=True))
+    model = _with_slots(path, tuning=CacheTuning(set_stage="device"))
     prompt = mx.array(PROMPTS[0])
     assert difference(_stock_steps(path, prompt), _streamed_steps(model, prompt)) is None
     assert model.expert_streaming.prefill.set_experts_read > 0 and runtime.copies

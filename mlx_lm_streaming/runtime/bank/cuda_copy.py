@@ -170,14 +170,19 @@ class DeviceStage:
     device's compute (60 ms and more) beside a layer's kernels, so a 4K prompt's prefill was bound
     by the fills. The bytes are the same either way (exactness)."""
 
+    host = False  # (``HostStage``: page-locked host memory the readers write themselves)
+    _alloc, _free = "cudaMalloc", "cudaFree"
+
     def __init__(self, lib, nbytes: int):
         self.lib, self.nbytes = lib, nbytes
         self.pointer, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
-        if lib.cudaMalloc(ctypes.byref(self.pointer), nbytes) != 0:
+        alloc = getattr(lib, self._alloc)
+        if (alloc(ctypes.byref(self.pointer), nbytes) if not self.host
+                else alloc(ctypes.byref(self.pointer), nbytes, 0)) != 0:  # fmt: skip
             lib.cudaGetLastError()
-            raise MemoryError(f"cudaMalloc of {nbytes} bytes for a layer set's stage failed")
+            raise MemoryError(f"{self._alloc} of {nbytes} bytes for a layer set's stage failed")
         if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), _STREAM_NON_BLOCKING) != 0:
-            lib.cudaFree(self.pointer)
+            getattr(lib, self._free)(self.pointer)
             raise MemoryError("cudaStreamCreateWithFlags failed")
         self.base = self.pointer.value
 
@@ -200,8 +205,23 @@ class DeviceStage:
         if self.pointer is not None:
             self.lib.cudaStreamSynchronize(self.stream)
             self.lib.cudaStreamDestroy(self.stream)
-            self.lib.cudaFree(self.pointer)
+            getattr(self.lib, self._free)(self.pointer)
             self.pointer = None
+
+
+class HostStage(DeviceStage):
+    """Page-locked host memory (``cudaHostAlloc``) laid out as a layer set, that the fill's
+    readers read into with no CUDA call at all while the device computes; ``move`` copies the
+    experts read into the set when its layer starts, the device idle (``DeviceStage``'s why; this
+    one holds whatever makes the copies wait, the managed memory or a lock MLX's wait holds, since
+    no copy runs beside the device's kernels). Costs one set's page-locked host memory."""
+
+    host = True
+    _alloc, _free = "cudaHostAlloc", "cudaFreeHost"
+
+    def view(self) -> np.ndarray:
+        """The stage's bytes, for the readers."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.base))
 
 
 def _spans(group) -> List[Tuple[int, int, int]]:

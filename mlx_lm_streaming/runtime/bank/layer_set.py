@@ -32,6 +32,10 @@ from ..reads.safetensors_header import mx_dtype
 from . import cuda_copy
 
 
+# ``CacheTuning.set_stage``: where a fill through device copies reads to first
+STAGES = {"device": cuda_copy.DeviceStage, "host": cuda_copy.HostStage}
+
+
 def set_bytes(bank) -> int:
     """What one set of ``bank``'s layer takes: every expert of the layer."""
     return bank.num_experts * bank.layer.expert_nbytes
@@ -153,12 +157,18 @@ class LayerSet:
             targets = self.addresses  # (the set's, or the stage's: moved in by ``ready``)
             if stage is not None:
                 targets = self.owner.stage_addresses(rows, len(experts))
-            futures = [
-                pool.submit(self.copier.read, store.read_on_this_thread, pieces)
-                for pieces in by_expert(rest, refs, targets, rows, parts)
-            ]
-            for future in futures:
-                future.result()
+            if stage is not None and stage.host:  # read straight into page-locked memory
+                views = self.owner.stage_views(rows, len(experts))
+                store.read_many(
+                    [(ref, memoryview(views[i][e])) for e in rest for i, ref in enumerate(refs(e))]
+                )
+            else:
+                futures = [
+                    pool.submit(self.copier.read, store.read_on_this_thread, pieces)
+                    for pieces in by_expert(rest, refs, targets, rows, parts)
+                ]
+                for future in futures:
+                    future.result()
             if stage is not None:
                 self.staged = rest  # (moved into the set by ``ready``, the device idle)
         elif rest:
@@ -271,9 +281,10 @@ class LayerSets:
         self.nbytes = nbytes
         self.sets = [LayerSet(cache, self), LayerSet(cache, self)]
         self.lock = threading.Lock()
-        # on mlx-cuda, where fills copy through a reader's page-locked buffer: the device memory
-        # those copies go to first (``cuda_copy.DeviceStage``, ``CacheTuning.set_stage``), one
-        # set's bytes, made on the first fill; the offset of each part in it
+        # on mlx-cuda, where fills copy through a reader's page-locked buffer: the memory those
+        # reads go to first (``CacheTuning.set_stage``: "device", ``cuda_copy.DeviceStage``;
+        # "host", ``cuda_copy.HostStage``), one set's bytes, made on the first fill; the offset
+        # of each part in it
         self.stage = None
         self.stage_parts: List[int] = []
         self.unstaged = False  # (the stage could not be made: this prompt fills without one)
@@ -282,14 +293,15 @@ class LayerSets:
 
     def staging(self, copier):
         """The stage a fill through ``copier`` copies into (made now if none), or None where
-        ``CacheTuning.set_stage`` is off. Filled by one fill at a time: a set's ``ready`` moves its
-        experts out before the other set's fill starts (``take``)."""
-        if not self.cache.tuning.set_stage or self.unstaged:
+        ``CacheTuning.set_stage`` is None. Filled by one fill at a time: a set's ``ready`` moves
+        its experts out before the other set's fill starts (``take``)."""
+        kind = self.cache.tuning.set_stage
+        if kind not in STAGES or self.unstaged:
             return None
         with self.lock:
             if self.stage is None:
                 try:
-                    self.stage = cuda_copy.DeviceStage(
+                    self.stage = STAGES[kind](
                         copier.lib, max(set_bytes(b) for b in self.cache.banks))
                 except MemoryError:  # (no room on the device: the prompt's fills go straight in)
                     self.unstaged = True
@@ -302,6 +314,14 @@ class LayerSets:
             at.append(at[-1] + num_experts * n)
         self.stage_parts = at
         return [self.stage.base + a for a in at]
+
+    def stage_views(self, row_bytes, num_experts: int) -> List[np.ndarray]:
+        """A host stage's parts as ``(num_experts, row bytes)`` arrays (``stage_addresses``')."""
+        data = self.stage.view()
+        return [
+            data[at : at + num_experts * n].reshape(num_experts, n)
+            for at, n in zip(self.stage_parts, row_bytes)
+        ]
 
     def writable(self, bank) -> bool:
         """Whether a set for ``bank``'s layer can be written by the host here (allocated now)."""

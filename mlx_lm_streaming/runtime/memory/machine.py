@@ -131,9 +131,9 @@ def trim_heap() -> None:
 
 def staged_sets(cache) -> bool:
     """Whether a long prompt's layer sets are filled through a stage on the device
-    (``CacheTuning.set_stage``, with device copies, where MLX runs on CUDA)."""
+    (``CacheTuning.set_stage`` "device", with device copies, where MLX runs on CUDA)."""
     tuning = cache.tuning
-    if not (tuning.set_stage and tuning.device_copies):
+    if not (tuning.set_stage == "device" and tuning.device_copies):
         return False
     from ..bank import cuda_copy
 

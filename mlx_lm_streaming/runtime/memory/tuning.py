@@ -68,12 +68,14 @@ class CacheTuning:
     # CUDA runtime (``cuda_copy.py``: the slots' managed pages stay on the device); off: host
     # writes through the banks' views. Nothing changes on other backends
     device_copies: bool = True
-    # with device copies, a long prompt's layer set is filled into device memory outside MLX
-    # while the device computes and moved into the set, device to device, when its layer starts
-    # (``cuda_copy.DeviceStage``): copies into managed memory wait for the device's kernels
-    # (docs/benchmarks/prefill.md). Takes one more set's bytes on the device. Off until a GPU
-    # run of the package measures it
-    set_stage: bool = False
+    # with device copies, a long prompt's layer set is filled into a stage while the device
+    # computes and moved into the set when its layer starts, the device idle: copies into managed
+    # memory wait for the device's kernels (docs/benchmarks/prefill.md). "device": device memory
+    # outside MLX, the readers' copies go there (``cuda_copy.DeviceStage``, one more set's bytes
+    # on the device); "host": page-locked host memory the readers read into, no copy until the
+    # layer starts (``cuda_copy.HostStage``, one set's bytes of host memory). None (off) until a
+    # GPU run of the package measures them
+    set_stage: Optional[str] = None
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``schedules.ByProjection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
