@@ -394,6 +394,13 @@ def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
     model.expert_streaming.close()
 
 
+def test_a_stage_of_another_kind_is_refused_in_one_line():
+    from mlx_lm_streaming.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"set_stage='gpu': one of None, 'device', 'host'"):
+        CacheTuning(set_stage="gpu")
+
+
 def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypatch):
     # where a stage is made (set_stage on mlx-cuda), the bytes a long prompt takes beside the
     # budget are three sets', not two; off, or where it does not apply (the CPU), two

@@ -4,6 +4,7 @@ vary (``expert_cache`` imports it for those that import it from there)."""
 from dataclasses import dataclass
 from typing import Optional
 
+from ...errors import ConfigurationError
 from .moving_budget import CHECK_SECONDS
 
 # experts this big and bigger are read a projection at a time (``CacheTuning.phase_min_bytes``)
@@ -17,6 +18,10 @@ READS_IN_FLIGHT = 16
 # threads (the copy engine's queue, not the page cache, bounds it: the reads alone gave 24 / 37 /
 # 31 GB/s; docs/benchmarks/prefill.md); 8 keeps a cold disk's queue as deep as its best
 SET_READERS = 8
+
+
+# ``CacheTuning.set_stage``'s values (None: no stage; ``bank.layer_set.STAGES`` makes the others)
+SET_STAGES = (None, "device", "host")
 
 
 @dataclass(frozen=True)
@@ -96,3 +101,10 @@ class CacheTuning:
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS
+
+    def __post_init__(self):
+        if self.set_stage not in SET_STAGES:
+            raise ConfigurationError(
+                f"CacheTuning.set_stage={self.set_stage!r}: one of "
+                f"{', '.join(repr(k) for k in SET_STAGES)}"
+            )
