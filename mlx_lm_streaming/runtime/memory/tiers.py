@@ -43,15 +43,6 @@ DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
-def _runs(experts) -> List[tuple]:
-    """``(first, length)`` of each run of consecutive ids in ``experts``, in order."""
-    runs: List[list] = []
-    for e in sorted(int(e) for e in experts):
-        if runs and runs[-1][0] + runs[-1][1] == e:
-            runs[-1][1] += 1
-        else:
-            runs.append([e, 1])
-    return [tuple(r) for r in runs]
 
 
 def device_slots(banks, device_bytes: int) -> List[int]:
@@ -116,10 +107,12 @@ class Tiers:
         must not do (MLX ties an array to its thread's stream; seen on the H200 as placements
         that never ran, and as a decode that stopped). The bank's views' addresses where it has
         them (kept current by ``refresh_views``)."""
+        from ..reads.bank_reads import _runs
         from ..reads.host_views import host_address
 
         out = []
-        runs = _runs(experts)
+        ids = sorted(int(e) for e in experts)
+        runs = _runs(ids, ids)  # (first, first, length) of each run of consecutive experts
         known = bank.view_addresses
         for i, spec in enumerate(bank.layer.parts):
             arr = bank.array(spec.proj, spec.part)
@@ -127,7 +120,7 @@ class Tiers:
             if base is None:
                 return []
             per = arr.nbytes // bank.slots
-            out += [(base + e * per, k * per) for e, k in runs]
+            out += [(base + e * per, k * per) for e, _, k in runs]
         return out
 
     def _submit(self, moves) -> None:
