@@ -171,20 +171,23 @@ class DeviceStage:
     by the fills. The bytes are the same either way (exactness)."""
 
     host = False  # (``HostStage``: page-locked host memory the readers write themselves)
-    _alloc, _free = "cudaMalloc", "cudaFree"
 
     def __init__(self, lib, nbytes: int):
         self.lib, self.nbytes = lib, nbytes
         self.pointer, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
-        alloc = getattr(lib, self._alloc)
-        if (alloc(ctypes.byref(self.pointer), nbytes) if not self.host
-                else alloc(ctypes.byref(self.pointer), nbytes, 0)) != 0:  # fmt: skip
+        if self._allocate() != 0:
             lib.cudaGetLastError()
-            raise MemoryError(f"{self._alloc} of {nbytes} bytes for a layer set's stage failed")
+            raise MemoryError(f"{nbytes} bytes for a layer set's stage: the allocation failed")
         if lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), _STREAM_NON_BLOCKING) != 0:
-            getattr(lib, self._free)(self.pointer)
+            self._release()
             raise MemoryError("cudaStreamCreateWithFlags failed")
         self.base = self.pointer.value
+
+    def _allocate(self) -> int:
+        return self.lib.cudaMalloc(ctypes.byref(self.pointer), self.nbytes)
+
+    def _release(self) -> None:
+        self.lib.cudaFree(self.pointer)
 
     def move(self, copies) -> None:
         """Each ``(address, stage offset, bytes)`` of ``copies`` copied from the stage to
@@ -205,7 +208,7 @@ class DeviceStage:
         if self.pointer is not None:
             self.lib.cudaStreamSynchronize(self.stream)
             self.lib.cudaStreamDestroy(self.stream)
-            getattr(self.lib, self._free)(self.pointer)
+            self._release()
             self.pointer = None
 
 
@@ -217,7 +220,12 @@ class HostStage(DeviceStage):
     no copy runs beside the device's kernels). Costs one set's page-locked host memory."""
 
     host = True
-    _alloc, _free = "cudaHostAlloc", "cudaFreeHost"
+
+    def _allocate(self) -> int:
+        return self.lib.cudaHostAlloc(ctypes.byref(self.pointer), self.nbytes, 0)
+
+    def _release(self) -> None:
+        self.lib.cudaFreeHost(self.pointer)
 
     def view(self) -> np.ndarray:
         """The stage's bytes, for the readers."""
@@ -254,9 +262,7 @@ def copier_for(addresses) -> Optional[SlotCopier]:
     """The copier, if every check passes for a bank at ``addresses`` (its parts' memory); else
     None (module docstring)."""
     global _COPIER, _CHECKED
-    import mlx.core as mx
-
-    if mx.default_device().type != mx.gpu or not _cuda_backend(mx):
+    if not on_cuda():
         return None
     with _LOCK:
         if not _CHECKED:
@@ -267,6 +273,14 @@ def copier_for(addresses) -> Optional[SlotCopier]:
     if copier is None or not all(copier.manages(a) for a in addresses):
         return None
     return copier
+
+
+def on_cuda() -> bool:
+    """Whether MLX computes on a GPU through its CUDA backend (the checks of ``copier_for``,
+    ``cuda_placer`` and the layer sets' stage)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.gpu and _cuda_backend(mx)
 
 
 def _cuda_backend(mx) -> bool:

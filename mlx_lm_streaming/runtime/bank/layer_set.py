@@ -125,9 +125,9 @@ class LayerSet:
         staged, self.staged = self.staged, None
         if staged:
             start = time.perf_counter()
-            stage = self.owner.stage
             rows = [view.shape[1] for view in self.views]
-            stage.move(stage_moves(staged, self.addresses, rows, self.owner.stage_parts))
+            offsets = stage_offsets(rows, self.views[0].shape[0])
+            self.owner.stage.move(stage_moves(staged, self.addresses, rows, offsets))
             self.cache.timeline.span("move layer set", start, "copy", layer=self.bank.path,
                                      experts=len(staged))  # fmt: skip
 
@@ -144,38 +144,34 @@ class LayerSet:
             self.copied += len(held)
         rest = [e for e in experts if e not in held]
         store, refs = self.cache.store, bank.layer.refs
-        if self.copier is not None:
+        rows = [view.shape[1] for view in self.views]
+        stage = None  # (``CacheTuning.set_stage``: where the reads go first, moved in by ``ready``)
+        if self.copier is not None and self.owner is not None:
+            stage = self.owner.staging(self.copier)
+        if self.copier is not None and not (stage is not None and stage.host):
             # each thread reads whole experts into its own page-locked buffer, then the device
             # copies: ``set_readers`` threads at once, so that reads and copies overlap (more
             # threads queue more small copies: 10.3 GB/s at 16 against 15.7 at 8 on the H200)
-            rows = [view.shape[1] for view in self.views]
             tuning = self.cache.tuning
             readers = tuning.set_readers or tuning.reads_in_flight or store.threads
             parts = max(1, min(len(rest), readers))
             pool = self.cache.demand_pool
-            stage = self.owner.staging(self.copier) if self.owner is not None else None
-            targets = self.addresses  # (the set's, or the stage's: moved in by ``ready``)
+            targets = self.addresses  # (the set's, or a device stage's)
             if stage is not None:
-                targets = self.owner.stage_addresses(rows, len(experts))
-            if stage is not None and stage.host:  # read straight into page-locked memory
-                views = self.owner.stage_views(rows, len(experts))
-                store.read_many(
-                    [(ref, memoryview(views[i][e])) for e in rest for i, ref in enumerate(refs(e))]
-                )
-            else:
-                futures = [
-                    pool.submit(self.copier.read, store.read_on_this_thread, pieces)
-                    for pieces in by_expert(rest, refs, targets, rows, parts)
-                ]
-                for future in futures:
-                    future.result()
-            if stage is not None:
-                self.staged = rest  # (moved into the set by ``ready``, the device idle)
-        elif rest:
-            views = self.views
+                targets = [stage.base + at for at in stage_offsets(rows, len(experts))]
+            futures = [
+                pool.submit(self.copier.read, store.read_on_this_thread, pieces)
+                for pieces in by_expert(rest, refs, targets, rows, parts)
+            ]
+            for future in futures:
+                future.result()
+        elif rest:  # through host views: the set's (the CPU), or a host stage's
+            views = self.views if stage is None else stage_views(stage, rows, len(experts))
             store.read_many(
                 [(ref, memoryview(views[i][e])) for e in rest for i, ref in enumerate(refs(e))]
             )
+        if stage is not None:
+            self.staged = rest  # (moved into the set by ``ready``, the device idle)
         self.read += len(rest)
         self.cache.timeline.span(
             "fill layer set", start, "read", layer=bank.path, read=len(rest), copied=len(held)
@@ -231,6 +227,24 @@ def by_expert(experts, refs, addresses, row_bytes, parts: int) -> list:
     return out
 
 
+def stage_offsets(row_bytes, num_experts: int) -> List[int]:
+    """Where each part of a set of ``num_experts`` rows of ``row_bytes`` lies in a stage (the
+    parts one after the other, as laid out for ``stage_moves``)."""
+    at = [0]
+    for n in row_bytes[:-1]:
+        at.append(at[-1] + num_experts * n)
+    return at
+
+
+def stage_views(stage, row_bytes, num_experts: int) -> List[np.ndarray]:
+    """A host stage's parts as ``(num_experts, row bytes)`` arrays."""
+    data = stage.view()
+    return [
+        data[at : at + num_experts * n].reshape(num_experts, n)
+        for at, n in zip(stage_offsets(row_bytes, num_experts), row_bytes)
+    ]
+
+
 def stage_moves(experts, addresses, row_bytes, offsets) -> list:
     """``(address, stage offset, bytes)`` of the copies that move ``experts`` from a stage laid
     out as the set (part i at ``offsets[i]``, expert e at row e) into the set's parts at
@@ -283,10 +297,8 @@ class LayerSets:
         self.lock = threading.Lock()
         # on mlx-cuda, where fills copy through a reader's page-locked buffer: the memory those
         # reads go to first (``CacheTuning.set_stage``: "device", ``cuda_copy.DeviceStage``;
-        # "host", ``cuda_copy.HostStage``), one set's bytes, made on the first fill; the offset
-        # of each part in it
+        # "host", ``cuda_copy.HostStage``), one set's bytes, made on the first fill
         self.stage = None
-        self.stage_parts: List[int] = []
         self.unstaged = False  # (the stage could not be made: this prompt fills without one)
         # experts read and copied into sets, and copied from them into slot banks, in all
         self.read = self.copied = self.kept = 0
@@ -306,22 +318,6 @@ class LayerSets:
                 except MemoryError:  # (no room on the device: the prompt's fills go straight in)
                     self.unstaged = True
         return self.stage
-
-    def stage_addresses(self, row_bytes, num_experts: int) -> List[int]:
-        """Where each part of a set of ``num_experts`` rows of ``row_bytes`` lies in the stage."""
-        at = [0]
-        for n in row_bytes[:-1]:
-            at.append(at[-1] + num_experts * n)
-        self.stage_parts = at
-        return [self.stage.base + a for a in at]
-
-    def stage_views(self, row_bytes, num_experts: int) -> List[np.ndarray]:
-        """A host stage's parts as ``(num_experts, row bytes)`` arrays (``stage_addresses``')."""
-        data = self.stage.view()
-        return [
-            data[at : at + num_experts * n].reshape(num_experts, n)
-            for at, n in zip(self.stage_parts, row_bytes)
-        ]
 
     def writable(self, bank) -> bool:
         """Whether a set for ``bank``'s layer can be written by the host here (allocated now)."""

@@ -90,11 +90,9 @@ class CudaPlacer:
 
 def cuda_placer() -> Optional[CudaPlacer]:
     """The placer where MLX runs on CUDA and the runtime has the calls, else None."""
-    import mlx.core as mx
-
     from ..bank import cuda_copy
 
-    if mx.default_device().type != mx.gpu or not cuda_copy._cuda_backend(mx):
+    if not cuda_copy.on_cuda():
         return None
     lib = cuda_copy._load_runtime()
     if lib is None:

@@ -137,7 +137,7 @@ def staged_sets(cache) -> bool:
         return False
     from ..bank import cuda_copy
 
-    return mx.default_device().type == mx.gpu and cuda_copy._cuda_backend(mx)
+    return cuda_copy.on_cuda()
 
 
 def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
