@@ -21,8 +21,11 @@ class HostRuntime:
     def __init__(self, fail_copy=False):
         self.fail_copy = fail_copy
         self.copies = []  # (destination, bytes)
-        self.held = {}  # pointer -> buffer of cudaHostAlloc
+        self.held = {}  # pointer -> buffer of cudaHostAlloc (and of cudaMalloc)
         self.freed = 0
+        self.freed_pointers = []  # of cudaFreeHost
+        self.device = []  # (pointer, bytes) of each cudaMalloc
+        self.device_freed = 0
 
     def cudaHostAlloc(self, pointer, nbytes, flags):
         buf = ctypes.create_string_buffer(nbytes)
@@ -32,18 +35,18 @@ class HostRuntime:
 
     def cudaFreeHost(self, pointer):
         self.freed += 1
-        self.freed_pointers = getattr(self, "freed_pointers", []) + [pointer.value]
+        self.freed_pointers.append(pointer.value)
         return 0
 
     def cudaMalloc(self, pointer, nbytes):  # (device memory: host memory here)
         buf = ctypes.create_string_buffer(nbytes)
         pointer._obj.value = ctypes.addressof(buf)
         self.held[ctypes.addressof(buf)] = buf
-        self.device = getattr(self, "device", []) + [(ctypes.addressof(buf), nbytes)]
+        self.device.append((ctypes.addressof(buf), nbytes))
         return 0
 
     def cudaFree(self, pointer):
-        self.device_freed = getattr(self, "device_freed", 0) + 1
+        self.device_freed += 1
         return 0
 
     def cudaStreamCreateWithFlags(self, stream, flags):
