@@ -347,3 +347,34 @@ def test_a_second_pack_into_one_directory_is_refused(checkpoint, tmp_path):
     a, b = stock(mx.array([[3, 1, 4, 1, 5]])), model(mx.array([[3, 1, 4, 1, 5]]))
     assert mx.array_equal(a, b).item()
     model.expert_streaming.close()
+
+
+def test_a_queue_workers_join_waits_for_a_thread_still_ending():
+    # a worker thread that found no item cleared its slot and is still returning when a put
+    # starts the next: join (close's) waits for both, not the last one alone (a fill thread
+    # outlived close() in background suite runs)
+    from mlx_lm_streaming.runtime.memory.queue_worker import QueueWorker
+
+    ending, handled = threading.Event(), []
+
+    class Slow(QueueWorker):
+        def _run(self):
+            super()._run()
+            if threading.current_thread() is first[0]:
+                ending.wait(5)  # (the first thread, after it decided to end)
+
+    worker, first = Slow("mlx-lm-streaming-test", handled.append), []
+    worker.put(1)
+    first.append(worker.thread)
+    deadline = time.monotonic() + 5
+    while worker.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.put(2)  # the first thread is still alive: a second one starts
+    assert first[0].is_alive() and worker.thread is not first[0]
+    joined = threading.Thread(target=worker.join)
+    joined.start()
+    joined.join(0.3)
+    assert joined.is_alive()  # waiting for the first thread
+    ending.set()
+    joined.join(5)
+    assert not joined.is_alive() and not first[0].is_alive() and handled == [1, 2]

@@ -14,10 +14,11 @@ class QueueWorker:
         self.handle = handle
         self.lock = threading.Lock()
         self.items: List[object] = []
-        # the running thread (None once it decided to end: a put starts another), and the last
-        # one started, which ``join`` waits for even while it is ending
+        # the running thread (None once it decided to end: a put starts another), and every one
+        # started that may still be alive, which ``join`` waits for even while it is ending (one
+        # that decided to end can still be alive when a put starts the next)
         self.thread: Optional[threading.Thread] = None
-        self.last: Optional[threading.Thread] = None
+        self.started: List[threading.Thread] = []
         self.closed = False
 
     def put(self, item) -> bool:
@@ -27,9 +28,8 @@ class QueueWorker:
                 return False
             self.items.append(item)
             if self.thread is None or not self.thread.is_alive():
-                self.thread = self.last = threading.Thread(
-                    target=self._run, name=self.name, daemon=True
-                )
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.started = [t for t in self.started if t.is_alive()] + [self.thread]
                 self.thread.start()
         return True
 
@@ -49,7 +49,9 @@ class QueueWorker:
             self.items = []
 
     def join(self) -> None:
-        """Wait for the last thread started, unless it is the caller."""
-        thread = self.last
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        """Wait for every thread started, but the caller."""
+        with self.lock:
+            started = list(self.started)
+        for thread in started:
+            if thread is not threading.current_thread():
+                thread.join()
