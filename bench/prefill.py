@@ -151,11 +151,13 @@ def layer_major_figures(args, dtype: str) -> None:
 
     def run_streaming(prompt, share, mode):
         """``run`` (cold or warm), a model loaded with ``share`` of the expert bytes, prefill by
-        ``mode``: chunked, layer_major (the defaults), waves (layer-major without layer sets),
-        tier_sets (over two tiers, layer-major over sets: ``CacheTuning.tier_layer_sets``; the
-        other modes over two tiers: copies of the banks), staged, hoststaged (the sets filled
-        through a stage on the device, in page-locked host memory: ``CacheTuning.set_stage``)."""
-        stage = {"staged": "device", "hoststaged": "host"}.get(mode)
+        ``mode``: chunked, layer_major (the sets filled straight in), waves (layer-major without
+        layer sets), staged, hoststaged (the sets filled through a stage on the device, the
+        default, or in page-locked host memory: ``CacheTuning.set_stage``; no stage but on
+        mlx-cuda), tier_sets (over two tiers, layer-major over sets staged on the device:
+        ``CacheTuning.tier_layer_sets``, the default; the other modes over two tiers: copies of
+        the banks)."""
+        stage = {"staged": "device", "tier_sets": "device", "hoststaged": "host"}.get(mode)
         tuning = CacheTuning(layer_sets=mode != "waves", tier_layer_sets=mode == "tier_sets",
                              set_stage=stage)  # fmt: skip
         model, _ = load_streaming(path, expert_cache_gb=share * total / BUDGET_GB, tuning=tuning,

@@ -364,10 +364,12 @@ def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
 
     from mlx_lm_streaming.runtime.bank import cuda_copy
     from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
+    from mlx_lm_streaming.runtime.memory import machine
 
     runtime = HostRuntime()
     copier = Managed(runtime, buffer_bytes=20_000)
     monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage == "device")
     moved = []
     move = cuda_copy.DeviceStage.move
     monkeypatch.setattr(cuda_copy.DeviceStage, "move", lambda s, c: (moved.append(c), move(s, c)))
@@ -404,7 +406,7 @@ def test_a_stage_of_another_kind_is_refused_in_one_line():
 def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypatch):
     # where a stage is made (set_stage on mlx-cuda), the bytes a long prompt takes beside the
     # budget are three sets', not two; off, or where it does not apply (the CPU), two
-    from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
+    from mlx_lm_streaming.runtime.bank.layer_set import LayerSets, set_bytes
     from mlx_lm_streaming.runtime.memory import machine
 
     model = _with_slots(small_experts("qwen3_moe"), tuning=CacheTuning(set_stage="device"))
@@ -414,6 +416,14 @@ def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypa
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (2 * one, None)
     monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage == "device")
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (3 * one, None)
+    # where three sets do not fit and two do: two, and the prompt's sets make no stage
+    slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
+    total = state.resident_bytes + slots + 2 * one
+    monkeypatch.setattr(machine, "budget_base", lambda: (total, 0, "the test's device"))
+    assert machine.layer_sets_fit(cache, state.resident_bytes) == (2 * one, None)
+    assert not LayerSets(cache, 2 * one).staged and LayerSets(cache, 3 * one).staged
+    monkeypatch.setattr(machine, "budget_base", lambda: (total - 1, 0, "the test's device"))
+    assert machine.layer_sets_fit(cache, state.resident_bytes)[1].startswith("two layers'")
     state.close()
 
 
@@ -423,18 +433,21 @@ def test_layer_sets_without_room_for_a_stage_fill_straight_in(small_experts, mon
     from test_cuda_copy import HostRuntime, Managed
 
     from mlx_lm_streaming.runtime.bank import cuda_copy
+    from mlx_lm_streaming.runtime.memory import machine
 
     runtime = HostRuntime()
-    runtime.cudaMalloc = lambda pointer, nbytes: 2  # cudaErrorMemoryAllocation
+    tried = []
+    runtime.cudaMalloc = lambda pointer, nbytes: tried.append(nbytes) or 2  # out of memory
     runtime.cudaGetLastError = lambda: 0
     copier = Managed(runtime, buffer_bytes=20_000)
     monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
+    monkeypatch.setattr(machine, "staged_sets", lambda c: True)
     path = small_experts("qwen3_moe")
-    model = _with_slots(path, tuning=CacheTuning(set_stage="device"))
+    model = _with_slots(path)  # (the default stage: on the device)
     prompt = mx.array(PROMPTS[0])
     assert difference(_stock_steps(path, prompt), _streamed_steps(model, prompt)) is None
     assert model.expert_streaming.prefill.set_experts_read > 0 and runtime.copies
-    assert runtime.device_freed == 0
+    assert tried and runtime.device_freed == 0
     model.expert_streaming.close()
 
 

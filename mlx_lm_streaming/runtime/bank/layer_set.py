@@ -288,11 +288,14 @@ def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
 
 class LayerSets:
     """The two sets of a long prompt's prefill (module docstring), made at the prompt's first
-    layer and released at its end; ``nbytes``: what both take at most, beside the budget."""
+    layer and released at its end; ``nbytes``: what both take at most, beside the budget, a
+    stage on the device included (three sets' bytes: ``machine.layer_sets_fit``)."""
 
     def __init__(self, cache, nbytes: int):
         self.cache = cache
         self.nbytes = nbytes
+        # a stage on the device only where the memory check counted it
+        self.staged = nbytes > 2 * max((set_bytes(b) for b in cache.banks), default=0)
         self.sets = [LayerSet(cache, self), LayerSet(cache, self)]
         self.lock = threading.Lock()
         # on mlx-cuda, where fills copy through a reader's page-locked buffer: the memory those
@@ -308,7 +311,7 @@ class LayerSets:
         ``CacheTuning.set_stage`` is None. Filled by one fill at a time: a set's ``ready`` moves
         its experts out before the other set's fill starts (``take``)."""
         kind = self.cache.tuning.set_stage
-        if kind not in STAGES or self.unstaged:
+        if kind not in STAGES or self.unstaged or (kind == "device" and not self.staged):
             return None
         with self.lock:
             if self.stage is None:

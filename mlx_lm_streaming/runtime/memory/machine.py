@@ -144,11 +144,13 @@ def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
     """``(bytes, why)``: what two layers' whole expert sets take (a long prompt's prefill:
     ``bank.layer_set``), and None where they fit beside the budget, else why a long prompt's
     layers go in waves through the slots: the resident weights, the slots the budget gives and
-    both sets within this machine's memory (the GPU's on CUDA: ``budget_base``). The load line
-    says which (``report.choice_line``)."""
+    both sets within this machine's memory (the GPU's on CUDA: ``budget_base``). Where a stage
+    is made on the device (``staged_sets``) the bytes are three sets', or two where three do not
+    fit and two do (the prompt's sets then fill without the stage: ``LayerSets.staged``). The load
+    line says which (``report.choice_line``)."""
     banks = cache.banks
-    sets = 3 if staged_sets(cache) else 2  # (a stage on the device beside the two: ``set_stage``)
-    nbytes = sets * max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
+    one = max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
+    nbytes = 2 * one
     if not cache.tuning.layer_sets:
         return nbytes, "layer sets turned off (CacheTuning.layer_sets)"
     if cache.host_cache is not None:
@@ -157,6 +159,8 @@ def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
     slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), banks))
     if cache.tiers is not None:  # (two tiers: the device holds the device tier's slots alone)
         slots = cache.tiers.device_bytes
+    if staged_sets(cache) and resident_bytes + slots + nbytes + one <= total:
+        return nbytes + one, None  # (a stage on the device beside the two: ``set_stage``)
     if resident_bytes + slots + nbytes > total:
         return nbytes, (
             f"two layers' experts, {decimal_gb(nbytes)}, do not fit beside the resident weights "

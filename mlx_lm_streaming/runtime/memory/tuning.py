@@ -74,13 +74,14 @@ class CacheTuning:
     # writes through the banks' views. Nothing changes on other backends
     device_copies: bool = True
     # with device copies, a long prompt's layer set is filled into a stage while the device
-    # computes and moved into the set when its layer starts, the device idle: copies into managed
-    # memory wait for the device's kernels (docs/benchmarks/prefill.md). "device": device memory
-    # outside MLX, the readers' copies go there (``cuda_copy.DeviceStage``, one more set's bytes
-    # on the device); "host": page-locked host memory the readers read into, no copy until the
-    # layer starts (``cuda_copy.HostStage``, one set's bytes of host memory). None (off) until a
-    # GPU run of the package measures them
-    set_stage: Optional[str] = None
+    # computes and moved into the set when its layer starts, the device idle. "device": device
+    # memory outside MLX, the readers' copies go there (``cuda_copy.DeviceStage``, one more set's
+    # bytes on the device, where three sets fit; else two sets and no stage); "host": page-locked
+    # host memory the readers read into, no copy until the layer starts (``cuda_copy.HostStage``);
+    # None: straight into the set. The H200, Qwen3 shape at 25%, one run: 4K tokens 1.45 / 1.43 s
+    # to the first token staged on the device against 1.70 / 1.52 straight in and 1.67 / 1.74
+    # through the host, 16K 4.39 s against 4.62 and 4.65, the same bits (docs/benchmarks/prefill.md)
+    set_stage: Optional[str] = "device"
     # with direct reads, experts of at least this many bytes are read a projection at a time
     # (``schedules.ByProjection``); None: never
     phase_min_bytes: Optional[int] = PHASE_MIN_BYTES
