@@ -235,6 +235,62 @@ def test_layer_sets_are_said_at_load_counted_and_leave_the_slots_full(small_expe
     state.close()
 
 
+def test_a_layers_uses_are_counted_by_mlx_as_from_the_ids_on_the_host(small_experts, monkeypatch):
+    # with no routing recorder a layer's uses per expert are counted by MLX (a scatter-add: the
+    # host reads one small array a layer, not the ids, whose pages on mlx-cuda would move); the
+    # counts each slot bank keeps by are those of the ids read on the host, as a recorder's are
+    from mlx_lm_streaming.runtime.bank import LayerSets
+    from mlx_lm_streaming.runtime.prefill.set_pass import expert_counts
+
+    ids = [mx.array(np.random.default_rng(7).integers(0, 16, (5, 3, 4)), dtype=mx.uint32)] * 2
+    flat = np.concatenate([np.array(i).reshape(-1) for i in ids])
+    assert np.array_equal(np.array(expert_counts(ids, 16)), np.bincount(flat, minlength=16))
+    seen = []
+    done = LayerSets.done
+    def recorded(self, layer_set, uses):
+        seen.append((layer_set.bank.path, uses.copy()))
+        return done(self, layer_set, uses)
+
+    monkeypatch.setattr(LayerSets, "done", recorded)
+    path = small_experts("qwen3_moe")
+    runs = []
+    for recorder in (None, Used()):
+        model = _with_slots(path)
+        model.expert_streaming.cache.recorder = recorder
+        seen.clear()
+        _streamed_steps(model, mx.array(PROMPTS[0]))
+        runs.append(list(seen))
+        model.expert_streaming.close()
+    assert len(runs[0]) == LAYERS - 1 and all(u.sum() > 0 for _, u in runs[0])
+    assert [p for p, _ in runs[0]] == [p for p, _ in runs[1]]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(*runs))
+
+
+def test_the_second_set_is_made_while_the_first_layers_fill_runs(small_experts, monkeypatch):
+    # a prompt's first layer: the other set's memory is made before waiting for the first set's
+    # fill (on the H200 the second set's allocation came after it: ~20 ms more to the first token)
+    from mlx_lm_streaming.runtime.bank import LayerSets
+    from mlx_lm_streaming.runtime.bank.layer_set import LayerSet, set_bytes
+
+    events = []
+    allocate, ready = LayerSet.allocate, LayerSet.ready
+    monkeypatch.setattr(
+        LayerSet, "allocate", lambda s, b: events.append(("allocate", s)) or allocate(s, b)
+    )  # fmt: skip
+    monkeypatch.setattr(
+        LayerSet, "ready", lambda s: (events.append(("wait", s)) if s.future else None) or ready(s)
+    )  # fmt: skip
+    model = _with_slots(small_experts("qwen3_moe"))
+    cache = model.expert_streaming.cache
+    sets = LayerSets(cache, 2 * set_bytes(cache.banks[0]))
+    first = sets.take(cache.banks[0], cache.banks[1])
+    second = next(s for s in sets.sets if s is not first)
+    assert events.index(("allocate", second)) < events.index(("wait", first)), events
+    assert second.bank is cache.banks[1]
+    sets.release()
+    model.expert_streaming.close()
+
+
 def test_layer_sets_that_do_not_fit_go_in_waves_said_at_load(small_experts, monkeypatch):
     # two layers' sets beyond this machine's memory beside the resident weights and the budget:
     # the load line says so and why, the prompt goes through the slots in waves, stock's tokens

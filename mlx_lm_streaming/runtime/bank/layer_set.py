@@ -334,6 +334,10 @@ class LayerSets:
         current = None
         if bank is not None:
             current = self._holding(bank) or self._fill(self._free(), bank)
+            if after is not None and self._holding(after) is None:
+                # the other set's memory made while this fill runs (the prompt's first layer:
+                # ~20 ms on the H200 between the first set's move and the second's fill)
+                self._free(current).allocate(after)
             start = self.cache.timeline.now()
             current.ready()
             self.cache.timeline.span("wait for layer set", start, "wait", layer=bank.path)

@@ -51,6 +51,15 @@ def layer_sets(state, decoder):
     return sets, None
 
 
+def expert_counts(ids, n: int) -> mx.array:
+    """How many of the router's ``ids`` (a chunk's MoE calls') name each of ``n`` experts, as an
+    MLX graph (a scatter-add of ones: integer counts, exact)."""
+    counts = mx.zeros((n,), dtype=mx.int32)
+    for idx in ids:
+        counts = counts.at[idx.reshape(-1)].add(1)
+    return counts
+
+
 class SetPass(Mode):
     """Decoder layer ``i`` over a group of chunks (``route``, a chunk at a time; ``finish`` once
     the group is through), its MoE calls answered by stock's call over the layer's set: the mode
@@ -85,7 +94,8 @@ class SetPass(Mode):
     def route(self, chunk, i: int) -> None:
         """Chunk ``chunk`` through decoder layer ``i``: its hidden states replaced by the layer's
         output, submitted (``mx.async_eval``, with the KV entry the layer wrote and its router's
-        ids; the last layer's output is not, nor its ids unless recorded): the next chunk's graph
+        ids counted per expert, or the ids themselves where a recorder wants them; the last
+        layer's output is not, nor its ids unless recorded): the next chunk's graph
         is built while this one computes, with no host sync between a layer's chunks (``finish``
         waits once)."""
         _, call, args, kwargs = chunk.calls[i]
@@ -94,11 +104,17 @@ class SetPass(Mode):
             # (not installed, where another thread's call runs: the MoE calls per layer, exact)
             h = call(chunk.h, *args[1:], **kwargs)
         ids, self.ids = self.ids, []
-        if self.last and self.cache.recorder is None:
+        counts = []
+        if self.cache.recorder is None:
+            # counted by MLX: the host reads one small array a layer, not the ids (on mlx-cuda a
+            # host read of memory the GPU wrote moves its pages; the H200's timeline of a 4K
+            # prompt had 2.7 ms a layer between the compute's end and the install, the ids' read)
+            if not self.last and len(self.uses):
+                counts = [expert_counts(ids, len(self.uses))]
             ids = []
         if h.shape != chunk.h.shape:
             raise RuntimeError(f"decoder layer {i} changed the hidden states' shape to {h.shape}")
-        outputs = [[] if self.last else h, mlx_shims.kv_state(entry), ids]
+        outputs = [[] if self.last else h, mlx_shims.kv_state(entry), ids, counts]
         mx.async_eval(outputs)
         self.submitted.append(outputs)
         chunk.h = h
@@ -112,12 +128,13 @@ class SetPass(Mode):
         start = timeline.now()
         mx.eval(self.submitted)
         timeline.span("compute layer", start, "compute", layer=i, chunks=len(self.chunks))
-        for _, _, ids in self.submitted:
-            for idx in ids:
+        for _, _, ids, counts in self.submitted:
+            for c in counts:
+                self.uses += np.array(c, copy=False)
+            for idx in ids:  # (a recorder's: read and counted here)
                 flat = np.array(idx, copy=False).reshape(-1).astype(np.int64)
                 self.uses += np.bincount(flat, minlength=len(self.uses))
-                if recorder is not None:
-                    recorder.record(self.bank, flat.reshape(idx.shape))
+                recorder.record(self.bank, flat.reshape(idx.shape))
         self.submitted = []
         if self.set is not None:
             self.sets.done(self.set, self.uses)
