@@ -138,4 +138,6 @@ class SetPass(Mode):
         self.submitted = []
         if self.set is not None:
             self.sets.done(self.set, self.uses)
+        if self.cache.tiers is not None and self.bank is not None:
+            self.cache.tiers.seed(self.bank, self.uses)  # (where the device tier goes next)
         return sum(ch.h.nbytes for ch in self.chunks)
