@@ -18,10 +18,12 @@ and counted with a decay, every bank's hottest experts chosen for the device (by
 the moves of all the banks issued as one batch, in the background. A prompt's calls run over a
 device copy of their bank (``device_copy``) or over layer sets (``prefill.set_pass``) and move
 nothing while it runs; their ids are counted (not as uses served) at the batch of the first
-token after it, which places the device tier for the prompt's routing (the routing traces'
-prompts and 165 decode tokens replayed through ``Tiers``, 16 layers: the device served 0.838 ->
+token after it, which places the device tier for the prompt's routing (a prompt of 4 rows per
+expert or more: ``device_copy.ROWS_PER_EXPERT``; a shorter one counts as a token's calls). The
+routing traces' prompts (28-29 tokens, so what their routing predicts, not their own path) and
+165 decode tokens replayed through ``Tiers``, 16 layers: the device served 0.838 ->
 0.884 of decode's uses at half the experts on the device, 0.693 -> 0.732 at a quarter, on the
-Qwen3 trace; 0.847 -> 0.894 and 0.741 -> 0.797 on gemma-4's; tests/test_tiers.py). A move
+Qwen3 trace; 0.847 -> 0.894 and 0.741 -> 0.797 on gemma-4's (tests/test_tiers.py). A move
 changes where bytes live, never what they are.
 
 Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
