@@ -20,10 +20,13 @@ device copy of their bank (``device_copy``) or over layer sets (``prefill.set_pa
 nothing while it runs; their ids are counted (not as uses served) at the batch of the first
 token after it, which places the device tier for the prompt's routing (a prompt of 4 rows per
 expert or more: ``device_copy.ROWS_PER_EXPERT``; a shorter one counts as a token's calls). The
-routing traces' prompts (28-29 tokens, so what their routing predicts, not their own path) and
-165 decode tokens replayed through ``Tiers``, 16 layers: the device served 0.838 ->
-0.884 of decode's uses at half the experts on the device, 0.693 -> 0.732 at a quarter, on the
-Qwen3 trace; 0.847 -> 0.894 and 0.741 -> 0.797 on gemma-4's (tests/test_tiers.py). A move
+routing traces replayed through ``Tiers`` (16 layers, a cold load, 165 decode tokens; their
+prompts, 28-29 tokens, for what their routing predicts), the device's share of decode's uses
+at half and a quarter of the experts on the device: Qwen3 0.838 and 0.693 with the margin
+against every expert and no prompt counted; 0.909 and 0.731 with no margin against an expert
+never used since loading; 0.917 and 0.733 with the prompt counted too (gemma-4: 0.847 / 0.741,
+0.922 / 0.780, 0.938 / 0.801; each layer's counted top: 0.978 and 0.989 at half;
+tests/test_tiers.py). A move
 changes where bytes live, never what they are.
 
 Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
@@ -44,7 +47,8 @@ from .queue_worker import QueueWorker
 # READ_LAG) are counted, decayed by DECAY, and every bank's device tier re-chosen, the moves issued
 # as one batch (a shift moves the device tier at the second batch: within 2 * MOVE_EVERY tokens);
 # an expert takes a device slot from a colder one only where its count beats that one's by
-# SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without it)
+# SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without
+# it), or from one never used since loading (count 0) by any count
 MOVE_EVERY = 8
 DECAY = 0.5
 READ_LAG = 2
@@ -234,8 +238,8 @@ class Tiers:
     def swaps(self, tier: BankTier) -> np.ndarray:
         """The kept ids counted; then the hottest experts outside the device tier swap places
         with the coldest in it, pair by pair, while the one coming in beats the one going out by
-        ``SWAP_RATIO`` and ``SWAP_MIN``: the experts that swap (``tier.device`` says where each
-        goes)."""
+        ``SWAP_RATIO`` and ``SWAP_MIN`` (by any count where that one was never used): the
+        experts that swap (``tier.device`` says where each goes)."""
         self.count(tier)
         counts = tier.counts
         n = tier.capacity
@@ -248,7 +252,7 @@ class Tiers:
         hot = outside[np.argsort(-counts[outside], kind="stable")]
         k = 0
         while k < min(len(cold), len(hot)) and (
-            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + SWAP_MIN
+            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + (SWAP_MIN if counts[cold[k]] else 0)
         ):
             k += 1
         counts *= DECAY
