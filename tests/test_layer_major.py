@@ -461,9 +461,11 @@ def test_a_stage_of_another_kind_is_refused_in_one_line():
 
 def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypatch):
     # where a stage is made (set_stage on mlx-cuda), the bytes a long prompt takes beside the
-    # budget are three sets', not two; off, or where it does not apply (the CPU), two
+    # budget are three sets', not two, and the load line says so; off, or where it does not
+    # apply (the CPU), two
     from mlx_lm_streaming.runtime.bank.layer_set import LayerSets, set_bytes
-    from mlx_lm_streaming.runtime.memory import machine
+    from mlx_lm_streaming.runtime.memory import machine, report
+    from mlx_lm_streaming.runtime.sizes import decimal_gb
 
     model = _with_slots(small_experts("qwen3_moe"), tuning=CacheTuning(set_stage="device"))
     state = model.expert_streaming
@@ -472,6 +474,10 @@ def test_the_memory_check_counts_the_stage_with_the_sets(small_experts, monkeypa
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (2 * one, None)
     monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage == "device")
     assert machine.layer_sets_fit(cache, state.resident_bytes) == (3 * one, None)
+    assert (
+        f"set at a time, {decimal_gb(3 * one)} for two and a stage on the device beside the budget"
+        in report.choice_line(state)
+    )
     # where three sets do not fit and two do: two, and the prompt's sets make no stage
     slots = sum(n * b.layer.expert_nbytes for n, b in zip(cache.plan_slots(), cache.banks))
     total = state.resident_bytes + slots + 2 * one

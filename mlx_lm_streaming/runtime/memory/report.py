@@ -134,9 +134,11 @@ def _long_prompts(state) -> str:
         return ""
     nbytes, why = memory.layer_sets_fit(cache, state.resident_bytes)
     if why is None:
+        one = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
+        staged = " and a stage on the device" if nbytes > 2 * one else ""
         return (
-            f"; long prompts a layer's whole expert set at a time, {decimal_gb(nbytes)} for two "
-            "beside the budget"
+            f"; long prompts a layer's whole expert set at a time, {decimal_gb(nbytes)} for two"
+            f"{staged} beside the budget"
         )
     return f"; long prompts layer by layer in waves through the slots ({why})"
 
