@@ -240,7 +240,7 @@ def test_a_layers_uses_are_counted_by_mlx_as_from_the_ids_on_the_host(small_expe
     # host reads one small array a layer, not the ids, whose pages on mlx-cuda would move); the
     # counts each slot bank keeps by are those of the ids read on the host, as a recorder's are
     from mlx_lm_streaming.runtime.bank import LayerSets
-    from mlx_lm_streaming.runtime.prefill.set_pass import expert_counts
+    from mlx_lm_streaming.runtime.bank.layer_set import expert_counts
 
     ids = [mx.array(np.random.default_rng(7).integers(0, 16, (5, 3, 4)), dtype=mx.uint32)] * 2
     flat = np.concatenate([np.array(i).reshape(-1) for i in ids])

@@ -162,7 +162,7 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_places_the_device_tier_after
     def batch():
         seen = (t.prompt_calls, [b.calls for b in t.banks.values()], t.moves)
         rebalance()
-        batches.append((*seen, [b.counts.sum() for b in t.banks.values()], t.moves))
+        batches.append((*seen, [b.counts.max() / tiers.DECAY for b in t.banks.values()], t.moves))
 
     t.rebalance = batch
     got = generate_steps(model, prompt, 4, prefill_step_size=step)
@@ -178,9 +178,8 @@ def test_a_long_prompt_over_two_tiers_is_stocks_and_places_the_device_tier_after
     (calls, tokens, before, counted, after), = batches
     assert calls == layers * (tiers.MOVE_EVERY + 1) and tokens == [1] + [0] * (layers - 1)
     assert before == 0 and after > 0
-    # each bank counted the prompt's chunks' ids (top 2 of each of their tokens), then decayed
-    chunked = step * (tiers.MOVE_EVERY + 1) * 2
-    assert counted == [pytest.approx(chunked * tiers.DECAY)] * layers, counted
+    # each bank counted the prompt's chunks' ids, its most used expert as PROMPT_TOKENS tokens'
+    assert counted == [pytest.approx(tiers.PROMPT_TOKENS)] * layers, counted
     # and no use served: those are decode's alone (4 tokens, 2 experts each, a bank)
     assert all(sum(b.uses.values()) <= 4 * 2 for b in t.banks.values())
 
@@ -214,7 +213,7 @@ def test_a_long_prompt_over_two_tiers_layer_major_over_sets(q3_path, monkeypatch
     def batch():
         seen = ([b.calls for b in t.banks.values()], t.moves)
         rebalance()
-        batches.append((*seen, [b.counts.sum() / tiers.DECAY for b in t.banks.values()]))
+        batches.append((*seen, [b.counts.max() / tiers.DECAY for b in t.banks.values()]))
 
     t.rebalance = batch
     got = generate_steps(model, prompt, 4, prefill_step_size=step)
@@ -224,8 +223,9 @@ def test_a_long_prompt_over_two_tiers_layer_major_over_sets(q3_path, monkeypatch
     (tokens, before, counted), = batches
     layers = len(cache.banks)
     assert tokens == [1] + [0] * (layers - 1) and before == 0
-    # every layer but the last (no set: its MoE output is not computed) counted the same tokens
-    assert counted[-1] == 0 and counted[0] > 0 and counted[:-1] == [counted[0]] * (layers - 1)
+    # every layer but the last (no set: its MoE output is not computed) counted the prompt's
+    # uses, its most used expert as PROMPT_TOKENS tokens'
+    assert counted == [pytest.approx(tiers.PROMPT_TOKENS)] * (layers - 1) + [0], counted
     sets = len(cache.banks) - 1  # (the last decoder layer has none)
     assert p.set_experts_copied + p.set_experts_read == 16 * sets
     if filled:
@@ -307,9 +307,28 @@ def test_a_prompts_uses_place_the_device_tier_at_the_next_token():
     call(None, mx.array([[5, 6]], dtype=mx.uint32))
     assert np.flatnonzero(tier.device).tolist() == [5, 6] and (t.moves, t.batches) == (4, 1)
     assert tier.uses == {"device": 0, "host": 0} and not tier.prompt
+    # its most used expert weighs as one of each of PROMPT_TOKENS tokens, however long the prompt
+    want = np.array([0, 0, 0, 0, 0, 40, 30, 1]) * tiers.PROMPT_TOKENS / 40 * tiers.DECAY
+    assert np.allclose(tier.counts, want)
     for _ in range(tiers.MOVE_EVERY - 2):  # then batches every MOVE_EVERY tokens as before
         call(None, mx.array([[5, 6]], dtype=mx.uint32))
     assert t.batches == 1
+
+
+def test_decode_takes_the_device_tier_from_a_long_prompts_routing_within_32_tokens():
+    # a prompt of 100,000 tokens that used experts 0-3 of 16, then a decode that uses 8-11: the
+    # device tier (4 experts) placed for the prompt holds 8-11 within 32 tokens, as after a shift
+    t = tiers.Tiers(Recorder(), device_bytes=4 * 1000, host_bytes=12 * 1000)
+    bank = _Bank(16)
+    t.plan([bank])
+    tier = t.banks[id(bank)]
+    t.seed(bank, np.array([100_000] * 4 + [10] * 12))
+    call = t.caller(bank, lambda x, i: i)
+    for token in range(1, 101):
+        call(None, mx.array([[8, 9, 10, 11]], dtype=mx.uint32))
+        if np.flatnonzero(tier.device).tolist() == [8, 9, 10, 11]:
+            break
+    assert token <= 32, token
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gemma-4-26b-a4b"])

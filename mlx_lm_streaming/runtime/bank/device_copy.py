@@ -1,5 +1,5 @@
 """A long prompt over two tiers (``tiers``): its MoE calls run over a copy of their layer's bank
-in device memory, and are not counted for the device tier.
+in device memory, and move nothing while the prompt runs.
 
 With two tiers a complete bank's pages lie partly in host memory, which the GPU reads over the
 bus inside the kernel. A decode call reads each expert it uses once; a prompt's call (a chunk of
@@ -7,8 +7,8 @@ thousands of tokens) names nearly every expert and its kernel passes over each m
 in place, a 4K-token prompt took 27x stock's time to first token on the H200. So a prompt's call
 runs over a copy of the whole bank that the GPU makes in device memory (``run``: the host tier
 crosses the bus once per layer and chunk), one layer's copy at a time. A copy moves bytes and
-computes nothing, so the kernel reads stock's bits and gives stock's output. A prompt's uses are
-not counted either: they would move the device tier for the decode's sake wrongly. A bank the
+computes nothing, so the kernel reads stock's bits and gives stock's output. A prompt's uses move
+nothing while it runs: ``tiers`` counts them, scaled, at the first token after it. A bank the
 background fill has not completed yet is completed first (``complete``): its missing experts read
 once each, as the fill would, rather than the call running over host pages in padded waves.
 """

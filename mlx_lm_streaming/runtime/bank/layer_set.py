@@ -257,6 +257,15 @@ def stage_moves(experts, addresses, row_bytes, offsets) -> list:
     ]
 
 
+def expert_counts(ids, n: int) -> mx.array:
+    """How many of the router's ``ids`` (a chunk's MoE calls') name each of ``n`` experts, as an
+    MLX graph (a scatter-add of ones: integer counts, exact)."""
+    counts = mx.zeros((n,), dtype=mx.int32)
+    for idx in ids:
+        counts = counts.at[idx.reshape(-1)].add(1)
+    return counts
+
+
 def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
     """Give ``bank``'s slots the experts the prompt used most (``uses``: its count per expert),
     copied from ``layer_set`` by an MLX update of each run of slots, in place (every computation

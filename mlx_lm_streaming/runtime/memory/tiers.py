@@ -39,6 +39,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..bank import device_copy
+from ..bank.layer_set import expert_counts
 from ..sizes import decimal_gb, gb_as_given
 from .queue_worker import QueueWorker
 
@@ -50,6 +51,11 @@ from .queue_worker import QueueWorker
 # SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without
 # it), or from one never used since loading (count 0) by any count
 MOVE_EVERY = 8
+# a long prompt's uses per expert counted at the first token after it, scaled so that its most
+# used expert counts as one used by each of PROMPT_TOKENS decode tokens: decode's own counts take
+# over within a few batches however long the prompt (the traces' replays: as good as unscaled
+# for their prompts, and a prompt 8x as long no worse)
+PROMPT_TOKENS = MOVE_EVERY
 DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
@@ -182,7 +188,7 @@ class Tiers:
         def call(x, indices):
             if device_copy.is_prompt(bank, indices):
                 self.prompt_calls += 1
-                tier.prompt.append(indices)  # (evaluated by ``run``: read at the next batch)
+                tier.prompt.append(expert_counts([indices], bank.num_experts))  # (read later)
                 self.prompted = True
                 return device_copy.run(bank, glu, x, indices)
             tier.calls += 1
@@ -200,17 +206,17 @@ class Tiers:
         sets), counted at the batch of the first token after the prompt."""
         tier = self.banks.get(id(bank))
         if tier is not None and uses.any():
-            tier.prompt.append(np.repeat(np.arange(len(uses)), uses))
+            tier.prompt.append(uses)
             self.prompted = True
 
     def count(self, tier: BankTier) -> None:
         """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted, and a
         prompt's ids, which count where the device tier goes but are no decode's uses served."""
-        for ids in tier.prompt:
-            ids = np.array(ids).reshape(-1).astype(np.int64)
-            ids = ids[(ids >= 0) & (ids < len(tier.counts))]
-            tier.counts += np.bincount(ids, minlength=len(tier.counts))
-        tier.prompt.clear()
+        if tier.prompt:  # its most used expert weighs as one every token of PROMPT_TOKENS
+            uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
+            tier.prompt.clear()
+            if uses.max() > 0:
+                tier.counts += uses * (PROMPT_TOKENS / uses.max())
         done = tier.pending[: len(tier.pending) - READ_LAG]
         del tier.pending[: len(done)]
         if not done:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import mlx_shims
 from ..bank import LayerBank, LayerSets
+from ..bank.layer_set import expert_counts
 from ..decode.modes import Mode
 from ..memory import machine as memory
 
@@ -49,15 +50,6 @@ def layer_sets(state, decoder):
     if not sets.writable(state.cache.banks[0]):
         return None, "MLX memory has no host view here"
     return sets, None
-
-
-def expert_counts(ids, n: int) -> mx.array:
-    """How many of the router's ``ids`` (a chunk's MoE calls') name each of ``n`` experts, as an
-    MLX graph (a scatter-add of ones: integer counts, exact)."""
-    counts = mx.zeros((n,), dtype=mx.int32)
-    for idx in ids:
-        counts = counts.at[idx.reshape(-1)].add(1)
-    return counts
 
 
 class SetPass(Mode):
