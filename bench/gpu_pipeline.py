@@ -310,14 +310,24 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     user = dict(tokens=[], tps=[])
     if not mode["cold"]:
         warm_s += warm_page_cache(files)
-    rounds = []
+    rounds, users = [], ["stock_user"]
+    if args.user_streaming and "default" in configs and not mode["cold"]:
+        users.append("default_user")  # (the default through stream_generate too)
     for r in range(args.rounds):
         row = {}
-        for key in random.Random(r).sample([*configs, "stock_user"], len(configs) + 1):
-            if key == "stock_user":
-                seconds, n, tps = user_seconds(user_model, tokenizer, prompt, args.user_tokens)
-                user["tokens"].append(n)
-                user["tps"].append(tps)
+        for key in random.Random(r).sample([*configs, *users], len(configs) + len(users)):
+            if key in users:
+                cfg = configs["default"] if key == "default_user" else None
+                cursor = dict(cfg.routing.cursor) if cfg and cfg.routing else None
+                if cursor is not None:  # the rounds' rows (a hit regime's: resident), then back
+                    cfg.routing.cursor = dict(cfg.start[0])
+                seconds, n, tps = user_seconds(cfg.model if cfg else user_model, tokenizer,
+                                               prompt, args.user_tokens)  # fmt: skip
+                if cursor is not None:
+                    cfg.routing.cursor = cursor
+                if key == "stock_user":
+                    user["tokens"].append(n)
+                    user["tps"].append(tps)
                 if seconds is not None:
                     row[key] = seconds
                 continue
@@ -348,6 +358,9 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         for key, entry in out["configs"].items():
             entry["of_placed"] = statistics.median(r["stock_placed"] / r[key] for r in rounds)
         out["configs"]["stock_placed"]["placed_device_share"] = placed
+    mine = [r["stock_user"] / r["default_user"] for r in rounds if {*users} <= {*r}]
+    if len(users) > 1 and mine:  # the default as a user sees it, against stock so
+        out["default_user_of_stock_user"] = statistics.median(mine)
     if "stock_own" in out["configs"]:
         c = out["configs"]
         out["injection_cost"] = 1 - c["stock"]["tok_s"] / c["stock_own"]["tok_s"]
@@ -386,6 +399,8 @@ def basis_line(g) -> str:
     if own:
         line += (f", own router {own['tok_s']:.1f} (the injected ids cost "
                  f"{g['injection_cost']:+.1%})")
+    if "default_user_of_stock_user" in g:
+        user += f" (the default so: {g['default_user_of_stock_user']:.3f} of it)"
     return (line + f"; as a user sees it (stream_generate) {user}; stock/stock "
             f"{g['stock_vs_stock']:.3f}; ratios against {b['used']}: {b['why']}")
 
@@ -714,6 +729,9 @@ def parse_args(argv):
     add("--block", type=int, default=32, help="decode steps per round and configuration, + 1")
     add("--warmup", type=int, default=8, help="untimed steps per configuration first")
     add("--user-tokens", type=int, default=48, help="tokens of each stream_generate run")
+    add("--user-streaming", action="store_true", help="the default through stream_generate too "
+        "(on the rounds' rows; its counters count those runs: keep --prompt + --user-tokens "
+        "within --rounds x --block for a hit regime's hits)")
     add("--prompt", type=int, default=None, help="default: a trace's prefill rows, else 28")
     add("--probe-mb", type=int, default=768, help="the disk probe's MB")
     add("--probe-threads", type=_list(int), default="1,2,4,8,16")

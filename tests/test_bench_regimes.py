@@ -150,3 +150,21 @@ def test_the_placement_limit_places_each_layers_most_used_experts(q3):
     # a range per expert of every array of every layer, each once
     arrays = sum(len(tree_flatten(m.parameters())) for _, _, m in places)
     assert len(placer.placed) == 16 * arrays == len({a for a, _, _ in placer.placed})
+
+
+def test_quick_the_default_as_a_user_sees_it(tmp_path):
+    # --user-streaming: the default model through stream_generate too, once a round among the
+    # others, on the rounds' own rows (resident in a hit regime) and its routing put back after,
+    # so the harness's steps stay stock's and hit; its speed against stock's through
+    # stream_generate, in each group and in the report's line
+    _, res, md = gpu_pipeline_quick(
+        tmp_path, "--regimes", "hit", "--routings", "uniform", "--variants", "default",
+        "--ckpt-dir", tmp_path / "ckpt", "--user-streaming", "--block", "8", "--prompt", "4",
+        "--user-tokens", "6",
+    )  # fmt: skip
+    (g,) = res["groups"]
+    assert all({"stock_user", "default_user"} <= set(r) for r in g["rounds"])
+    assert g["default_user_of_stock_user"] > 0
+    c = g["configs"]["default"]
+    assert c["exact"] and c["hit_rate"] == 1.0, (c["exact_steps"], c["hit_rate"])
+    assert "(the default so: " in md
