@@ -358,9 +358,9 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         for key, entry in out["configs"].items():
             entry["of_placed"] = statistics.median(r["stock_placed"] / r[key] for r in rounds)
         out["configs"]["stock_placed"]["placed_device_share"] = placed
-    mine = [r["stock_user"] / r["default_user"] for r in rounds if {*users} <= {*r}]
-    if len(users) > 1 and mine:  # the default as a user sees it, against stock so
-        out["default_user_of_stock_user"] = statistics.median(mine)
+    both = [r["stock_user"] / r["default_user"] for r in rounds if len({*users} & {*r}) == 2]
+    if both:  # the default as a user sees it, against stock so
+        out["default_user_of_stock_user"] = statistics.median(both)
     if "stock_own" in out["configs"]:
         c = out["configs"]
         out["injection_cost"] = 1 - c["stock"]["tok_s"] / c["stock_own"]["tok_s"]
