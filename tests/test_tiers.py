@@ -265,6 +265,16 @@ class _Part:
     proj, part = "up_proj", "weight"
 
 
+def _one_bank(experts, on_device):
+    """``(tiers, bank, its tier)``: a bank of ``experts`` (``_Bank``), ``on_device`` of them in the
+    device tier, planned with a recording placer."""
+    t = tiers.Tiers(Recorder(), device_bytes=on_device * 1000,
+                    host_bytes=(experts - on_device) * 1000)  # fmt: skip
+    bank = _Bank(experts)
+    t.plan([bank])
+    return t, bank, t.banks[id(bank)]
+
+
 def test_the_device_tier_follows_the_uses():
     placer = Recorder()
     t = tiers.Tiers(placer, device_bytes=2 * 1000, host_bytes=6 * 1000)
@@ -297,10 +307,7 @@ def test_a_prompts_uses_place_the_device_tier_at_the_next_token():
     # a long prompt's uses per expert (``seed``: over layer sets) move nothing while it runs; the
     # next token's first call issues the batch that follows them, not the MOVE_EVERY-th token's,
     # and they count where the tier goes, not as uses served
-    t = tiers.Tiers(Recorder(), device_bytes=2 * 1000, host_bytes=6 * 1000)
-    bank = _Bank(8)
-    t.plan([bank])
-    tier = t.banks[id(bank)]
+    t, bank, tier = _one_bank(8, 2)
     t.seed(bank, np.array([0, 0, 0, 0, 0, 40, 30, 1]))
     assert tier.device.tolist() == [True, True] + [False] * 6 and t.moves == 0
     call = t.caller(bank, lambda x, i: i)
@@ -318,10 +325,7 @@ def test_a_prompts_uses_place_the_device_tier_at_the_next_token():
 def test_decode_takes_the_device_tier_from_a_long_prompts_routing_within_32_tokens():
     # a prompt of 100,000 tokens that used experts 0-3 of 16, then a decode that uses 8-11: the
     # device tier (4 experts) placed for the prompt holds 8-11 within 32 tokens, as after a shift
-    t = tiers.Tiers(Recorder(), device_bytes=4 * 1000, host_bytes=12 * 1000)
-    bank = _Bank(16)
-    t.plan([bank])
-    tier = t.banks[id(bank)]
+    t, bank, tier = _one_bank(16, 4)
     t.seed(bank, np.array([100_000] * 4 + [10] * 12))
     call = t.caller(bank, lambda x, i: i)
     for token in range(1, 101):
@@ -376,10 +380,7 @@ def test_a_used_expert_takes_the_place_of_one_never_used_without_the_margin():
     # place to any expert used (count > 0) at the next batch: the margin (SWAP_RATIO, SWAP_MIN)
     # keeps near ties from moving, and an expert never used is no tie (the traces at half the
     # experts on the device: 0.838 -> 0.909 of decode's uses served from a cold load, Qwen3)
-    t = tiers.Tiers(Recorder(), device_bytes=2 * 1000, host_bytes=6 * 1000)
-    bank = _Bank(8)
-    t.plan([bank])
-    tier = t.banks[id(bank)]
+    t, bank, tier = _one_bank(8, 2)
     tier.counts[:] = [5, 0, 0, 0, 0, 0, 1, 0]
     t.rebalance()
     assert np.flatnonzero(tier.device).tolist() == [0, 6] and t.moves == 2
@@ -389,10 +390,7 @@ def test_a_used_expert_takes_the_place_of_one_never_used_without_the_margin():
 
 
 def test_near_ties_do_not_move():
-    t = tiers.Tiers(Recorder(), device_bytes=2 * 1000, host_bytes=6 * 1000)
-    bank = _Bank(8)
-    t.plan([bank])
-    tier = t.banks[id(bank)]
+    t, bank, tier = _one_bank(8, 2)
     # 0 and 1 on the device; 2 used as often as 0, 3 a little more: no swap pays for its move
     tier.counts[:] = [10, 30, 10, 12, 0, 0, 0, 0]
     t.rebalance()
@@ -440,10 +438,7 @@ def test_moves_come_in_one_batch_per_move_every_tokens_right_after_a_step():
 def test_a_routing_shift_moves_the_device_tier_within_32_tokens():
     # a decode that used experts 0-3 of 16 long enough to hold them (steady counts), then 8-11:
     # the device tier (4 experts) holds 8-11 within 32 tokens of the shift
-    t = tiers.Tiers(Recorder(), device_bytes=4 * 1000, host_bytes=12 * 1000)
-    bank = _Bank(16)
-    t.plan([bank])
-    tier = t.banks[id(bank)]
+    t, bank, tier = _one_bank(16, 4)
     call = t.caller(bank, lambda x, i: i)
     for _ in range(64):
         call(None, mx.array([[0, 1, 2, 3]], dtype=mx.uint32))

@@ -41,6 +41,17 @@ def set_bytes(bank) -> int:
     return bank.num_experts * bank.layer.expert_nbytes
 
 
+def largest_set(banks) -> int:
+    """What a prompt's set takes: the largest of ``banks``' layers' sets."""
+    return max((set_bytes(b) for b in banks), default=0)
+
+
+def with_stage(nbytes: int, banks) -> bool:
+    """Whether ``nbytes`` (``machine.layer_sets_fit``'s) count a stage on the device beside the
+    two sets: three sets' bytes."""
+    return nbytes > 2 * largest_set(banks)
+
+
 class LayerSet:
     """One layer's whole expert set (module docstring): the arrays, their host views, the fill."""
 
@@ -303,8 +314,7 @@ class LayerSets:
     def __init__(self, cache, nbytes: int):
         self.cache = cache
         self.nbytes = nbytes
-        # a stage on the device only where the memory check counted it
-        self.staged = nbytes > 2 * max((set_bytes(b) for b in cache.banks), default=0)
+        self.staged = with_stage(nbytes, cache.banks)  # (a stage only where the check counted it)
         self.sets = [LayerSet(cache, self), LayerSet(cache, self)]
         self.lock = threading.Lock()
         # on mlx-cuda, where fills copy through a reader's page-locked buffer: the memory those
@@ -325,8 +335,7 @@ class LayerSets:
         with self.lock:
             if self.stage is None:
                 try:
-                    self.stage = STAGES[kind](
-                        copier.lib, max(set_bytes(b) for b in self.cache.banks))
+                    self.stage = STAGES[kind](copier.lib, largest_set(self.cache.banks))
                 except MemoryError:  # (no room on the device: the prompt's fills go straight in)
                     self.unstaged = True
         return self.stage

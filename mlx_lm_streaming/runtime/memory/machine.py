@@ -148,8 +148,10 @@ def layer_sets_fit(cache, resident_bytes: int) -> Tuple[int, Optional[str]]:
     is made on the device (``staged_sets``) the bytes are three sets', or two where three do not
     fit and two do (the prompt's sets then fill without the stage: ``LayerSets.staged``). The load
     line says which (``report.choice_line``)."""
+    from ..bank.layer_set import largest_set
+
     banks = cache.banks
-    one = max((b.num_experts * b.layer.expert_nbytes for b in banks), default=0)
+    one = largest_set(banks)
     nbytes = 2 * one
     if not cache.tuning.layer_sets:
         return nbytes, "layer sets turned off (CacheTuning.layer_sets)"

@@ -134,8 +134,9 @@ def _long_prompts(state) -> str:
         return ""
     nbytes, why = memory.layer_sets_fit(cache, state.resident_bytes)
     if why is None:
-        one = max(b.num_experts * b.layer.expert_nbytes for b in cache.banks)
-        staged = " and a stage on the device" if nbytes > 2 * one else ""
+        from ..bank.layer_set import with_stage
+
+        staged = " and a stage on the device" if with_stage(nbytes, cache.banks) else ""
         return (
             f"; long prompts a layer's whole expert set at a time, {decimal_gb(nbytes)} for two"
             f"{staged} beside the budget"

@@ -87,7 +87,7 @@ class BankTier:
         self.device = np.zeros(bank.num_experts, dtype=bool)
         self.device[:on_device] = True  # no counts yet: the first experts
         self.pending: List = []  # the calls' ids arrays kept, not counted yet
-        self.prompt: List = []  # a prompt's ids (its calls', or from its uses), not counted yet
+        self.prompt: List = []  # a prompt's uses per expert (calls' or a set pass's), uncounted
         self.calls = 0  # decode calls (a token each)
         self.uses = {"device": 0, "host": 0}  # counted uses each tier served
 
@@ -211,7 +211,8 @@ class Tiers:
 
     def count(self, tier: BankTier) -> None:
         """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted, and a
-        prompt's ids, which count where the device tier goes but are no decode's uses served."""
+        prompt's uses per expert, which count where the device tier goes but are no decode's uses
+        served."""
         if tier.prompt:  # its most used expert weighs as one every token of PROMPT_TOKENS
             uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
             tier.prompt.clear()
