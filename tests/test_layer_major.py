@@ -418,7 +418,7 @@ def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
     # the stage one set's bytes, freed with the sets at the prompt's end
     from test_cuda_copy import HostRuntime, Managed
 
-    from mlx_lm_streaming.runtime.bank import cuda_copy
+    from mlx_lm_streaming.runtime.bank import cuda_copy, layer_set
     from mlx_lm_streaming.runtime.bank.layer_set import set_bytes
     from mlx_lm_streaming.runtime.memory import machine
 
@@ -426,16 +426,22 @@ def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
     copier = Managed(runtime, buffer_bytes=20_000)
     monkeypatch.setattr(cuda_copy, "copier_for", lambda addresses: copier)
     monkeypatch.setattr(machine, "staged_sets", lambda c: c.tuning.set_stage == "device")
-    moved = []
+    moved, settled = [], []
     move = cuda_copy.DeviceStage.move
     monkeypatch.setattr(cuda_copy.DeviceStage, "move", lambda s, c: (moved.append(c), move(s, c)))
+    # the slot banks' installs from a staged set are submitted, not waited for: mapped later
+    settle = layer_set.settle
+    monkeypatch.setattr(layer_set, "settle", lambda later: (settled.append(len(later)),
+                                                            settle(later)))  # fmt: skip
     path = small_experts("qwen3_moe")
     model = _with_slots(path, tuning=CacheTuning(set_stage=kind))
     cache, p = model.expert_streaming.cache, model.expert_streaming.prefill
     for prompt in PROMPTS:
         out = _streamed_steps(model, mx.array(prompt))
         assert difference(_stock_steps(path, mx.array(prompt)), out) is None
+        _slots_hold_their_experts(cache)
     assert p.set_experts_read > 0 and moved
+    assert sum(settled) >= LAYERS - 1 and p.set_kept >= (LAYERS - 1) * SLOTS
     stage_bytes = set_bytes(cache.banks[0])
     if kind == "device":
         assert [n for _, n in runtime.device] == [stage_bytes] * len(PROMPTS)
@@ -450,6 +456,18 @@ def test_layer_sets_filled_through_a_stage(small_experts, monkeypatch, kind):
         assert len(copies) % parts == 0
         assert all(0 <= at and at + n <= stage_bytes for _, at, n in copies)
     model.expert_streaming.close()
+
+
+def _slots_hold_their_experts(cache):
+    """Each slot that names an expert holds the checkpoint's bytes of it, part by part."""
+    for bank in cache.banks:
+        for e in np.nonzero(bank.slot_of >= 0)[0].tolist():
+            slot = int(bank.slot_of[e])
+            for part, ref in zip(bank.layer.parts, bank.layer.refs(e)):
+                want = bytearray(ref.nbytes)
+                cache.store.read_many([(ref, memoryview(want))])
+                got = bank.array(part.proj, part.part)[slot]
+                assert np.array(got.view(mx.uint8)).tobytes() == bytes(want), (bank.path, e)
 
 
 def test_a_stage_of_another_kind_is_refused_in_one_line():

@@ -289,8 +289,10 @@ class ExpertCache:
         if not self.planned:
             with self._lock:
                 if not self.planned:
+                    start = self.timeline.now()
                     self._plan()
                     self.planned = True
+                    self.timeline.span("plan banks", start, "install", banks=len(self.banks))
 
     def slots_for_budget(self) -> int:
         banks = self.banks

@@ -120,6 +120,7 @@ class SetPass(Mode):
         start = timeline.now()
         mx.eval(self.submitted)
         timeline.span("compute layer", start, "compute", layer=i, chunks=len(self.chunks))
+        start = timeline.now()
         for _, _, ids, counts in self.submitted:
             for c in counts:
                 self.uses += np.array(c, copy=False)
@@ -128,6 +129,7 @@ class SetPass(Mode):
                 self.uses += np.bincount(flat, minlength=len(self.uses))
                 recorder.record(self.bank, flat.reshape(idx.shape))
         self.submitted = []
+        timeline.span("count uses", start, "wait", layer=i)
         if self.set is not None:
             self.sets.done(self.set, self.uses)
         if self.cache.tiers is not None and self.bank is not None:
