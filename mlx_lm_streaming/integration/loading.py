@@ -328,6 +328,16 @@ def load_streaming_model(stock_load_model, bound, options: StreamingOptions):
     if hasattr(model, "shard"):
         model.shard = _tensor_parallel_unsupported
     _stream_per_pipeline_stage(model, state)
+    if not lazy:
+        # the slot banks' memory made now, as stock's load makes its weights' (mlx-lm's lazy
+        # loads, a pipeline's among them, plan at the first call, once the stage's banks are
+        # known): the H200's 4K prompt waited 146 ms for it at its first call, 2.2 s over two
+        # tiers (docs/benchmarks/prefill.md)
+        try:
+            state.cache.ensure_planned()
+        except BaseException:
+            state.close()
+            raise
     weakref.finalize(model, state.close, wait=False)
     if not lazy and report.say_choice(options):
         report.say(report.choice_line(state))

@@ -277,16 +277,10 @@ def expert_counts(ids, n: int) -> mx.array:
     return counts
 
 
-def keep(bank, layer_set: LayerSet, uses: np.ndarray, later: Optional[list] = None) -> int:
+def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
     """Give ``bank``'s slots the experts the prompt used most (``uses``: its count per expert),
     copied from ``layer_set`` by one MLX scatter per part, in place (every computation over the
-    bank was evaluated): a use of them for the eviction policy, no read. The experts copied.
-
-    ``later`` a list: the copy is submitted, not waited for, and ``(bank, experts, slots)`` put
-    on it: ``settle`` maps them (and remakes the bank's views) once the device ran it, so no slot
-    names an expert whose bytes are not there yet (``LayerSets.done``: where nothing writes the
-    set before the next layer's host sync; the H200's 4K prompt waited 2.2-3.7 ms a layer here).
-    """
+    bank was evaluated): a use of them for the eviction policy, no read. The experts copied."""
     want = np.argsort(-uses, kind="stable")[: bank.slots]
     want = want[uses[want] > 0].astype(np.int64)
     start = time.perf_counter()
@@ -302,29 +296,12 @@ def keep(bank, layer_set: LayerSet, uses: np.ndarray, later: Optional[list] = No
             target = bank.array(p.proj, p.part)
             target[at] = source[rows]
             arrays.append(target)
-        if later is None:
-            mx.eval(arrays)  # (on this thread: ``allocate``)
-            _placed(bank, missing, slots)
-        else:
-            mx.async_eval(arrays)
-            later.append((bank, missing, slots, arrays))
+        mx.eval(arrays)  # (on this thread: ``allocate``)
+        if bank.views is not None:
+            bank.refresh_views()
+        bank.table.place(missing, slots)
     bank.cache.timeline.span("install", start, "install", layer=bank.path, experts=len(missing))
     return len(missing)
-
-
-def settle(later: list) -> None:
-    """The installs ``keep`` submitted (``later``) waited for, their experts mapped."""
-    while later:
-        bank, missing, slots, arrays = later.pop(0)
-        with bank.lock:
-            mx.eval(arrays)
-            _placed(bank, missing, slots)
-
-
-def _placed(bank, missing, slots) -> None:
-    if bank.views is not None:
-        bank.refresh_views()
-    bank.table.place(missing, slots)
 
 
 class LayerSets:
@@ -345,7 +322,6 @@ class LayerSets:
         self.unstaged = False  # (the stage could not be made: this prompt fills without one)
         # experts read and copied into sets, and copied from them into slot banks, in all
         self.read = self.copied = self.kept = 0
-        self.installing = []  # ``keep``'s copies not waited for yet (``settle``)
 
     def staging(self, copier):
         """The stage a fill through ``copier`` copies into (made now if none), or None where
@@ -387,15 +363,8 @@ class LayerSets:
 
     def done(self, layer_set: LayerSet, uses: np.ndarray) -> None:
         """The prompt's group is through the set's layer: its slot bank keeps the most used
-        experts (copied without a wait where the set was filled through a stage and one tier
-        holds the experts: the set's memory is written again only by ``ready``'s move, after the
-        next layer's host sync, and no background fill writes the bank); the set is free for
-        another layer."""
-        settle(self.installing)  # (the last layer's: the device ran it before this one's end)
-        later = None
-        if self.stage is not None and layer_set.copier is not None and self.cache.tiers is None:
-            later = self.installing
-        self.kept += keep(layer_set.bank, layer_set, uses, later)
+        experts; the set is free for another layer."""
+        self.kept += keep(layer_set.bank, layer_set, uses)
         layer_set.bank = None
 
     def _holding(self, bank) -> Optional[LayerSet]:
@@ -420,7 +389,6 @@ class LayerSets:
 
     def release(self) -> None:
         """The prompt's end: both sets' memory given back, their counts kept."""
-        settle(self.installing)
         for s in self.sets:
             s.release()
             self.read += s.read
