@@ -9,7 +9,8 @@ import textwrap
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from support import build_dbrx_checkpoint, held_out_env, load_streaming
+import mlx_lm.utils
+from support import build_dbrx_checkpoint, held_out_env, install, load_streaming
 
 import mlx_lm_streaming
 from mlx_lm_streaming.errors import CheckpointError, ConfigurationError, UnsupportedModelError
@@ -25,6 +26,26 @@ def test_load_reads_no_expert_bytes(checkpoint):
     mx.eval(model(mx.array([[1, 2, 3]])))
     assert state.store.stats.bytes_read > 0
     assert state.store.stats.bytes_read % state.cache.banks[0].layer.expert_nbytes == 0
+
+
+def test_the_slot_banks_are_made_at_load_and_a_lazy_load_leaves_them_to_the_first_call(checkpoint):
+    # stock's load makes its weights' memory; ours makes the budget's slot banks then (no bytes
+    # read), so the first prompt does not wait for them; a lazy load (mlx-lm's pipeline loads)
+    # plans at the first call, once the stage's banks are known
+    install()
+    path = checkpoint("qwen3_moe", "affine4")
+    with held_out_env():
+        model, _ = mlx_lm.utils.load_model(path, model_config={"streaming_experts": {}})
+        lazy, _ = mlx_lm.utils.load_model(path, lazy=True, model_config={"streaming_experts": {}})
+    cache = model.expert_streaming.cache
+    assert cache.planned and all(b.slots > 0 for b in cache.banks)
+    assert cache.resident_bytes == sum(b.slots * b.layer.expert_nbytes for b in cache.banks)
+    assert model.expert_streaming.store.stats.bytes_read == 0
+    assert not lazy.expert_streaming.cache.planned
+    mx.eval(lazy(mx.array([[1, 2, 3]])))
+    assert lazy.expert_streaming.cache.planned
+    model.expert_streaming.close()
+    lazy.expert_streaming.close()
 
 
 def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):

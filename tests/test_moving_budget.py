@@ -265,11 +265,13 @@ def bank_bytes(cache):
 BY_HAND = CacheTuning(budget_check_seconds=None)
 
 
-def _following(q3_path, **options):
+def _following(q3_path, monkeypatch, given=None, **options):
     # (no host tier: on mlx-cuda two tiers keep a fixed budget; 0 is what the CPU takes anyway)
+    given = given or GivenMemory()  # the reader from the load on: the banks are planned there
+    monkeypatch.setattr(free_memory, "read_host", given)
+    monkeypatch.setattr(free_memory, "read_device", given)
     model, _ = load_streaming(q3_path, tuning=BY_HAND, expert_host_gb=0, **options)
     cache = model.expert_streaming.cache
-    given = GivenMemory()
     cache.memory_reader = given
     return model, cache, given
 
@@ -280,8 +282,8 @@ def cache_limit() -> int:
     return limit
 
 
-def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_path, expected):
-    model, cache, given = _following(q3_path)
+def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_path, expected, monkeypatch):
+    model, cache, given = _following(q3_path, monkeypatch)
     one_per_layer = per_slot(model)
     total_experts = cache.total_expert_bytes
     seen, limits, limit = [], [], cache_limit()
@@ -316,8 +318,8 @@ def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_pa
     assert "budget" in model.expert_streaming.stats_line()
 
 
-def test_the_banks_really_shrink_and_keep_the_most_used_experts(q3_path, expected):
-    model, cache, given = _following(q3_path)
+def test_the_banks_really_shrink_and_keep_the_most_used_experts(q3_path, expected, monkeypatch):
+    model, cache, given = _following(q3_path, monkeypatch)
     generated(model, steps=8)
     bank = cache.banks[0]
     uses = bank.table.policy
@@ -337,8 +339,8 @@ def test_the_banks_really_shrink_and_keep_the_most_used_experts(q3_path, expecte
     assert_same(expected, generated(model))
 
 
-def test_a_pinned_budget_never_moves_and_a_given_one_is_a_ceiling(q3_path):
-    model, cache, given = _following(q3_path, expert_cache_fixed=True)
+def test_a_pinned_budget_never_moves_and_a_given_one_is_a_ceiling(q3_path, monkeypatch):
+    model, cache, given = _following(q3_path, monkeypatch, expert_cache_fixed=True)
     generated(model, steps=4)
     assert cache.budget_watch is None and cache.moving is None
     cache.budget_due = per_slot(model)
@@ -346,7 +348,7 @@ def test_a_pinned_budget_never_moves_and_a_given_one_is_a_ceiling(q3_path):
     assert "budget" not in model.expert_streaming.stats_line()
     # a given budget of 4 experts per layer: pressure takes it down, free memory not above it
     four = 4 * per_slot(model)
-    model, cache, given = _following(q3_path, expert_cache_gb=(four + 0.5) / GB)
+    model, cache, given = _following(q3_path, monkeypatch, expert_cache_gb=(four + 0.5) / GB)
     generated(model, steps=4)
     given.now = Reading(100 * four, 100 * four)
     cache.budget_watch.check()
@@ -365,9 +367,14 @@ def test_plan_says_what_the_cache_does_under_pressure_and_how_to_pin_it(q3_path,
     assert "--expert-cache-fixed" in line and "MLX_LM_STREAMING_CACHE_FIXED=1" in line
 
 
-def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, expected):
-    model, cache, given = _following(q3_path)
-    given.now = Reading(0, 100 * cache.total_expert_bytes)  # short before the first call
+def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, expected, monkeypatch):
+    probe, _ = load_streaming(q3_path)
+    total = probe.expert_streaming.cache.total_expert_bytes
+    probe.expert_streaming.close()
+    given = GivenMemory()  # short at the load, where the banks are planned
+    given.now = Reading(0, 100 * total)
+    model, cache, given = _following(q3_path, monkeypatch, given)
+    assert cache.total_expert_bytes == total
     got = generated(model, steps=4)
     assert cache.budget_bytes == per_slot(model) and bank_bytes(cache) == per_slot(model)
     given.now = Reading(100 * cache.total_expert_bytes, 100 * cache.total_expert_bytes)
@@ -391,7 +398,7 @@ def test_a_bad_pin_is_one_line_naming_it(environ):
 def test_a_move_that_runs_out_of_memory_leaves_the_bank_as_it_was(q3_path, expected, monkeypatch):
     from mlx_lm_streaming.runtime.bank import layer_bank
 
-    model, cache, given = _following(q3_path)
+    model, cache, given = _following(q3_path, monkeypatch)
     generated(model, steps=4)
     take, calls = mx.take, []
 

@@ -176,7 +176,7 @@ def _check(got, name, want):
         if name == "expert_cache_fixed":
             assert not state.cache.follow_memory, where  # (off: the budget follows free memory)
         if name == "expert_cache_gb":
-            assert state.cache.budget_bytes == 12_300_000, where  # decimal GB
+            assert state.cache.given_bytes == 12_300_000, where  # decimal GB
         state.close()
 
 

@@ -398,7 +398,8 @@ def test_version(capsys):
 def test_the_budget_counts_decimal_gb_everywhere(ckpt, capsys):
     model, _ = load_streaming(ckpt, expert_cache_gb=0.001)
     state = model.expert_streaming
-    assert state.cache.budget_bytes == 10**6
+    assert state.cache.given_bytes == 10**6  # (planned at load: capped at every expert)
+    assert state.cache.budget_bytes == state.cache.total_expert_bytes
     line = report.choice_line(state)
     # 0.001 GB is more than every expert of this model: the line says what the cache holds
     total = decimal_gb(state.cache.total_expert_bytes)

@@ -279,8 +279,9 @@ def expert_counts(ids, n: int) -> mx.array:
 
 def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
     """Give ``bank``'s slots the experts the prompt used most (``uses``: its count per expert),
-    copied from ``layer_set`` by one MLX scatter per part, in place (every computation over the
-    bank was evaluated): a use of them for the eviction policy, no read. The experts copied."""
+    copied from ``layer_set`` by an MLX update of each run of slots, in place (every computation
+    over the bank was evaluated): a use of them for the eviction policy, no read. The experts
+    copied."""
     want = np.argsort(-uses, kind="stable")[: bank.slots]
     want = want[uses[want] > 0].astype(np.int64)
     start = time.perf_counter()
@@ -290,13 +291,14 @@ def keep(bank, layer_set: LayerSet, uses: np.ndarray) -> int:
         missing, slots, _ = bank.table.admit(want)
         if not len(missing):
             return 0
-        rows, at = mx.array(missing), mx.array(slots.astype(np.int64))
-        arrays = []
-        for p, source in zip(bank.layer.parts, layer_set.arrays):
+        order = np.argsort(slots, kind="stable")
+        runs = _runs(missing[order].tolist(), slots[order].tolist())
+        parts = bank.layer.parts
+        for p, source in zip(parts, layer_set.arrays):
             target = bank.array(p.proj, p.part)
-            target[at] = source[rows]
-            arrays.append(target)
-        mx.eval(arrays)  # (on this thread: ``allocate``)
+            for r, s, n in runs:
+                target[s : s + n] = source[r : r + n]
+        mx.eval([bank.array(p.proj, p.part) for p in parts])  # (on this thread: ``allocate``)
         if bank.views is not None:
             bank.refresh_views()
         bank.table.place(missing, slots)

@@ -61,7 +61,9 @@ class ExpertCache:
         # through staging buffers); prompts longer than one prefill chunk through decoder layer L
         # chunk after chunk before layer L+1 (layer_major.py; off: chunk by chunk, as stock)
         self.direct_reads, self.layer_major_prefill = direct_reads, layer_major_prefill
-        self.budget_bytes = budget_bytes
+        # the budget as given (bytes) and as it is now: the moving budget starts it where free
+        # memory allows, capped at every expert, when the banks are planned (at load)
+        self.given_bytes = self.budget_bytes = budget_bytes
         # a ceiling that the cache follows free memory below (``moving_budget.watch``): the rule,
         # its thread, its reader (None: the backend's) and the budget it asks for (``follow_budget``)
         self.follow_memory, self.memory_reader = follow_memory, None
