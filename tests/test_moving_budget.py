@@ -12,7 +12,7 @@ import pytest
 from support import assert_same_steps, generate_steps, load_stock, load_streaming, per_slot
 
 from mlx_lm_streaming.option_table import GB
-from mlx_lm_streaming.runtime.memory import free_memory, moving_budget
+from mlx_lm_streaming.runtime.memory import free_memory, moving_budget, report
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.memory.free_memory import CRITICAL, NORMAL, SHORT, Reading
 from mlx_lm_streaming.runtime.memory.moving_budget import MovingBudget
@@ -282,7 +282,9 @@ def cache_limit() -> int:
     return limit
 
 
-def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(q3_path, expected, monkeypatch):
+def test_a_decode_gives_memory_back_under_pressure_and_grows_again_exactly(
+    q3_path, expected, monkeypatch
+):
     model, cache, given = _following(q3_path, monkeypatch)
     one_per_layer = per_slot(model)
     total_experts = cache.total_expert_bytes
@@ -367,7 +369,9 @@ def test_plan_says_what_the_cache_does_under_pressure_and_how_to_pin_it(q3_path,
     assert "--expert-cache-fixed" in line and "MLX_LM_STREAMING_CACHE_FIXED=1" in line
 
 
-def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, expected, monkeypatch):
+def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(
+    q3_path, expected, monkeypatch
+):
     probe, _ = load_streaming(q3_path)
     total = probe.expert_streaming.cache.total_expert_bytes
     probe.expert_streaming.close()
@@ -375,6 +379,9 @@ def test_a_cache_loaded_while_memory_is_short_starts_small_and_grows(q3_path, ex
     given.now = Reading(0, 100 * total)
     model, cache, given = _following(q3_path, monkeypatch, given)
     assert cache.total_expert_bytes == total
+    # the load line says why the cache is smaller than its budget
+    line = report.choice_line(model.expert_streaming)
+    assert f"(default: {report.LOWERED}" in line or f", {report.LOWERED})" in line, line
     got = generated(model, steps=4)
     assert cache.budget_bytes == per_slot(model) and bank_bytes(cache) == per_slot(model)
     given.now = Reading(100 * cache.total_expert_bytes, 100 * cache.total_expert_bytes)

@@ -216,6 +216,8 @@ def layers_table(state) -> str:
 
 # what a budget at or above every expert's bytes is said to be, by the load line and ``plan`` alike
 EVERY_EXPERT = "capped at every expert"
+# what a budget the moving budget started below its ceiling is said to be (free memory short)
+LOWERED = "lowered to what free memory allows now"
 
 
 def budget_how(state, budget: int, given_gb=None, free=None) -> str:
@@ -232,6 +234,8 @@ def budget_how(state, budget: int, given_gb=None, free=None) -> str:
         how = f"{part:.0%} of the {decimal_gb(free)} of {what} that the resident weights leave free"
     if budget >= cache.total_expert_bytes:
         how += ", " + EVERY_EXPERT
+    elif cache.moving is not None and budget < cache.moving.ceiling:
+        how += ", " + LOWERED  # (planned at load, where memory was short: it grows as it frees)
     elif given_gb is None and budget == sum(b.layer.expert_nbytes for b in cache.banks):
         how += ", raised to one expert per layer"
     return how
