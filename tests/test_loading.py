@@ -48,6 +48,32 @@ def test_the_slot_banks_are_made_at_load_and_a_lazy_load_leaves_them_to_the_firs
     lazy.expert_streaming.close()
 
 
+def test_a_pipeline_stage_after_a_load_that_was_not_lazy_gives_its_banks_the_budget(checkpoint):
+    # mlx-lm's pipeline loads are lazy (planned at the first call); a model loaded whole, then
+    # split by hand, planned every layer at load: the split drops the other stages' banks and the
+    # stage's are planned again at its first call, for its budget
+    path = checkpoint("qwen3_moe", "affine4")
+    probe, _ = load_streaming(path)
+    per_layer = sum(b.layer.expert_nbytes for b in probe.expert_streaming.cache.banks[:1])
+    probe.expert_streaming.close()
+    model, _ = load_streaming(path, expert_cache_gb=(4 * per_layer + 0.5) / 1e9)
+    cache = model.expert_streaming.cache
+    layers = len(cache.banks)
+    assert cache.planned and layers > 1
+    before = [b.slots for b in cache.banks]
+
+    class Group:
+        rank, size = staticmethod(lambda: 0), staticmethod(lambda: 2)
+
+    model.model.pipeline(Group())
+    assert 0 < len(cache.banks) < layers and not cache.planned
+    cache.ensure_planned()  # (what the stage's first call does)
+    assert [b.slots for b in cache.banks] == cache.plan_slots()
+    assert sum(cache.plan_slots()) > sum(before[: len(cache.banks)])  # the budget, on fewer layers
+    assert cache.resident_bytes <= cache.budget_bytes
+    model.expert_streaming.close()
+
+
 def test_python_api_returns_what_mlx_lm_load_returns(checkpoint):
     path = checkpoint("mixtral", "affine4")
     with held_out_env():
