@@ -233,9 +233,9 @@ def _print_plan(args, state, trace) -> None:
     from .runtime.memory.moving_budget import plan_line
 
     print(plan_line(cache))
-    from .runtime.memory import tiers
+    from .runtime.memory.report import tiers_plan_line
 
-    print(tiers.plan_line(cache, state.selector.backend, trace))
+    print(tiers_plan_line(cache, state.selector.backend, trace))
     if trace is None:
         from .tools.pack import command_word
 

@@ -413,10 +413,15 @@ def build_stock_checkpoint(path: Path, config: dict, tokenizer_from: Optional[Pa
 
 
 class PlacementRecorder:
-    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place."""
+    """A placer that keeps ``(address, nbytes, on_device)`` of every range it was asked to place,
+    and every ``(address, nbytes)`` whose placement it was asked to take back."""
 
     def __init__(self):
         self.placed = []
+        self.unplaced = []
 
     def place(self, ranges, on_device):
         self.placed += [(a, n, on_device) for a, n in ranges]
+
+    def unplace(self, ranges):
+        self.unplaced += list(ranges)

@@ -158,7 +158,7 @@ def test_plan_says_the_rest_a_host_cache_would_sit_below(q3_path, monkeypatch):
     model, cache = cached(q3_path, 4, 6)
     monkeypatch.setattr(tiers, "available_host_bytes", lambda: 1)  # host RAM holds nothing
     rest = cache.total_expert_bytes - cache.budget_bytes
-    line = tiers.plan_line(cache, "cuda")
+    line = report.tiers_plan_line(cache, "cuda")
     assert f"cannot hold the rest, {decimal_gb(rest)}" in line and "host cache" in line
 
 

@@ -120,6 +120,27 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
 
 
+
+def test_a_closed_models_banks_are_given_back_without_their_advice(q3):
+    # MLX keeps a freed buffer for the next array of its size (a model loaded after this one):
+    # at close every bank's whole range of every part has its placement taken back, once, after
+    # the last move ran; nothing is placed after
+    path, tokens, _ = q3
+    placer = Recorder()
+    model, cache = tiered(path, 4, placer)
+    decode(model, tokens)
+    assert placer.unplaced == []
+    banks = cache.banks
+    want = [(b.view_addresses[i], b.array(p.proj, p.part).nbytes)
+            for b in banks for i, p in enumerate(b.layer.parts)]  # fmt: skip
+    placed = len(placer.placed)
+    model.expert_streaming.close()
+    assert sorted(placer.unplaced) == sorted(want) and len(want) == len(banks) * len(
+        banks[0].layer.parts)
+    cache.tiers.close()  # (again: nothing more)
+    assert len(placer.unplaced) == len(want) and len(placer.placed) == placed
+
+
 class _Ids:
     """A routing recorder's one call: every call's ids, by bank."""
 
@@ -465,7 +486,7 @@ def test_plan_line_names_both_tiers_and_the_traces_share(q3_path, tmp_path):
     from mlx_lm_streaming.files.routing_trace import read_trace
 
     model, cache = tiered(q3_path, 4, Recorder())
-    assert "mlx-cuda only" in tiers.plan_line(cache, "cpu")
+    assert "mlx-cuda only" in report.tiers_plan_line(cache, "cpu")
     # a trace whose decode uses expert 0 and 1 of every layer: the first 4 on the device serve all
     rows = [{"seq": i, "phase": "decode", "experts": [[0, 1]] * 3} for i in range(4)]
     path = tmp_path / "t.jsonl"
@@ -475,8 +496,8 @@ def test_plan_line_names_both_tiers_and_the_traces_share(q3_path, tmp_path):
 
     path.write_text("\n".join(json.dumps(r) for r in [head, *rows]) + "\n")
     trace = read_trace(path)
-    assert tiers.trace_share(cache, trace) == 1.0
-    line = tiers.plan_line(cache, "cuda", trace)
+    assert report.trace_share(cache, trace) == 1.0
+    line = report.tiers_plan_line(cache, "cuda", trace)
     assert "device" in line and "host" in line and "served by the device tier: 100.0%" in line
 
 

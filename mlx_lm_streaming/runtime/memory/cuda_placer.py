@@ -7,6 +7,7 @@ from typing import Optional
 
 _ADVISE_PREFERRED = 3  # cudaMemAdviseSetPreferredLocation
 _ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy
+_UNSET_PREFERRED, _UNSET_ACCESSED_BY = 4, 6  # cudaMemAdviseUnset{PreferredLocation,AccessedBy}
 _LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
 _LOCATION_HOST = 2  # cudaMemLocationTypeHost
 # cudaMemRangeAttributePreferredLocationType, ...LastPrefetchLocationType (CUDA >= 12.2), and the
@@ -61,6 +62,17 @@ class CudaPlacer:
             if err != 0:
                 self.lib.cudaGetLastError()
                 raise OSError(f"cudaMemPrefetchAsync failed (CUDA error {err})")
+
+    def unplace(self, ranges) -> None:
+        """``place``'s advice taken back from each range: stock's managed memory again. MLX keeps
+        a freed buffer for the next array of its size (another model's weights, loaded after
+        this one was closed), which would keep this advice: host-tier pages preferred on the
+        host. Errors are cleared, not raised: where bytes live, not what they are."""
+        device = _Location(_LOCATION_DEVICE, self.device)
+        for address, nbytes in ranges:
+            for advice in (_UNSET_PREFERRED, _UNSET_ACCESSED_BY):
+                if self.advise(address, nbytes, advice, device) != 0:
+                    self.lib.cudaGetLastError()
 
     def wait(self) -> None:
         self.lib.cudaStreamSynchronize(self.stream)

@@ -274,7 +274,7 @@ class ExpertCache:
         if self.budget_watch is not None:
             self.budget_watch.close(wait=wait)
         if self.tiers is not None:
-            self.tiers.close()
+            self.tiers.close(wait=wait)
         if self._prefetcher is not None:
             self._prefetcher.close(wait=wait)
         with self._lock:

@@ -321,3 +321,49 @@ def _report_stats() -> None:
         print(stats_line(state, label=len(shown) > 1), file=sys.stderr, flush=True)
         if state.options.stats == "layers":
             print(layers_table(state), file=sys.stderr, flush=True)
+
+
+def tiers_plan_line(cache, backend: str, trace=None) -> str:
+    """``plan``'s line on the two tiers (``tiers``): what the device and the host would hold at
+    this budget (the host tier as ``tiers.split`` sizes it where asked for), and with a routing
+    trace the share of its decode uses that the device tier would serve (each layer's hottest
+    experts there)."""
+    from .tiers import available_host_bytes, split
+
+    if backend != "cuda":
+        return f"two tiers (--expert-host-gb): mlx-cuda only; {backend} memory is unified"
+    total = cache.total_expert_bytes
+    device = min(cache.budget_bytes or 0, total)
+    host = split(total, device, None, available_host_bytes())
+    line = (
+        f"two tiers (--expert-host-gb): device {decimal_gb(device)}, host {decimal_gb(host)}"
+    )
+    if not host and device < total:
+        line += (
+            f" (host RAM cannot hold the rest, {decimal_gb(total - device)}: a value below it "
+            "gives a host cache between the device's slots and disk)"
+        )
+    if trace is not None and device < total:
+        share = trace_share(cache, trace)
+        line += f"; the trace's decode uses served by the device tier: {share:.1%}"
+    return line
+
+
+def trace_share(cache, trace) -> float:
+    """The share of a trace's decode uses that each layer's hottest experts, as many as the
+    device tier holds (``tiers.device_slots``), would serve."""
+    import numpy as np
+
+    from .tiers import device_slots
+
+    banks = cache.banks
+    plan = device_slots(banks, min(cache.budget_bytes or 0, cache.total_expert_bytes))
+    served = used = 0
+    for layer, (bank, n) in enumerate(zip(banks, plan)):
+        counts = np.zeros(bank.num_experts)
+        for row in trace.rows:
+            if row.phase == "decode" and row.experts[layer]:
+                np.add.at(counts, np.asarray(row.experts[layer], dtype=np.int64), 1)
+        served += np.sort(counts)[::-1][:n].sum()
+        used += counts.sum()
+    return float(served / used) if used else float("nan")

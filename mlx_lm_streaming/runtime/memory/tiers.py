@@ -13,25 +13,24 @@ kernels are stock's, so results are bit-identical wherever the pages are.
 
 The device tier follows the decode's routing (``Tiers``): every decode call's expert ids are kept;
 every ``MOVE_EVERY`` tokens, at a step's first layer call (right after mlx-lm launched the step
-before: the device is busy, not waiting), the ids mlx-lm has evaluated are read (no extra sync)
-and counted with a decay, every bank's hottest experts chosen for the device (by a margin), and
-the moves of all the banks issued as one batch, in the background. A prompt's calls run over a
-device copy of their bank (``device_copy``) or over layer sets (``prefill.set_pass``) and move
-nothing while it runs; their ids are counted (not as uses served) at the batch of the first
-token after it, which places the device tier for the prompt's routing (a prompt of 4 rows per
-expert or more: ``device_copy.ROWS_PER_EXPERT``; a shorter one counts as a token's calls). The
-routing traces replayed through ``Tiers`` (16 layers, a cold load, 165 decode tokens; their
-prompts, 28-29 tokens, for what their routing predicts), the device's share of decode's uses
-at half and a quarter of the experts on the device: Qwen3 0.838 and 0.693 with the margin
-against every expert and no prompt counted; 0.909 and 0.731 with no margin against an expert
-never used since loading; 0.917 and 0.733 with the prompt counted too (gemma-4: 0.847 / 0.741,
-0.922 / 0.780, 0.938 / 0.801; each layer's counted top: 0.978 and 0.989 at half;
-tests/test_tiers.py). A move
-changes where bytes live, never what they are.
+before: the device is busy, not waiting), the ids mlx-lm has evaluated are read (no extra sync) and
+counted with a decay, every bank's hottest experts chosen for the device (by a margin), and the
+moves of all the banks issued as one batch, in the background. A prompt's calls run over a device
+copy of their bank (``device_copy``) or over layer sets (``prefill.set_pass``) and move nothing
+while it runs; their ids are counted (not as uses served) at the batch of the first token after it,
+which places the device tier for the prompt's routing (a prompt of 4 rows per expert or more:
+``device_copy.ROWS_PER_EXPERT``; a shorter one counts as a token's calls). The routing traces
+replayed through ``Tiers`` (16 layers, a cold load, 165 decode tokens; their prompts, 28-29 tokens,
+for what their routing predicts), the device's share of decode's uses at half and a quarter of the
+experts on the device: Qwen3 0.838 and 0.693 with the margin against every expert and no prompt
+counted; 0.909 and 0.731 with no margin against an expert never used since loading; 0.917 and 0.733
+with the prompt counted too (gemma-4: 0.847 / 0.741, 0.922 / 0.780, 0.938 / 0.801; each layer's
+counted top: 0.978 and 0.989 at half; tests/test_tiers.py). A move changes where bytes live, never
+what they are; a closed model's banks are given back without their advice (``Tiers.close``).
 
-Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that records
-what it was asked. The option is refused off CUDA (``options``: unified memory, where the cache
-already is host memory).
+Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that
+records what it was asked. The option is refused off CUDA (``options``: unified memory, where the
+cache already is host memory).
 """
 
 from typing import Dict, List, Optional
@@ -107,6 +106,7 @@ class Tiers:
         self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.prompted = False  # a prompt ran since the last batch: the next token's call batches
         self.error: Optional[str] = None  # the first placement the runtime refused, if any
+        self.released = False  # the banks' advice taken back (``close``)
         # each queued placement: ``(on_device, ranges)`` jobs, run on one background thread
         self._moves = QueueWorker("mlx-lm-streaming-tiers", self._place)
 
@@ -120,12 +120,10 @@ class Tiers:
 
     def ranges(self, bank, experts) -> List[tuple]:
         """``(address, nbytes)`` of the experts' bytes in each part of the bank, a range per run
-        of consecutive experts (the first placement: two a part, not one per expert and part;
-        each range costs the runtime two advices and a prefetch). On the calling
-        thread (the model's): taking an MLX array's address evaluates it, which another thread
-        must not do (MLX ties an array to its thread's stream; seen on the H200 as placements
-        that never ran, and as a decode that stopped). The bank's views' addresses where it has
-        them (kept current by ``refresh_views``)."""
+        of consecutive experts (each costs the runtime two advices and a prefetch). On the
+        model's thread: taking an MLX array's address evaluates it, which another thread must
+        not do (seen on the H200 as placements that never ran, and a decode that stopped); the
+        bank's views' addresses where it has them (kept current by ``refresh_views``)."""
         from ..reads.bank_reads import _runs
         from ..reads.host_views import host_address
 
@@ -170,8 +168,21 @@ class Tiers:
         if wait is not None:
             wait()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """No move after the one running (``wait`` False, a finalizer's: not waited for); then,
+        once, every bank's advice taken back (``placer.unplace``): MLX hands a freed bank to the
+        next array of its size (a model loaded after this one), which would keep it."""
         self._moves.close()
+        if wait:
+            self._moves.join()
+        unplace = getattr(self.placer, "unplace", None)
+        if unplace is not None and not self.released:
+            self.released = True  # (a finalizer's: only addresses known, no array evaluated)
+            banks = [t.bank for t in self.banks.values() if wait or t.bank.view_addresses]
+            try:
+                unplace([r for b in banks for r in self.ranges(b, range(b.num_experts))])
+            except OSError:  # (the memory is being given up: said nowhere)
+                pass
 
     # -- following the routing ----------------------------------------------------------------
 
@@ -406,42 +417,3 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     cache.host_bytes = host
     cache.tiers = Tiers(placer, device, host)
     cache.planned = False
-
-
-def plan_line(cache, backend: str, trace=None) -> str:
-    """``plan``'s line on the two tiers: what the device and the host would hold at this budget
-    (the host tier as ``split`` sizes it where asked for), and with a routing trace the share of
-    its decode uses that the device tier would serve (each layer's hottest experts there)."""
-    if backend != "cuda":
-        return f"two tiers (--expert-host-gb): mlx-cuda only; {backend} memory is unified"
-    total = cache.total_expert_bytes
-    device = min(cache.budget_bytes or 0, total)
-    host = split(total, device, None, available_host_bytes())
-    line = (
-        f"two tiers (--expert-host-gb): device {decimal_gb(device)}, host {decimal_gb(host)}"
-    )
-    if not host and device < total:
-        line += (
-            f" (host RAM cannot hold the rest, {decimal_gb(total - device)}: a value below it "
-            "gives a host cache between the device's slots and disk)"
-        )
-    if trace is not None and device < total:
-        share = trace_share(cache, trace)
-        line += f"; the trace's decode uses served by the device tier: {share:.1%}"
-    return line
-
-
-def trace_share(cache, trace) -> float:
-    """The share of a trace's decode uses that each layer's hottest experts, as many as the
-    device tier holds (``device_slots``), would serve."""
-    banks = cache.banks
-    plan = device_slots(banks, min(cache.budget_bytes or 0, cache.total_expert_bytes))
-    served = used = 0
-    for layer, (bank, n) in enumerate(zip(banks, plan)):
-        counts = np.zeros(bank.num_experts)
-        for row in trace.rows:
-            if row.phase == "decode" and row.experts[layer]:
-                np.add.at(counts, np.asarray(row.experts[layer], dtype=np.int64), 1)
-        served += np.sort(counts)[::-1][:n].sum()
-        used += counts.sum()
-    return float(served / used) if used else float("nan")
