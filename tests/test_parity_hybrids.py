@@ -14,6 +14,7 @@ from support import load_stock, with_slots
 from test_parity import PREFILL_STEP, check_parity, generate_step_module, run_generate_step
 
 from mlx_lm_streaming.runtime import mlx_shims
+from mlx_lm_streaming.runtime.decode.verified_step import VerifiedStep
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.tools.parity import difference
 from synthetic import build_checkpoint
@@ -75,6 +76,8 @@ def hybrid_paths(tmp_path_factory):
             layers, overrides = 4, {"experts": 16}
             if arch == "nemotron_h":
                 layers, overrides = 6, {**overrides, "layer_types": NEMOTRON_LAYERS}
+            if arch == "gemma4_text":  # (a window past the tokens: its caches can be taken back)
+                overrides = {**overrides, "sliding_window": 64}
             self[arch] = build_checkpoint(
                 root / arch, arch, num_layers=layers, overrides=overrides
             )
@@ -113,10 +116,6 @@ def put_backs(monkeypatch):
     return seen
 
 
-# decoder layers that return (hidden states, residual blocks): a verified step that misses puts
-# every entry back and runs the whole call again per layer (still stock's bits)
-WHOLE_CALL_AGAIN = ("kimi_k3",)
-
 
 @pytest.mark.parametrize("arch", HYBRIDS + ["phixtral"])
 def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arch, monkeypatch):
@@ -134,13 +133,54 @@ def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arc
         assert np.array_equal(a, b)
     runner = model.expert_streaming.steps
     assert runner.verified >= STEPS // 2
-    if arch in WHOLE_CALL_AGAIN:
-        assert runner.recomputed > 0 and runner.replays == 0
-    else:
-        assert runner.replays > 0
-        assert runner.recomputed == 0  # run again from the layer that missed, never whole
+    # run again from the layer that missed, never whole (kimi_k3's layers give (h, None) here:
+    # no residual blocks, so the next layer takes h alone)
+    assert runner.replays > 0 and runner.recomputed == 0
     assert seen["arrays"] > 0 or arch not in HYBRIDS  # recurrent states were put back
 
+
+
+def _greedy_against_stock(path, monkeypatch):
+    """The streaming model of ``path`` (3 slots a layer, a verified step at every call) decoded
+    against stock, every token and log-probabilities' bits equal; ``(its runner, restarts)``."""
+    expected = generated(load_stock(path)[0])
+    model = with_slots(path, 3, tuning=ALWAYS)
+    restarts = []
+    real = VerifiedStep.restart
+    monkeypatch.setattr(VerifiedStep, "restart", lambda step: restarts.append(1) or real(step))
+    got = generated(model, every_call_verified=True)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(expected, got):
+        assert np.array_equal(a, b)
+    return model.expert_streaming.steps, restarts
+
+
+def test_layers_that_give_tuples_are_replayed_from_the_layer_that_missed(hybrid_paths, monkeypatch):
+    # gemma-4's decoder layers give (h, keys and values, offset); the next takes h: a miss runs
+    # the layers again from the one that missed, as for layers that give h alone
+    runner, restarts = _greedy_against_stock(hybrid_paths["gemma4_text"], monkeypatch)
+    assert runner.verified >= STEPS // 2 and runner.replays > 0
+    assert runner.recomputed == 0 and not restarts
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3-attn-res", "gemma4_text-kv-shared"])
+def test_a_miss_where_layers_cannot_be_replayed_is_read_then_the_call_runs_again_verified(
+    arch, monkeypatch, tmp_path
+):
+    # a layer given what another layer gave beside its output (kimi_k3's residual blocks, a
+    # KV-shared gemma-4 layer's keys and values) would get the first pass's again in a replay: a
+    # miss reads its experts (and those the pass beyond it named), puts every entry back and runs
+    # the call again whole as a verified step, once (``restart``); only a miss in that run, per
+    # layer
+    name, overrides = arch.split("-")[0], {  # (gemma-4: the last two layers take the first two's)
+        "kimi_k3-attn-res": {"attn_res_block_size": 2},
+        "gemma4_text-kv-shared": {"sliding_window": 64, "num_kv_shared_layers": 2},
+    }[arch]
+    path = build_checkpoint(tmp_path / name, name, num_layers=4, overrides={"experts": 16,
+                                                                         **overrides})
+    runner, restarts = _greedy_against_stock(path, monkeypatch)
+    assert len(restarts) > 0 and runner.recomputed >= len(restarts) and runner.replays == 0
+    assert runner.named > 0  # (read with the first miss's experts, whatever the guesses scored)
 
 def test_a_recurrent_state_left_as_the_missed_pass_wrote_it_is_not_stock(hybrid_paths, monkeypatch):
     # the test above can fail: a miss whose recurrent states are not put back computes the layers

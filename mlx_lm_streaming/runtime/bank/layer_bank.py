@@ -430,7 +430,7 @@ def load_together(loads) -> None:
 
 def note_hits(banks: List[LayerBank], experts: List[np.ndarray]) -> tuple:
     """Each of ``banks`` found every one of its ``experts`` resident and loaded nothing (a verified
-    step's commit; the policies' records of the uses: ``decode.verified_step.note_uses``): their
+    step's commit; the policies' records of the uses: ``decode.step_uses.note_uses``): their
     counters. Experts read ahead on a guess for a call (``load(..., guessed=True)``) count as its
     misses, the rest as hits; guesses it did not use end here. Returns ``(hits, misses)`` summed;
     the caller holds the banks' locks."""

@@ -14,24 +14,26 @@ experts the layers' maps (host copies, as each call saw them) mark missing:
   host by then at no wait;
 - some missing: the first MoE layer with a miss computed rows from the wrong slot, and every layer
   after it took a wrong input; the layers before it are right. Its ids are right (its input is), so
-  its missing experts are read, the cache entries of that decoder layer and those after it are
-  put back as they were before the step (``StepCaches``: KV entries' tokens taken back, hybrids'
-  recurrent states given back their arrays), and the forward runs again, each decoder layer
-  before that one giving back its recorded output (``layer_call``) instead of computing (a layer
-  run again gets its first call's arguments: masks made before the step). Repeated until nothing is
-  missing: one host sync per token plus one per layer that missed, instead of one per layer.
+  its missing experts are read, the cache entries of that decoder layer and those after it are put
+  back as they were before the step (``StepCaches``: KV entries' tokens taken back, hybrids'
+  recurrent states given back their arrays), and the forward runs again, each decoder layer before
+  that one giving back its recorded output (``layer_call``) instead of computing (a layer run again
+  gets its first call's arguments: masks made before the step). Repeated until nothing is missing:
+  one host sync per token plus one per layer that missed, instead of one per layer.
 - read together (``CacheTuning.read_misses_together``): the layers after the first miss ran on a
   slightly wrong input, but on a trained model they pick nearly the experts they will pick once
   right (98.5% of them on the routing model, docs/routing.md). So the experts that pass picked and
   its banks lack are read too, at the same time as the missed layer's (``load_together``: several
   banks at once, each expert on its own demand thread), as guesses (``LayerBank.load(...,
   guessed=True)``: counted as misses only if the pass run again uses them). The forward then runs
-  again from the first missed layer, and usually finds nothing missing: about one host sync more
-  per token that missed, however many layers missed, and its reads overlapped.
+  again from the first missed layer, and usually finds nothing missing: about one host sync more per
+  token that missed, however many layers missed, and its reads overlapped.
 
 Where layers cannot be replayed (``model.layers`` not wrapped, a cache entry shared by layers or
-written outside them), a miss puts every cache entry back and runs the whole call per layer
-instead. Which decode calls are verified steps: ``runner.StepRunner``.
+written outside them, a layer given what another gave beside its output: ``tuple_input``), a miss
+puts every cache entry back and, once its experts and those the pass named are read, runs the whole
+call again (``restart``); a miss in that run runs it per layer (layers not wrapped: per layer at
+once). Which decode calls are verified steps: ``runner.StepRunner``.
 """
 
 from operator import itemgetter
@@ -41,11 +43,11 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..bank import load_together, note_hits
-from ..policy import PolicyRows
+from ..bank import load_together
 from . import schedules, share_limits
 from .modes import Mode
 from .step_caches import StepCaches
+from .step_uses import distinct_per_call, note_uses
 
 MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
 _IDS, _SIZE = itemgetter(1), itemgetter(2)  # (a kept call's ids, their count: C, no frame)
@@ -53,7 +55,12 @@ _MAP = itemgetter(3)  # (an unchecked call's host map of missing experts)
 
 
 class _Again(Exception):
-    """A miss the step cannot take back layer by layer: the call runs again whole, per layer."""
+    """A miss the step cannot take back layer by layer: the call runs again whole, per layer; or
+    (``whole``: its misses and those the pass beyond named read first) once as a verified step."""
+
+    def __init__(self, whole: bool = False):
+        super().__init__()
+        self.whole = whole
 
 
 class VerifiedStep(Mode):
@@ -76,6 +83,7 @@ class VerifiedStep(Mode):
         self.ran = -1
         self.inputs: Dict[int, tuple] = {}
         self.outputs: Dict[int, object] = {}
+        self.given: set = set()  # ids of what layers gave beside their output (``tuple_input``)
         # the cache entries as they were before the step, and the layer that got each
         self.caches = StepCaches(kv)
         # whether layers can be run again from one that missed: the model's layers were wrapped,
@@ -101,6 +109,7 @@ class VerifiedStep(Mode):
         # (``StepRunner.check``) reads them
         self.held_ids: Optional[mx.array] = None
         self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
+        self.whole = False  # run again whole after its misses were read (``restart``)
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -153,8 +162,12 @@ class VerifiedStep(Mode):
         ):
             self.replayable = False  # an entry none of the call's, or another layer's
         outputs = self.outputs
-        if i > 0 and (not args or args[0] is not outputs.get(i - 1)):
-            self.replayable = False
+        if i > 0:
+            prev = outputs.get(i - 1)
+            if type(prev) is tuple:  # (gemma-4's, kimi-k3's layers: ``(h, ...)``)
+                self.tuple_input(prev, args, kwargs)
+            elif not args or args[0] is not prev:
+                self.replayable = False
         if i < self.replay_below:  # the forward run again after a miss in a later layer
             return self.outputs[i]
         if i in self.inputs and args:
@@ -171,6 +184,17 @@ class VerifiedStep(Mode):
             return outputs[i]
         return out
 
+    def tuple_input(self, prev: tuple, args, kwargs) -> None:
+        """A layer after one that gave a tuple: replayable while its input is the tuple's first
+        item and nothing else it is given came from a layer's tuple (a KV-shared layer's keys and
+        values, kimi-k3's blocks: a replay would give it those of the first pass)."""
+        given = self.given
+        given.update(id(v) for v in prev[1:] if not isinstance(v, (int, float, type(None))))
+        if not args or args[0] is not prev[0]:
+            self.replayable = False
+        elif not given.isdisjoint(map(id, (*args[1:], *kwargs.values()))):
+            self.replayable = False
+
     def settle(self, upto: int) -> None:
         """Check the MoE calls so far (one host sync); while one has a missing expert, read its
         experts, take back the cache entries its decoder layer and those after it wrote, and run
@@ -184,7 +208,7 @@ class VerifiedStep(Mode):
             for i in range(layer, upto + 1):
                 call, args, kwargs = self.inputs[i]
                 if i > 0:  # the layer before's output, as it is now (it may have run again)
-                    args = (self.outputs[i - 1], *args[1:])
+                    args = (_first(self.outputs[i - 1]), *args[1:])
                 self.inputs[i] = (call, args, kwargs)
                 self.layer = i
                 self.outputs[i] = call(*args, **kwargs)
@@ -200,35 +224,48 @@ class VerifiedStep(Mode):
             return None
         layer, bank, indices, _ = self.calls[first]
         experts = np.unique(np.array(indices, copy=False).astype(np.int64))
-        if (
-            not self.replayable
-            or self.caches.unclaimed_changed()
-            or layer is None
-            or len(experts) > bank.slots
-            or id(bank) in self.loaded  # it missed again after its load: ids that changed
-        ):
+        # it missed again after its load (ids that changed), or more experts than slots
+        if len(experts) > bank.slots or id(bank) in self.loaded:
+            raise _Again
+        # layers that cannot be run again from the one that missed (a layer given what another
+        # gave beside its output; an entry written outside the layers): the reads below, then the
+        # call again whole (``_Again(whole=True)``, once: ``restart``)
+        whole = not self.replayable or self.caches.unclaimed_changed()
+        if layer is None or whole and (self.whole or not self.outputs):
             raise _Again
         # no pending work may read a slot the load writes
         mx.eval(self.outputs[self.ran])
         tl = bank.cache.timeline
         start = tl.now()
         runner = self.runner
-        guesses = self.named_after(first) if runner.together else []
+        # (the call run again whole: the pass's names read whatever the guesses scored, the
+        # layers after the first miss being no cheaper to run per layer than to read ahead)
+        guesses = self.named_after(first, whole) if runner.together else []
         # reads what is missing; counts the call's hits and misses
         load_together([(bank, experts, {})] + guesses)
         self.loaded.add(id(bank))
         tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
                 guessed=sum(len(g[1]) for g in guesses))
         self.calls = []
+        if whole:
+            raise _Again(whole=True)
         return layer
 
-    def named_after(self, first: int) -> List[tuple]:
+    def restart(self) -> None:
+        """Begun again for the call run again whole (``_Again(whole=True)``), its caches put back
+        by the caller: its layers' and MoE calls' records anew, what its loads counted kept; a
+        miss in that run runs the call per layer."""
+        self.replay_below, self.layer, self.ran, self.whole = 0, None, -1, True
+        self.inputs, self.outputs, self.calls, self.kept, self.given = {}, {}, [], {}, set()
+
+    def named_after(self, first: int, always: bool = False) -> List[tuple]:
         """``(bank, experts, load options)`` for each MoE call after ``calls[first]`` that the
         check found missing experts: those its ids (picked on a wrong input) name and its bank
         lacks, to be read as guesses, the call's other experts kept; none while the runner's
-        guesses scored badly (``StepRunner.guess_precision``: scored at ``commit`` either way)."""
+        guesses scored badly (``StepRunner.guess_precision``: scored at ``commit`` either way),
+        unless ``always``."""
         out = []
-        read = self.runner.guess_precision >= self.runner.min_precision
+        read = always or self.runner.guess_precision >= self.runner.min_precision
         for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
             _, bank, indices, _ = self.calls[j]
             named = np.unique(np.array(indices, copy=False).astype(np.int64))
@@ -331,6 +368,11 @@ class VerifiedStep(Mode):
             runner.guess_precision += MISSED_WEIGHT * (used / named - runner.guess_precision)
 
 
+def _first(out):
+    """A decoder layer's output, or the first item of the tuple it gave (its hidden states)."""
+    return out[0] if type(out) is tuple else out
+
+
 def call_ids(calls) -> tuple:
     """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
     lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel per
@@ -363,63 +405,3 @@ def host_counts(calls, ids) -> np.ndarray:
         counts[j] = m[flat[at : at + i.size]].sum()
         at += i.size
     return counts
-
-
-def distinct_per_call(flat: np.ndarray, sizes: list):
-    """Each call's distinct experts, sorted (``np.unique`` of each), from ``flat``: the calls' ids
-    one after another, ``sizes`` of each. Calls of one size (a token's layers): each call's ids
-    sorted as one row of a 2-D array, its rows the answer where no id repeats in one (top-k ids
-    never do); else (or where one does) one sort of all the ids, call j's offset by j << 32, kept
-    where unlike the one before. Not ``np.unique`` (12 µs on 32 ids where a sort takes 1)."""
-    if len(set(sizes)) == 1:
-        rows = np.sort(flat.reshape(len(sizes), -1), axis=1)
-        if (rows[:, 1:] != rows[:, :-1]).all():
-            return rows
-    calls = np.arange(len(sizes), dtype=np.int64) << 32
-    ids = flat + np.repeat(calls, sizes)
-    ids.sort()
-    first = np.ones(len(ids), dtype=bool)
-    np.not_equal(ids[1:], ids[:-1], out=first[1:])
-    ids = ids[first]
-    ends = np.searchsorted(ids, calls + (1 << 32)).tolist()
-    ids &= (1 << 32) - 1
-    return np.split(ids, ends[:-1])
-
-
-def note_uses(banks: list, experts: list) -> tuple:
-    """Each of ``banks`` found every one of its ``experts`` (unique int64 ids) resident and loaded
-    nothing (a verified step's commit): the policies' records of the uses, at once for all banks
-    (``PolicyRows.use``: their policies joined here once, every bank of the cache, where they can
-    be), and the banks' counters (``note_hits``), the banks' locks held (taken in model order, as
-    ``load_together``'s; a join takes every bank's). Returns ``(hits, misses)`` summed."""
-    policies, rows = [], banks[0].table.policy.rows
-    for bank in banks:  # (loops, not comprehensions: on Python 3.11 those are calls)
-        bank.lock.acquire()
-        policies.append(bank.table.policy)
-        if policies[-1].rows is not rows:
-            rows = None
-    try:
-        if rows is None:  # (joined once; again after a bank's policy was made anew)
-            rows = join(banks[0].cache.banks)
-        if rows is None:  # (policies of several kinds: each its own record)
-            for policy, used in zip(policies, experts):
-                policy.use(used)
-        else:
-            rows.use(policies, experts)
-        return note_hits(banks, experts)
-    finally:
-        for bank in banks:
-            bank.lock.release()
-
-
-def join(every: list) -> Optional[PolicyRows]:
-    """The policies of ``every`` bank joined (``PolicyRows``), under their locks; None where they
-    cannot be (``PolicyRows.joinable``)."""
-    for bank in every:
-        bank.lock.acquire()
-    try:
-        policies = [bank.table.policy for bank in every]
-        return PolicyRows(policies) if PolicyRows.joinable(policies) else None
-    finally:
-        for bank in every:
-            bank.lock.release()
