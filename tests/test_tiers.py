@@ -396,6 +396,44 @@ def test_on_real_routing_the_device_tier_serves_near_the_placements_top(name):
     assert 0.9 * top < plain < seeded, (plain, seeded, top)
 
 
+
+def _decode_rows(name, layers=16):
+    from pathlib import Path
+
+    from mlx_lm_streaming.files.routing_trace import read_trace
+
+    trace = read_trace(Path(__file__).parent / "data" / "routing" / f"{name}.jsonl")
+    return [[mx.array([r.experts[j]], dtype=mx.uint32) for j in range(layers)]
+            for r in trace.rows if r.phase == "decode"]  # fmt: skip
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_after_a_shift_between_real_traces_the_device_tier_follows_within_32_tokens(share):
+    # one real trace's decode rows twice, then the other's twice (and the other way round), 16
+    # layers: the share of each 8 tokens' uses on the device is back to 90% of the new trace's
+    # steady share (its second pass) within 32 tokens of the shift (SWAP_MIN alone: 40-64), the
+    # shift seen (``tier_shifts``)
+    qwen3, gemma = _decode_rows("qwen3-30b-a3b"), _decode_rows("gemma-4-26b-a4b")
+    for first, second in ((qwen3, gemma), (gemma, qwen3)):
+        on_device = int(128 * share)
+        t = tiers.Tiers(Recorder(), device_bytes=16 * on_device * 1000,
+                        host_bytes=16 * (128 - on_device) * 1000)  # fmt: skip
+        banks = [_Bank(128) for _ in range(16)]
+        t.plan(banks)
+        calls = [t.caller(b, lambda x, i: i) for b in banks]
+        served = []  # per token: the share of its uses whose expert was on the device
+        for row in first * 2 + second * 2:
+            on = 0
+            for bank, call, ids in zip(banks, calls, row):
+                call(None, ids)
+                on += int(t.banks[id(bank)].device[np.array(ids).reshape(-1)].sum())
+            served.append(on / sum(i.size for i in row))
+        after = np.array(served[2 * len(first):])
+        steady = after[len(second):].mean()
+        blocks = after[: 32].reshape(4, 8).mean(axis=1)
+        assert blocks.max() >= 0.9 * steady, (blocks, steady)
+        assert t.summary()["tier_shifts"] >= 1
+
 def test_a_used_expert_takes_the_place_of_one_never_used_without_the_margin():
     # an expert on the device that no decode call has named since loading (count 0) gives its
     # place to any expert used (count > 0) at the next batch: the margin (SWAP_RATIO, SWAP_MIN)

@@ -59,6 +59,13 @@ DECAY = 0.5
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
+# a routing shift (a batch whose uses the device served at a share SHIFT_DROP below the running
+# share, weight SHARE_WEIGHT): FAST_BATCHES batches swap by SWAP_MIN_FAST (the traces replayed one
+# after the other: 90% of the new share in 32 tokens, not 40-64; shares and moves, +7-12%, kept)
+SHIFT_DROP = 0.1
+SHARE_WEIGHT = 0.3
+FAST_BATCHES = 3
+SWAP_MIN_FAST = 0.5
 
 
 def device_slots(banks, device_bytes: int) -> List[int]:
@@ -105,6 +112,9 @@ class Tiers:
         self.batches = 0  # batches of moves issued (``rebalance``)
         self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.prompted = False  # a prompt ran since the last batch: the next token's call batches
+        # the running share of a batch's uses the device served; batches left by SWAP_MIN_FAST
+        self.served: Optional[float] = None
+        self.fast = self.shifts = 0
         self.error: Optional[str] = None  # the first placement the runtime refused, if any
         self.released = False  # the banks' advice taken back (``close``)
         # each queued placement: ``(on_device, ranges)`` jobs, run on one background thread
@@ -245,20 +255,40 @@ class Tiers:
         of all the banks submitted as one job."""
         moves = []
         self.prompted = False
+        margin = self.follow()
         for tier in self.banks.values():
-            changed = self.swaps(tier)
+            changed = self.swaps(tier, margin)
             if len(changed):
                 moves.append((tier.bank, changed, tier.device[changed]))
         if moves:
             self.batches += 1
             self._submit(moves)
 
-    def swaps(self, tier: BankTier) -> np.ndarray:
-        """The kept ids counted; then the hottest experts outside the device tier swap places
-        with the coldest in it, pair by pair, while the one coming in beats the one going out by
-        ``SWAP_RATIO`` and ``SWAP_MIN`` (by any count where that one was never used): the
+    def follow(self) -> float:
+        """Every bank's kept ids counted (``count``); the margin this batch swaps by: ``SWAP_MIN``,
+        or ``SWAP_MIN_FAST`` for ``FAST_BATCHES`` batches from one whose uses the device served
+        at a share ``SHIFT_DROP`` below the running share (a routing shift)."""
+        tiers = self.banks.values()
+        on, host = sum(t.uses["device"] for t in tiers), sum(t.uses["host"] for t in tiers)
+        for tier in tiers:
+            self.count(tier)
+        on = sum(t.uses["device"] for t in tiers) - on
+        used = on + sum(t.uses["host"] for t in tiers) - host
+        if used:
+            share, served = on / used, self.served
+            if served is not None and share < served - SHIFT_DROP:
+                self.fast, self.shifts = FAST_BATCHES, self.shifts + 1
+            self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
+        if self.fast:
+            self.fast -= 1
+            return SWAP_MIN_FAST
+        return SWAP_MIN
+
+    def swaps(self, tier: BankTier, margin: float = SWAP_MIN) -> np.ndarray:
+        """Its kept ids counted (``follow``), the hottest experts outside the device tier swap
+        places with the coldest in it, pair by pair, while the one coming in beats the one going
+        out by ``SWAP_RATIO`` and ``margin`` (by any count where that one was never used): the
         experts that swap (``tier.device`` says where each goes)."""
-        self.count(tier)
         counts = tier.counts
         n = tier.capacity
         none = np.zeros(0, dtype=np.int64)
@@ -270,7 +300,7 @@ class Tiers:
         hot = outside[np.argsort(-counts[outside], kind="stable")]
         k = 0
         while k < min(len(cold), len(hot)) and (
-            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + (SWAP_MIN if counts[cold[k]] else 0)
+            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + (margin if counts[cold[k]] else 0)
         ):
             k += 1
         counts *= DECAY
@@ -313,6 +343,7 @@ class Tiers:
             "tier_moves": self.moves,
             "tier_moves_per_token": self.moves / self.tokens if self.tokens else 0.0,
             "tier_move_batches": self.batches,
+            "tier_shifts": self.shifts,
             "tier_prompt_calls": self.prompt_calls,
             "tier_error": self.error,
             "tier_placed": self.check(),
