@@ -187,7 +187,9 @@ class VerifiedStep(Mode):
     def tuple_input(self, prev: tuple, args, kwargs) -> None:
         """A layer after one that gave a tuple: replayable while its input is the tuple's first
         item and nothing else it is given came from a layer's tuple (a KV-shared layer's keys and
-        values, kimi-k3's blocks: a replay would give it those of the first pass)."""
+        values, kimi-k3's blocks: a replay would give it those of the first pass). Seen by
+        identity, as the input is: mlx-lm's loops (gemma-4, kimi-k3, hunyuan, muse_spark) pass
+        what a layer gave as it is, none something made from it between layers."""
         given = self.given
         given.update(id(v) for v in prev[1:] if not isinstance(v, (int, float, type(None))))
         if not args or args[0] is not prev[0]:
