@@ -264,7 +264,13 @@ def test_the_checks_thread_is_mlx_cudas_unless_said():
 
 # qwen3_next: linear attention (ArraysCache) in layers 0 and 2; nemotron_h: Mamba-2 layers between
 # MoE layers; the others attention only, with shared experts (deepseek_v3, qwen2_moe) or not
-ARCHS = ["mixtral", "deepseek_v3", "qwen2_moe", "qwen3_next", "nemotron_h"]
+# (gemma-4's layers give tuples and are run again from the layer that missed; with KV-shared
+# layers, or kimi_k3 with residual blocks, a miss reads and runs the call again whole)
+ARCHS = ["mixtral", "deepseek_v3", "qwen2_moe", "qwen3_next", "nemotron_h", "gemma4_text",
+         "gemma4_text-kv-shared", "kimi_k3-attn-res"]  # fmt: skip
+VARIANTS = {"gemma4_text": {"sliding_window": 64},  # (a window past the tokens: caches rewind)
+            "gemma4_text-kv-shared": {"sliding_window": 64, "num_kv_shared_layers": 2},
+            "kimi_k3-attn-res": {"attn_res_block_size": 2}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -273,11 +279,12 @@ def arch_paths(tmp_path_factory):
 
     class Paths(dict):
         def __missing__(self, arch):
-            layers, overrides = 4, {"experts": 16}
+            layers, overrides = 4, {"experts": 16, **VARIANTS.get(arch, {})}
             if arch == "nemotron_h":
                 layers = 6
                 overrides["layer_types"] = ["mamba", "moe", "mamba", "moe", "attention", "moe"]
-            self[arch] = build_checkpoint(root / arch, arch, num_layers=layers, overrides=overrides)
+            name = arch.split("-")[0]
+            self[arch] = build_checkpoint(root / arch, name, num_layers=layers, overrides=overrides)
             return self[arch]
 
     return Paths()
