@@ -517,6 +517,7 @@ def test_the_stats_line_names_both_tiers(q3):
     line = report.stats_line(model.expert_streaming)
     assert "tiers: device" in line and "host" in line and "read in place" in line
     assert "a token in" in line and "prompt calls over device copies" in line
+    assert f"{cache.tiers.shifts} routing shifts followed" in line
     assert "two tiers" in report.choice_line(model.expert_streaming)
 
 
