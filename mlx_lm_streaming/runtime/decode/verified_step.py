@@ -109,7 +109,7 @@ class VerifiedStep(Mode):
         # (``StepRunner.check``) reads them
         self.held_ids: Optional[mx.array] = None
         self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
-        self.whole = False  # run again whole after its misses were read (``restart``)
+        self.restarted = False  # run again whole after its misses were read (``restart``)
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -233,7 +233,7 @@ class VerifiedStep(Mode):
         # gave beside its output; an entry written outside the layers): the reads below, then the
         # call again whole (``_Again(whole=True)``, once: ``restart``)
         whole = not self.replayable or self.caches.unclaimed_changed()
-        if layer is None or whole and (self.whole or not self.outputs):
+        if layer is None or whole and (self.restarted or not self.outputs):
             raise _Again
         # no pending work may read a slot the load writes
         mx.eval(self.outputs[self.ran])
@@ -257,7 +257,7 @@ class VerifiedStep(Mode):
         """Begun again for the call run again whole (``_Again(whole=True)``), its caches put back
         by the caller: its layers' and MoE calls' records anew, what its loads counted kept; a
         miss in that run runs the call per layer."""
-        self.replay_below, self.layer, self.ran, self.whole = 0, None, -1, True
+        self.replay_below, self.layer, self.ran, self.restarted = 0, None, -1, True
         self.inputs, self.outputs, self.calls, self.kept, self.given = {}, {}, [], {}, set()
 
     def named_after(self, first: int, always: bool = False) -> List[tuple]:

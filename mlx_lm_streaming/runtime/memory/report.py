@@ -36,7 +36,7 @@ def stats_line(state, label: bool = False) -> str:
             f" (tiers: device {_gb(s['tier_device_gb'])}, host {_gb(s['tier_host_gb'])} read "
             f"in place; uses served device / host {served} of {s['tier_sampled_uses']} counted; "
             f"{s['tier_moves']} experts moved, {s['tier_moves_per_token']:.2f} a token in "
-            f"{s['tier_move_batches']} batches, {s.get('tier_shifts', 0)} routing shifts "
+            f"{s['tier_move_batches']} batches, {s['tier_shifts']} routing shifts "
             f"followed; {s['tier_prompt_calls']} prompt calls over "
             "device copies)"
         )

@@ -230,10 +230,10 @@ class Tiers:
             tier.prompt.append(uses)
             self.prompted = True
 
-    def count(self, tier: BankTier) -> None:
+    def count(self, tier: BankTier) -> tuple:
         """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted, and a
         prompt's uses per expert, which count where the device tier goes but are no decode's uses
-        served."""
+        served: ``(uses the device served, uses)`` of those ids."""
         if tier.prompt:  # its most used expert weighs as one every token of PROMPT_TOKENS
             uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
             tier.prompt.clear()
@@ -242,13 +242,14 @@ class Tiers:
         done = tier.pending[: len(tier.pending) - READ_LAG]
         del tier.pending[: len(done)]
         if not done:
-            return
+            return 0, 0
         ids = np.concatenate([np.array(i).reshape(-1) for i in done]).astype(np.int64)
         ids = ids[(ids >= 0) & (ids < len(tier.counts))]
         tier.counts += np.bincount(ids, minlength=len(tier.counts))
         on = int(tier.device[ids].sum())
         tier.uses["device"] += on
         tier.uses["host"] += len(ids) - on
+        return on, len(ids)
 
     def rebalance(self) -> None:
         """One batch: every bank's kept ids counted and its swaps chosen (``swaps``), the moves
@@ -268,12 +269,10 @@ class Tiers:
         """Every bank's kept ids counted (``count``); the margin this batch swaps by: ``SWAP_MIN``,
         or ``SWAP_MIN_FAST`` for ``FAST_BATCHES`` batches from one whose uses the device served
         at a share ``SHIFT_DROP`` below the running share (a routing shift)."""
-        tiers = self.banks.values()
-        on, host = sum(t.uses["device"] for t in tiers), sum(t.uses["host"] for t in tiers)
-        for tier in tiers:
-            self.count(tier)
-        on = sum(t.uses["device"] for t in tiers) - on
-        used = on + sum(t.uses["host"] for t in tiers) - host
+        on = used = 0
+        for tier in self.banks.values():
+            served, uses = self.count(tier)
+            on, used = on + served, used + uses
         if used:
             share, served = on / used, self.served
             if served is not None and share < served - SHIFT_DROP:
