@@ -73,7 +73,7 @@ def tuning_variant(spec: str):
     """``NAME:field=value,...`` -> ``(NAME, {field: value})``, checked before anything is built."""
     from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
-    known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct"}  # (a store option)
+    known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct", "pack"}  # (load options)
     name, _, body = spec.partition(":")
     name = name.strip()
     items = [item.partition("=") for item in body.split(",") if item.strip()]
@@ -88,8 +88,8 @@ def tuning_variant(spec: str):
 
 
 def variant_tuning(name: str):
-    """``(records a timeline, CacheTuning or None, store options)`` of a variant: "_"-joined words,
-    "default", "tl" and ``TUNING_VARIANTS``' (``direct``: the safetensors store's option)."""
+    """``(records a timeline, CacheTuning or None, load options)`` of a variant: "_"-joined words,
+    "default", "tl" and ``TUNING_VARIANTS``' (``direct``: the store's option; ``pack``: a pack's path)."""
     from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     timeline, tuning = False, {}
@@ -101,8 +101,9 @@ def variant_tuning(name: str):
         elif word != "default":
             known = ", ".join(["default", "tl", *TUNING_VARIANTS])
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {known})")
-    store = {"direct": tuning.pop("direct")} if "direct" in tuning else {}
-    return timeline, CacheTuning(**tuning) if tuning else None, store
+    load = dict(store_options={"direct": tuning.pop("direct")} if "direct" in tuning else {})
+    load.update({"pack": tuning.pop("pack")} if "pack" in tuning else {})
+    return timeline, CacheTuning(**tuning) if tuning else None, load
 
 
 # -- the stock floors (bench only: they patch stock models in this process, never the package) ---
@@ -253,10 +254,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
     host = {} if args.expert_host_gb is None else dict(expert_host_gb=args.expert_host_gb)
     for v in args.variants:
         timelines[v].unlink(missing_ok=True)
-        traced, tuning, store = variant_tuning(v)
+        traced, tuning, load = variant_tuning(v)
         trace = str(timelines[v]) if traced else None
         model, _ = harness.load_streaming(path, expert_cache_gb=gb, trace=trace, tuning=tuning,
-                                          store_options=store, **host)
+                                          **load, **host)
         configs[v] = Config(v, model, cold=mode["cold"], files=files)
     for cfg in configs.values():
         own = cfg.name == "stock_own"  # the router's own ids: what the injection costs
@@ -603,7 +604,7 @@ def open_checkpoint(path, args, first_routing):
     experts, the disk and ram probes, and the stocks (routed through ``first_routing``)."""
     from mlx_lm_streaming.tools.parity import vocab_size
 
-    files = harness.shards(path)
+    files = harness.shards(path) + sorted(Path(path).glob("experts.pack"))  # (dropped when cold)
     ck = dict(path=str(path), **harness.expert_sizes(path))
     gc.collect()  # the probe's model
     bw = harness.probe_disk(files, ck["expert_bytes"], args.probe_mb * MB, args.probe_threads)
@@ -686,8 +687,7 @@ def ram_probe(path, files, ck, args):
             gbps[f"slots k{k} spread"] = figure(k, spread=True)
     return dict(
         layer=bank.path, slots=bank.slots, expert_bytes=nbytes, k=ks, mb=args.ram_probe_mb,
-        gbps=gbps, seconds=time.perf_counter() - start_s,
-    )
+        gbps=gbps, seconds=time.perf_counter() - start_s)
 
 
 # -- the run --------------------------------------------------------------------------------------
