@@ -12,7 +12,7 @@ from support import PlacementRecorder as Recorder
 from support import decode, load_stock, load_streaming, per_slot, same
 
 from mlx_lm_streaming.errors import ConfigurationError
-from mlx_lm_streaming.runtime.memory import report, tiers
+from mlx_lm_streaming.runtime.memory import host_split, report, tiers
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.reads.prefetch import LOOKAHEAD
 from mlx_lm_streaming.runtime.sizes import decimal_gb
@@ -156,7 +156,7 @@ def test_stats_say_what_the_host_served(q3):
 
 def test_plan_says_the_rest_a_host_cache_would_sit_below(q3_path, monkeypatch):
     model, cache = cached(q3_path, 4, 6)
-    monkeypatch.setattr(tiers, "available_host_bytes", lambda: 1)  # host RAM holds nothing
+    monkeypatch.setattr(host_split, "available_host_bytes", lambda: 1)  # host RAM holds nothing
     rest = cache.total_expert_bytes - cache.budget_bytes
     line = report.tiers_plan_line(cache, "cuda")
     assert f"cannot hold the rest, {decimal_gb(rest)}" in line and "host cache" in line

@@ -1,7 +1,7 @@
 """A host cache between the device's slot banks and the disk, on mlx-cuda (issue 39, item 4).
 
 Where host memory cannot hold every expert that the device budget (``--expert-cache-gb``) cannot
-(``tiers.split`` gives no two tiers) but ``--expert-host-gb`` is given below that rest, each MoE
+(``host_split.split`` gives no two tiers) but ``--expert-host-gb`` is given below that rest, each MoE
 layer's slot bank gets a second bank of slots in host memory (``HostBank``). A miss in the device
 slots that the host bank holds is served by an MLX copy from the host slot into the device slot:
 the GPU reads the host pages over the bus, and the bytes are those once read from the checkpoint,

@@ -326,10 +326,10 @@ def _report_stats() -> None:
 
 def tiers_plan_line(cache, backend: str, trace=None) -> str:
     """``plan``'s line on the two tiers (``tiers``): what the device and the host would hold at
-    this budget (the host tier as ``tiers.split`` sizes it where asked for), and with a routing
+    this budget (the host tier as ``host_split.split`` sizes it where asked for), and with a routing
     trace the share of its decode uses that the device tier would serve (each layer's hottest
     experts there)."""
-    from .tiers import available_host_bytes, split
+    from .host_split import available_host_bytes, split
 
     if backend != "cuda":
         return f"two tiers (--expert-host-gb): mlx-cuda only; {backend} memory is unified"

@@ -20,13 +20,12 @@ copy of their bank (``device_copy``) or over layer sets (``prefill.set_pass``) a
 while it runs; their ids are counted (not as uses served) at the batch of the first token after it,
 which places the device tier for the prompt's routing (a prompt of 4 rows per expert or more:
 ``device_copy.ROWS_PER_EXPERT``; a shorter one counts as a token's calls). The routing traces
-replayed through ``Tiers`` (16 layers, a cold load, 165 decode tokens; their prompts, 28-29 tokens,
-for what their routing predicts), the device's share of decode's uses at half and a quarter of the
-experts on the device: Qwen3 0.838 and 0.693 with the margin against every expert and no prompt
-counted; 0.909 and 0.731 with no margin against an expert never used since loading; 0.917 and 0.733
-with the prompt counted too (gemma-4: 0.847 / 0.741, 0.922 / 0.780, 0.938 / 0.801; each layer's
-counted top: 0.978 and 0.989 at half; tests/test_tiers.py). A move changes where bytes live, never
-what they are; a closed model's banks are given back without their advice (``Tiers.close``).
+replayed through ``Tiers`` (16 layers; tests/test_tiers.py; the rules' history in docs/design.md):
+from a cold load, 165 decode tokens, the device served Qwen3 0.908 and 0.730 of decode's uses at
+half and a quarter of the experts on the device (gemma-4 0.923 and 0.788), each layer's counted top
+0.978 / 0.826 (0.989 / 0.869); once the counts are warm, at a quarter, 0.803 of 0.822 (0.855 of
+0.865). A move changes where bytes live, never what they are; a closed model's banks are given
+back without their advice (``Tiers.close``).
 
 Everything except the CUDA calls (``cuda_placer.CudaPlacer``) runs anywhere: tests use a placer that
 records what it was asked. The option is refused off CUDA (``options``: unified memory, where the
@@ -39,7 +38,7 @@ import numpy as np
 
 from ..bank import device_copy
 from ..bank.layer_set import expert_counts
-from ..sizes import decimal_gb, gb_as_given
+from .host_split import FLAG, available_host_bytes, split
 from .queue_worker import QueueWorker
 
 # decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
@@ -55,14 +54,19 @@ MOVE_EVERY = 8
 # over within a few batches however long the prompt (the traces' replays: as good as unscaled
 # for their prompts, and a prompt 8x as long no worse)
 PROMPT_TOKENS = MOVE_EVERY
-DECAY = 0.5
+# counts kept a batch (the traces at a quarter: 0.766 / 0.827 of uses served at 0.5, 0.803 / 0.855
+# at 0.9 against each layer's counted top 0.822 / 0.865; moves a token 7.0 / 5.3 -> 4.1 / 3.4)
+DECAY = 0.9
 READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
 # a routing shift (a batch whose uses the device served at a share SHIFT_DROP below the running
-# share, weight SHARE_WEIGHT): FAST_BATCHES batches swap by SWAP_MIN_FAST (the traces replayed one
-# after the other: 90% of the new share in 32 tokens, not 40-64; shares and moves, +7-12%, kept)
+# share, weight SHARE_WEIGHT): the counts before that batch weigh SHIFT_KEEP, and FAST_BATCHES
+# batches swap by SWAP_MIN_FAST and keep FAST_DECAY of their counts (the traces replayed one after
+# the other: 90% of the new share in 32 tokens in all eight cases, not 40-64)
 SHIFT_DROP = 0.1
+SHIFT_KEEP = 0.25
+FAST_DECAY = 0.5
 SHARE_WEIGHT = 0.3
 FAST_BATCHES = 3
 SWAP_MIN_FAST = 0.5
@@ -93,6 +97,7 @@ class BankTier:
         self.device = np.zeros(bank.num_experts, dtype=bool)
         self.device[:on_device] = True  # no counts yet: the first experts
         self.pending: List = []  # the calls' ids arrays kept, not counted yet
+        self.fresh = np.zeros(bank.num_experts)  # the last batch's uses per expert (``count``)
         self.prompt: List = []  # a prompt's uses per expert (calls' or a set pass's), uncounted
         self.calls = 0  # decode calls (a token each)
         self.uses = {"device": 0, "host": 0}  # counted uses each tier served
@@ -241,11 +246,13 @@ class Tiers:
                 tier.counts += uses * (PROMPT_TOKENS / uses.max())
         done = tier.pending[: len(tier.pending) - READ_LAG]
         del tier.pending[: len(done)]
+        tier.fresh = np.zeros_like(tier.counts)
         if not done:
             return 0, 0
         ids = np.concatenate([np.array(i).reshape(-1) for i in done]).astype(np.int64)
         ids = ids[(ids >= 0) & (ids < len(tier.counts))]
-        tier.counts += np.bincount(ids, minlength=len(tier.counts))
+        tier.fresh = np.bincount(ids, minlength=len(tier.counts)).astype(np.float64)
+        tier.counts += tier.fresh
         on = int(tier.device[ids].sum())
         tier.uses["device"] += on
         tier.uses["host"] += len(ids) - on
@@ -257,8 +264,9 @@ class Tiers:
         moves = []
         self.prompted = False
         margin = self.follow()
+        decay = FAST_DECAY if margin == SWAP_MIN_FAST else DECAY
         for tier in self.banks.values():
-            changed = self.swaps(tier, margin)
+            changed = self.swaps(tier, margin, decay)
             if len(changed):
                 moves.append((tier.bank, changed, tier.device[changed]))
         if moves:
@@ -268,7 +276,8 @@ class Tiers:
     def follow(self) -> float:
         """Every bank's kept ids counted (``count``); the margin this batch swaps by: ``SWAP_MIN``,
         or ``SWAP_MIN_FAST`` for ``FAST_BATCHES`` batches from one whose uses the device served
-        at a share ``SHIFT_DROP`` below the running share (a routing shift)."""
+        at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts before
+        it then weigh ``SHIFT_KEEP``)."""
         on = used = 0
         for tier in self.banks.values():
             served, uses = self.count(tier)
@@ -277,22 +286,24 @@ class Tiers:
             share, served = on / used, self.served
             if served is not None and share < served - SHIFT_DROP:
                 self.fast, self.shifts = FAST_BATCHES, self.shifts + 1
+                for tier in self.banks.values():
+                    tier.counts = tier.fresh + SHIFT_KEEP * (tier.counts - tier.fresh)
             self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
         if self.fast:
             self.fast -= 1
             return SWAP_MIN_FAST
         return SWAP_MIN
 
-    def swaps(self, tier: BankTier, margin: float = SWAP_MIN) -> np.ndarray:
+    def swaps(self, tier: BankTier, margin: float = SWAP_MIN, decay: float = DECAY) -> np.ndarray:
         """Its kept ids counted (``follow``), the hottest experts outside the device tier swap
         places with the coldest in it, pair by pair, while the one coming in beats the one going
         out by ``SWAP_RATIO`` and ``margin`` (by any count where that one was never used): the
-        experts that swap (``tier.device`` says where each goes)."""
+        experts that swap (``tier.device`` says where each goes); the counts then keep ``decay``."""
         counts = tier.counts
         n = tier.capacity
         none = np.zeros(0, dtype=np.int64)
         if n in (0, len(counts)) or not counts.any():
-            counts *= DECAY
+            counts *= decay
             return none
         inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
         cold = inside[np.argsort(counts[inside], kind="stable")]
@@ -302,7 +313,7 @@ class Tiers:
             counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + (margin if counts[cold[k]] else 0)
         ):
             k += 1
-        counts *= DECAY
+        counts *= decay
         if not k:
             return none
         tier.device[cold[:k]] = False
@@ -354,55 +365,6 @@ class Tiers:
 # measured faster than streaming misses from the page cache, and exact (docs/design.md, "Two tiers
 # on mlx-cuda", gives the run)
 DEFAULT_ON = True
-# of the host RAM the OS calls available, this much stays free for the OS, other programs and the
-# page cache when the default host tier is sized (the larger of the two)
-HOST_MARGIN_BYTES = 4 * 10**9
-HOST_MARGIN_SHARE = 0.1
-_FLAG = "--expert-host-gb / MLX_LM_STREAMING_HOST_GB / expert_host_gb"
-
-
-def available_host_bytes() -> Optional[int]:
-    """``MemAvailable`` of /proc/meminfo (Linux: where mlx-cuda runs), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_room(available: Optional[int]) -> int:
-    """What the host tier may take of ``available`` bytes: less the margin, never below 0."""
-    if available is None:
-        return 0
-    return max(0, available - max(HOST_MARGIN_BYTES, int(HOST_MARGIN_SHARE * available)))
-
-
-def split(total: int, device: int, given_gb, available: Optional[int]) -> int:
-    """The host tier's bytes for ``total`` expert bytes of which ``device`` fit the device budget:
-    0 where the device holds them all; given: its bytes (``ConfigurationError`` where more than
-    the host can spare); the default: the rest where the host can spare it, else 0. A tier that
-    with the device's cannot hold every expert is 0 (misses stream from disk, as without)."""
-    from ...errors import ConfigurationError
-    from ...option_table import GB
-
-    rest = max(0, total - device)
-    if rest == 0 or given_gb == 0:
-        return 0
-    room = host_room(available)
-    if given_gb is None:
-        return rest if rest <= room else 0
-    asked = min(int(given_gb * GB), rest)
-    if asked > room:
-        raise ConfigurationError(
-            f"{_FLAG} {gb_as_given(given_gb)}: the host tier would take {decimal_gb(asked)}, more "
-            f"than the {decimal_gb(room)} of available host memory less a margin; lower it or give 0"
-        )
-    return asked if asked >= rest else 0
-
-
 def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     """Give ``cache`` its host tier (``split``) and ``Tiers`` where it is on mlx-cuda and the two
     tiers hold every expert; where a host budget is given below what they would need, a host
@@ -414,7 +376,7 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     if backend != "cuda":
         if given_gb:
             raise ConfigurationError(
-                f"{_FLAG} is for mlx-cuda only: on {backend}, memory is unified and the expert "
+                f"{FLAG} is for mlx-cuda only: on {backend}, memory is unified and the expert "
                 "cache already is host memory; leave it out"
             )
         return
