@@ -140,11 +140,11 @@ def test_a_verified_step_that_misses_puts_recurrent_state_back(hybrid_paths, arc
 
 
 
-def _greedy_against_stock(path, monkeypatch):
+def _greedy_against_stock(path, monkeypatch, tuning=ALWAYS):
     """The streaming model of ``path`` (3 slots a layer, a verified step at every call) decoded
     against stock, every token and log-probabilities' bits equal; ``(its runner, restarts)``."""
     expected = generated(load_stock(path)[0])
-    model = with_slots(path, 3, tuning=ALWAYS)
+    model = with_slots(path, 3, tuning=tuning)
     restarts = []
     real = VerifiedStep.restart
     monkeypatch.setattr(VerifiedStep, "restart", lambda step: restarts.append(1) or real(step))
@@ -161,6 +161,15 @@ def test_layers_that_give_tuples_are_replayed_from_the_layer_that_missed(hybrid_
     runner, restarts = _greedy_against_stock(hybrid_paths["gemma4_text"], monkeypatch)
     assert runner.verified >= STEPS // 2 and runner.replays > 0
     assert runner.recomputed == 0 and not restarts
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_next", "nemotron_h"])
+def test_landings_taken_as_the_layers_run_again_in_hybrids(hybrid_paths, arch, monkeypatch):
+    # ``replay_as_landed``: each bank's reads taken by its own MoE call as the layers run again
+    # (tuple layers, recurrent states put back): stock's bits, replayed, never whole
+    tuning = CacheTuning(verify_choice="always", replay_as_landed=True, lookahead_min_precision=0)
+    runner, restarts = _greedy_against_stock(hybrid_paths[arch], monkeypatch, tuning)
+    assert runner.replays > 0 and runner.recomputed == 0 and not restarts
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3-attn-res", "gemma4_text-kv-shared"])

@@ -343,6 +343,89 @@ def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected,
         assert stats["verified_named"] == 0
 
 
+def _lock_free(bank) -> bool:
+    """Whether another thread can take ``bank``'s lock now (an RLock: its owner always could)."""
+    import threading
+
+    got = []
+
+    def try_lock():
+        ok = bank.lock.acquire(blocking=False)
+        if ok:
+            bank.lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=try_lock)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_landings_taken_as_the_layers_run_again_stay_exact(q3_path, expected, monkeypatch):
+    # ``replay_as_landed``: a miss's reads (the missed layer's and those the pass named) are
+    # issued together and each bank's landings taken by its own MoE call as the forward runs
+    # again, each layer evaluated as it is built: the steps are stock's bits, some banks were
+    # taken while later banks' reads were still pending, and every lock is free afterwards
+    from mlx_lm_streaming.runtime.bank.later_landings import LaterLandings
+
+    taken = []
+    real_take = LaterLandings.take
+
+    def take(self, bank):
+        if id(bank) in self.pending:
+            taken.append(len(self.pending) - 1)  # banks still pending once it is taken
+        real_take(self, bank)
+
+    monkeypatch.setattr(LaterLandings, "take", take)
+    tuning = CacheTuning(
+        replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always"
+    )
+    model = with_slots(q3_path, 4, tuning=tuning)
+    assert_same(expected, _every_call_verified(model))
+    runner = model.expert_streaming.steps
+    cache = model.expert_streaming.cache
+    stats = model.expert_streaming.stats()
+    assert runner.recomputed == 0 and runner.replays > 0
+    assert taken and max(taken) > 0, taken  # taken while later banks' reads were pending
+    assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
+    assert all(_lock_free(b) for b in cache.banks)
+    model.expert_streaming.close()
+
+
+def test_a_read_that_fails_while_the_layers_run_again_frees_every_bank(q3_path, monkeypatch):
+    # a read error in a bank whose landings a layer run again takes: the call raises the store's
+    # error by name, every bank's lock is free, and the model decodes again once reads work
+    from mlx_lm_streaming.errors import ExpertIOError
+
+    tuning = CacheTuning(
+        replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always"
+    )
+    model = with_slots(q3_path, 2, tuning=tuning)
+    store = model.expert_streaming.cache.store
+    real_read = store.read_on_this_thread
+    state = {"fail": False}
+
+    def read(jobs):
+        if state["fail"]:
+            raise ExpertIOError("model-00001.safetensors: read failed (injected)")
+        return real_read(jobs)
+
+    monkeypatch.setattr(store, "read_on_this_thread", read)
+    runner = model.expert_streaming.steps
+    kv = make_prompt_cache(model)
+    mx.eval(model(PROMPT[None, :4], cache=kv))
+    state["fail"] = True
+    with pytest.raises(ExpertIOError, match="injected"):
+        for token in (5, 9, 101, 7, 64, 3, 17, 42):
+            runner.missed_share = 0.0
+            mx.eval(model(mx.array([[token]]), cache=kv))
+    assert all(_lock_free(b) for b in model.expert_streaming.cache.banks)
+    state["fail"] = False
+    runner.missed_share = 0.0
+    mx.eval(model(mx.array([[5]]), cache=make_prompt_cache(model)))
+    model.expert_streaming.close()
+
+
 @pytest.fixture(scope="module")
 def varied(q3_path):
     """One prompt and stock's logits for 16 one-token calls with varied inputs (``support.decode``):
@@ -417,12 +500,12 @@ def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatc
     calls = []
     real = verified_step.load_together
 
-    def spy(loads):
+    def spy(loads, later=False):
         missing = sum(int((b.slot_of[np.asarray(e)] < 0).sum()) for b, e, _ in loads)
         with cv:
             gauge["want"], gauge["most"] = missing, gauge["most"] + [0]
         calls.append((len(loads), missing))
-        real(loads)
+        real(loads, later)
         with cv:
             gauge["want"] = 0
 
@@ -463,9 +546,9 @@ def test_guesses_beyond_a_miss_are_read_only_while_they_scored_well(q3_path, exp
     seen = []
     real = verified_step.load_together
 
-    def spy(loads):
+    def spy(loads, later=False):
         seen.append((runner.guess_precision, len(loads) > 1))
-        return real(loads)
+        return real(loads, later)
 
     monkeypatch.setattr(verified_step, "load_together", spy)
     assert_same(expected, _every_call_verified(model))

@@ -16,6 +16,7 @@ from ..reads.index import LayerExperts
 from ..reads.prefetch import WAVE, StagedBatch
 from ..reads.safetensors_header import mx_dtype
 from . import cuda_copy
+from .later_landings import LaterLandings
 
 
 class LayerBank:
@@ -387,7 +388,7 @@ class LayerBank:
             self.cache.release(batch, when_done=True)
 
 
-def load_together(loads) -> None:
+def load_together(loads, later: bool = False) -> Optional[LaterLandings]:
     """``bank.load(experts, **options)`` for each of ``loads``, every bank's reads issued before
     any is waited for. Where every bank reads directly into its slots: the reads run on the
     cache's demand threads, ``CacheTuning.reads_in_flight`` at once, while this thread takes the
@@ -397,7 +398,8 @@ def load_together(loads) -> None:
     run one after another, each installing what was read ahead for it. A model with a host cache
     (whose copies go before any read of their bank) loads one bank after another. All pending
     work was evaluated by the caller, so no bank need wait for its stream (``last_stream``).
-    Every load has ended when this returns; the first error is raised then."""
+    Every load has ended when this returns; the first error is raised then. ``later`` (direct
+    reads only): each bank's landings are taken when its layer runs (``later_landings``)."""
     banks = [bank for bank, _, _ in loads]
     if len(loads) == 1 or banks[0].cache.host_cache is not None:
         for bank, experts, options in loads:
@@ -410,6 +412,8 @@ def load_together(loads) -> None:
             bank.load(experts, **options)
         return
     banks[0].cache.ensure_planned()
+    if later:
+        return LaterLandings().issue(loads)
     issued = []
     with contextlib.ExitStack() as locks:
         try:

@@ -250,6 +250,8 @@ class StepRunner:
             step.caches.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
+            if step.later is not None:  # (an error's: a run that ended well took every one)
+                step.land(error=True)
             if cache.mode is step:
                 cache.mode = PER_LAYER
         if missed is None:

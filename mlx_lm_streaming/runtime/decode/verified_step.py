@@ -110,6 +110,8 @@ class VerifiedStep(Mode):
         self.held_ids: Optional[mx.array] = None
         self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
         self.restarted = False  # run again whole after its misses were read (``restart``)
+        # banks whose landings its MoE calls take (``CacheTuning.replay_as_landed``)
+        self.later = None
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -122,6 +124,8 @@ class VerifiedStep(Mode):
         the per-layer host sync costs more than the layer on a GPU."""
         bank = layer.bank
         cache = bank.cache
+        if self.later is not None:  # (its reads issued by the last check: their landings)
+            self.later.take(bank)
         size = indices.size  # (an MLX attribute: read once)
         kernel = (layer.kernels.get(size) or schedules.kernel_of(layer, size))[0]
         # (a complete bank's graph is stock's where no recorder wants the step's record of ids)
@@ -179,6 +183,8 @@ class VerifiedStep(Mode):
         self.layer, self.ran = i, max(self.ran, i)
         self.inputs[i] = (call, args, kwargs)
         out = outputs[i] = call(*args, **kwargs)
+        if self.later is not None:  # (run again while later banks' reads land: begun now)
+            mx.async_eval(_first(out))
         if len(self.calls) >= self.every and i < self.layers - 1:
             self.settle(i)
             return outputs[i]
@@ -220,6 +226,8 @@ class VerifiedStep(Mode):
         the check after it). None if nothing is missing; else read the first missing call's
         experts and return its decoder layer, from which the forward must run again (raises
         ``_Again`` where it cannot)."""
+        if self.later is not None:  # (the layers run again took what they used: the rest)
+            self.land()
         first = self.first_miss(out)  # (it did the step before's host work)
         if first is None:
             self.calls = []
@@ -243,8 +251,10 @@ class VerifiedStep(Mode):
         # (the call run again whole: the pass's names read whatever the guesses scored, the
         # layers after the first miss being no cheaper to run per layer than to read ahead)
         guesses = self.named_after(first, whole) if runner.together else []
-        # reads what is missing; counts the call's hits and misses
-        load_together([(bank, experts, {})] + guesses)
+        # reads what is missing; counts the call's hits and misses (landings taken later: as
+        # the layers run again)
+        later = not whole and bank.cache.tuning.replay_as_landed
+        self.later = load_together([(bank, experts, {})] + guesses, later=later)
         self.loaded.add(id(bank))
         tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),
                 guessed=sum(len(g[1]) for g in guesses))
@@ -252,6 +262,13 @@ class VerifiedStep(Mode):
         if whole:
             raise _Again(whole=True)
         return layer
+
+    def land(self, error: bool = False) -> None:
+        """The landings the layers run again did not take, taken (``error``: the reads ended,
+        nothing mapped)."""
+        later, self.later = self.later, None
+        if later is not None:
+            later.close() if error else later.finish()
 
     def restart(self) -> None:
         """Begun again for the call run again whole (``_Again(whole=True)``), its caches put back

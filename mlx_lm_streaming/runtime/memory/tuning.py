@@ -45,6 +45,10 @@ class CacheTuning:
     # beyond it picked and lacks, all at once, then runs again from the missed layer
     # (``verified_step.py``); off: the missed layer's alone, the rest found by later checks
     read_misses_together: bool = True
+    # those reads' landings taken bank by bank as the forward runs again, each layer evaluated as
+    # it is built, so the layers run again while the later banks' reads land
+    # (``bank.later_landings``); off: every landing taken first. Exact on the CPU; unmeasured
+    replay_as_landed: bool = False
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # a held step's check (its wait for the ids, the policies' records) on a thread of its own,

@@ -1,0 +1,73 @@
+"""Several banks' loads issued together, each bank's landings taken when its layer runs again
+(``load_together(..., later=True)``; ``CacheTuning.replay_as_landed``).
+
+A verified step that missed reads the missed layer's experts and those the pass beyond it named, all
+at once, then runs the forward again from the missed layer. Taking every landing before that run
+leaves the device idle while the last reads land, and the disk idle while the run computes. Here
+each bank's lock is held from its reads' issue until its own landings are taken (``take``: by the
+step's MoE call of that bank, before it maps the ids to slots), so the layers run again, each
+evaluated as it is built (``VerifiedStep.layer_call``), while the later banks' reads land. No work
+reads a bank's slots before its landings are taken: the pass was evaluated before the reads were
+issued, and a layer run again reads only its own bank. Verified bit-exact on the CPU
+(tests/test_verified_step.py); not measured or verified on mlx-cuda or Metal, so off by default.
+"""
+
+from typing import Dict
+
+
+class LaterLandings:
+    """The banks of one ``load_together`` whose landings are not taken yet."""
+
+    def __init__(self):
+        self.pending: Dict[int, tuple] = {}  # id(bank) -> (bank, landings, ahead)
+
+    def issue(self, loads) -> "LaterLandings":
+        """Every bank's lock taken and its reads issued, in ``loads``' order; where one fails,
+        the reads already issued end and every lock goes before the error is raised."""
+        try:
+            for bank, experts, options in loads:
+                bank.lock.acquire()
+                try:
+                    bank.last_stream = None
+                    landed, ahead = bank.issue(experts, alone=True, **options)
+                except BaseException:
+                    bank.lock.release()
+                    raise
+                self.pending[id(bank)] = (bank, landed, ahead)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def take(self, bank) -> None:
+        """``bank``'s landings taken (each expert mapped to its slot as it lands), its lock
+        released; nothing where it has none pending. A read's error is raised once the bank's
+        reads have ended."""
+        item = self.pending.pop(id(bank), None)
+        if item is None:
+            return
+        bank, landed, ahead = item
+        try:
+            for _ in landed:
+                pass
+            bank._ahead_used.extend(ahead)
+        finally:
+            landed.close()
+            bank.lock.release()
+
+    def finish(self) -> None:
+        """Every bank's landings taken; the first error raised once every read has ended."""
+        try:
+            while self.pending:
+                self.take(next(iter(self.pending.values()))[0])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Every pending bank's reads ended (not mapped) and its lock released: an error's."""
+        while self.pending:
+            _, (bank, landed, _) = self.pending.popitem()
+            try:
+                landed.close()
+            finally:
+                bank.lock.release()
