@@ -320,15 +320,12 @@ def test_a_cache_that_cannot_be_rewound_runs_per_layer(q3_path):
     assert runner.verified == verified
 
 
-@pytest.mark.parametrize("together", [True, False])
-def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected, together):
-    # few slots, a verified step at every call: a miss reads the experts the pass beyond it named
-    # too (several banks at once), as guesses; the pass run again is stock's bits, and every
-    # expert a call used is counted once, as a hit or a miss
-    # (every guess read, good or not: ``StepRunner.guess_precision``)
-    tuning = CacheTuning(
-        read_misses_together=together, lookahead_min_precision=0.0, verify_choice="always"
-    )
+def _misses_exact_and_counted(q3_path, expected, **tuning):
+    """A model of 4 slots a layer (``tuning``: more ``CacheTuning``), a verified step tried at
+    every call, every guess read: its steps are stock's bits, run again from the layer that
+    missed (never whole), and every expert a call used counted once, as a hit or a miss;
+    ``(model, runner, cache, stats)``."""
+    tuning = CacheTuning(lookahead_min_precision=0.0, verify_choice="always", **tuning)
     model = with_slots(q3_path, 4, tuning=tuning)
     assert_same(expected, _every_call_verified(model))
     runner = model.expert_streaming.steps
@@ -336,6 +333,18 @@ def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected,
     stats = model.expert_streaming.stats()
     assert runner.recomputed == 0 and runner.replays > 0
     assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
+    return model, runner, cache, stats
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected, together):
+    # few slots, a verified step at every call: a miss reads the experts the pass beyond it named
+    # too (several banks at once), as guesses; the pass run again is stock's bits, and every
+    # expert a call used is counted once, as a hit or a miss
+    # (every guess read, good or not: ``StepRunner.guess_precision``)
+    model, runner, cache, stats = _misses_exact_and_counted(
+        q3_path, expected, read_misses_together=together
+    )
     if together:
         assert runner.every() == len(cache.banks)  # one check, after the forward
         assert stats["verified_named"] > 0 and 0 <= stats["verified_named_used"] <= stats["verified_named"]
@@ -377,17 +386,8 @@ def test_landings_taken_as_the_layers_run_again_stay_exact(q3_path, expected, mo
         real_take(self, bank)
 
     monkeypatch.setattr(LaterLandings, "take", take)
-    tuning = CacheTuning(
-        replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always"
-    )
-    model = with_slots(q3_path, 4, tuning=tuning)
-    assert_same(expected, _every_call_verified(model))
-    runner = model.expert_streaming.steps
-    cache = model.expert_streaming.cache
-    stats = model.expert_streaming.stats()
-    assert runner.recomputed == 0 and runner.replays > 0
+    model, _, cache, _ = _misses_exact_and_counted(q3_path, expected, replay_as_landed=True)
     assert taken and max(taken) > 0, taken  # taken while later banks' reads were pending
-    assert stats["hits"] + stats["misses"] == sum(b.hits + b.misses for b in cache.banks)
     assert all(_lock_free(b) for b in cache.banks)
     model.expert_streaming.close()
 
