@@ -83,6 +83,21 @@ def test_late_checks_are_stock_across_misses(q3_path, stock_q3, slots, seed, pro
     assert runner.recomputed == 0
 
 
+@pytest.mark.parametrize("seed", [None, 5])
+def test_held_steps_redone_as_their_reads_land_are_stock(q3_path, stock_q3, seed):
+    # ``replay_as_landed``: a held step that missed is redone with each bank's landings taken by
+    # its own layer as the layers run again; greedy and sampled text, log-probabilities bit for bit
+    prompt = prompt_of(3)
+    expected = generated(stock_q3, prompt, seed)
+    tuning = CacheTuning(verify_choice="always", checked_late=1.0, replay_as_landed=True,
+                         lookahead_min_precision=0.0)  # fmt: skip
+    model = with_slots(q3_path, 3, tuning=tuning)
+    assert_same(expected, generated(model, prompt, seed))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0 and runner.dropped > 0 and runner.replays > 0
+    assert runner.recomputed == 0
+
+
 def test_without_the_random_key_put_back_sampled_text_is_not_stock(
     q3_path, stock_q3, monkeypatch
 ):
