@@ -1,5 +1,5 @@
-"""Several banks' loads issued together, each bank's landings taken when its layer runs again
-(``load_together(..., later=True)``; ``CacheTuning.replay_as_landed``).
+"""Several banks' loads issued together (``load_together``), each bank's landings taken when its
+layer runs again (``later=True``; ``CacheTuning.replay_as_landed``) or all at once (``finish``).
 
 A verified step that missed reads the missed layer's experts and those the pass beyond it named, all
 at once, then runs the forward again from the missed layer. Taking every landing before that run
@@ -29,6 +29,8 @@ class LaterLandings:
                 bank.lock.acquire()
                 try:
                     bank.last_stream = None
+                    # beside other banks' loads, an expert's ranges are never spread over the
+                    # store's readers: each expert is one demand thread's
                     landed, ahead = bank.issue(experts, alone=True, **options)
                 except BaseException:
                     bank.lock.release()
@@ -56,18 +58,24 @@ class LaterLandings:
             bank.lock.release()
 
     def finish(self) -> None:
-        """Every bank's landings taken; the first error raised once every read has ended."""
+        """Every bank's landings taken, bank after bank, every lock held until all have landed
+        (``load_together``'s own way); the first error raised once every read has ended."""
         try:
-            while self.pending:
-                self.take(next(iter(self.pending.values()))[0])
+            for bank, landed, ahead in self.pending.values():
+                for _ in landed:
+                    pass
+                bank._ahead_used.extend(ahead)
         finally:
             self.close()
 
     def close(self) -> None:
-        """Every pending bank's reads ended (not mapped) and its lock released: an error's."""
-        while self.pending:
-            _, (bank, landed, _) = self.pending.popitem()
-            try:
+        """Every pending bank's reads ended (those not taken: not mapped), then every lock
+        released: an error's, and ``finish``'s end."""
+        pending = list(self.pending.values())
+        self.pending.clear()
+        try:
+            for _, landed, _ in pending:
                 landed.close()
-            finally:
+        finally:
+            for bank, _, _ in pending:
                 bank.lock.release()

@@ -1,6 +1,5 @@
 """``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
-import contextlib
 import threading
 import time
 from typing import Dict, List, Optional
@@ -412,24 +411,10 @@ def load_together(loads, later: bool = False) -> Optional[LaterLandings]:
             bank.load(experts, **options)
         return
     banks[0].cache.ensure_planned()
+    landings = LaterLandings().issue(loads)
     if later:
-        return LaterLandings().issue(loads)
-    issued = []
-    with contextlib.ExitStack() as locks:
-        try:
-            for bank, experts, options in loads:
-                locks.enter_context(bank.lock)
-                bank.last_stream = None
-                # beside other banks' loads, an expert's ranges are never spread over the
-                # store's readers: each expert is one demand thread's
-                issued.append((bank, *bank.issue(experts, alone=True, **options)))
-            for bank, landed, ahead in issued:
-                for _ in landed:
-                    pass
-                bank._ahead_used.extend(ahead)
-        finally:  # (an error: the reads still in flight end before the locks go)
-            for _, landed, _ in issued:
-                landed.close()
+        return landings
+    landings.finish()
 
 
 def note_hits(banks: List[LayerBank], experts: List[np.ndarray]) -> tuple:

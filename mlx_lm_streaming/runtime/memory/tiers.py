@@ -263,8 +263,7 @@ class Tiers:
         of all the banks submitted as one job."""
         moves = []
         self.prompted = False
-        margin = self.follow()
-        decay = FAST_DECAY if margin == SWAP_MIN_FAST else DECAY
+        margin, decay = self.follow()
         for tier in self.banks.values():
             changed = self.swaps(tier, margin, decay)
             if len(changed):
@@ -273,11 +272,12 @@ class Tiers:
             self.batches += 1
             self._submit(moves)
 
-    def follow(self) -> float:
-        """Every bank's kept ids counted (``count``); the margin this batch swaps by: ``SWAP_MIN``,
-        or ``SWAP_MIN_FAST`` for ``FAST_BATCHES`` batches from one whose uses the device served
-        at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts before
-        it then weigh ``SHIFT_KEEP``)."""
+    def follow(self) -> tuple:
+        """Every bank's kept ids counted (``count``); ``(margin, decay)`` this batch swaps by and
+        keeps its counts by: ``SWAP_MIN`` and ``DECAY``, or ``SWAP_MIN_FAST`` and ``FAST_DECAY``
+        for ``FAST_BATCHES`` batches from one whose uses the device served at a share
+        ``SHIFT_DROP`` below the running share (a routing shift: the counts before it then weigh
+        ``SHIFT_KEEP``)."""
         on = used = 0
         for tier in self.banks.values():
             served, uses = self.count(tier)
@@ -291,8 +291,8 @@ class Tiers:
             self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
         if self.fast:
             self.fast -= 1
-            return SWAP_MIN_FAST
-        return SWAP_MIN
+            return SWAP_MIN_FAST, FAST_DECAY
+        return SWAP_MIN, DECAY
 
     def swaps(self, tier: BankTier, margin: float = SWAP_MIN, decay: float = DECAY) -> np.ndarray:
         """Its kept ids counted (``follow``), the hottest experts outside the device tier swap
