@@ -262,7 +262,7 @@ def test_checks_on_the_runners_thread_take_the_same_path_as_on_the_decode_thread
     assert counts[0] == counts[1] and counts[0][0] > counts[0][1] > 0
 
 
-def test_the_checks_thread_is_mlx_cudas_unless_said():
+def test_the_checks_thread_and_landings_as_the_layers_run_are_mlx_cudas_unless_said():
     # None: on mlx-cuda only (measured there: docs/benchmarks/streaming-path.md); said: as said
     from types import SimpleNamespace as NS
 
@@ -270,9 +270,9 @@ def test_the_checks_thread_is_mlx_cudas_unless_said():
 
     for backend, said, want in [("cuda", None, True), ("cpu", None, False), ("metal", None, False),
                                 ("cpu", True, True), ("cuda", False, False)]:
-        tuning = CacheTuning(check_on_thread=said)
-        state = NS(cache=NS(tuning=tuning), selector=NS(backend=backend))
-        assert StepRunner(state).check_thread is want, (backend, said)
+        for field, attr in [("check_on_thread", "check_thread"), ("replay_as_landed", "as_landed")]:
+            state = NS(cache=NS(tuning=CacheTuning(**{field: said})), selector=NS(backend=backend))
+            assert getattr(StepRunner(state), attr) is want, (field, backend, said)
 
 
 # -- other architectures, hybrids among them -------------------------------------------------------

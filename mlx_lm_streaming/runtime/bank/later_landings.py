@@ -9,7 +9,8 @@ step's MoE call of that bank, before it maps the ids to slots), so the layers ru
 evaluated as it is built (``VerifiedStep.layer_call``), while the later banks' reads land. No work
 reads a bank's slots before its landings are taken: the pass was evaluated before the reads were
 issued, and a layer run again reads only its own bank. Verified bit-exact on the CPU
-(tests/test_verified_step.py); not measured or verified on mlx-cuda or Metal, so off by default.
+(tests/test_verified_step.py) and on an H100 (every step stock's), where it was 1.05x faster at the
+median of 18 cold rounds: on by default on mlx-cuda only; Metal (staged writes) unmeasured.
 """
 
 from typing import Dict

@@ -96,8 +96,10 @@ class StepRunner:
         # lock that keeps the steps' host work (``commit``) one at a time, in order
         self.checker: Optional[ThreadPoolExecutor] = None
         self.commit_lock = threading.RLock()
-        on_thread = state.cache.tuning.check_on_thread
-        self.check_thread = state.selector.backend == "cuda" if on_thread is None else on_thread
+        tuning, cuda = state.cache.tuning, state.selector.backend == "cuda"
+        self.check_thread = cuda if tuning.check_on_thread is None else tuning.check_on_thread
+        # a miss's landings taken as the layers run again (``CacheTuning.replay_as_landed``)
+        self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and

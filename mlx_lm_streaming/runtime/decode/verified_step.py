@@ -253,7 +253,7 @@ class VerifiedStep(Mode):
         guesses = self.named_after(first, whole) if runner.together else []
         # reads what is missing; counts the call's hits and misses (landings taken later: as
         # the layers run again)
-        later = not whole and bank.cache.tuning.replay_as_landed
+        later = not whole and runner.as_landed
         self.later = load_together([(bank, experts, {})] + guesses, later=later)
         self.loaded.add(id(bank))
         tl.span("verify load", start, "read", layer=bank.path, experts=len(experts),

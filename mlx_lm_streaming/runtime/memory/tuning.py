@@ -47,8 +47,10 @@ class CacheTuning:
     read_misses_together: bool = True
     # those reads' landings taken bank by bank as the forward runs again, each layer evaluated as
     # it is built, so the layers run again while the later banks' reads land
-    # (``bank.later_landings``); off: every landing taken first. Exact on the CPU; unmeasured
-    replay_as_landed: bool = False
+    # (``bank.later_landings``); False: every landing taken first; None: on mlx-cuda only (an
+    # H100, cold at 25-50%: 1.05x the default, median of 18 rounds, 14 faster; the CPU: 2.51
+    # against 2.47 tok/s; Metal unmeasured: docs/benchmarks/streaming-path.md)
+    replay_as_landed: Optional[bool] = None
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # a held step's check (its wait for the ids, the policies' records) on a thread of its own,
