@@ -445,12 +445,12 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         slots=[b.slots for b in banks], direct=all(b.direct for b in banks),
         policy=getattr(cfg.cache, "policy", None),
         prefetch=harness.precision_recall(c.get("prefetch")),
-        # verified steps: their share, the layers they ran again, the experts read on a pass's
-        # word and the share of those used
+        # verified steps: their share, layers run again, experts read on a pass's word, used
         verified_share=c.get("verified_steps", 0) / n,
         replays_per_token=c.get("verified_replays", 0) / n, named_per_token=(named or 0) / n,
         named_used=c["verified_named_used"] / named if named else None,
         late_share=c.get("checked_late", 0) / n, dropped_per_token=c["checked_late_dropped"] / n,
+        in_pass_per_token=c.get("verified_read_in_pass", 0) / n,  # (``reads_in_pass``)
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
     # the limit: 1 / max(stock's step, the missed experts' bytes / the disk's best GB/s), per round

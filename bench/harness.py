@@ -228,7 +228,7 @@ class Config:
                 # those used (verified_step.py)
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
                                              "verified_named_used", "checked_late",
-                                             "checked_late_dropped")},
+                                             "checked_late_dropped", "verified_read_in_pass")},
                 store_reads=io.reads, uncached_bytes=io.uncached_bytes,
             )
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))

@@ -83,14 +83,15 @@ def test_late_checks_are_stock_across_misses(q3_path, stock_q3, slots, seed, pro
     assert runner.recomputed == 0
 
 
-@pytest.mark.parametrize("seed", [None, 5])
-def test_held_steps_redone_as_their_reads_land_are_stock(q3_path, stock_q3, seed):
+@pytest.mark.parametrize("seed,in_pass", [(None, False), (5, False), (None, True), (5, True)])
+def test_held_steps_redone_as_their_reads_land_are_stock(q3_path, stock_q3, seed, in_pass):
     # ``replay_as_landed``: a held step that missed is redone with each bank's landings taken by
-    # its own layer as the layers run again; greedy and sampled text, log-probabilities bit for bit
+    # its own layer as the layers run again (``in_pass``: the reads of the redo's later checks
+    # issued as each call's ids come back); greedy and sampled text, log-probabilities bit for bit
     prompt = prompt_of(3)
     expected = generated(stock_q3, prompt, seed)
     tuning = CacheTuning(verify_choice="always", checked_late=1.0, replay_as_landed=True,
-                         lookahead_min_precision=0.0)  # fmt: skip
+                         lookahead_min_precision=0.0, reads_in_pass=in_pass)  # fmt: skip
     model = with_slots(q3_path, 3, tuning=tuning)
     assert_same(expected, generated(model, prompt, seed))
     runner = model.expert_streaming.steps
@@ -270,7 +271,8 @@ def test_the_checks_thread_and_landings_as_the_layers_run_are_mlx_cudas_unless_s
 
     for backend, said, want in [("cuda", None, True), ("cpu", None, False), ("metal", None, False),
                                 ("cpu", True, True), ("cuda", False, False)]:
-        for field, attr in [("check_on_thread", "check_thread"), ("replay_as_landed", "as_landed")]:
+        for field, attr in [("check_on_thread", "check_thread"), ("replay_as_landed", "as_landed"),
+                            ("reads_in_pass", "in_pass")]:
             state = NS(cache=NS(tuning=CacheTuning(**{field: said})), selector=NS(backend=backend))
             assert getattr(StepRunner(state), attr) is want, (field, backend, said)
 

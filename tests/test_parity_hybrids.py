@@ -163,11 +163,14 @@ def test_layers_that_give_tuples_are_replayed_from_the_layer_that_missed(hybrid_
     assert runner.recomputed == 0 and not restarts
 
 
+@pytest.mark.parametrize("in_pass", [False, True])
 @pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_next", "nemotron_h"])
-def test_landings_taken_as_the_layers_run_again_in_hybrids(hybrid_paths, arch, monkeypatch):
+def test_landings_taken_as_the_layers_run_again_in_hybrids(hybrid_paths, arch, monkeypatch, in_pass):
     # ``replay_as_landed``: each bank's reads taken by its own MoE call as the layers run again
-    # (tuple layers, recurrent states put back): stock's bits, replayed, never whole
-    tuning = CacheTuning(verify_choice="always", replay_as_landed=True, lookahead_min_precision=0)
+    # (tuple layers, recurrent states put back), the reads issued after the check or (``in_pass``,
+    # ``reads_in_pass``) as the check reads each call's ids: stock's bits, replayed, never whole
+    tuning = CacheTuning(verify_choice="always", replay_as_landed=True, lookahead_min_precision=0,
+                         reads_in_pass=in_pass)  # fmt: skip
     runner, restarts = _greedy_against_stock(hybrid_paths[arch], monkeypatch, tuning)
     assert runner.replays > 0 and runner.recomputed == 0 and not restarts
 

@@ -392,13 +392,44 @@ def test_landings_taken_as_the_layers_run_again_stay_exact(q3_path, expected, mo
     model.expert_streaming.close()
 
 
-def test_a_read_that_fails_while_the_layers_run_again_frees_every_bank(q3_path, monkeypatch):
-    # a read error in a bank whose landings a layer run again takes: the call raises the store's
-    # error by name, every bank's lock is free, and the model decodes again once reads work
+@pytest.mark.parametrize("as_landed", [True, False])
+def test_reads_issued_as_the_pass_names_them_stay_exact(q3_path, expected, monkeypatch, as_landed):
+    # ``reads_in_pass``: the check reads each MoE call's ids back in turn and issues a miss's
+    # reads (the first missed call's, then the guesses) as they are named, while the pass's later
+    # layers may still compute: the steps are stock's bits, checks issued reads before the whole
+    # pass's ids were read, and every lock is free afterwards
+    from mlx_lm_streaming.runtime.decode import named_reads, verified_step
+
+    issued = []
+    real = named_reads.count_as_named
+
+    def count(step):
+        counts = real(step)
+        issued.append(len(step.early.pending) if step.early is not None else 0)
+        return counts
+
+    monkeypatch.setattr(verified_step, "count_as_named", count)
+    model, runner, cache, stats = _misses_exact_and_counted(
+        q3_path, expected, reads_in_pass=True, replay_as_landed=as_landed
+    )
+    assert issued and max(issued) > 1, issued  # the first miss's bank and guesses', in the pass
+    assert stats["verified_named"] > 0
+    assert all(_lock_free(b) for b in cache.banks)
+    model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("in_pass", [False, True])
+def test_a_read_that_fails_while_the_layers_run_again_frees_every_bank(
+    q3_path, monkeypatch, in_pass
+):
+    # a read error in a bank whose landings a layer run again takes (or the check issued: reads
+    # in the pass): the call raises the store's error by name, every bank's lock is free, and the
+    # model decodes again once reads work
     from mlx_lm_streaming.errors import ExpertIOError
 
     tuning = CacheTuning(
-        replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always"
+        replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always",
+        reads_in_pass=in_pass,
     )
     model = with_slots(q3_path, 2, tuning=tuning)
     store = model.expert_streaming.cache.store

@@ -61,6 +61,7 @@ class StepRunner:
         self.missed_share = self.missed_tokens = 0.0
         # calls run as verified steps; layers run again; calls run again whole; calls per layer
         self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
+        self.read_in_pass = 0  # checks whose reads went as the pass named them (``named_reads``)
         # how a decode call's mode is chosen (``share_limits.way``), and whether a token that
         # missed nowhere brings the running share down to the limit
         self.choice, limit, self.clean_retries = share_limits.way(
@@ -100,6 +101,8 @@ class StepRunner:
         self.check_thread = cuda if tuning.check_on_thread is None else tuning.check_on_thread
         # a miss's landings taken as the layers run again (``CacheTuning.replay_as_landed``)
         self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed
+        # a check's reads issued as its calls' ids come back (``CacheTuning.reads_in_pass``)
+        self.in_pass = cuda if tuning.reads_in_pass is None else tuning.reads_in_pass
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -252,8 +255,8 @@ class StepRunner:
             step.caches.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
-            if step.later is not None:  # (an error's: a run that ended well took every one)
-                step.land(error=True)
+            if step.later is not None or step.early is not None:  # (an error's: a run that
+                step.land(error=True)  # ended well took every one)
             if cache.mode is step:
                 cache.mode = PER_LAYER
         if missed is None:

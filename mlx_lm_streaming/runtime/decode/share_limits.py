@@ -83,6 +83,8 @@ def summary(runner) -> Dict[str, object]:
         # experts read on the word of a pass beyond a miss, and those the pass run again used
         "verified_named": r.named if r is not None else 0,
         "verified_named_used": r.named_used if r is not None else 0,
+        # checks whose reads were issued as the pass named them (``CacheTuning.reads_in_pass``)
+        "verified_read_in_pass": r.read_in_pass if r is not None else 0,
         # decode-sized calls run per layer, and how each call's mode was chosen
         "per_layer_decodes": r.per_layer_decodes if r is not None else 0,
         # verified steps checked once the next token was built on them (checked_late.py), and

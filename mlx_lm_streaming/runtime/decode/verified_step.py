@@ -46,6 +46,7 @@ import numpy as np
 from ..bank import load_together
 from . import schedules, share_limits
 from .modes import Mode
+from .named_reads import count_as_named, may_read_in_pass
 from .step_caches import StepCaches
 from .step_uses import distinct_per_call, note_uses
 
@@ -110,8 +111,9 @@ class VerifiedStep(Mode):
         self.held_ids: Optional[mx.array] = None
         self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
         self.restarted = False  # run again whole after its misses were read (``restart``)
-        # banks whose landings its MoE calls take (``CacheTuning.replay_as_landed``)
-        self.later = None
+        # banks whose landings its MoE calls take (``CacheTuning.replay_as_landed``); the reads
+        # its last check issued as the pass named them (``named_reads``), not yet handed on
+        self.later = self.early = None
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -233,6 +235,16 @@ class VerifiedStep(Mode):
             self.calls = []
             return None
         layer, bank, indices, _ = self.calls[first]
+        early, self.early = self.early, None
+        if early is not None:  # (its reads and the guesses' issued by the check)
+            self.runner.read_in_pass += 1
+            self.loaded.add(id(bank))
+            self.calls = []
+            if self.runner.as_landed:
+                self.later = early
+            else:
+                early.finish()
+            return layer
         experts = np.unique(np.array(indices, copy=False).astype(np.int64))
         # it missed again after its load (ids that changed), or more experts than slots
         if len(experts) > bank.slots or id(bank) in self.loaded:
@@ -269,6 +281,9 @@ class VerifiedStep(Mode):
         later, self.later = self.later, None
         if later is not None:
             later.close() if error else later.finish()
+        early, self.early = self.early, None
+        if early is not None:  # (an error's, between the check and its reads' hand-on)
+            early.close()
 
     def restart(self) -> None:
         """Begun again for the call run again whole (``_Again(whole=True)``), its caches put back
@@ -327,7 +342,10 @@ class VerifiedStep(Mode):
         self.runner.flush()  # the step before's host work, while this one computes
         tl = self.calls[0][1].cache.timeline
         start = tl.now()
-        counts = self.counts = host_counts(self.calls, ids)
+        if self.runner.in_pass and may_read_in_pass(self):  # (``CacheTuning.reads_in_pass``)
+            counts = self.counts = count_as_named(self)
+        else:
+            counts = self.counts = host_counts(self.calls, ids)
         tl.span("verify", start, "sync", calls=len(self.calls))
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None

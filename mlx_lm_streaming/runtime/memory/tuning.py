@@ -51,6 +51,11 @@ class CacheTuning:
     # H100, cold at 25-50%: 1.05x the default, median of 18 rounds, 14 faster; the CPU: 2.51
     # against 2.47 tok/s; Metal unmeasured: docs/benchmarks/streaming-path.md)
     replay_as_landed: Optional[bool] = None
+    # a verified step's check reads its MoE calls' ids back one at a time while the device runs
+    # the pass ahead, and issues a miss's reads (and the guesses') as the calls name them
+    # (``decode.named_reads``); False: all ids read back, then the reads; None: on mlx-cuda only.
+    # Exact on the CPU; unmeasured on a GPU, so off
+    reads_in_pass: Optional[bool] = False
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # a held step's check (its wait for the ids, the policies' records) on a thread of its own,

@@ -1,0 +1,86 @@
+"""A verified step's reads issued as its pass names them (``CacheTuning.reads_in_pass``).
+
+A verified step's check reads every MoE call's ids back at once, after the forward, and only then
+issues a miss's reads (the missed layer's experts, and as guesses those the pass beyond it named:
+``VerifiedStep.named_after``): the disk idles while the pass computes. Here the check waits for
+each call's ids in turn (the forward was handed to MLX whole, ``mx.async_eval``, so the device
+runs ahead while the host waits on one layer's ids at a time) and issues a bank's reads as soon as
+its call's ids say it missed: the first missed call's experts, then, as guesses, those each later
+call that missed names and its bank lacks, by ``named_after``'s rules. The counts are
+``host_counts``', one call at a time.
+
+Exact: the reads write slots that work of the pass still pending may read, but only in the banks
+of the first missed call and those after it, whose decoder layers run again from the one that
+missed (the rows this pass computed there are dropped); the layers before it read other banks.
+Each bank's lock is held from its issue until its landings are taken (``bank.later_landings``:
+by its layer run again where ``replay_as_landed``, else all at once before that run). Used only
+where the step can run again from the layer that missed (no whole restart) and every bank it
+reads reads directly into its slots with no host cache (``load_together``'s direct path); else
+the check is ``host_counts`` and the reads go as before. Verified bit-exact on the CPU
+(tests/test_verified_step.py, tests/test_parity_hybrids.py); off by default until measured on a
+GPU (docs/benchmarks/streaming-path.md); unmeasured on Metal, where banks are written staged and
+this never runs.
+"""
+
+import numpy as np
+
+from ..bank.later_landings import LaterLandings
+
+
+def may_read_in_pass(step) -> bool:
+    """Whether ``step``'s check may issue its reads as its calls' ids come back (module
+    docstring)."""
+    calls = step.calls
+    if not calls or not step.replayable or step.restarted or step.caches.unclaimed_changed():
+        return False
+    cache = calls[0][1].cache
+    return cache.host_cache is None
+
+
+def count_as_named(step) -> np.ndarray:
+    """Per MoE call of ``step`` (``calls``, their ids handed to MLX): how many of its ids its
+    bank's host map marks missing, each call's ids read back in turn, the reads of a miss issued
+    as they are named; ``step.early`` holds the issued reads' ``LaterLandings`` (None: none)."""
+    calls, runner = step.calls, step.runner
+    counts = np.zeros(len(calls), dtype=np.int64)
+    landings = None
+    first = -1  # (the first call that missed; its reads issued: ``landings``)
+    read = runner.guess_precision >= runner.min_precision
+    try:
+        for j, (_, bank, indices, missing) in enumerate(calls):
+            named = np.array(indices, copy=False).reshape(-1)  # (a wait for this call's ids)
+            counts[j] = n = missing[named].sum()
+            if not n:
+                continue
+            if first < 0:
+                first = j
+                experts = np.unique(named.astype(np.int64))
+                if len(experts) > bank.slots or id(bank) in step.loaded or not bank.direct:
+                    break  # (``read_missing`` runs the call again per layer: nothing issued)
+                bank.cache.ensure_planned()
+                tl = bank.cache.timeline
+                start = tl.now()
+                landings = LaterLandings().issue([(bank, experts, {})])
+                tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+            elif runner.together:  # (``named_after``'s rules)
+                experts = np.unique(named.astype(np.int64))
+                lack = experts[bank.slot_of[experts] < 0]
+                if not len(lack) or id(bank) in step.loaded or len(experts) > bank.slots:
+                    continue
+                step.guessed.setdefault(id(bank), set()).update(lack.tolist())
+                if read and bank.direct:
+                    runner.named += len(lack)
+                    step.guesses_read = True
+                    landings.issue([(bank, lack, {"keep": experts, "guessed": True})])
+        else:
+            step.early = landings
+            return counts
+    except BaseException:
+        if landings is not None:
+            landings.close()
+        raise
+    # the first miss's reads cannot be issued here: the rest counted at once, nothing issued
+    for j in range(first + 1, len(calls)):
+        _, _, indices, missing = calls[j]
+        counts[j] = missing[np.array(indices, copy=False).reshape(-1)].sum()
+    return counts
