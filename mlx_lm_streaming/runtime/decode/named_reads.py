@@ -62,16 +62,10 @@ def count_as_named(step) -> np.ndarray:
                 start = tl.now()
                 landings = LaterLandings().issue([(bank, experts, {})])
                 tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
-            elif runner.together:  # (``named_after``'s rules)
-                experts = np.unique(named.astype(np.int64))
-                lack = experts[bank.slot_of[experts] < 0]
-                if not len(lack) or id(bank) in step.loaded or len(experts) > bank.slots:
-                    continue
-                step.guessed.setdefault(id(bank), set()).update(lack.tolist())
-                if read and bank.direct:
-                    runner.named += len(lack)
-                    step.guesses_read = True
-                    landings.issue([(bank, lack, {"keep": experts, "guessed": True})])
+            elif runner.together:  # (``VerifiedStep.named_after``'s)
+                load = guess(step, bank, named, read and bank.direct)
+                if load is not None:
+                    landings.issue([load])
         else:
             step.early = landings
             return counts
@@ -84,3 +78,21 @@ def count_as_named(step) -> np.ndarray:
         _, _, indices, missing = calls[j]
         counts[j] = missing[np.array(indices, copy=False).reshape(-1)].sum()
     return counts
+
+
+def guess(step, bank, named, read: bool):
+    """A MoE call after ``step``'s first miss that missed, its ids ``named`` (picked on a wrong
+    input): ``(bank, experts, load options)`` reading as guesses the experts it names and its bank
+    lacks, the call's other experts kept, where ``read``; None where it lacks none, its bank was
+    loaded in this step or it names more experts than slots (it runs in waves, if it comes). The
+    guess is noted either way (``guessed``: scored at ``commit``)."""
+    experts = np.unique(named.astype(np.int64))
+    lack = experts[bank.slot_of[experts] < 0]
+    if not len(lack) or id(bank) in step.loaded or len(experts) > bank.slots:
+        return None
+    step.guessed.setdefault(id(bank), set()).update(lack.tolist())
+    if not read:
+        return None
+    step.runner.named += len(lack)
+    step.guesses_read = True
+    return bank, lack, {"keep": experts, "guessed": True}

@@ -46,7 +46,7 @@ import numpy as np
 from ..bank import load_together
 from . import schedules, share_limits
 from .modes import Mode
-from .named_reads import count_as_named, may_read_in_pass
+from .named_reads import count_as_named, guess, may_read_in_pass
 from .step_caches import StepCaches
 from .step_uses import distinct_per_call, note_uses
 
@@ -298,19 +298,13 @@ class VerifiedStep(Mode):
         lacks, to be read as guesses, the call's other experts kept; none while the runner's
         guesses scored badly (``StepRunner.guess_precision``: scored at ``commit`` either way),
         unless ``always``."""
-        out = []
         read = always or self.runner.guess_precision >= self.runner.min_precision
+        out = []
         for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
             _, bank, indices, _ = self.calls[j]
-            named = np.unique(np.array(indices, copy=False).astype(np.int64))
-            lack = named[bank.slot_of[named] < 0]
-            if len(lack) == 0 or id(bank) in self.loaded or len(named) > bank.slots:
-                continue  # (more than its slots: that call runs in waves, if it comes)
-            self.guessed.setdefault(id(bank), set()).update(lack.tolist())
-            if read:
-                self.runner.named += len(lack)
-                self.guesses_read = True
-                out.append((bank, lack, {"keep": named, "guessed": True}))
+            load = guess(self, bank, np.array(indices, copy=False), read)
+            if load is not None:
+                out.append(load)
         return out
 
     def hold(self) -> None:
