@@ -54,7 +54,8 @@ class CacheTuning:
     # a verified step's check reads its MoE calls' ids back one at a time while the device runs
     # the pass ahead, and issues a miss's reads (and the guesses') as the calls name them
     # (``decode.named_reads``); False: all ids read back, then the reads; None: on mlx-cuda only.
-    # Exact on the CPU; unmeasured on a GPU, so off
+    # Exact; an H100 cold with the Qwen3 trace: 1.02x at 25% (within the spread), 1.04x at 50%,
+    # so off (docs/benchmarks/streaming-path.md)
     reads_in_pass: Optional[bool] = False
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
