@@ -56,7 +56,7 @@ def count_as_named(step) -> np.ndarray:
                 first = j
                 experts = np.unique(named.astype(np.int64))
                 if len(experts) > bank.slots or id(bank) in step.loaded or not bank.direct:
-                    break  # (``read_missing`` runs the call again per layer: nothing issued)
+                    break  # (``read_missing`` does as it did: nothing issued here)
                 bank.cache.ensure_planned()
                 tl = bank.cache.timeline
                 start = tl.now()

@@ -255,8 +255,9 @@ class StepRunner:
             step.caches.rewind_all()  # every entry as it was before the step
             out = call(*args, **kwargs)
         finally:
-            if step.later is not None or step.early is not None:  # (an error's: a run that
-                step.land(error=True)  # ended well took every one)
+            # (an error's reads: a run that ended well took every one)
+            if step.later is not None or step.early is not None:
+                step.land(error=True)
             if cache.mode is step:
                 cache.mode = PER_LAYER
         if missed is None:
