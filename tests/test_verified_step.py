@@ -413,7 +413,7 @@ def test_reads_issued_as_the_pass_names_them_stay_exact(q3_path, expected, monke
         q3_path, expected, reads_in_pass=True, replay_as_landed=as_landed
     )
     assert issued and max(issued) > 1, issued  # the first miss's bank and guesses', in the pass
-    assert stats["verified_named"] > 0
+    assert stats["verified_named"] > 0 and stats["verified_read_in_pass"] == runner.read_in_pass > 0
     assert all(_lock_free(b) for b in cache.banks)
     model.expert_streaming.close()
 
@@ -550,12 +550,15 @@ def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatc
     model.expert_streaming.close()
 
 
+@pytest.mark.parametrize("in_pass", [False, True])
 def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahead(
-    q3_path, expected
+    q3_path, expected, in_pass
 ):
     # banks written through staging (Metal's way): the banks after the first are read in the
-    # background while the first one's load reads its own, then installed by their own loads
-    tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always")
+    # background while the first one's load reads its own, then installed by their own loads;
+    # ``reads_in_pass`` given, nothing is issued in the pass there (the same reads, after it)
+    tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always",
+                         reads_in_pass=in_pass)  # fmt: skip
     model = with_slots(q3_path, 2, tuning=tuning, direct_reads=False)
     cache = model.expert_streaming.cache
     assert not any(b.direct for b in cache.banks)
@@ -563,6 +566,7 @@ def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahea
     stats = cache.prefetch_stats
     assert stats.used["together"] > 0 and stats.staged["together"] >= stats.used["together"]
     assert model.expert_streaming.steps.replays > 0
+    assert model.expert_streaming.steps.read_in_pass == 0
     model.expert_streaming.close()
 
 
