@@ -73,7 +73,7 @@ def tuning_variant(spec: str):
     """``NAME:field=value,...`` -> ``(NAME, {field: value})``, checked before anything is built."""
     from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
-    known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct", "pack"}  # (load options)
+    known = {f.name for f in dataclasses.fields(CacheTuning)} | {"direct", "pack", "direct_reads"}
     name, _, body = spec.partition(":")
     name = name.strip()
     items = [item.partition("=") for item in body.split(",") if item.strip()]
@@ -89,7 +89,7 @@ def tuning_variant(spec: str):
 
 def variant_tuning(name: str):
     """``(records a timeline, CacheTuning or None, load options)`` of a variant: "_"-joined words,
-    "default", "tl" and ``TUNING_VARIANTS``' (``direct``: the store's option; ``pack``: a pack's path)."""
+    "default", "tl", ``TUNING_VARIANTS``' (``direct``: the store's; ``pack``, ``direct_reads``: load's)."""
     from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 
     timeline, tuning = False, {}
@@ -102,7 +102,7 @@ def variant_tuning(name: str):
             known = ", ".join(["default", "tl", *TUNING_VARIANTS])
             raise SystemExit(f"variant {name!r}: unknown word {word!r} (known: {known})")
     load = dict(store_options={"direct": tuning.pop("direct")} if "direct" in tuning else {})
-    load.update({"pack": tuning.pop("pack")} if "pack" in tuning else {})
+    load.update({k: tuning.pop(k) for k in ("pack", "direct_reads") if k in tuning})  # (load's)
     return timeline, CacheTuning(**tuning) if tuning else None, load
 
 

@@ -552,21 +552,34 @@ def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatc
 
 @pytest.mark.parametrize("in_pass", [False, True])
 def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahead(
-    q3_path, expected, in_pass
+    q3_path, expected, monkeypatch, in_pass
 ):
     # banks written through staging (Metal's way): the banks after the first are read in the
     # background while the first one's load reads its own, then installed by their own loads;
-    # ``reads_in_pass`` given, nothing is issued in the pass there (the same reads, after it)
+    # ``reads_in_pass``: the missed calls' experts (the first's too) staged as the check reads
+    # each call's ids, then loaded after the check as before: the same bits
+    from mlx_lm_streaming.runtime.decode import named_reads, verified_step
+
     tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always",
                          reads_in_pass=in_pass)  # fmt: skip
     model = with_slots(q3_path, 2, tuning=tuning, direct_reads=False)
     cache = model.expert_streaming.cache
+    stats = cache.prefetch_stats
+    in_check = []
+
+    def count(step):
+        before = stats.staged["together"]
+        counts = named_reads.count_as_named(step)
+        in_check.append(stats.staged["together"] - before)
+        return counts
+
+    monkeypatch.setattr(verified_step, "count_as_named", count)
     assert not any(b.direct for b in cache.banks)
     assert_same(expected, _every_call_verified(model))
-    stats = cache.prefetch_stats
     assert stats.used["together"] > 0 and stats.staged["together"] >= stats.used["together"]
     assert model.expert_streaming.steps.replays > 0
-    assert model.expert_streaming.steps.read_in_pass == 0
+    assert model.expert_streaming.steps.read_in_pass == 0  # (no direct reads issued)
+    assert (sum(in_check) > 0) == in_pass, in_check
     model.expert_streaming.close()
 
 

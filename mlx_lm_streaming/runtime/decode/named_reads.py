@@ -14,17 +14,21 @@ of the first missed call and those after it, whose decoder layers run again from
 missed (the rows this pass computed there are dropped); the layers before it read other banks.
 Each bank's lock is held from its issue until its landings are taken (``bank.later_landings``:
 by its layer run again where ``replay_as_landed``, else all at once before that run). Used only
-where the step can run again from the layer that missed (no whole restart) and every bank it
-reads reads directly into its slots with no host cache (``load_together``'s direct path); else
-the check is ``host_counts`` and the reads go as before. Verified bit-exact on the CPU
-(tests/test_verified_step.py, tests/test_parity_hybrids.py) and on an H100 (every step stock's),
-where it gained 1.02x-1.04x cold, within the runs' spread: off by default
-(docs/benchmarks/streaming-path.md). Never used on Metal, whose banks are written staged.
+where the step can run again from the layer that missed (no whole restart) and no host cache
+serves the banks; else the check is ``host_counts`` and the reads go as before. Banks written
+through staging (no direct reads: Metal's way) touch no slot here: the missed calls' experts are
+read into staging buffers as they are named (``LayerBank.stage``, the ``together`` kind
+``load_together`` stages the banks after the first with, the first bank's too), and the check's
+loads install them after it, as before. Verified bit-exact on the CPU (tests/test_verified_step.py,
+with direct reads and staged; tests/test_parity_hybrids.py) and on an H100 (every step stock's,
+direct reads), where it gained 1.02x-1.04x cold, within the runs' spread: off by default
+(docs/benchmarks/streaming-path.md). The staged way is unmeasured (Metal: no Mac here).
 """
 
 import numpy as np
 
 from ..bank.later_landings import LaterLandings
+from ..reads.prefetch import WAVE
 
 
 def may_read_in_pass(step) -> bool:
@@ -46,6 +50,7 @@ def count_as_named(step) -> np.ndarray:
     landings = None
     first = -1  # (the first call that missed; its reads issued: ``landings``)
     read = runner.guess_precision >= runner.min_precision
+    staged = False  # (banks written through staging: their reads begun, loaded as before)
     try:
         for j, (_, bank, indices, missing) in enumerate(calls):
             named = np.array(indices, copy=False).reshape(-1)  # (a wait for this call's ids)
@@ -55,13 +60,20 @@ def count_as_named(step) -> np.ndarray:
             if first < 0:
                 first = j
                 experts = np.unique(named.astype(np.int64))
-                if len(experts) > bank.slots or id(bank) in step.loaded or not bank.direct:
+                if len(experts) > bank.slots or id(bank) in step.loaded:
                     break  # (``read_missing`` does as it did: nothing issued here)
+                if not bank.direct:
+                    staged = True
+                    bank.stage(experts, "together", WAVE, fit=True)
+                    continue
                 bank.cache.ensure_planned()
                 tl = bank.cache.timeline
                 start = tl.now()
                 landings = LaterLandings().issue([(bank, experts, {})])
                 tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+            elif staged:  # (what ``named_after`` will name, read into staging now)
+                if read and runner.together:
+                    stage_lacking(step, bank, named)
             elif runner.together:  # (``VerifiedStep.named_after``'s)
                 load = guess(step, bank, named, read and bank.direct)
                 if load is not None:
@@ -78,6 +90,16 @@ def count_as_named(step) -> np.ndarray:
         _, _, indices, missing = calls[j]
         counts[j] = missing[np.array(indices, copy=False).reshape(-1)].sum()
     return counts
+
+
+def stage_lacking(step, bank, named) -> None:
+    """A staged bank's call after the first miss: the experts it names and its bank lacks read
+    into staging buffers now (as ``load_together`` reads the banks after the first), by
+    ``guess``'s rules; ``named_after`` counts them at the check, and their loads install them."""
+    experts = np.unique(named.astype(np.int64))
+    lack = experts[bank.slot_of[experts] < 0]
+    if len(lack) and id(bank) not in step.loaded and len(experts) <= bank.slots:
+        bank.stage(lack, "together", WAVE, fit=True)
 
 
 def guess(step, bank, named, read: bool):
