@@ -92,26 +92,35 @@ def count_as_named(step) -> np.ndarray:
     return counts
 
 
-def stage_lacking(step, bank, named) -> None:
-    """A staged bank's call after the first miss: the experts it names and its bank lacks read
-    into staging buffers now (as ``load_together`` reads the banks after the first), by
-    ``guess``'s rules; ``named_after`` counts them at the check, and their loads install them."""
-    experts = np.unique(named.astype(np.int64))
-    lack = experts[bank.slot_of[experts] < 0]
-    if len(lack) and id(bank) not in step.loaded and len(experts) <= bank.slots:
-        bank.stage(lack, "together", WAVE, fit=True)
-
-
-def guess(step, bank, named, read: bool):
+def lacking(step, bank, named):
     """A MoE call after ``step``'s first miss that missed, its ids ``named`` (picked on a wrong
-    input): ``(bank, experts, load options)`` reading as guesses the experts it names and its bank
-    lacks, the call's other experts kept, where ``read``; None where it lacks none, its bank was
-    loaded in this step or it names more experts than slots (it runs in waves, if it comes). The
-    guess is noted either way (``guessed``: scored at ``commit``)."""
+    input): ``(experts, lack)``, the distinct experts it names and those its bank lacks; None
+    where it lacks none, its bank was loaded in this step or it names more experts than slots (it
+    runs in waves, if it comes)."""
     experts = np.unique(named.astype(np.int64))
     lack = experts[bank.slot_of[experts] < 0]
     if not len(lack) or id(bank) in step.loaded or len(experts) > bank.slots:
         return None
+    return experts, lack
+
+
+def stage_lacking(step, bank, named) -> None:
+    """A staged bank's call after the first miss: the experts it names and its bank lacks
+    (``lacking``) read into staging buffers now (as ``load_together`` reads the banks after the
+    first); ``named_after`` counts them at the check, and their loads install them."""
+    found = lacking(step, bank, named)
+    if found is not None:
+        bank.stage(found[1], "together", WAVE, fit=True)
+
+
+def guess(step, bank, named, read: bool):
+    """``(bank, experts, load options)`` reading as guesses the experts a call after ``step``'s
+    first miss names and its bank lacks (``lacking``), the call's other experts kept, where
+    ``read``; else None. The guess is noted either way (``guessed``: scored at ``commit``)."""
+    found = lacking(step, bank, named)
+    if found is None:
+        return None
+    experts, lack = found
     step.guessed.setdefault(id(bank), set()).update(lack.tolist())
     if not read:
         return None

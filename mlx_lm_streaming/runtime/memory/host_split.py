@@ -4,6 +4,7 @@ where the host can spare it, less a margin for the OS, other programs and the pa
 from typing import Optional
 
 from ..sizes import decimal_gb, gb_as_given
+from .free_memory import meminfo_field
 
 # of the host RAM the OS calls available, this much stays free for the OS, other programs and the
 # page cache when the default host tier is sized (the larger of the two)
@@ -13,15 +14,13 @@ FLAG = "--expert-host-gb / MLX_LM_STREAMING_HOST_GB / expert_host_gb"
 
 
 def available_host_bytes() -> Optional[int]:
-    """``MemAvailable`` of /proc/meminfo (Linux: where mlx-cuda runs), or None."""
+    """``MemAvailable`` of /proc/meminfo (Linux: where mlx-cuda runs), or None (its line read as
+    the moving budget reads it: ``free_memory.meminfo_field``)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+            return meminfo_field(f.read(), "MemAvailable")
+    except OSError:
+        return None
 
 
 def host_room(available: Optional[int]) -> int:
