@@ -445,12 +445,12 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         slots=[b.slots for b in banks], direct=all(b.direct for b in banks),
         policy=getattr(cfg.cache, "policy", None),
         prefetch=harness.precision_recall(c.get("prefetch")),
-        # verified steps: their share, layers run again, experts read on a pass's word, used
-        verified_share=c.get("verified_steps", 0) / n,
+        verified_share=c.get("verified_steps", 0) / n,  # (verified steps' share, replays, named)
         replays_per_token=c.get("verified_replays", 0) / n, named_per_token=(named or 0) / n,
         named_used=c["verified_named_used"] / named if named else None,
         late_share=c.get("checked_late", 0) / n, dropped_per_token=c["checked_late_dropped"] / n,
-        in_pass_per_token=c.get("verified_read_in_pass", 0) / n,  # (``reads_in_pass``)
+        in_pass_per_token=c.get("verified_read_in_pass", 0) / n,  # (``reads_in_pass``, and
+        first_per_token=c.get("verified_first_call_reads", 0) / n,  # ``first_call_reads``)
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
     # the limit: 1 / max(stock's step, the missed experts' bytes / the disk's best GB/s), per round

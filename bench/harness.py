@@ -227,8 +227,8 @@ class Config:
                 # verified steps, the layers they ran again, the experts read on a pass's word and
                 # those used (verified_step.py)
                 **{k: s.get(k, 0) for k in ("verified_steps", "verified_replays", "verified_named",
-                                             "verified_named_used", "checked_late",
-                                             "checked_late_dropped", "verified_read_in_pass")},
+                                             "verified_named_used", "checked_late", "verified_read_in_pass",
+                                             "checked_late_dropped", "verified_first_call_reads")},
                 store_reads=io.reads, uncached_bytes=io.uncached_bytes,
             )
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))

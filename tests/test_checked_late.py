@@ -272,7 +272,7 @@ def test_the_checks_thread_and_landings_as_the_layers_run_are_mlx_cudas_unless_s
     for backend, said, want in [("cuda", None, True), ("cpu", None, False), ("metal", None, False),
                                 ("cpu", True, True), ("cuda", False, False)]:
         for field, attr in [("check_on_thread", "check_thread"), ("replay_as_landed", "as_landed"),
-                            ("reads_in_pass", "in_pass")]:
+                            ("reads_in_pass", "in_pass"), ("first_call_reads", "look_first")]:
             state = NS(cache=NS(tuning=CacheTuning(**{field: said})), selector=NS(backend=backend))
             assert getattr(StepRunner(state), attr) is want, (field, backend, said)
 

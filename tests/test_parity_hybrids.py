@@ -163,36 +163,51 @@ def test_layers_that_give_tuples_are_replayed_from_the_layer_that_missed(hybrid_
     assert runner.recomputed == 0 and not restarts
 
 
-@pytest.mark.parametrize("in_pass", [False, True])
+@pytest.mark.parametrize("in_pass,first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_next", "nemotron_h"])
-def test_landings_taken_as_the_layers_run_again_in_hybrids(hybrid_paths, arch, monkeypatch, in_pass):
+def test_landings_taken_as_the_layers_run_again_in_hybrids(
+    hybrid_paths, arch, monkeypatch, in_pass, first
+):
     # ``replay_as_landed``: each bank's reads taken by its own MoE call as the layers run again
     # (tuple layers, recurrent states put back), the reads issued after the check or (``in_pass``,
-    # ``reads_in_pass``) as the check reads each call's ids: stock's bits, replayed, never whole
+    # ``reads_in_pass``) as the check reads each call's ids, or (``first``, ``first_call_reads``,
+    # every step looking) the first MoE call's as it is built: stock's bits, replayed, never whole
+    from mlx_lm_streaming.runtime.decode import verified_step
+
+    monkeypatch.setattr(verified_step, "LOOK_SHARE", 0.0)
     tuning = CacheTuning(verify_choice="always", replay_as_landed=True, lookahead_min_precision=0,
-                         reads_in_pass=in_pass)  # fmt: skip
+                         reads_in_pass=in_pass, first_call_reads=first)  # fmt: skip
     runner, restarts = _greedy_against_stock(hybrid_paths[arch], monkeypatch, tuning)
     assert runner.replays > 0 and runner.recomputed == 0 and not restarts
+    assert (runner.first_call_reads > 0) == first
 
 
+@pytest.mark.parametrize("first", [False, True])
 @pytest.mark.parametrize("arch", ["kimi_k3-attn-res", "gemma4_text-kv-shared"])
 def test_a_miss_where_layers_cannot_be_replayed_is_read_then_the_call_runs_again_verified(
-    arch, monkeypatch, tmp_path
+    arch, monkeypatch, tmp_path, first
 ):
     # a layer given what another layer gave beside its output (kimi_k3's residual blocks, a
     # KV-shared gemma-4 layer's keys and values) would get the first pass's again in a replay: a
     # miss reads its experts (and those the pass beyond it named), puts every entry back and runs
     # the call again whole as a verified step, once (``restart``); only a miss in that run, per
-    # layer
+    # layer. ``first``: the first MoE call's reads issued as it was built (``first_call_reads``,
+    # every step looking), before a later layer showed the step cannot run again from it
     name, overrides = arch.split("-")[0], {  # (gemma-4: the last two layers take the first two's)
         "kimi_k3-attn-res": {"attn_res_block_size": 2},
         "gemma4_text-kv-shared": {"sliding_window": 64, "num_kv_shared_layers": 2},
     }[arch]
     path = build_checkpoint(tmp_path / name, name, num_layers=4, overrides={"experts": 16,
                                                                          **overrides})
-    runner, restarts = _greedy_against_stock(path, monkeypatch)
+    from mlx_lm_streaming.runtime.decode import verified_step
+
+    monkeypatch.setattr(verified_step, "LOOK_SHARE", 0.0)
+    tuning = CacheTuning(verify_choice="always", first_call_reads=first)
+    runner, restarts = _greedy_against_stock(path, monkeypatch, tuning)
     assert len(restarts) > 0 and runner.recomputed >= len(restarts) and runner.replays == 0
     assert runner.named > 0  # (read with the first miss's experts, whatever the guesses scored)
+    # (kimi_k3's blocks are given from its second layer, before its first MoE call: no look)
+    assert (runner.first_call_reads > 0) == (first and name == "gemma4_text")
 
 def test_a_recurrent_state_left_as_the_missed_pass_wrote_it_is_not_stock(hybrid_paths, monkeypatch):
     # the test above can fail: a miss whose recurrent states are not put back computes the layers

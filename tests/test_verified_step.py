@@ -419,18 +419,56 @@ def test_reads_issued_as_the_pass_names_them_stay_exact(q3_path, expected, monke
 
 
 @pytest.mark.parametrize("in_pass", [False, True])
+@pytest.mark.parametrize("as_landed", [True, False])
+def test_a_first_calls_reads_issued_as_it_is_built_stay_exact(
+    q3_path, expected, monkeypatch, as_landed, in_pass
+):
+    # ``first_call_reads``: once a quarter of steps' first MoE call missed (here: every step, the
+    # share set to 0), a step reads that call's ids back as soon as it is built and issues its misses'
+    # reads before the next MoE call is built (the check then issues the guesses beyond, or, with
+    # ``reads_in_pass``, names them): the steps are stock's bits, reads went so, and every lock
+    # is free afterwards
+    from mlx_lm_streaming.runtime.decode import named_reads, verified_step
+
+    issued = []  # per look: (MoE calls built then, banks whose reads it issued)
+    real = named_reads.look_first
+
+    def look(step, bank, indices, missing):
+        real(step, bank, indices, missing)
+        issued.append((len(step.calls), len(step.early.pending) if step.early else 0))
+
+    monkeypatch.setattr(verified_step, "look_first", look)
+    monkeypatch.setattr(verified_step, "LOOK_SHARE", 0.0)
+    model, runner, cache, stats = _misses_exact_and_counted(
+        q3_path, expected, first_call_reads=True, replay_as_landed=as_landed, reads_in_pass=in_pass
+    )
+    assert (1, 1) in issued and all(built == 1 for built, _ in issued), issued
+    assert stats["verified_first_call_reads"] == runner.first_call_reads > 0
+    assert stats["verified_named"] > 0 and 0 < runner.first_missed < 1
+    if in_pass:  # (the check took the first call's reads on and issued the guesses as named)
+        assert stats["verified_read_in_pass"] > 0
+    assert all(_lock_free(b) for b in cache.banks)
+    model.expert_streaming.close()
+    # off (the default off mlx-cuda): no step looks
+    assert not with_slots(q3_path, 4, tuning=ALWAYS).expert_streaming.steps.look_first
+
+
+@pytest.mark.parametrize(
+    "in_pass,first", [(False, False), (True, False), (False, True), (True, True)]
+)
 def test_a_read_that_fails_while_the_layers_run_again_frees_every_bank(
-    q3_path, monkeypatch, in_pass
+    q3_path, monkeypatch, in_pass, first
 ):
     # a read error in a bank whose landings a layer run again takes (or the check issued: reads
-    # in the pass): the call raises the store's error by name, every bank's lock is free, and the
-    # model decodes again once reads work
+    # in the pass; or the first MoE call issued as it was built): the call raises the store's
+    # error by name, every bank's lock is free, and the model decodes again once reads work
     from mlx_lm_streaming.errors import ExpertIOError
 
     tuning = CacheTuning(
         replay_as_landed=True, lookahead_min_precision=0.0, verify_choice="always",
-        reads_in_pass=in_pass,
+        reads_in_pass=in_pass, first_call_reads=first,
     )
+    monkeypatch.setattr(verified_step, "LOOK_SHARE", 0.0)  # (every step looks, where on)
     model = with_slots(q3_path, 2, tuning=tuning)
     store = model.expert_streaming.cache.store
     real_read = store.read_on_this_thread
@@ -450,6 +488,7 @@ def test_a_read_that_fails_while_the_layers_run_again_frees_every_bank(
         for token in (5, 9, 101, 7, 64, 3, 17, 42):
             runner.missed_share = 0.0
             mx.eval(model(mx.array([[token]]), cache=kv))
+    assert (runner.first_call_reads > 0) == first  # (the failing read was one issued so)
     assert all(_lock_free(b) for b in model.expert_streaming.cache.banks)
     state["fail"] = False
     runner.missed_share = 0.0

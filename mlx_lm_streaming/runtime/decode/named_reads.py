@@ -21,14 +21,32 @@ read into staging buffers as they are named (``LayerBank.stage``, the ``together
 ``load_together`` stages the banks after the first with, the first bank's too), and the check's
 loads install them after it, as before. Verified bit-exact on the CPU (tests/test_verified_step.py,
 with direct reads and staged; tests/test_parity_hybrids.py) and on an H100 (every step stock's,
-direct reads), where it gained 1.02x-1.04x cold, within the runs' spread: off by default
-(docs/benchmarks/streaming-path.md). The staged way is unmeasured (Metal: no Mac here).
+direct reads), where it gained 1.02x-1.04x cold, within the runs' spread, and nothing with
+uniform routing or gemma-4: off by default (docs/benchmarks/streaming-path.md). The staged way is
+unmeasured (Metal: no Mac here).
+
+Sooner still (``CacheTuning.first_call_reads``, off): where a step's first MoE call often missed
+(a cold decode), the check begins only once the whole pass is built and launched (3-5 ms a token on
+an H100 or H200, seen on their timelines), so even its first call's reads wait that long. There
+the step reads its first MoE call's ids back as soon as that call is built (``look_first``: a
+wait for that call alone) and issues its misses' reads then; the rest of the pass is built and
+computed while they read, and the check issues the guesses beyond (``issue_after_first``). Exact
+as above: they write only that call's bank, whose rows of this pass are dropped.
 """
 
+from operator import itemgetter
+
+import mlx.core as mx
 import numpy as np
 
 from ..bank.later_landings import LaterLandings
 from ..reads.prefetch import WAVE
+
+_MAP = itemgetter(3)  # (an unchecked call's host map of missing experts)
+# the running share of checked steps whose first MoE call missed from which the next steps read
+# that call's ids as it is built (``look_first``): a wait for them (~0.3 ms) is lost where the
+# call hits, the 3-5 ms its reads start sooner gained where it misses
+LOOK_SHARE = 0.25
 
 
 def may_read_in_pass(step) -> bool:
@@ -47,15 +65,17 @@ def count_as_named(step) -> np.ndarray:
     as they are named; ``step.early`` holds the issued reads' ``LaterLandings`` (None: none)."""
     calls, runner = step.calls, step.runner
     counts = np.zeros(len(calls), dtype=np.int64)
-    landings = None
-    first = -1  # (the first call that missed; its reads issued: ``landings``)
+    # (the first call that missed; its reads issued: ``landings``; its own as it was built:
+    # ``look_first``'s, taken on here)
+    landings, step.looked = step.early, False
+    first = -1 if landings is None else 0
     read = runner.guess_precision >= runner.min_precision
     staged = False  # (banks written through staging: their reads begun, loaded as before)
     try:
         for j, (_, bank, indices, missing) in enumerate(calls):
             named = np.array(indices, copy=False).reshape(-1)  # (a wait for this call's ids)
             counts[j] = n = missing[named].sum()
-            if not n:
+            if not n or j == first:
                 continue
             if first < 0:
                 first = j
@@ -127,3 +147,50 @@ def guess(step, bank, named, read: bool):
     step.runner.named += len(lack)
     step.guesses_read = True
     return bank, lack, {"keep": experts, "guessed": True}
+
+
+def look_first(step, bank, indices, missing) -> None:
+    """``step``'s first MoE call, just built (``bank``, its ids ``indices``, its bank's host map
+    of missing experts): its ids read back now, and where it misses, its experts' reads issued
+    (``step.early``; module docstring). Only where the check may take them on: a bank read
+    directly with no host cache, in a step that may run again from its layer."""
+    if not bank.direct or bank.cache.host_cache is not None or not step.replayable:
+        return
+    named = np.array(indices, copy=False).reshape(-1)  # (a wait for this call's ids alone)
+    experts = np.unique(named.astype(np.int64))
+    if not missing[named].any() or len(experts) > bank.slots:
+        return
+    bank.cache.ensure_planned()
+    tl = bank.cache.timeline
+    start = tl.now()
+    step.early, step.looked = LaterLandings().issue([(bank, experts, {})]), True
+    step.runner.first_call_reads += 1
+    tl.span("verify load", start, "read", layer=bank.path, experts=len(experts), first=True)
+
+
+def issue_after_first(step, first: int, early) -> bool:
+    """The check of a step whose first MoE call's reads ``look_first`` issued (``early``), that
+    call ``calls[first]`` found missing: the pass evaluated (no pending work may read a slot the
+    guesses' reads write), the guesses beyond it (``named_after``) issued into ``early``; whether
+    the call must run again whole (a step that cannot run again from its layer)."""
+    mx.eval(step.outputs[step.ran])
+    whole = not step.replayable or step.caches.unclaimed_changed()
+    early.issue(step.named_after(first, whole) if step.runner.together else [])
+    return whole
+
+
+def host_counts(calls, ids) -> np.ndarray:
+    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's host map of
+    missing experts (``LayerBank.device_map``, as the call saw it) marks, ``missing[ids].sum()``;
+    ``ids``: ``call_ids``' (read back here: the one host sync of a check; None: no calls)."""
+    if ids is None:
+        return np.zeros(0, dtype=np.int64)
+    flat = np.array(ids, copy=False)
+    maps = list(map(_MAP, calls))  # (C loops: no Python call per MoE call)
+    if flat.ndim == 2 and len(set(map(len, maps))) == 1:
+        return np.stack(maps)[np.arange(len(maps))[:, None], flat].sum(axis=1)
+    flat, counts, at = flat.reshape(-1), np.empty(len(calls), dtype=np.int64), 0
+    for j, (_, _, i, m) in enumerate(calls):
+        counts[j] = m[flat[at : at + i.size]].sum()
+        at += i.size
+    return counts

@@ -62,6 +62,9 @@ class StepRunner:
         # calls run as verified steps; layers run again; calls run again whole; calls per layer
         self.verified = self.replays = self.recomputed = self.per_layer_decodes = 0
         self.read_in_pass = 0  # checks whose reads went as the pass named them (``named_reads``)
+        # steps whose first MoE call's reads went as it was built (``named_reads.look_first``),
+        # and the running share of checked steps whose first MoE call missed
+        self.first_call_reads, self.first_missed = 0, 0.0
         # how a decode call's mode is chosen (``share_limits.way``), and whether a token that
         # missed nowhere brings the running share down to the limit
         self.choice, limit, self.clean_retries = share_limits.way(
@@ -103,6 +106,8 @@ class StepRunner:
         self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed
         # a check's reads issued as its calls' ids come back (``CacheTuning.reads_in_pass``)
         self.in_pass = cuda if tuning.reads_in_pass is None else tuning.reads_in_pass
+        # a first MoE call's reads issued as it is built (``CacheTuning.first_call_reads``)
+        self.look_first = cuda if tuning.first_call_reads is None else tuning.first_call_reads
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -216,6 +221,7 @@ class StepRunner:
         hold = held is None and self.defer == get_ident() and step.every >= self.moe
         if hold:
             step.every = self.layers + 1  # checked once, after the forward, by ``check``
+            step.look = False  # (a held step is one expected to hit)
         try:
             if held is None:
                 out = call(*args, **kwargs)

@@ -85,6 +85,8 @@ def summary(runner) -> Dict[str, object]:
         "verified_named_used": r.named_used if r is not None else 0,
         # checks whose reads were issued as the pass named them (``CacheTuning.reads_in_pass``)
         "verified_read_in_pass": r.read_in_pass if r is not None else 0,
+        # steps whose first MoE call's reads went as it was built (``first_call_reads``)
+        "verified_first_call_reads": r.first_call_reads if r is not None else 0,
         # decode-sized calls run per layer, and how each call's mode was chosen
         "per_layer_decodes": r.per_layer_decodes if r is not None else 0,
         # verified steps checked once the next token was built on them (checked_late.py), and

@@ -46,13 +46,13 @@ import numpy as np
 from ..bank import load_together
 from . import schedules, share_limits
 from .modes import Mode
-from .named_reads import count_as_named, guess, may_read_in_pass
+from .named_reads import LOOK_SHARE, count_as_named, guess, host_counts, issue_after_first
+from .named_reads import look_first, may_read_in_pass
 from .step_caches import StepCaches
 from .step_uses import distinct_per_call, note_uses
 
 MISSED_WEIGHT = share_limits.MISSED_WEIGHT  # (the running means' weight of the newest call)
 _IDS, _SIZE = itemgetter(1), itemgetter(2)  # (a kept call's ids, their count: C, no frame)
-_MAP = itemgetter(3)  # (an unchecked call's host map of missing experts)
 
 
 class _Again(Exception):
@@ -114,6 +114,10 @@ class VerifiedStep(Mode):
         # banks whose landings its MoE calls take (``CacheTuning.replay_as_landed``); the reads
         # its last check issued as the pass named them (``named_reads``), not yet handed on
         self.later = self.early = None
+        # its first MoE call's reads to be issued as it is built (``named_reads.look_first``),
+        # and whether they were (its check issues the guesses beyond: ``issue_after_first``)
+        self.look = runner.look_first and runner.together and runner.first_missed >= LOOK_SHARE
+        self.looked = False
         # the stream its layers' work is submitted to (``LayerBank.last_stream``)
         self.stream = mx.default_stream(mx.default_device())
 
@@ -153,6 +157,9 @@ class VerifiedStep(Mode):
         bank.last_stream = self.stream
         # its ids are not on the host: its experts and misses are the step's to count
         tl.layer(start, bank.path, size // indices.shape[-1], verified=True)
+        if self.look:  # (the step's first MoE call, where recent steps' often missed)
+            self.look = False
+            look_first(self, bank, indices, missing)
         return y
 
     def layer_call(self, i: int, call, args, kwargs):
@@ -236,10 +243,15 @@ class VerifiedStep(Mode):
             return None
         layer, bank, indices, _ = self.calls[first]
         early, self.early = self.early, None
-        if early is not None:  # (its reads and the guesses' issued by the check)
-            self.runner.read_in_pass += 1
+        if early is not None:  # (its reads issued as it was built, or by the check)
+            whole = self.looked and issue_after_first(self, first, early)
+            self.runner.read_in_pass += not self.looked
+            self.looked = False
             self.loaded.add(id(bank))
             self.calls = []
+            if whole:  # (its reads and the guesses' landed first)
+                early.finish()
+                raise _Again(whole=True)
             if self.runner.as_landed:
                 self.later = early
             else:
@@ -341,6 +353,8 @@ class VerifiedStep(Mode):
         else:
             counts = self.counts = host_counts(self.calls, ids)
         tl.span("verify", start, "sync", calls=len(self.calls))
+        runner = self.runner
+        runner.first_missed += MISSED_WEIGHT * ((counts[0] > 0) - runner.first_missed)
         hit = np.nonzero(counts)[0]
         return int(hit[0]) if len(hit) else None
 
@@ -419,20 +433,3 @@ def call_ids(calls) -> tuple:
         rows = mx.stack(ids).reshape(len(ids), -1)
         return rows, rows
     return mx.concatenate([i.reshape(-1) for i in ids]), None
-
-
-def host_counts(calls, ids) -> np.ndarray:
-    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's host map of
-    missing experts (``LayerBank.device_map``, as the call saw it) marks, ``missing[ids].sum()``;
-    ``ids``: ``call_ids``' (read back here: the one host sync of a check; None: no calls)."""
-    if ids is None:
-        return np.zeros(0, dtype=np.int64)
-    flat = np.array(ids, copy=False)
-    maps = list(map(_MAP, calls))  # (C loops: no Python call per MoE call)
-    if flat.ndim == 2 and len(set(map(len, maps))) == 1:
-        return np.stack(maps)[np.arange(len(maps))[:, None], flat].sum(axis=1)
-    flat, counts, at = flat.reshape(-1), np.empty(len(calls), dtype=np.int64), 0
-    for j, (_, _, i, m) in enumerate(calls):
-        counts[j] = m[flat[at : at + i.size]].sum()
-        at += i.size
-    return counts

@@ -57,6 +57,10 @@ class CacheTuning:
     # Exact; an H100 cold with the Qwen3 trace: 1.02x at 25% (within the spread), 1.04x at 50%,
     # so off (docs/benchmarks/streaming-path.md)
     reads_in_pass: Optional[bool] = False
+    # where a quarter of verified steps' first MoE call missed, that call's ids read back as it
+    # is built and its misses' reads issued then, the rest of the pass built and computed while
+    # they read (``named_reads.look_first``); None: on mlx-cuda only. Exact; off until measured
+    first_call_reads: Optional[bool] = False
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # a held step's check (its wait for the ids, the policies' records) on a thread of its own,
