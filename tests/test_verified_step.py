@@ -589,22 +589,23 @@ def test_a_tokens_misses_are_all_in_flight_at_once(q3_path, expected, monkeypatc
     model.expert_streaming.close()
 
 
-@pytest.mark.parametrize("in_pass", [False, True])
+@pytest.mark.parametrize("in_pass,first", [(False, False), (True, False), (False, True)])
 def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahead(
-    q3_path, expected, monkeypatch, in_pass
+    q3_path, expected, monkeypatch, in_pass, first
 ):
     # banks written through staging (Metal's way): the banks after the first are read in the
     # background while the first one's load reads its own, then installed by their own loads;
     # ``reads_in_pass``: the missed calls' experts (the first's too) staged as the check reads
-    # each call's ids, then loaded after the check as before: the same bits
+    # each call's ids, then loaded after the check as before; ``first_call_reads`` (every step
+    # looking): the first MoE call's experts staged as it is built: the same bits
     from mlx_lm_streaming.runtime.decode import named_reads, verified_step
 
     tuning = CacheTuning(lookahead=False, lookahead_min_precision=0.0, verify_choice="always",
-                         reads_in_pass=in_pass)  # fmt: skip
+                         reads_in_pass=in_pass, first_call_reads=first)  # fmt: skip
     model = with_slots(q3_path, 2, tuning=tuning, direct_reads=False)
     cache = model.expert_streaming.cache
     stats = cache.prefetch_stats
-    in_check = []
+    in_check, in_look = [], []
 
     def count(step):
         before = stats.staged["together"]
@@ -612,13 +613,21 @@ def test_without_direct_reads_a_tokens_misses_after_the_first_bank_are_read_ahea
         in_check.append(stats.staged["together"] - before)
         return counts
 
+    def look(step, bank, indices, missing):
+        before = stats.staged["together"]
+        named_reads.look_first(step, bank, indices, missing)
+        in_look.append(stats.staged["together"] - before)
+
     monkeypatch.setattr(verified_step, "count_as_named", count)
+    monkeypatch.setattr(verified_step, "look_first", look)
+    monkeypatch.setattr(verified_step, "LOOK_SHARE", 0.0)
     assert not any(b.direct for b in cache.banks)
     assert_same(expected, _every_call_verified(model))
     assert stats.used["together"] > 0 and stats.staged["together"] >= stats.used["together"]
     assert model.expert_streaming.steps.replays > 0
     assert model.expert_streaming.steps.read_in_pass == 0  # (no direct reads issued)
     assert (sum(in_check) > 0) == in_pass, in_check
+    assert (sum(in_look) > 0) == first == (model.expert_streaming.steps.first_call_reads > 0)
     model.expert_streaming.close()
 
 

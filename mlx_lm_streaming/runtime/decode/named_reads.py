@@ -31,7 +31,8 @@ an H100 or H200, seen on their timelines), so even its first call's reads wait t
 the step reads its first MoE call's ids back as soon as that call is built (``look_first``: a
 wait for that call alone) and issues its misses' reads then; the rest of the pass is built and
 computed while they read, and the check issues the guesses beyond (``issue_after_first``). Exact
-as above: they write only that call's bank, whose rows of this pass are dropped.
+as above: they write only that call's bank, whose rows of this pass are dropped. A bank written
+through staging has that call's experts staged then, installed by the check's load as before.
 """
 
 from operator import itemgetter
@@ -152,13 +153,17 @@ def guess(step, bank, named, read: bool):
 def look_first(step, bank, indices, missing) -> None:
     """``step``'s first MoE call, just built (``bank``, its ids ``indices``, its bank's host map
     of missing experts): its ids read back now, and where it misses, its experts' reads issued
-    (``step.early``; module docstring). Only where the check may take them on: a bank read
-    directly with no host cache, in a step that may run again from its layer."""
-    if not bank.direct or bank.cache.host_cache is not None or not step.replayable:
+    (``step.early``; module docstring), or for a bank written through staging (Metal's way)
+    read into staging buffers, which the check's load installs. Only where the check may take
+    them on: no host cache, a step that may run again from its layer."""
+    if bank.cache.host_cache is not None or not step.replayable:
         return
     named = np.array(indices, copy=False).reshape(-1)  # (a wait for this call's ids alone)
     experts = np.unique(named.astype(np.int64))
     if not missing[named].any() or len(experts) > bank.slots:
+        return
+    if not bank.direct:  # (no slot written: its load after the check installs them)
+        step.runner.first_call_reads += bank.stage(experts, "together", WAVE, fit=True) > 0
         return
     bank.cache.ensure_planned()
     tl = bank.cache.timeline
