@@ -87,11 +87,7 @@ def count_as_named(step) -> np.ndarray:
                     staged = True
                     bank.stage(experts, "together", WAVE, fit=True)
                     continue
-                bank.cache.ensure_planned()
-                tl = bank.cache.timeline
-                start = tl.now()
-                landings = LaterLandings().issue([(bank, experts, {})])
-                tl.span("verify load", start, "read", layer=bank.path, experts=len(experts))
+                landings = issue_first(bank, experts)
             elif staged:  # (what ``named_after`` will name, read into staging now)
                 if read and runner.together:
                     stage_lacking(step, bank, named)
@@ -111,6 +107,18 @@ def count_as_named(step) -> np.ndarray:
         _, _, indices, missing = calls[j]
         counts[j] = missing[np.array(indices, copy=False).reshape(-1)].sum()
     return counts
+
+
+def issue_first(bank, experts, **args) -> LaterLandings:
+    """The first missed call's ``experts`` (a bank read directly), their reads issued into new
+    ``LaterLandings`` (its lock held until they are taken), spanned on the timeline as a check's
+    load (``args``: the span's more)."""
+    bank.cache.ensure_planned()
+    tl = bank.cache.timeline
+    start = tl.now()
+    landings = LaterLandings().issue([(bank, experts, {})])
+    tl.span("verify load", start, "read", layer=bank.path, experts=len(experts), **args)
+    return landings
 
 
 def lacking(step, bank, named):
@@ -165,12 +173,8 @@ def look_first(step, bank, indices, missing) -> None:
     if not bank.direct:  # (no slot written: its load after the check installs them)
         step.runner.first_call_reads += bank.stage(experts, "together", WAVE, fit=True) > 0
         return
-    bank.cache.ensure_planned()
-    tl = bank.cache.timeline
-    start = tl.now()
-    step.early, step.looked = LaterLandings().issue([(bank, experts, {})]), True
+    step.early, step.looked = issue_first(bank, experts, first=True), True
     step.runner.first_call_reads += 1
-    tl.span("verify load", start, "read", layer=bank.path, experts=len(experts), first=True)
 
 
 def issue_after_first(step, first: int, early) -> bool:
