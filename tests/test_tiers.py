@@ -307,13 +307,14 @@ def test_the_device_tier_follows_the_uses():
     hot = mx.array([[5, 6]], dtype=mx.uint32)
     for _ in range(tiers.MOVE_EVERY):
         assert call(None, hot) is hot
-    # at the MOVE_EVERY-th token, before its ids are kept, the ids kept are counted but for the
-    # last READ_LAG calls' (not evaluated yet where mlx-lm runs ahead): 5 and 6 on the device
-    counted = tiers.MOVE_EVERY - 1 - tiers.READ_LAG
+    # at the MOVE_EVERY-th token, before its ids are kept, the ids gathered a token before are
+    # counted (those of the tokens before that one: read a token after their copies were
+    # launched, so that the read waits for nothing): 5 and 6 on the device
+    counted = tiers.MOVE_EVERY - 2
     assert tier.counts[5] == tier.counts[6] == pytest.approx(counted * tiers.DECAY)
     assert tier.uses == {"device": 0, "host": 2 * counted}  # served before the move
     assert tier.device.tolist() == [False] * 5 + [True, True, False]
-    assert t.moves == 4 and len(tier.pending) == tiers.READ_LAG + 1
+    assert t.moves == 4 and len(tier.pending) == 2 and t.gathered is None
     s = t.summary()
     assert s["tier_moves"] == 4 and s["tier_device_share"] == 0.0
     assert s["tier_move_batches"] == 1 and s["tier_moves_per_token"] == 4 / tiers.MOVE_EVERY

@@ -41,10 +41,11 @@ from ..bank.layer_set import expert_counts
 from .host_split import FLAG, available_host_bytes, split
 from .queue_worker import QueueWorker
 
-# decode calls: every call's ids are kept (a reference: no host work); every MOVE_EVERY-th token,
-# before its first call's ids are kept, those mlx-lm has evaluated (all but each bank's last
-# READ_LAG) are counted, decayed by DECAY, and every bank's device tier re-chosen, the moves issued
-# as one batch (a shift moves the device tier at the second batch: within 2 * MOVE_EVERY tokens);
+# decode calls: every call's ids are kept (a reference: no host work); at the token before every
+# MOVE_EVERY-th, every bank's kept ids are joined on the device (``gather``), and at the MOVE_EVERY-th,
+# before its first call's ids are kept, that one array is read and counted, decayed by DECAY, and
+# every bank's device tier re-chosen, the moves issued as one batch (a shift moves the device tier
+# at the second batch: within 2 * MOVE_EVERY tokens);
 # an expert takes a device slot from a colder one only where its count beats that one's by
 # SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without
 # it), or from one never used since loading (count 0) by any count
@@ -57,7 +58,6 @@ PROMPT_TOKENS = MOVE_EVERY
 # counts kept a batch (the traces at a quarter: 0.766 / 0.827 of uses served at 0.5, 0.803 / 0.855
 # at 0.9 against each layer's counted top 0.822 / 0.865; moves a token 7.0 / 5.3 -> 4.1 / 3.4)
 DECAY = 0.9
-READ_LAG = 2
 SWAP_RATIO = 1.25
 SWAP_MIN = 2.0
 # a routing shift (a batch whose uses the device served at a share SHIFT_DROP below the running
@@ -96,7 +96,7 @@ class BankTier:
         self.counts = np.zeros(bank.num_experts, dtype=np.float64)
         self.device = np.zeros(bank.num_experts, dtype=bool)
         self.device[:on_device] = True  # no counts yet: the first experts
-        self.pending: List = []  # the calls' ids arrays kept, not counted yet
+        self.pending: List = []  # the calls' ids arrays kept, not gathered yet
         self.fresh = np.zeros(bank.num_experts)  # the last batch's uses per expert (``count``)
         self.prompt: List = []  # a prompt's uses per expert (calls' or a set pass's), uncounted
         self.calls = 0  # decode calls (a token each)
@@ -117,6 +117,7 @@ class Tiers:
         self.batches = 0  # batches of moves issued (``rebalance``)
         self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.prompted = False  # a prompt ran since the last batch: the next token's call batches
+        self.gathered = None  # ``gather``'s ``(ids joined, [(tier, how many)])``, not read yet
         # the running share of a batch's uses the device served; batches left by SWAP_MIN_FAST
         self.served: Optional[float] = None
         self.fast = self.shifts = 0
@@ -219,9 +220,11 @@ class Tiers:
                 return device_copy.run(bank, glu, x, indices)
             tier.calls += 1
             if tier.calls > self.tokens:  # the step's first call: a token begins
-                self.tokens = tier.calls
-                if self.tokens % MOVE_EVERY == 0 or self.prompted:
+                self.tokens = tokens = tier.calls
+                if tokens % MOVE_EVERY == 0 or self.prompted:
                     self.rebalance()
+                if (tokens + 1) % MOVE_EVERY == 0:
+                    self.gather()
             pending.append(indices)
             return glu(x, indices)
 
@@ -235,21 +238,37 @@ class Tiers:
             tier.prompt.append(uses)
             self.prompted = True
 
-    def count(self, tier: BankTier) -> tuple:
-        """The kept ids that mlx-lm has evaluated (all but the last ``READ_LAG``) counted, and a
-        prompt's uses per expert, which count where the device tier goes but are no decode's uses
-        served: ``(uses the device served, uses)`` of those ids."""
+    def gather(self) -> None:
+        """Every bank's kept ids joined into one array, launched now (``mx.async_eval``: behind
+        the token in flight) and read at the next batch (``follow``), a token later, when it has
+        long run: one read of device memory a batch. Reading each call's ids array instead took
+        128 reads a batch at 16 layers, each on mlx-cuda a wait and a migration of the managed
+        page the device wrote (docs/benchmarks/tiers.md, "The thirteenth session")."""
+        import mlx.core as mx
+
+        arrays, sizes = [], []
+        for tier in self.banks.values():
+            done = tier.pending[:]
+            tier.pending.clear()  # (the list its calls append to)
+            arrays += [i.reshape(-1) for i in done]
+            sizes.append((tier, sum(i.size for i in done)))
+        joined = mx.concatenate(arrays) if arrays else None
+        if joined is not None:
+            mx.async_eval(joined)
+        self.gathered = (joined, sizes)
+
+    def count(self, tier: BankTier, ids: Optional[np.ndarray]) -> tuple:
+        """``ids`` (the gathered ids of ``tier``'s calls, or None) counted, and a prompt's uses
+        per expert, which count where the device tier goes but are no decode's uses served:
+        ``(uses the device served, uses)`` of those ids."""
         if tier.prompt:  # its most used expert weighs as one every token of PROMPT_TOKENS
             uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
             tier.prompt.clear()
             if uses.max() > 0:
                 tier.counts += uses * (PROMPT_TOKENS / uses.max())
-        done = tier.pending[: len(tier.pending) - READ_LAG]
-        del tier.pending[: len(done)]
         tier.fresh = np.zeros_like(tier.counts)
-        if not done:
+        if ids is None or not len(ids):
             return 0, 0
-        ids = np.concatenate([np.array(i).reshape(-1) for i in done]).astype(np.int64)
         ids = ids[(ids >= 0) & (ids < len(tier.counts))]
         tier.fresh = np.bincount(ids, minlength=len(tier.counts)).astype(np.float64)
         tier.counts += tier.fresh
@@ -273,15 +292,20 @@ class Tiers:
             self._submit(moves)
 
     def follow(self) -> tuple:
-        """Every bank's kept ids counted (``count``); ``(margin, decay)`` this batch swaps by and
-        keeps its counts by: ``SWAP_MIN`` and ``DECAY``, or ``SWAP_MIN_FAST`` and ``FAST_DECAY``
+        """The ids ``gather`` joined, read once and counted bank by bank (``count``); ``(margin,
+        decay)`` this batch swaps by and keeps its counts by: ``SWAP_MIN`` and ``DECAY``, or ``SWAP_MIN_FAST`` and ``FAST_DECAY``
         for ``FAST_BATCHES`` batches from one whose uses the device served at a share
         ``SHIFT_DROP`` below the running share (a routing shift: the counts before it then weigh
         ``SHIFT_KEEP``)."""
-        on = used = 0
+        on = used = at = 0
+        joined, sizes = self.gathered or (None, [])
+        self.gathered = None
+        flat = np.array(joined).astype(np.int64) if joined is not None else None  # (one read)
+        counts = dict((id(tier), n) for tier, n in sizes)
         for tier in self.banks.values():
-            served, uses = self.count(tier)
-            on, used = on + served, used + uses
+            n = counts.get(id(tier), 0)
+            served, uses = self.count(tier, flat[at : at + n] if n else None)
+            on, used, at = on + served, used + uses, at + n
         if used:
             share, served = on / used, self.served
             if served is not None and share < served - SHIFT_DROP:
