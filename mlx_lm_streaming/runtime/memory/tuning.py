@@ -59,8 +59,11 @@ class CacheTuning:
     reads_in_pass: Optional[bool] = False
     # where a quarter of verified steps' first MoE call missed, that call's ids read back as it
     # is built and its misses' reads issued then, the rest of the pass built and computed while
-    # they read (``named_reads.look_first``); None: on mlx-cuda only. Exact; off until measured
-    first_call_reads: Optional[bool] = False
+    # they read (``named_reads.look_first``); None: on mlx-cuda only (an H100, cold at 25-50%,
+    # the Qwen3 trace and uniform routing: 1.065x the default, median of 12 rounds, 10 faster;
+    # the CPU: 3.69 against 3.63 tok/s; Metal, whose banks stage, unmeasured:
+    # docs/benchmarks/streaming-path.md). Exact
+    first_call_reads: Optional[bool] = None
     # checked_late.py: steps held while at most this share of decode calls missed; None: off
     checked_late: Optional[float] = 0.25
     # a held step's check (its wait for the ids, the policies' records) on a thread of its own,
