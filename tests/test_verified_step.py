@@ -336,6 +336,26 @@ def _misses_exact_and_counted(q3_path, expected, **tuning):
     return model, runner, cache, stats
 
 
+def test_a_miss_takes_its_calls_ids_from_the_checks_one_read(q3_path, expected, monkeypatch):
+    # the missed call's ids and the guessed calls' come from the rows the check read back, not
+    # from each call's own array again (on mlx-cuda each such read costs the device a migration
+    # of the page it wrote: docs/benchmarks/tiers.md); the steps stay stock's bits
+    from mlx_lm_streaming.runtime.decode.verified_step import VerifiedStep
+
+    fell_back, real = [], VerifiedStep.call_row
+
+    def call_row(step, j, indices):
+        row = real(step, j, indices)
+        fell_back.append(step.rows is None or not np.shares_memory(row, step.rows))
+        assert np.array_equal(row.reshape(-1), np.array(indices).reshape(-1))
+        return row
+
+    monkeypatch.setattr(VerifiedStep, "call_row", call_row)
+    model, runner, _, _ = _misses_exact_and_counted(q3_path, expected)
+    assert len(fell_back) >= runner.replays and not any(fell_back)
+    model.expert_streaming.close()
+
+
 @pytest.mark.parametrize("together", [True, False])
 def test_a_tokens_misses_read_together_stay_exact_and_counted(q3_path, expected, together):
     # few slots, a verified step at every call: a miss reads the experts the pass beyond it named

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from threading import get_ident
 from typing import Optional
 
+import numpy as np
+
 from .. import mlx_shims
 from . import share_limits
 from .modes import COMPLETE, PER_LAYER
@@ -308,7 +310,8 @@ class StepRunner:
         step = held.step
         # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
         ids, step.held_ids = step.held_ids, None
-        step.counts, step.held = host_counts(step.calls, ids), True
+        step.rows = np.array(ids, copy=False) if ids is not None else None
+        step.counts, step.held = host_counts(step.calls, step.rows), True
         if step.counts.any():
             return False
         step.calls = []

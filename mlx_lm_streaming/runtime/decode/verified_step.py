@@ -104,6 +104,8 @@ class VerifiedStep(Mode):
         # the last check's per-call miss counts (host); id(bank) -> experts read for it on the
         # word of a pass that ran beyond a miss (``load_together``)
         self.counts: Optional[np.ndarray] = None
+        # the ids that check read back, a row per call (``call_row``), or None
+        self.rows: Optional[np.ndarray] = None
         self.guessed: Dict[int, set] = {}
         self.guesses_read = False
         # a held step's unchecked calls' ids (``hold``: ``call_ids``), lazy until its check
@@ -257,7 +259,7 @@ class VerifiedStep(Mode):
             else:
                 early.finish()
             return layer
-        experts = np.unique(np.array(indices, copy=False).astype(np.int64))
+        experts = np.unique(self.call_row(first, indices).astype(np.int64))
         # it missed again after its load (ids that changed), or more experts than slots
         if len(experts) > bank.slots or id(bank) in self.loaded:
             raise _Again
@@ -314,10 +316,19 @@ class VerifiedStep(Mode):
         out = []
         for j in np.nonzero(self.counts[first + 1 :])[0] + first + 1:
             _, bank, indices, _ = self.calls[j]
-            load = guess(self, bank, np.array(indices, copy=False), read)
+            load = guess(self, bank, self.call_row(j, indices), read)
             if load is not None:
                 out.append(load)
         return out
+
+    def call_row(self, j: int, indices) -> np.ndarray:
+        """Call ``j``'s ids (``indices``) on the host: its row of those the last check read back,
+        else read from its own array (on mlx-cuda a second read of device memory, which the device
+        pays: docs/benchmarks/tiers.md, "The thirteenth session")."""
+        rows = self.rows
+        if rows is not None and rows.ndim == 2 and len(rows) == len(self.calls):
+            return rows[j]
+        return np.array(indices, copy=False)
 
     def hold(self) -> None:
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
@@ -349,9 +360,11 @@ class VerifiedStep(Mode):
         tl = self.calls[0][1].cache.timeline
         start = tl.now()
         if self.runner.in_pass and may_read_in_pass(self):  # (``CacheTuning.reads_in_pass``)
-            counts = self.counts = count_as_named(self)
+            self.rows, counts = None, count_as_named(self)
+            self.counts = counts
         else:
-            counts = self.counts = host_counts(self.calls, ids)
+            self.rows = np.array(ids, copy=False) if ids is not None else None
+            counts = self.counts = host_counts(self.calls, self.rows)
         tl.span("verify", start, "sync", calls=len(self.calls))
         runner = self.runner
         runner.first_missed += MISSED_WEIGHT * ((counts[0] > 0) - runner.first_missed)
