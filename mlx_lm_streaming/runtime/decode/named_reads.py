@@ -191,6 +191,23 @@ def issue_after_first(step, first: int, early) -> bool:
     return whole
 
 
+def call_ids(calls) -> tuple:
+    """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
+    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel per
+    call on a GPU, where launches are most of a decode step's host time), else each call's
+    flattened one after another; ``rows``: the stacked ids, or None."""
+    ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
+    for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
+        ids.append(i)
+        same = same and i.shape == ids[0].shape
+    if not ids:
+        return None, None
+    if same:
+        rows = mx.stack(ids).reshape(len(ids), -1)
+        return rows, rows
+    return mx.concatenate([i.reshape(-1) for i in ids]), None
+
+
 def host_counts(calls, ids) -> np.ndarray:
     """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's host map of
     missing experts (``LayerBank.device_map``, as the call saw it) marks, ``missing[ids].sum()``;

@@ -46,8 +46,8 @@ import numpy as np
 from ..bank import load_together
 from . import schedules, share_limits
 from .modes import Mode
-from .named_reads import LOOK_SHARE, count_as_named, guess, host_counts, issue_after_first
-from .named_reads import look_first, may_read_in_pass
+from .named_reads import LOOK_SHARE, call_ids, count_as_named, guess, host_counts
+from .named_reads import issue_after_first, look_first, may_read_in_pass
 from .step_caches import StepCaches
 from .step_uses import distinct_per_call, note_uses
 
@@ -429,20 +429,3 @@ class VerifiedStep(Mode):
 def _first(out):
     """A decoder layer's output, or the first item of the tuple it gave (its hidden states)."""
     return out[0] if type(out) is tuple else out
-
-
-def call_ids(calls) -> tuple:
-    """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
-    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel per
-    call on a GPU, where launches are most of a decode step's host time), else each call's
-    flattened one after another; ``rows``: the stacked ids, or None."""
-    ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
-    for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
-        ids.append(i)
-        same = same and i.shape == ids[0].shape
-    if not ids:
-        return None, None
-    if same:
-        rows = mx.stack(ids).reshape(len(ids), -1)
-        return rows, rows
-    return mx.concatenate([i.reshape(-1) for i in ids]), None
