@@ -360,9 +360,9 @@ class VerifiedStep(Mode):
         tl = self.calls[0][1].cache.timeline
         start = tl.now()
         if self.runner.in_pass and may_read_in_pass(self):  # (``CacheTuning.reads_in_pass``)
-            self.rows, counts = None, count_as_named(self)
-            self.counts = counts
-        else:
+            self.rows = None
+            counts = self.counts = count_as_named(self)
+        else:  # (the ids read back, the one host sync, kept for ``call_row``)
             self.rows = np.array(ids, copy=False) if ids is not None else None
             counts = self.counts = host_counts(self.calls, self.rows)
         tl.span("verify", start, "sync", calls=len(self.calls))

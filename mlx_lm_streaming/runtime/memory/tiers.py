@@ -117,7 +117,7 @@ class Tiers:
         self.batches = 0  # batches of moves issued (``rebalance``)
         self.prompt_calls = 0  # calls run over a device copy of their bank (``caller``)
         self.prompted = False  # a prompt ran since the last batch: the next token's call batches
-        self.gathered = None  # ``gather``'s ``(ids joined, [(tier, how many)])``, not read yet
+        self.gathered = None  # ``gather``'s ``(ids joined, {id(tier): its span})``, not read yet
         # the running share of a batch's uses the device served; batches left by SWAP_MIN_FAST
         self.served: Optional[float] = None
         self.fast = self.shifts = 0
@@ -247,16 +247,17 @@ class Tiers:
         "The thirteenth session")."""
         import mlx.core as mx
 
-        arrays, sizes = [], []
+        arrays, spans, at = [], {}, 0
         for tier in self.banks.values():
             done = tier.pending[:]
             tier.pending.clear()  # (the list its calls append to)
             arrays += [i.reshape(-1) for i in done]
-            sizes.append((tier, sum(i.size for i in done)))
+            n = sum(i.size for i in done)
+            spans[id(tier)], at = (at, at + n), at + n
         joined = mx.concatenate(arrays) if arrays else None
         if joined is not None:
             mx.async_eval(joined)
-        self.gathered = (joined, sizes)
+        self.gathered = (joined, spans)
 
     def count(self, tier: BankTier, ids: Optional[np.ndarray]) -> tuple:
         """``ids`` (the gathered ids of ``tier``'s calls, or None) counted, and a prompt's uses
@@ -298,15 +299,14 @@ class Tiers:
         ``SWAP_MIN_FAST`` and ``FAST_DECAY`` for ``FAST_BATCHES`` batches from one whose uses the
         device served at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts
         before it then weigh ``SHIFT_KEEP``)."""
-        on = used = at = 0
-        joined, sizes = self.gathered or (None, [])
+        on = used = 0
+        joined, spans = self.gathered or (None, {})
         self.gathered = None
         flat = np.array(joined).astype(np.int64) if joined is not None else None  # (one read)
-        counts = dict((id(tier), n) for tier, n in sizes)
         for tier in self.banks.values():
-            n = counts.get(id(tier), 0)
-            served, uses = self.count(tier, flat[at : at + n] if n else None)
-            on, used, at = on + served, used + uses, at + n
+            start, end = spans.get(id(tier), (0, 0))
+            served, uses = self.count(tier, None if flat is None else flat[start:end])
+            on, used = on + served, used + uses
         if used:
             share, served = on / used, self.served
             if served is not None and share < served - SHIFT_DROP:
