@@ -272,7 +272,10 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         for tok in prompt:
             mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
         cfg.stream, cfg.pos = stream, 1
-        decode_block(cfg, args.warmup)  # warm-up: allocations, kernels
+        decode_block(cfg, args.warmup)  # warm-up: allocations, kernels, a tier's counts
+        if can_trim_prompt_cache(cfg.kv):  # the KV cache and stream rewound (the routing not):
+            trim_prompt_cache(cfg.kv, cfg.pos - 1)  # a long warm-up keeps stock's KV under 256
+            cfg.pos = 1
 
     for cfg in configs.values():
         if cfg.routing is not None:
@@ -453,6 +456,9 @@ def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
         first_per_token=c.get("verified_first_call_reads", 0) / n,  # ``first_call_reads``)
         **{k: v for k, v in cfg.cache.summary().items() if k.startswith(("tier", "host_", "comp"))},
     )
+    if c.get("tier_uses"):  # (the summary's tier figures count from the load; these the rounds)
+        entry.update(timed_device_share=c["tier_on"] / c["tier_uses"],
+                     timed_moves_per_token=c["tier_moved"] / n)
     # the limit: 1 / max(stock's step, the missed experts' bytes / the disk's best GB/s), per round
     need = entry["needed_bytes_per_token"] = entry["misses_per_token"] * ck["expert_bytes"]
     entry["read_over_needed"] = entry["bytes_per_token"] / need if need else None

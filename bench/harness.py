@@ -231,6 +231,9 @@ class Config:
                                              "checked_late_dropped", "verified_first_call_reads")},
                 store_reads=io.reads, uncached_bytes=io.uncached_bytes,
             )
+            if s.get("tier_sampled_uses"):  # two tiers: uses served on the device, and moves
+                out.update(tier_on=s["tier_device_share"] * s["tier_sampled_uses"],
+                           tier_uses=s["tier_sampled_uses"], tier_moved=s["tier_moves"])
         return dict(out, call_seconds=getattr(self.routing, "call_seconds", 0.0))
 
 
