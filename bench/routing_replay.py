@@ -21,8 +21,8 @@ from mlx_lm_streaming.files.routing_trace import RoutingTrace, TraceError
 
 class RowRouting:
     """Router choices as rows of expert ids per layer, taken in order by each layer's cursor.
-    ``rows(layer_no, start, n, top_k)`` gives rows ``start`` to ``start + n``; ``period(layer_no)``
-    is where the cursor wraps (None: never). A decode call's row is an evaluated device array of
+    ``rows(layer_no, start, n, top_k)`` gives rows ``start`` to ``start + n`` (a cursor only
+    grows: ``rows`` maps it into a table). A decode call's row is an evaluated device array of
     its own, sent in blocks of ``BLOCK`` rows (no host array and no graph node per call: issue 36
     measured a host array per MoE layer call costing stock a fifth); a longer call's are sent from
     the host."""
@@ -35,9 +35,6 @@ class RowRouting:
 
     def reset(self) -> None:
         self.cursor = {}
-
-    def period(self, layer_no: int) -> Optional[int]:
-        return None
 
     def indices(self, layer_no: int, shape):
         """The next ``prod(shape[:-1])`` rows of layer ``layer_no``, as ``shape``."""
@@ -62,8 +59,7 @@ class RowRouting:
         self._move(layer_no, self.cursor[layer_no] - rows)
 
     def _move(self, layer_no: int, to: int) -> None:
-        period = self.period(layer_no)
-        self.cursor[layer_no] = to if period is None else to % period
+        self.cursor[layer_no] = to
 
     def peek(self, layer_no: int, shape) -> np.ndarray:
         """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
@@ -99,14 +95,15 @@ class TraceRouting(RowRouting):
                 f"{trace.path}: cannot replay {self.layers} MoE layers from a trace of "
                 f"{trace.num_layers}"
             )
-        # per layer: the ids of every row that has them, (rows, top_k)
+        # per layer: the ids of every row that has them, (rows, top_k); and how many of those
+        # are prefill rows (a cursor past the end wraps to the first decode row: a decode never
+        # meets its prompt's routing again, and a tier's counts would see a shift there)
         self.table: List[np.ndarray] = []
+        self.prefill: List[int] = []
         for layer in range(self.layers):
-            ids = [row.experts[layer] for row in trace.rows if row.experts[layer]]
-            self.table.append(np.array(ids, dtype=np.uint32))
-
-    def period(self, layer_no: int) -> int:
-        return len(self.table[layer_no])
+            rows = [row for row in trace.rows if row.experts[layer]]
+            self.table.append(np.array([row.experts[layer] for row in rows], dtype=np.uint32))
+            self.prefill.append(sum(row.phase == "prefill" for row in rows))
 
     def check(self, num_layers: int, num_experts: int, top_k: int) -> None:
         """One-line ``TraceError`` unless the model can replay this trace's first ``layers``."""
@@ -136,8 +133,12 @@ class TraceRouting(RowRouting):
                 f"{self.trace.path}: layer {layer_no} asked for {top_k} experts per token, "
                 f"the trace has {self.top_k}"
             )
-        table = self.table[layer_no]
-        return table[np.arange(start, start + n) % len(table)]
+        table, first = self.table[layer_no], self.prefill[layer_no]
+        if first >= len(table):  # (no decode rows: the whole table again)
+            first = 0
+        at = np.arange(start, start + n)
+        at = np.where(at < len(table), at, first + (at - first) % (len(table) - first))
+        return table[at]
 
     def decode_rows(self):
         """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""

@@ -81,13 +81,15 @@ def test_stock_and_streaming_compute_the_same_under_a_trace(rr, k6):
     assert model.expert_streaming.cache.stats.misses > 0
 
 
-def test_the_cursor_wraps_around_the_trace(rr):
+def test_the_cursor_wraps_around_the_traces_decode_rows(rr):
+    # past the trace's end the rows go on from its first decode row, not its prompt's first row
     routing = rr.TraceRouting(read_trace(TRACE), layers=2)
-    n = len(routing.table[1])
+    n, first = len(routing.table[1]), routing.prefill[1]
     assert n == len(read_trace(TRACE).rows)
-    got = np.array(routing.indices(1, (1, n + 2, 6))).reshape(-1, 6)
+    got = np.array(routing.indices(1, (1, 2 * n, 6))).reshape(-1, 6)
     assert got[:n].tolist() == routing.table[1].tolist()
-    assert got[n:].tolist() == routing.table[1][:2].tolist()
+    again = routing.table[1][first:].tolist()
+    assert got[n:].tolist() == (again * 3)[:n]
 
 
 def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
@@ -111,17 +113,19 @@ def test_a_model_that_cannot_replay_the_trace_is_refused(rr, k6, tmp_path):
 
 def test_device_ids_equal_the_hosts_across_the_tables_end(rr):
     # a decode call's ids are a row of a block sent to the device once (issue 36); a call that runs
-    # past the table's end wraps to its start, as the host's rows do
-    routing = rr.TraceRouting(read_trace(TRACE), layers=2)
-    table = routing.table[1]
+    # past the table's end wraps to its first decode row (past the prompt's), as the host's rows do
+    trace = read_trace(TRACE)
+    routing = rr.TraceRouting(trace, layers=2)
+    table, first = routing.table[1], routing.prefill[1]
+    assert 0 < first == sum(r.phase == "prefill" for r in trace.rows if r.experts[1])
     routing.cursor[1] = len(table) - 2
     want = routing.peek(1, (1, 5, 6))
     got = routing.indices(1, (1, 5, 6))
     assert np.array(got).tolist() == want.tolist()
-    assert want.reshape(-1, 6).tolist() == table[[-2, -1, 0, 1, 2]].tolist()
-    assert routing.cursor[1] == 3
+    assert want.reshape(-1, 6).tolist() == table[[-2, -1, first, first + 1, first + 2]].tolist()
+    assert routing.cursor[1] == len(table) + 3
     routing.cursor[1] = len(table) - 2
-    for row in (-2, -1, 0, 1):
+    for row in (-2, -1, first, first + 1):
         assert np.array(routing.indices(1, (1, 1, 6))).reshape(-1).tolist() == table[row].tolist()
 
 
