@@ -562,6 +562,28 @@ def test_moves_come_in_one_batch_per_move_every_tokens_right_after_a_step():
     assert t.summary()["tier_moves_per_token"] == pytest.approx(12 / (3 * tiers.MOVE_EVERY))
 
 
+@pytest.mark.parametrize("shapes", [[(1, 1, 2)] * 7, [(1, 1, 2), (3, 2), (1, 1, 2), (2, 1, 2)] * 2])
+def test_a_batch_counts_each_calls_ids_joined_in_order(shapes):
+    # the ids of a batch's calls are joined on the device (``gather``) and counted a token later:
+    # decode's rows joined on their last axis, calls of more rows (a draft's check) flattened,
+    # each bank's span its own calls' ids in order, whatever the shapes
+    rng = np.random.default_rng(0)
+    t = tiers.Tiers(Recorder(), device_bytes=2 * 4 * 1000, host_bytes=2 * 12 * 1000)
+    banks = [_Bank(16), _Bank(16)]
+    t.plan(banks)
+    calls = [t.caller(b, lambda x, i: i) for b in banks]
+    sent = {id(b): [] for b in banks}
+    for token in range(1, tiers.MOVE_EVERY + 1):
+        for bank, call in zip(banks, calls):
+            ids = rng.integers(0, 16, size=shapes[(token - 1) % len(shapes)])
+            call(None, mx.array(ids, dtype=mx.uint32))
+            if token < tiers.MOVE_EVERY - 1:  # (gathered at the token before the batch's)
+                sent[id(bank)].append(ids.reshape(-1))
+    for bank in banks:
+        want = np.bincount(np.concatenate(sent[id(bank)]), minlength=16)
+        assert t.banks[id(bank)].fresh.tolist() == want.tolist()
+
+
 def test_a_routing_shift_moves_the_device_tier_within_32_tokens():
     # a decode that used experts 0-3 of 16 long enough to hold them (steady counts), then 8-11:
     # the device tier (4 experts) holds 8-11 within 32 tokens of the shift

@@ -252,14 +252,20 @@ class Tiers:
         "The thirteenth session")."""
         import mlx.core as mx
 
-        arrays, spans, at = [], {}, 0
+        arrays, spans, at, rows, ndim = [], {}, 0, True, None
         for tier in self.banks.values():
             done = tier.pending[:]
             tier.pending.clear()  # (the list its calls append to)
-            arrays += [i.reshape(-1) for i in done]
-            n = sum(i.size for i in done)
+            arrays += done
+            n = 0
+            for i in done:  # (a row each, as decode's: joined on their last axis, no reshape)
+                shape, size = i.shape, i.size
+                ndim = len(shape) if ndim is None else ndim
+                n, rows = n + size, rows and size == shape[-1] and len(shape) == ndim
             spans[id(tier)], at = (at, at + n), at + n
-        joined = mx.concatenate(arrays) if arrays else None
+        if arrays and not rows:  # (a call of more rows: each flattened, in the same order)
+            arrays = [i.reshape(-1) for i in arrays]
+        joined = mx.concatenate(arrays, axis=-1) if arrays else None
         if joined is not None:
             mx.async_eval(joined)
         self.gathered = (joined, spans)
@@ -307,7 +313,7 @@ class Tiers:
         on = used = 0
         joined, spans = self.gathered or (None, {})
         self.gathered = None
-        flat = np.array(joined).astype(np.int64) if joined is not None else None  # (one read)
+        flat = np.array(joined).reshape(-1).astype(np.int64) if joined is not None else None
         for tier in self.banks.values():
             start, end = spans.get(id(tier), (0, 0))
             served, uses = self.count(tier, None if flat is None else flat[start:end])
@@ -330,13 +336,13 @@ class Tiers:
         places with the coldest in it, pair by pair, while the one coming in beats the one going
         out by ``SWAP_RATIO`` and ``margin`` (by any count where that one was never used): the
         experts that swap (``tier.device`` says where each goes); the counts then keep ``decay``."""
-        counts = tier.counts
-        n = tier.capacity
-        none = np.zeros(0, dtype=np.int64)
-        if n in (0, len(counts)) or not counts.any():
+        counts, n, none = tier.counts, tier.capacity, np.zeros(0, dtype=np.int64)
+        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
+        # (no sort where the hottest outside does not beat the coldest inside: no swap)
+        if n in (0, len(counts)) or not counts.any() or not counts[outside].max() > (
+                least := counts[inside].min()) * SWAP_RATIO + (margin if least else 0):
             counts *= decay
             return none
-        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
         cold = inside[np.argsort(counts[inside], kind="stable")]
         hot = outside[np.argsort(-counts[outside], kind="stable")]
         k = 0
