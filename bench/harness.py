@@ -286,15 +286,9 @@ def routing_label(routing: str) -> str:
 
 
 def delta(a, b):
-    out = {}
-    for k, v in b.items():
-        if isinstance(v, (int, float)) and k in a:
-            out[k] = v - a[k]
-        elif isinstance(v, dict) and k in a:
-            out[k] = delta(a[k], v)
-        else:
-            out[k] = v
-    return out
+    """``b`` less ``a``, number by number, nested dicts too (values ``a`` lacks: ``b``'s)."""
+    return {k: (v - a[k] if isinstance(v, (int, float)) else delta(a[k], v)
+                if isinstance(v, dict) else v) if k in a else v for k, v in b.items()}  # fmt: skip
 
 
 def reset_banks(model):

@@ -51,15 +51,12 @@ class RowRouting:
             ids = held[1][start - first]
         else:
             ids = mx.array(self.peek(layer_no, shape))
-        self._move(layer_no, start + rows)
+        self.cursor[layer_no] = start + rows
         taken(self, layer_no, rows)
         return ids
 
     def unwind(self, layer_no: int, rows: int) -> None:
-        self._move(layer_no, self.cursor[layer_no] - rows)
-
-    def _move(self, layer_no: int, to: int) -> None:
-        self.cursor[layer_no] = to
+        self.cursor[layer_no] -= rows
 
     def peek(self, layer_no: int, shape) -> np.ndarray:
         """What ``indices`` will return next for layer ``layer_no``, without taking it (numpy)."""
@@ -95,9 +92,9 @@ class TraceRouting(RowRouting):
                 f"{trace.path}: cannot replay {self.layers} MoE layers from a trace of "
                 f"{trace.num_layers}"
             )
-        # per layer: the ids of every row that has them, (rows, top_k); and how many of those
-        # are prefill rows (a cursor past the end wraps to the first decode row: a decode never
-        # meets its prompt's routing again, and a tier's counts would see a shift there)
+        # per layer: the ids of every row that has them, (rows, top_k), and how many are prefill
+        # rows (past the end the rows go on from the first decode row: a decode never meets its
+        # prompt's routing again, which a tier's counts would take for a shift)
         self.table: List[np.ndarray] = []
         self.prefill: List[int] = []
         for layer in range(self.layers):
@@ -133,12 +130,9 @@ class TraceRouting(RowRouting):
                 f"{self.trace.path}: layer {layer_no} asked for {top_k} experts per token, "
                 f"the trace has {self.top_k}"
             )
-        table, first = self.table[layer_no], self.prefill[layer_no]
-        if first >= len(table):  # (no decode rows: the whole table again)
-            first = 0
-        at = np.arange(start, start + n)
-        at = np.where(at < len(table), at, first + (at - first) % (len(table) - first))
-        return table[at]
+        table, at = self.table[layer_no], np.arange(start, start + n)
+        first = self.prefill[layer_no] % len(table)  # (no decode rows: the whole table again)
+        return table[np.where(at < len(table), at, first + (at - first) % (len(table) - first))]
 
     def decode_rows(self):
         """Index of the trace's first decode row (prompt length that lands decode on decode rows)."""
