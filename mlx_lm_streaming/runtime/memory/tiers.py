@@ -337,12 +337,10 @@ class Tiers:
         out by ``SWAP_RATIO`` and ``margin`` (by any count where that one was never used): the
         experts that swap (``tier.device`` says where each goes); the counts then keep ``decay``."""
         counts, n, none = tier.counts, tier.capacity, np.zeros(0, dtype=np.int64)
-        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
-        # (no sort where the hottest outside does not beat the coldest inside: no swap)
-        if n in (0, len(counts)) or not counts.any() or not counts[outside].max() > (
-                least := counts[inside].min()) * SWAP_RATIO + (margin if least else 0):
+        if n in (0, len(counts)) or not counts.any():
             counts *= decay
             return none
+        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
         cold = inside[np.argsort(counts[inside], kind="stable")]
         hot = outside[np.argsort(-counts[outside], kind="stable")]
         k = 0
