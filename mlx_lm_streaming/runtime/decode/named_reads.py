@@ -208,18 +208,20 @@ def call_ids(calls) -> tuple:
     return mx.concatenate([i.reshape(-1) for i in ids]), None
 
 
-def host_counts(calls, ids) -> np.ndarray:
-    """Per MoE call ``(layer, bank, ids, missing)``: how many of its ids its bank's host map of
-    missing experts (``LayerBank.device_map``, as the call saw it) marks, ``missing[ids].sum()``;
-    ``ids``: ``call_ids``' (read back here: the one host sync of a check; None: no calls)."""
+def host_counts(calls, ids) -> tuple:
+    """``(the ids read, counts)``: ``ids``, ``call_ids``' (read back here: the one host sync of
+    a check; None: no calls), as a host array (None where None; a row per call where stacked:
+    ``VerifiedStep.call_row``), and per MoE call ``(layer, bank, ids, missing)`` how many of its
+    ids its bank's host map of missing experts (``LayerBank.device_map``, as the call saw it)
+    marks, ``missing[ids].sum()``."""
     if ids is None:
-        return np.zeros(0, dtype=np.int64)
-    flat = np.array(ids, copy=False)
+        return None, np.zeros(0, dtype=np.int64)
+    rows = np.array(ids, copy=False)
     maps = list(map(_MAP, calls))  # (C loops: no Python call per MoE call)
-    if flat.ndim == 2 and len(set(map(len, maps))) == 1:
-        return np.stack(maps)[np.arange(len(maps))[:, None], flat].sum(axis=1)
-    flat, counts, at = flat.reshape(-1), np.empty(len(calls), dtype=np.int64), 0
+    if rows.ndim == 2 and len(set(map(len, maps))) == 1:
+        return rows, np.stack(maps)[np.arange(len(maps))[:, None], rows].sum(axis=1)
+    flat, counts, at = rows.reshape(-1), np.empty(len(calls), dtype=np.int64), 0
     for j, (_, _, i, m) in enumerate(calls):
         counts[j] = m[flat[at : at + i.size]].sum()
         at += i.size
-    return counts
+    return rows, counts

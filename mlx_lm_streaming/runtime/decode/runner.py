@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from threading import get_ident
 from typing import Optional
 
-import numpy as np
-
 from .. import mlx_shims
 from . import share_limits
 from .modes import COMPLETE, PER_LAYER
@@ -310,8 +308,8 @@ class StepRunner:
         step = held.step
         # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
         ids, step.held_ids = step.held_ids, None
-        step.rows = np.array(ids, copy=False) if ids is not None else None
-        step.counts, step.held = host_counts(step.calls, step.rows), True
+        step.rows, step.counts = host_counts(step.calls, ids)
+        step.held = True
         if step.counts.any():
             return False
         step.calls = []

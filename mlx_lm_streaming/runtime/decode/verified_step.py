@@ -363,8 +363,8 @@ class VerifiedStep(Mode):
             self.rows = None
             counts = self.counts = count_as_named(self)
         else:  # (the ids read back, the one host sync, kept for ``call_row``)
-            self.rows = np.array(ids, copy=False) if ids is not None else None
-            counts = self.counts = host_counts(self.calls, self.rows)
+            self.rows, self.counts = host_counts(self.calls, ids)
+            counts = self.counts
         tl.span("verify", start, "sync", calls=len(self.calls))
         runner = self.runner
         runner.first_missed += MISSED_WEIGHT * ((counts[0] > 0) - runner.first_missed)
