@@ -267,15 +267,20 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             routing_replay.wrap(cfg.model, cfg.routing, depends=cfg.cache is not None)
     warm_s = 0.0 if mode["cold"] else warm_page_cache(files)
 
+    def rewind(cfg, pos):  # the KV cache and token stream back to ``pos`` where it can trim
+        if can_trim_prompt_cache(cfg.kv):
+            trim_prompt_cache(cfg.kv, cfg.pos - pos)
+            cfg.pos = pos
+            return True
+        return False
+
     def start(cfg):  # the prompt one token at a time, into a new KV cache
         cfg.kv = make_prompt_cache(cfg.model)
         for tok in prompt:
             mx.eval(cfg.model(mx.array([[tok]]), cache=cfg.kv))
         cfg.stream, cfg.pos = stream, 1
         decode_block(cfg, args.warmup)  # warm-up: allocations, kernels, a tier's counts
-        if can_trim_prompt_cache(cfg.kv):  # the KV cache and stream rewound (the routing not):
-            trim_prompt_cache(cfg.kv, cfg.pos - 1)  # a long warm-up keeps stock's KV under 256
-            cfg.pos = 1
+        rewind(cfg, 1)  # (not the routing: a long warm-up keeps stock's KV under 256 entries)
 
     for cfg in configs.values():
         if cfg.routing is not None:
@@ -293,10 +298,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
             pos = cfg.pos
             for _ in range(args.rounds):
                 decode_block(cfg, args.block)
-            if can_trim_prompt_cache(cfg.kv):
-                trim_prompt_cache(cfg.kv, cfg.pos - pos)
-                cfg.pos = pos
-            else:
+            if not rewind(cfg, pos):
                 start(cfg)
             if mode["warm_pass"] == "replay" and routing is not None:
                 routing.cursor = cursor
