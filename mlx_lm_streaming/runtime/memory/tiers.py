@@ -40,6 +40,7 @@ from ..bank import device_copy
 from ..bank.layer_set import expert_counts
 from .host_split import FLAG, available_host_bytes, split
 from .queue_worker import QueueWorker
+from .tier_table import TierTable
 
 # decode calls: every call's ids are kept (a reference: no host work); at the token before every
 # MOVE_EVERY-th, every bank's kept ids are joined on the device (``gather``), and at the
@@ -117,6 +118,7 @@ class Tiers:
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
+        self.table = TierTable([])  # their counts and tiers, a row each (``plan``)
         self.moves = 0  # experts moved between the tiers after the first placement
         self.tokens = 0  # decode tokens: the most decode calls of any bank
         self.batches = 0  # batches of moves issued (``rebalance``)
@@ -138,6 +140,7 @@ class Tiers:
         for bank, n in zip(banks, device_slots(banks, self.device_bytes)):
             tier = self.banks[id(bank)] = BankTier(bank, n)
             self._submit([(bank, np.arange(bank.num_experts), tier.device.copy())])
+        self.table = TierTable(list(self.banks.values()))  # (each tier's arrays: its rows)
 
     def ranges(self, bank, experts) -> List[tuple]:
         """``(address, nbytes)`` of the experts' bytes in each part of the bank, a range per run
@@ -270,91 +273,53 @@ class Tiers:
             mx.async_eval(joined)
         self.gathered = (joined, spans)
 
-    def count(self, tier: BankTier, ids: Optional[np.ndarray]) -> tuple:
-        """``ids`` (the gathered ids of ``tier``'s calls, or None) counted, and a prompt's uses
-        per expert, which count where the device tier goes but are no decode's uses served:
-        ``(uses the device served, uses)`` of those ids."""
-        if tier.prompt:  # its most used expert weighs as one every token of PROMPT_TOKENS
-            uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
-            tier.prompt.clear()
-            if uses.max() > 0:
-                tier.counts += uses * (PROMPT_TOKENS / uses.max())
-        tier.fresh = np.zeros_like(tier.counts)
-        if ids is None or not len(ids):
-            return 0, 0
-        ids = ids[(ids >= 0) & (ids < len(tier.counts))]
-        tier.fresh = np.bincount(ids, minlength=len(tier.counts)).astype(np.float64)
-        tier.counts += tier.fresh
-        on = int(tier.device[ids].sum())
-        tier.uses["device"] += on
-        tier.uses["host"] += len(ids) - on
-        return on, len(ids)
-
     def rebalance(self) -> None:
-        """One batch: every bank's kept ids counted and its swaps chosen (``swaps``), the moves
-        of all the banks submitted as one job."""
-        moves = []
+        """One batch: every bank's kept ids counted and its swaps chosen (``follow``,
+        ``TierTable.swaps``: one table, not a loop over banks), the moves of all the banks
+        submitted as one job."""
         self.prompted = False
         margin, decay = self.follow()
-        for tier in self.banks.values():
-            changed = self.swaps(tier, margin, decay)
-            if len(changed):
-                moves.append((tier.bank, changed, tier.device[changed]))
+        tiers = self.table.tiers
+        moves = [(tiers[i].bank, changed, tiers[i].device[changed])
+                 for i, changed in self.table.swaps(SWAP_RATIO, margin, decay)]  # fmt: skip
+        self.moves += sum(len(c) for _, c, _ in moves)
         if moves:
             self.batches += 1
             self._submit(moves)
 
     def follow(self) -> tuple:
-        """The ids ``gather`` joined, read once and counted bank by bank (``count``); ``(margin,
+        """The ids ``gather`` joined, read once and counted (``TierTable.count``), after a
+        prompt's uses per expert, which count where the device tier goes but are no decode's
+        uses served (its most used expert weighs as one every token of PROMPT_TOKENS); ``(margin,
         decay)`` this batch swaps by and keeps its counts by: ``SWAP_MIN`` and ``DECAY``, or
         ``SWAP_MIN_FAST`` and ``FAST_DECAY`` for ``FAST_BATCHES`` batches from one whose uses the
         device served at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts
         before it then weigh ``SHIFT_KEEP``)."""
-        on = used = 0
         joined, spans = self.gathered or (None, {})
         self.gathered = None
         flat = np.array(joined).reshape(-1).astype(np.int64) if joined is not None else None
-        for tier in self.banks.values():
-            start, end = spans.get(id(tier), (0, 0))
-            served, uses = self.count(tier, None if flat is None else flat[start:end])
-            on, used = on + served, used + uses
+        for tier in self.table.tiers:
+            if tier.prompt:
+                uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
+                tier.prompt.clear()
+                if uses.max() > 0:
+                    tier.counts += uses * (PROMPT_TOKENS / uses.max())
+        on, used = self.table.count(flat, spans)
+        for tier, served, n in zip(self.table.tiers, on.tolist(), used.tolist()):
+            tier.uses["device"] += served
+            tier.uses["host"] += n - served
+        on, used = int(on.sum()), int(used.sum())
         if used:
             share, served = on / used, self.served
             drop = SHIFT_DROP_FAST if self.fast else SHIFT_DROP
             if served is not None and share < served - drop:
                 self.fast, self.shifts = FAST_BATCHES, self.shifts + 1
-                for tier in self.banks.values():
-                    tier.counts = tier.fresh + SHIFT_KEEP * (tier.counts - tier.fresh)
+                self.table.shift(SHIFT_KEEP)
             self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
         if self.fast:
             self.fast -= 1
             return SWAP_MIN_FAST, FAST_DECAY
         return SWAP_MIN, DECAY
-
-    def swaps(self, tier: BankTier, margin: float = SWAP_MIN, decay: float = DECAY) -> np.ndarray:
-        """Its kept ids counted (``follow``), the hottest experts outside the device tier swap
-        places with the coldest in it, pair by pair, while the one coming in beats the one going
-        out by ``SWAP_RATIO`` and ``margin`` (by any count where that one was never used): the
-        experts that swap (``tier.device`` says where each goes); the counts then keep ``decay``."""
-        counts, n, none = tier.counts, tier.capacity, np.zeros(0, dtype=np.int64)
-        if n in (0, len(counts)) or not counts.any():
-            counts *= decay
-            return none
-        inside, outside = np.flatnonzero(tier.device), np.flatnonzero(~tier.device)
-        cold = inside[np.argsort(counts[inside], kind="stable")]
-        hot = outside[np.argsort(-counts[outside], kind="stable")]
-        k = 0
-        while k < min(len(cold), len(hot)) and (
-            counts[hot[k]] > counts[cold[k]] * SWAP_RATIO + (margin if counts[cold[k]] else 0)
-        ):
-            k += 1
-        counts *= decay
-        if not k:
-            return none
-        tier.device[cold[:k]] = False
-        tier.device[hot[:k]] = True
-        self.moves += 2 * k
-        return np.concatenate([cold[:k], hot[:k]])
 
     # -- the figures -------------------------------------------------------------------------
 
