@@ -43,6 +43,7 @@ from operator import itemgetter
 import mlx.core as mx
 import numpy as np
 
+from ...kernels.join import join_rows
 from ..bank.later_landings import LaterLandings
 from ..reads.prefetch import WAVE
 
@@ -191,19 +192,20 @@ def issue_after_first(step, first: int, early) -> bool:
     return whole
 
 
-def call_ids(calls) -> tuple:
+def call_ids(calls, cuda: bool = False) -> tuple:
     """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
-    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel per
-    call on a GPU, where launches are most of a decode step's host time), else each call's
-    flattened one after another; ``rows``: the stacked ids, or None."""
+    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel on
+    mlx-cuda, where launches are most of a decode step's host time: ``kernels.join``), else each
+    call's flattened one after another; ``rows``: the stacked ids, or None. ``cuda``: the model
+    computes on mlx-cuda (``StepRunner.cuda``)."""
     ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
     for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
         ids.append(i)
         same = same and i.shape == ids[0].shape
     if not ids:
         return None, None
-    if same:
-        rows = mx.stack(ids).reshape(len(ids), -1)
+    if same:  # (``join_rows`` called on mlx-cuda only: one call fewer a step elsewhere)
+        rows = join_rows(ids, True) if cuda else mx.stack(ids).reshape(len(ids), -1)
         return rows, rows
     return mx.concatenate([i.reshape(-1) for i in ids]), None
 

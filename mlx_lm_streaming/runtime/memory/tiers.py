@@ -32,6 +32,7 @@ records what it was asked. The option is refused off CUDA (``options``: unified 
 cache already is host memory).
 """
 
+from operator import attrgetter
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -51,6 +52,7 @@ from .tier_table import TierTable
 # SWAP_RATIO and SWAP_MIN (no churn between near ties: 1,400-1,800 moves in 500 tokens without
 # it), or from one never used since loading (count 0) by any count
 MOVE_EVERY = 8
+_SIZE = attrgetter("size")  # (an ids array's count: C, no frame)
 # a long prompt's uses per expert counted at the first token after it, scaled so that its most
 # used expert counts as one used by each of PROMPT_TOKENS decode tokens: decode's own counts take
 # over within a few batches however long the prompt (the traces' replays: as good as unscaled
@@ -255,20 +257,16 @@ class Tiers:
         "The thirteenth session")."""
         import mlx.core as mx
 
-        arrays, spans, at, rows, ndim = [], {}, 0, True, None
+        from ...kernels.join import join_flat
+
+        arrays, spans, at = [], {}, 0
         for tier in self.banks.values():
             done = tier.pending[:]
             tier.pending.clear()  # (the list its calls append to)
             arrays += done
-            n = 0
-            for i in done:  # (a row each, as decode's: joined on their last axis, no reshape)
-                shape, size = i.shape, i.size
-                ndim = len(shape) if ndim is None else ndim
-                n, rows = n + size, rows and size == shape[-1] and len(shape) == ndim
+            n = sum(map(_SIZE, done))
             spans[id(tier)], at = (at, at + n), at + n
-        if arrays and not rows:  # (a call of more rows: each flattened, in the same order)
-            arrays = [i.reshape(-1) for i in arrays]
-        joined = mx.concatenate(arrays, axis=-1) if arrays else None
+        joined = join_flat(arrays) if arrays else None  # (one kernel on mlx-cuda: kernels.join)
         if joined is not None:
             mx.async_eval(joined)
         self.gathered = (joined, spans)
