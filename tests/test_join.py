@@ -1,12 +1,12 @@
-"""kernels/join.py: many small ids arrays joined into one (one kernel on mlx-cuda, MLX's stack or
-concatenation elsewhere): the ids in order, whatever the shapes; on mlx-cuda the kernel's bytes
-are MLX's stack's (run there: ``pytest tests/test_join.py`` on the device)."""
+"""runtime/bank/join_ids.py: many small ids arrays joined into one (one kernel on mlx-cuda,
+MLX's stack or concatenation elsewhere): the ids in order, whatever the shapes; on mlx-cuda the
+kernel's bytes are MLX's stack's (run there: ``pytest tests/test_join.py`` on the device)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_streaming.kernels import join
+from mlx_lm_streaming.runtime.bank import join_ids as join
 from mlx_lm_streaming.runtime.devices import backend
 
 

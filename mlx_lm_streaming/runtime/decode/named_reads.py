@@ -43,7 +43,7 @@ from operator import itemgetter
 import mlx.core as mx
 import numpy as np
 
-from ...kernels.join import join_rows
+from ..bank.join_ids import join_rows
 from ..bank.later_landings import LaterLandings
 from ..reads.prefetch import WAVE
 
@@ -195,7 +195,7 @@ def issue_after_first(step, first: int, early) -> bool:
 def call_ids(calls, cuda: bool = False) -> tuple:
     """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
     lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel on
-    mlx-cuda, where launches are most of a decode step's host time: ``kernels.join``), else each
+    mlx-cuda, where launches are most of a decode step's host time: ``bank.join_ids``), else each
     call's flattened one after another; ``rows``: the stacked ids, or None. ``cuda``: the model
     computes on mlx-cuda (``StepRunner.cuda``)."""
     ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call

@@ -257,7 +257,7 @@ class Tiers:
         "The thirteenth session")."""
         import mlx.core as mx
 
-        from ...kernels.join import join_flat
+        from ..bank.join_ids import join_flat
 
         arrays, spans, at = [], {}, 0
         for tier in self.banks.values():
@@ -266,7 +266,7 @@ class Tiers:
             arrays += done
             n = sum(map(_SIZE, done))
             spans[id(tier)], at = (at, at + n), at + n
-        joined = join_flat(arrays) if arrays else None  # (one kernel on mlx-cuda: kernels.join)
+        joined = join_flat(arrays) if arrays else None  # (one kernel on mlx-cuda: bank.join_ids)
         if joined is not None:
             mx.async_eval(joined)
         self.gathered = (joined, spans)

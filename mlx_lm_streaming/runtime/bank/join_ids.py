@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..runtime.devices import backend
+from ..devices import backend
 
 # more inputs than this: MLX's own stack (a kernel's parameters are bounded: 8 bytes an input)
 MAX_ARRAYS = 512
