@@ -23,6 +23,8 @@ import mlx.core as mx
 
 from ..devices import backend
 
+# the one-kernel join on mlx-cuda (False: MLX's own stack there too)
+KERNEL = True
 # more inputs than this: MLX's own stack (a kernel's parameters are bounded: 8 bytes an input)
 MAX_ARRAYS = 512
 _kernels: Dict[int, object] = {}  # arrays joined -> the kernel made for that count
@@ -34,7 +36,7 @@ def join_rows(arrays: List[mx.array], cuda: Optional[bool] = None) -> mx.array:
     lazily: one kernel on mlx-cuda (module docstring; ``cuda``: whether this is, if known),
     ``mx.stack`` elsewhere."""
     n = len(arrays)
-    if not 1 < n <= MAX_ARRAYS or not (backend() == "cuda" if cuda is None else cuda):
+    if not (KERNEL and 1 < n <= MAX_ARRAYS) or not (backend() == "cuda" if cuda is None else cuda):
         return mx.stack(arrays).reshape(n, -1)
     if len(set(map(_DTYPE, arrays))) != 1:  # (the kernel reads one type; stack promotes)
         return mx.stack(arrays).reshape(n, -1)
