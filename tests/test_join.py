@@ -28,13 +28,13 @@ def test_rows_and_flat_keep_every_id_in_order(n, rows):
     got = np.array(join.join_rows(arrays))
     assert got.shape == (n, rows * 8)
     assert [r.tolist() for r in got] == [w.tolist() for w in want]
-    flat = np.array(join.join_flat(arrays)).reshape(-1)
+    flat = np.array(join.join_flat(arrays, False)).reshape(-1)
     assert flat.tolist() == np.concatenate(want).tolist()
 
 
 def test_arrays_of_other_shapes_are_flattened_in_order():
     arrays = _router_ids(3) + _router_ids(2, rows=2, seed=1) + [mx.array([5, 7], dtype=mx.uint32)]
-    flat = np.array(join.join_flat(arrays)).reshape(-1)
+    flat = np.array(join.join_flat(arrays, False)).reshape(-1)
     assert flat.tolist() == np.concatenate(_host(arrays)).tolist()
 
 
@@ -63,3 +63,27 @@ def test_on_cuda_the_kernels_bytes_are_stacks():
         got, want = join.join_rows(arrays), mx.stack(arrays).reshape(n, -1)
         assert got.dtype == want.dtype and np.array_equal(np.array(got), np.array(want)), (n, rows)
     assert sorted(join._kernels) == [7, 16, 128, 384]  # (the kernel ran: one made per count)
+
+
+def test_the_kernel_is_mlx_cudas_where_join_kernel_says_and_off_by_default():
+    # ``CacheTuning.join_kernel``: False (the default, until a GPU run checks it) or any value off
+    # mlx-cuda: MLX's stack; None or True on mlx-cuda: the kernel, for the check and the tiers
+    from types import SimpleNamespace as NS
+
+    from support import PlacementRecorder
+
+    from mlx_lm_streaming.runtime.decode.runner import StepRunner
+    from mlx_lm_streaming.runtime.memory import tiers
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+
+    assert CacheTuning().join_kernel is False
+    for backend_, said, want in [("cuda", False, False), ("cuda", None, True), ("cuda", True, True),
+                                 ("cpu", True, False), ("metal", None, False)]:  # fmt: skip
+        state = NS(cache=NS(tuning=CacheTuning(join_kernel=said)), selector=NS(backend=backend_))
+        assert StepRunner(state).join is want, (backend_, said)
+    for said, want in [(False, False), (None, True), (True, True)]:
+        bank = NS(num_experts=4, layer=NS(expert_nbytes=1000))
+        cache = NS(tuning=CacheTuning(join_kernel=said), budget_bytes=1000, banks=[bank],
+                   total_expert_bytes=4000, host_bytes=0, tiers=None, planned=True)  # fmt: skip
+        tiers.set_up(cache, 1.0, "cuda", placer=PlacementRecorder(), available=10**12)
+        assert cache.tiers is not None and cache.tiers.join is want, said

@@ -11,8 +11,9 @@ every array (``mx.fast.cuda_kernel``: a switch over its inputs, one thread an id
 per count of arrays, ids per array and dtype. The ids are copied, never computed on: the bytes are
 the router's.
 
-Off mlx-cuda (the CPU, Metal) and for arrays of other sizes or dtypes, or more than ``MAX_ARRAYS``,
-MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same; not written (no Mac
+Where ``CacheTuning.join_kernel`` says so (off by default: the kernel has not run on a GPU yet),
+on mlx-cuda only; elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than
+``MAX_ARRAYS``, MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same; not written (no Mac
 to verify it on).
 """
 
@@ -23,20 +24,18 @@ import mlx.core as mx
 
 from ..devices import backend
 
-# the one-kernel join on mlx-cuda (False: MLX's own stack there too)
-KERNEL = True
 # more inputs than this: MLX's own stack (a kernel's parameters are bounded: 8 bytes an input)
 MAX_ARRAYS = 512
 _kernels: Dict[int, object] = {}  # arrays joined -> the kernel made for that count
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 
 
-def join_rows(arrays: List[mx.array], cuda: Optional[bool] = None) -> mx.array:
+def join_rows(arrays: List[mx.array], kernel: Optional[bool] = None) -> mx.array:
     """``arrays`` (all of one shape and dtype) as the rows of one array, ``(len(arrays), size)``,
-    lazily: one kernel on mlx-cuda (module docstring; ``cuda``: whether this is, if known),
-    ``mx.stack`` elsewhere."""
+    lazily: one kernel (module docstring) where ``kernel`` (None: where this is mlx-cuda; the
+    package passes ``CacheTuning.join_kernel``'s answer), ``mx.stack`` elsewhere."""
     n = len(arrays)
-    if not (KERNEL and 1 < n <= MAX_ARRAYS) or not (backend() == "cuda" if cuda is None else cuda):
+    if not 1 < n <= MAX_ARRAYS or not (backend() == "cuda" if kernel is None else kernel):
         return mx.stack(arrays).reshape(n, -1)
     if len(set(map(_DTYPE, arrays))) != 1:  # (the kernel reads one type; stack promotes)
         return mx.stack(arrays).reshape(n, -1)
@@ -54,18 +53,18 @@ def join_rows(arrays: List[mx.array], cuda: Optional[bool] = None) -> mx.array:
     )[0]
 
 
-def join_flat(arrays: List[mx.array]) -> mx.array:
+def join_flat(arrays: List[mx.array], kernel: bool) -> mx.array:
     """Every id of ``arrays`` one after another in one array (lazily; flattened, it is their ids
-    in order): ``join_rows`` where the arrays are of one shape and dtype (off mlx-cuda, arrays of
-    one row each joined on their last axis: the fewest graph nodes), else each flattened and
-    concatenated."""
+    in order): ``join_rows`` where the arrays are of one shape and dtype (without ``kernel``,
+    arrays of one row each joined on their last axis: the fewest graph nodes), else each
+    flattened and concatenated."""
     shapes = set(map(_SHAPE, arrays))  # (C loops: no Python call per array)
     if len(shapes) != 1:
         return mx.concatenate([a.reshape(-1) for a in arrays])
-    shape, cuda = shapes.pop(), backend() == "cuda"
-    if not cuda and len(shape) and arrays[0].size == shape[-1]:
+    shape = shapes.pop()
+    if not kernel and len(shape) and arrays[0].size == shape[-1]:
         return mx.concatenate(arrays, axis=-1)
-    return join_rows(arrays, cuda)
+    return join_rows(arrays, kernel)
 
 
 def _source(n: int) -> Tuple[str, list, list, str]:

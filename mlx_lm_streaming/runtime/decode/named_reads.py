@@ -192,20 +192,19 @@ def issue_after_first(step, first: int, early) -> bool:
     return whole
 
 
-def call_ids(calls, cuda: bool = False) -> tuple:
+def call_ids(calls, join: bool = False) -> tuple:
     """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
-    lazy: stacked, a row each, where they have the same shapes (a token's layers: one kernel on
-    mlx-cuda, where launches are most of a decode step's host time: ``bank.join_ids``), else each
-    call's flattened one after another; ``rows``: the stacked ids, or None. ``cuda``: the model
-    computes on mlx-cuda (``StepRunner.cuda``)."""
+    lazy: stacked, a row each, where they have the same shapes (a token's layers; with ``join``,
+    ``StepRunner.join``, by one kernel: ``bank.join_ids``), else each call's flattened one after
+    another; ``rows``: the stacked ids, or None."""
     ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
     for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
         ids.append(i)
         same = same and i.shape == ids[0].shape
     if not ids:
         return None, None
-    if same:  # (``join_rows`` called on mlx-cuda only: one call fewer a step elsewhere)
-        rows = join_rows(ids, True) if cuda else mx.stack(ids).reshape(len(ids), -1)
+    if same:  # (``join_rows`` called for the kernel only: one call fewer a step elsewhere)
+        rows = join_rows(ids, True) if join else mx.stack(ids).reshape(len(ids), -1)
         return rows, rows
     return mx.concatenate([i.reshape(-1) for i in ids]), None
 

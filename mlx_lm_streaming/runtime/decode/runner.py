@@ -101,7 +101,8 @@ class StepRunner:
         self.checker: Optional[ThreadPoolExecutor] = None
         self.commit_lock = threading.RLock()
         tuning, cuda = state.cache.tuning, state.selector.backend == "cuda"
-        self.cuda = cuda  # (a check's ids joined by one kernel there: ``bank.join_ids``)
+        # a check's ids joined by one kernel (``CacheTuning.join_kernel``: mlx-cuda only)
+        self.join = cuda and tuning.join_kernel is not False
         self.check_thread = cuda if tuning.check_on_thread is None else tuning.check_on_thread
         # a miss's landings taken as the layers run again (``CacheTuning.replay_as_landed``)
         self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed

@@ -334,7 +334,7 @@ class VerifiedStep(Mode):
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
         check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
         ``commit``, the unchecked calls' ids)."""
-        self.held_ids, rows = call_ids(self.calls, self.runner.cuda)
+        self.held_ids, rows = call_ids(self.calls, self.runner.join)
         self.ids = self.flat_ids(rows)
 
     def first_miss(self, out=None) -> Optional[int]:
@@ -350,7 +350,7 @@ class VerifiedStep(Mode):
                 self.ids = self.flat_ids(None)
                 mx.async_eval(out, self.ids)
             return None
-        ids, rows = call_ids(self.calls, self.runner.cuda)
+        ids, rows = call_ids(self.calls, self.runner.join)
         pending = ()
         if out is not None:
             self.ids = self.flat_ids(rows)

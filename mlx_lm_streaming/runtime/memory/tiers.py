@@ -115,8 +115,9 @@ class Tiers:
     """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
-    def __init__(self, placer, device_bytes: int, host_bytes: int):
+    def __init__(self, placer, device_bytes: int, host_bytes: int, join: bool = False):
         self.placer = placer
+        self.join = join  # a batch's ids joined by one kernel (``CacheTuning.join_kernel``)
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
@@ -266,7 +267,7 @@ class Tiers:
             arrays += done
             n = sum(map(_SIZE, done))
             spans[id(tier)], at = (at, at + n), at + n
-        joined = join_flat(arrays) if arrays else None  # (one kernel on mlx-cuda: bank.join_ids)
+        joined = join_flat(arrays, self.join) if arrays else None  # (``bank.join_ids``)
         if joined is not None:
             mx.async_eval(joined)
         self.gathered = (joined, spans)
@@ -405,5 +406,5 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
             host_cache.set_up(cache, min(int(given_gb * GB), total - slots), placer)
         return
     cache.host_bytes = host
-    cache.tiers = Tiers(placer, device, host)
+    cache.tiers = Tiers(placer, device, host, join=cache.tuning.join_kernel is not False)
     cache.planned = False

@@ -72,6 +72,11 @@ class CacheTuning:
     # H100, 99% hits: 0.817 of stock against 0.753 without, side by side; the CPU: 0.717 and 0.671
     # against 0.729 and 0.680, none gained; Metal unmeasured: docs/benchmarks/streaming-path.md)
     check_on_thread: Optional[bool] = None
+    # on mlx-cuda, a step's MoE calls' ids joined by one kernel (``bank.join_ids``: a held step's
+    # check, the tiers' batches) instead of a copy kernel each; None or True: on mlx-cuda (never
+    # elsewhere); False: MLX's own stack. Off until a GPU run checks the kernel's bytes and times
+    # it (not run yet: docs/benchmarks/tiers.md, "The fifteenth session")
+    join_kernel: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
