@@ -144,3 +144,55 @@ def test_no_copier_on_the_cpu_backend():
     if mx.default_device().type == mx.gpu:
         pytest.skip("a GPU device: the check is the CPU backend's")
     assert cuda_copy.copier_for([1 << 20]) is None
+
+
+def test_ids_read_by_the_copy_engine_are_the_arrays_bytes():
+    # ``IdsReader`` (``CacheTuning.ids_by_copy``): an array's bytes copied by the runtime into
+    # the thread's page-locked buffer, then to the host: its values, shape and dtype; arrays the
+    # buffer cannot take, or not contiguous, read by numpy as before; a failed copy: an error
+    import mlx.core as mx
+
+    runtime = HostRuntime()
+    read = cuda_copy.IdsReader(cuda_copy.SlotCopier(runtime, buffer_bytes=4096))
+    for arr in (mx.arange(128, dtype=mx.uint32).reshape(16, 8), mx.array([3, 1, 2], mx.int32),
+                mx.argpartition(mx.arange(64.0)[::-1].reshape(1, 1, 64), 7, axis=-1)[..., :8]):
+        got = read(arr)
+        want = np.array(arr)
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    assert len(runtime.copies) == 3
+    big = mx.zeros((2048,), dtype=mx.uint32)  # (8 KB: over the buffer)
+    assert np.array_equal(read(big), np.zeros(2048, dtype=np.uint32)) and len(runtime.copies) == 3
+    failing = cuda_copy.IdsReader(cuda_copy.SlotCopier(HostRuntime(fail_copy=True)))
+    with pytest.raises(ExpertIOError, match="ids"):
+        failing(mx.arange(8, dtype=mx.uint32))
+
+
+def test_a_check_whose_ids_are_read_by_a_reader_gives_stocks_tokens(q3):
+    # the plumbing of ``CacheTuning.ids_by_copy`` on the CPU: a reader (here numpy's, counted) in
+    # place of ``IdsReader``: every check's ids and every commit's go through it, and decode is
+    # stock's, bit for bit
+    path, tokens, want = q3
+    model = with_slots(path, 8, tuning=CacheTuning(verify_choice="always"))
+    runner, reads = model.expert_streaming.steps, []
+
+    def read(arr):
+        reads.append(arr.shape)
+        return np.array(arr)
+
+    assert runner.read_ids is None  # (the CPU: off)
+    runner.read_ids = read
+    assert same(want, decode(model, tokens))
+    assert runner.verified > 0 and len(reads) >= runner.verified
+
+
+def test_ids_by_copy_is_mlx_cudas_where_said_and_off_by_default(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from mlx_lm_streaming.runtime.decode import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "ids_reader", lambda: "reader")
+    assert CacheTuning().ids_by_copy is False
+    for backend, said, want in [("cuda", False, None), ("cuda", None, "reader"),
+                                ("cuda", True, "reader"), ("cpu", True, None)]:  # fmt: skip
+        state = NS(cache=NS(tuning=CacheTuning(ids_by_copy=said)), selector=NS(backend=backend))
+        assert runner_module.StepRunner(state).read_ids == want, (backend, said)

@@ -253,6 +253,35 @@ def _piece(ref, start: int, nbytes: int):
     return dataclasses.replace(ref, offset=ref.offset + start, nbytes=nbytes)
 
 
+class IdsReader:
+    """Small device arrays (a check's ids, the tiers' batch) read into the calling thread's
+    page-locked buffer by the copy engine (``read``), not by the host: a host read of an mlx-cuda
+    array migrates its managed page to the host, and the kernels that next use memory on that
+    page fault it back (the streaming path's hit regime kept the device 0.5-0.6 ms a step busier
+    than stock's with one such read a token: docs/benchmarks/streaming-path.md, "The fifteenth
+    session"). ``CacheTuning.ids_by_copy``: off until a GPU run measures it."""
+
+    def __init__(self, copier: SlotCopier):
+        self.copier = copier
+
+    def __call__(self, arr) -> np.ndarray:
+        """``arr`` (an MLX array) on the host: a copy of its bytes, its shape and dtype."""
+        import mlx.core as mx
+
+        mx.eval(arr)  # (a wait for it: none of its bytes read)
+        view = np.array(arr, copy=False)  # (its memory, not read)
+        nbytes = view.nbytes
+        if nbytes > self.copier.buffer_bytes or not view.flags.c_contiguous:
+            return view.copy()
+        buffer = self.copier._buffer()
+        lib = self.copier.lib
+        if lib.cudaMemcpyAsync(buffer.pointer, view.ctypes.data, nbytes, _MEMCPY_DEFAULT,
+                               buffer.stream) != 0:  # fmt: skip
+            raise ExpertIOError("cudaMemcpyAsync of a check's ids failed")
+        lib.cudaStreamSynchronize(buffer.stream)
+        return buffer.array[:nbytes].view(view.dtype).reshape(view.shape).copy()
+
+
 _COPIER: Optional[SlotCopier] = None
 _CHECKED = False
 _LOCK = threading.Lock()
@@ -261,6 +290,20 @@ _LOCK = threading.Lock()
 def copier_for(addresses) -> Optional[SlotCopier]:
     """The copier, if every check passes for a bank at ``addresses`` (its parts' memory); else
     None (module docstring)."""
+    copier = _shared_copier()
+    if copier is None or not all(copier.manages(a) for a in addresses):
+        return None
+    return copier
+
+
+def ids_reader() -> Optional[IdsReader]:
+    """An ``IdsReader`` where the copier's checks pass (mlx-cuda, the runtime loads), else None."""
+    copier = _shared_copier()
+    return IdsReader(copier) if copier is not None else None
+
+
+def _shared_copier() -> Optional[SlotCopier]:
+    """The one copier on mlx-cuda where the runtime loads (looked for once), else None."""
     global _COPIER, _CHECKED
     if not on_cuda():
         return None
@@ -269,10 +312,7 @@ def copier_for(addresses) -> Optional[SlotCopier]:
             _CHECKED = True
             lib = _load_runtime()
             _COPIER = SlotCopier(lib) if lib is not None else None
-    copier = _COPIER
-    if copier is None or not all(copier.manages(a) for a in addresses):
-        return None
-    return copier
+    return _COPIER
 
 
 def on_cuda() -> bool:

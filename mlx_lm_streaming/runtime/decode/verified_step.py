@@ -363,7 +363,7 @@ class VerifiedStep(Mode):
             self.rows = None
             counts = self.counts = count_as_named(self)
         else:  # (the ids read back, the one host sync, kept for ``call_row``)
-            self.rows, self.counts = host_counts(self.calls, ids)
+            self.rows, self.counts = host_counts(self.calls, ids, self.runner.read_ids)
             counts = self.counts
         tl.span("verify", start, "sync", calls=len(self.calls))
         runner = self.runner
@@ -392,7 +392,9 @@ class VerifiedStep(Mode):
         hits = misses = named = used = 0
         kept = self.kept
         # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
-        flat = np.array(self.ids, copy=False).astype(np.int64)
+        read = self.runner.read_ids
+        flat = (np.array(self.ids, copy=False) if read is None else read(self.ids)).reshape(-1)
+        flat = flat.astype(np.int64)
         distinct = distinct_per_call(flat, list(map(_SIZE, kept.values())))
         at = j = 0
         # nothing missing: the policies' records of the uses (``note_uses``), all at once

@@ -115,9 +115,10 @@ class Tiers:
     """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
-    def __init__(self, placer, device_bytes: int, host_bytes: int, join: bool = False):
+    def __init__(self, placer, device_bytes: int, host_bytes: int, join=False, read=None):
         self.placer = placer
         self.join = join  # a batch's ids joined by one kernel (``CacheTuning.join_kernel``)
+        self.read = read  # reads them to the host (``CacheTuning.ids_by_copy``; None: numpy)
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
@@ -296,7 +297,10 @@ class Tiers:
         before it then weigh ``SHIFT_KEEP``)."""
         joined, spans = self.gathered or (None, {})
         self.gathered = None
-        flat = np.array(joined).reshape(-1).astype(np.int64) if joined is not None else None
+        flat = None
+        if joined is not None:
+            flat = np.array(joined) if self.read is None else self.read(joined)
+            flat = flat.reshape(-1).astype(np.int64)
         for tier in self.table.tiers:
             if tier.prompt:
                 uses = sum(np.array(c, dtype=np.float64) for c in tier.prompt)
@@ -406,5 +410,9 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
             host_cache.set_up(cache, min(int(given_gb * GB), total - slots), placer)
         return
     cache.host_bytes = host
-    cache.tiers = Tiers(placer, device, host, join=cache.tuning.join_kernel is not False)
+    from ..bank.cuda_copy import ids_reader
+
+    tuning = cache.tuning
+    read = ids_reader() if tuning.ids_by_copy is not False else None
+    cache.tiers = Tiers(placer, device, host, join=tuning.join_kernel is not False, read=read)
     cache.planned = False

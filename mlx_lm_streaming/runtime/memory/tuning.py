@@ -77,6 +77,12 @@ class CacheTuning:
     # elsewhere); False: MLX's own stack. Off until a GPU run checks the kernel's bytes and times
     # it (not run yet: docs/benchmarks/tiers.md, "The fifteenth session")
     join_kernel: Optional[bool] = False
+    # on mlx-cuda, a check's ids (and the tiers' batch) read to the host by the copy engine into
+    # page-locked memory (``cuda_copy.IdsReader``), not by the host, whose read migrates their
+    # managed page (suspected of the hit regime's 0.5-0.6 ms a step of device time); None or
+    # True: on mlx-cuda; False: the host reads them. Off until a GPU run measures it (not run yet:
+    # docs/benchmarks/streaming-path.md, "The fifteenth session")
+    ids_by_copy: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
