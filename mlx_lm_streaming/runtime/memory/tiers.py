@@ -105,7 +105,7 @@ class BankTier:
         self.device = np.zeros(bank.num_experts, dtype=bool)
         self.device[:on_device] = True  # no counts yet: the first experts
         self.pending: List = []  # the calls' ids arrays kept, not gathered yet
-        self.fresh = np.zeros(bank.num_experts)  # the last batch's uses per expert (``count``)
+        self.fresh = np.zeros(bank.num_experts)  # the last batch's uses per expert (``TierTable``)
         self.prompt: List = []  # a prompt's uses per expert (calls' or a set pass's), uncounted
         self.calls = 0  # decode calls (a token each)
         self.uses = {"device": 0, "host": 0}  # counted uses each tier served
