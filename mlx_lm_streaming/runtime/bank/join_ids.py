@@ -13,8 +13,8 @@ the router's.
 
 Where ``CacheTuning.join_kernel`` says so (off by default: the kernel has not run on a GPU yet),
 on mlx-cuda only; elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than
-``MAX_ARRAYS``, MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same; not written (no Mac
-to verify it on).
+``MAX_ARRAYS``, MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same;
+not written (no Mac to verify it on).
 """
 
 from operator import attrgetter
@@ -35,9 +35,11 @@ def join_rows(arrays: List[mx.array], kernel: Optional[bool] = None) -> mx.array
     lazily: one kernel (module docstring) where ``kernel`` (None: where this is mlx-cuda; the
     package passes ``CacheTuning.join_kernel``'s answer), ``mx.stack`` elsewhere."""
     n = len(arrays)
-    if not 1 < n <= MAX_ARRAYS or not (backend() == "cuda" if kernel is None else kernel):
-        return mx.stack(arrays).reshape(n, -1)
-    if len(set(map(_DTYPE, arrays))) != 1:  # (the kernel reads one type; stack promotes)
+    if (
+        not 1 < n <= MAX_ARRAYS
+        or not (backend() == "cuda" if kernel is None else kernel)
+        or len(set(map(_DTYPE, arrays))) != 1  # (the kernel reads one type; stack promotes)
+    ):
         return mx.stack(arrays).reshape(n, -1)
     kernel = _kernels.get(n)
     if kernel is None:

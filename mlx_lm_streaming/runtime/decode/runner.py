@@ -104,8 +104,8 @@ class StepRunner:
         tuning, cuda = state.cache.tuning, state.selector.backend == "cuda"
         # a check's ids joined by one kernel (``CacheTuning.join_kernel``: mlx-cuda only), and
         # read to the host by the copy engine (``CacheTuning.ids_by_copy``; None: the host reads)
-        self.join = cuda and tuning.join_kernel is not False
-        self.read_ids = ids_reader() if cuda and tuning.ids_by_copy is not False else None
+        self.join = tuning.cuda_only("join_kernel", cuda)
+        self.read_ids = ids_reader() if tuning.cuda_only("ids_by_copy", cuda) else None
         self.check_thread = cuda if tuning.check_on_thread is None else tuning.check_on_thread
         # a miss's landings taken as the layers run again (``CacheTuning.replay_as_landed``)
         self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed

@@ -26,9 +26,9 @@ class TierTable:
         self.device = np.zeros(shape, dtype=bool)
         self.real = np.arange(shape[1]) < experts[:, None]  # (a row's experts, not its padding)
         self.experts = experts
-        self.capacity = np.array([t.capacity for t in tiers], dtype=np.int64)
         # the pairs a row may swap at most: every device expert out, or every host expert in
-        self.pairs = np.minimum(self.capacity, experts - self.capacity)
+        capacity = np.array([t.capacity for t in tiers], dtype=np.int64)
+        self.pairs = np.minimum(capacity, experts - capacity)
         self.tiers = tiers
         for i, t in enumerate(tiers):
             n = t.bank.num_experts
@@ -76,7 +76,7 @@ class TierTable:
         # whether any pair of it wins: only rows where it does are sorted
         hottest = np.where(~device & self.real, counts, -np.inf).max(axis=1, initial=-np.inf)
         coldest = np.where(device, counts, np.inf).min(axis=1, initial=np.inf)
-        first = hottest > coldest * ratio + np.where(coldest != 0, margin, 0.0)
+        first = _beats(hottest, coldest, ratio, margin)
         rows = np.flatnonzero(first & (self.pairs > 0))
         if len(rows):
             c, d, most = counts[rows], device[rows], int(self.pairs[rows].max())
@@ -85,7 +85,7 @@ class TierTable:
             hot = hot[:, :most]
             c_cold = np.take_along_axis(c, cold, axis=1)
             c_hot = np.take_along_axis(c, hot, axis=1)
-            wins = c_hot > c_cold * ratio + np.where(c_cold != 0, margin, 0.0)
+            wins = _beats(c_hot, c_cold, ratio, margin)
             wins &= np.arange(most) < self.pairs[rows, None]
             # pairs while each wins: up to the first that does not
             k = np.where(wins.all(axis=1), most, np.argmin(wins, axis=1))
@@ -96,3 +96,9 @@ class TierTable:
                 out.append((i, np.concatenate([cold[j, :n], hot[j, :n]])))
         counts *= decay
         return out
+
+
+def _beats(hot, cold, ratio: float, margin: float):
+    """Where a count ``hot`` beats ``cold`` by ``ratio`` and ``margin`` (by any count where
+    ``cold`` is 0: an expert never used since loading)."""
+    return hot > cold * ratio + np.where(cold != 0, margin, 0.0)

@@ -412,7 +412,7 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     cache.host_bytes = host
     from ..bank.cuda_copy import ids_reader
 
-    tuning = cache.tuning
-    read = ids_reader() if tuning.ids_by_copy is not False else None
-    cache.tiers = Tiers(placer, device, host, join=tuning.join_kernel is not False, read=read)
+    tuning = cache.tuning  # (mlx-cuda here)
+    read = ids_reader() if tuning.cuda_only("ids_by_copy", True) else None
+    cache.tiers = Tiers(placer, device, host, join=tuning.cuda_only("join_kernel", True), read=read)
     cache.planned = False

@@ -133,6 +133,11 @@ class CacheTuning:
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS
 
+    def cuda_only(self, field: str, cuda: bool) -> bool:
+        """Whether ``field`` (``join_kernel``, ``ids_by_copy``: CUDA runtime paths) is on: on
+        mlx-cuda (``cuda``) unless it is False, never elsewhere."""
+        return cuda and getattr(self, field) is not False
+
     def __post_init__(self):
         if self.set_stage not in SET_STAGES:
             raise ConfigurationError(
