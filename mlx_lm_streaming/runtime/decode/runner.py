@@ -314,7 +314,7 @@ class StepRunner:
         # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
         ids, step.held_ids = step.held_ids, None
         step.rows, step.counts = host_counts(step.calls, ids, self.read_ids)
-        step.held = True
+        step.rows_of, step.held = ids, True
         if step.counts.any():
             return False
         step.calls = []

@@ -104,8 +104,10 @@ class VerifiedStep(Mode):
         # the last check's per-call miss counts (host); id(bank) -> experts read for it on the
         # word of a pass that ran beyond a miss (``load_together``)
         self.counts: Optional[np.ndarray] = None
-        # the ids that check read back, a row per call (``call_row``), or None
+        # the ids that check read back, a row per call (``call_row``), or None; the lazy array
+        # they were read from, and the one ``ids`` is a view of where it is the rows flattened
         self.rows: Optional[np.ndarray] = None
+        self.rows_of = self.ids_of = None
         self.guessed: Dict[int, set] = {}
         self.guesses_read = False
         # a held step's unchecked calls' ids (``hold``: ``call_ids``), lazy until its check
@@ -336,6 +338,7 @@ class VerifiedStep(Mode):
         ``commit``, the unchecked calls' ids)."""
         self.held_ids, rows = call_ids(self.calls, self.runner.join)
         self.ids = self.flat_ids(rows)
+        self.rows_of = None
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -362,8 +365,9 @@ class VerifiedStep(Mode):
         if self.runner.in_pass and may_read_in_pass(self):  # (``CacheTuning.reads_in_pass``)
             self.rows = None
             counts = self.counts = count_as_named(self)
-        else:  # (the ids read back, the one host sync, kept for ``call_row``)
+        else:  # (the ids read back, the one host sync, kept for ``call_row`` and ``commit``)
             self.rows, self.counts = host_counts(self.calls, ids, self.runner.read_ids)
+            self.rows_of = ids
             counts = self.counts
         tl.span("verify", start, "sync", calls=len(self.calls))
         runner = self.runner
@@ -376,12 +380,13 @@ class VerifiedStep(Mode):
         (``call_ids``': the unchecked calls' ids, a row each) where those calls are the kept
         ones in order (a forward checked once: a token's layers), else each kept call's ids
         flattened: no reshape per MoE call while the forward is built."""
-        kept = self.kept
+        kept, self.ids_of = self.kept, None
         if rows is not None and len(self.calls) == len(kept):
             for call, kept_call in zip(self.calls, kept.values()):
                 if call[2] is not kept_call[1]:
                     break
             else:
+                self.ids_of = rows
                 return rows.reshape(-1)
         return mx.concatenate(list(map(mx.flatten, map(_IDS, kept.values()))))
 
@@ -391,10 +396,14 @@ class VerifiedStep(Mode):
         banks' fill asked for."""
         hits = misses = named = used = 0
         kept = self.kept
-        # the kept calls' ids, in ``kept``'s order: one copy to the host (``first_miss``)
+        # the kept calls' ids, in ``kept``'s order: the rows the check read where ``ids`` is
+        # them flattened (no second read: with ``read_ids``, a second copy), else one read
         read = self.runner.read_ids
-        flat = (np.array(self.ids, copy=False) if read is None else read(self.ids)).reshape(-1)
-        flat = flat.astype(np.int64)
+        if self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
+            flat = self.rows
+        else:
+            flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
+        flat = flat.reshape(-1).astype(np.int64)
         distinct = distinct_per_call(flat, list(map(_SIZE, kept.values())))
         at = j = 0
         # nothing missing: the policies' records of the uses (``note_uses``), all at once
