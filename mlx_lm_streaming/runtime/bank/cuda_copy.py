@@ -257,9 +257,9 @@ class IdsReader:
     """Small device arrays (a check's ids, the tiers' batch) read into the calling thread's
     page-locked buffer by the copy engine (``read``), not by the host: a host read of an mlx-cuda
     array migrates its managed page to the host, and the kernels that next use memory on that
-    page fault it back (the streaming path's hit regime kept the device 0.5-0.6 ms a step busier
-    than stock's with one such read a token: docs/benchmarks/streaming-path.md, "The fifteenth
-    session"). ``CacheTuning.ids_by_copy``: off until a GPU run measures it."""
+    page fault it back (suspected in the fifteenth session; on an H100 in the sixteenth such a
+    read did not make the kernels slower: docs/benchmarks/streaming-path.md).
+    ``CacheTuning.ids_by_copy``: off."""
 
     def __init__(self, copier: SlotCopier):
         self.copier = copier

@@ -11,8 +11,8 @@ every array (``mx.fast.cuda_kernel``: a switch over its inputs, one thread an id
 per count of arrays, ids per array and dtype. The ids are copied, never computed on: the bytes are
 the router's.
 
-Where ``CacheTuning.join_kernel`` says so (off by default: the kernel has not run on a GPU yet),
-on mlx-cuda only; elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than
+Where ``CacheTuning.join_kernel`` says so (off by default: exact on an H100, but no faster beyond
+the noise there, docs/benchmarks/streaming-path.md, "The sixteenth session"), on mlx-cuda only; elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than
 ``MAX_ARRAYS``, MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same;
 not written (no Mac to verify it on).
 """

@@ -74,14 +74,16 @@ class CacheTuning:
     check_on_thread: Optional[bool] = None
     # on mlx-cuda, a step's MoE calls' ids joined by one kernel (``bank.join_ids``: a held step's
     # check, the tiers' batches) instead of a copy kernel each; None or True: on mlx-cuda (never
-    # elsewhere); False: MLX's own stack. Off until a GPU run checks the kernel's bytes and times
-    # it (not run yet: docs/benchmarks/tiers.md, "The fifteenth session")
+    # elsewhere); False: MLX's own stack. Exact on an H100 (its bytes are the stack's; 15 kernels
+    # a step fewer), but with ``ids_by_copy`` faster in 12 of 20 rounds of the hit regime and 7 of
+    # 10 of the tiers at 99%, medians 1.008x and 1.018x: within the noise, so off
+    # (docs/benchmarks/streaming-path.md, tiers.md: "The sixteenth session")
     join_kernel: Optional[bool] = False
     # on mlx-cuda, a check's ids (and the tiers' batch) read to the host by the copy engine into
     # page-locked memory (``cuda_copy.IdsReader``), not by the host, whose read migrates their
-    # managed page (suspected of the hit regime's 0.5-0.6 ms a step of device time); None or
-    # True: on mlx-cuda; False: the host reads them. Off until a GPU run measures it (not run yet:
-    # docs/benchmarks/streaming-path.md, "The fifteenth session")
+    # managed page; None or True: on mlx-cuda; False: the host reads them. Off: on an H100 a host
+    # read of such an array did not make the device's kernels slower (the sixteenth session's
+    # experiment), and alone it was no faster (docs/benchmarks/streaming-path.md)
     ids_by_copy: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
