@@ -12,9 +12,10 @@ per count of arrays, ids per array and dtype. The ids are copied, never computed
 the router's.
 
 Where ``CacheTuning.join_kernel`` says so (off by default: exact on an H100, but no faster beyond
-the noise there, docs/benchmarks/streaming-path.md, "The sixteenth session"), on mlx-cuda only; elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than
-``MAX_ARRAYS``, MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same;
-not written (no Mac to verify it on).
+the noise there, docs/benchmarks/streaming-path.md, "The sixteenth session"), on mlx-cuda only;
+elsewhere (the CPU, Metal) and for arrays of other sizes or dtypes, or more than ``MAX_ARRAYS``,
+MLX's own ``mx.stack`` as before. On Metal a ``metal_kernel`` would do the same; not written (no
+Mac to verify it on).
 """
 
 from operator import attrgetter
