@@ -338,7 +338,6 @@ class VerifiedStep(Mode):
         ``commit``, the unchecked calls' ids)."""
         self.held_ids, rows = call_ids(self.calls, self.runner.join)
         self.ids = self.flat_ids(rows)
-        self.rows_of = None
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
