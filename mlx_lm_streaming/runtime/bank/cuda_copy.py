@@ -255,11 +255,11 @@ def _piece(ref, start: int, nbytes: int):
 
 class IdsReader:
     """Small device arrays (a check's ids, the tiers' batch) read into the calling thread's
-    page-locked buffer by the copy engine (``read``), not by the host: a host read of an mlx-cuda
-    array migrates its managed page to the host, and the kernels that next use memory on that
-    page fault it back (suspected in the fifteenth session; on an H100 in the sixteenth such a
-    read did not make the kernels slower: docs/benchmarks/streaming-path.md).
-    ``CacheTuning.ids_by_copy``: off."""
+    page-locked buffer by the copy engine (``read``), not by the host: written for arrays in
+    managed memory, whose host read migrates their page. A kernel's output on mlx-cuda 0.32
+    lives in device memory, and the numpy view taken here for its address makes MLX move it to
+    managed memory first (``Buffer::raw_ptr``), so this saves the page's migration only, not the
+    move (``decode.device_count``). ``CacheTuning.ids_by_copy``: off."""
 
     def __init__(self, copier: SlotCopier):
         self.copier = copier

@@ -80,11 +80,17 @@ class CacheTuning:
     # (docs/benchmarks/streaming-path.md, tiers.md: "The sixteenth session")
     join_kernel: Optional[bool] = False
     # on mlx-cuda, a check's ids (and the tiers' batch) read to the host by the copy engine into
-    # page-locked memory (``cuda_copy.IdsReader``), not by the host, whose read migrates their
-    # managed page; None or True: on mlx-cuda; False: the host reads them. Off: on an H100 a host
-    # read of such an array did not make the device's kernels slower (the sixteenth session's
-    # experiment), and alone it was no faster (docs/benchmarks/streaming-path.md)
+    # page-locked memory (``cuda_copy.IdsReader``); None or True: on mlx-cuda; False: the host
+    # reads them. Off: alone it was no faster on an H100 (docs/benchmarks/streaming-path.md), and
+    # it cannot do what it was for: a kernel's output lives in device memory (mlx-cuda 0.32), and
+    # the numpy view that gives its address makes MLX move it to managed memory first, as a host
+    # read does (``decode.device_count`` says what that costs and what avoids it)
     ids_by_copy: Optional[bool] = False
+    # a held step's misses counted on the device and read as one 4-byte count, its ids read for
+    # the policies a window of 16 steps at a time (``decode.device_count``: on mlx-cuda a host
+    # read of a kernel's array longer than 8 bytes moves it to managed memory first); exact, the
+    # cache's state unchanged; off until a GPU run measures it (docs/benchmarks/streaming-path.md)
+    count_on_device: bool = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
