@@ -6,7 +6,7 @@ the ids every token leaves; one host read of ids per window of steps found compl
 import numpy as np
 import pytest
 from support import load_stock, with_slots
-from test_checked_late import assert_same, generated, prompt_of
+from test_checked_late import ARCHS, arch_paths, assert_same, generated, prompt_of  # noqa: F401
 
 from mlx_lm_streaming.runtime.decode import device_count
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
@@ -92,6 +92,21 @@ def test_a_window_of_steps_found_complete_reads_its_ids_once(q3_path, stock_q3, 
     assert windows and in_windows >= 2 * len(windows)
     assert in_windows > len(committed) - in_windows
     assert all(size % device_count.WINDOW == 0 for size in windows)
+    model.expert_streaming.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_device_counts_are_stock_across_architectures(arch_paths, arch):
+    # hybrids among them (linear attention, Mamba-2 layers), gemma-4's tuple layers, kimi_k3's
+    # blocks: 12 slots of 16, held steps hit and miss, sampled, the text stock's and the count used
+    path = arch_paths[arch]
+    stock, _ = load_stock(path)
+    prompt = prompt_of(4)
+    expected = generated(stock, prompt, 3, steps=24)
+    model = with_slots(path, 12, tuning=tuning(True))
+    assert_same(expected, generated(model, prompt, 3, steps=24))
+    runner = model.expert_streaming.steps
+    assert runner.checked_late > 0 and runner.count_maps is not None
     model.expert_streaming.close()
 
 
