@@ -24,6 +24,7 @@ Measured on the CPU only (exact, tests/test_device_count.py); off by default unt
 H200 run says whether it pays (docs/benchmarks/streaming-path.md, "The seventeenth session").
 """
 
+from operator import is_
 from typing import List
 
 import mlx.core as mx
@@ -51,14 +52,10 @@ def misses(runner, calls, rows) -> mx.array:
     map is made anew whenever its table changes: ``LayerBank.device_map``)."""
     maps = [call[3] for call in calls]
     held = runner.count_maps
-    if held is None or len(held[0]) != len(maps) or not all(map(_same, held[0], maps)):
+    if held is None or len(held[0]) != len(maps) or not all(map(is_, held[0], maps)):
         stacked = mx.array(np.stack(maps).astype(np.uint32))
         held = runner.count_maps = (maps, stacked)
     return mx.take_along_axis(held[1], rows, axis=1).sum()
-
-
-def _same(a, b) -> bool:
-    return a is b
 
 
 def join_window(runner, step) -> None:

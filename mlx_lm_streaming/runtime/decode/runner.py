@@ -46,7 +46,8 @@ class Held:
     kwargs: dict
 
     def arrays(self) -> list:
-        """What to evaluate with the call's output: the ids its check and commit read."""
+        """What to evaluate with the call's output: the ids its check and commit read (and its
+        device count and its window's joined ids, ``device_count``)."""
         step = self.step  # (no comprehension: on Python 3.11 that is a call)
         arrays = [step.ids] if step.held_ids is None else [step.held_ids, step.ids]
         if step.count is not None:  # (its misses counted on the device: ``device_count``)

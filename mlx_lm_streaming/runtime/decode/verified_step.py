@@ -403,12 +403,11 @@ class VerifiedStep(Mode):
         # the kept calls' ids, in ``kept``'s order: the rows the check read where ``ids`` is
         # them flattened (no second read: with ``read_ids``, a second copy), else one read
         read = self.runner.read_ids
-        if flat is not None:
-            pass
-        elif self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
-            flat = self.rows
-        else:
-            flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
+        if flat is None:
+            if self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
+                flat = self.rows
+            else:
+                flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
         flat = flat.reshape(-1).astype(np.int64)
         distinct = distinct_per_call(flat, list(map(_SIZE, kept.values())))
         at = j = 0
