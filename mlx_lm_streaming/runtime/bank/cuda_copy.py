@@ -259,7 +259,7 @@ class IdsReader:
     managed memory, whose host read migrates their page. A kernel's output on mlx-cuda 0.32
     lives in device memory, and the numpy view taken here for its address makes MLX move it to
     managed memory first (``Buffer::raw_ptr``), so this saves the page's migration only, not the
-    move (``decode.device_count``). ``CacheTuning.ids_by_copy``: off."""
+    move (docs/benchmarks/streaming-path.md). ``CacheTuning.ids_by_copy``: off."""
 
     def __init__(self, copier: SlotCopier):
         self.copier = copier

@@ -25,7 +25,6 @@ from typing import Optional
 from .. import mlx_shims
 from ..bank.cuda_copy import ids_reader
 from . import share_limits
-from .device_count import commit_deferred
 from .modes import COMPLETE, PER_LAYER
 from .verified_step import VerifiedStep, _Again, host_counts
 
@@ -46,15 +45,9 @@ class Held:
     kwargs: dict
 
     def arrays(self) -> list:
-        """What to evaluate with the call's output: the ids its check and commit read (and its
-        device count and its window's joined ids, ``device_count``)."""
+        """What to evaluate with the call's output: the ids its check and commit read."""
         step = self.step  # (no comprehension: on Python 3.11 that is a call)
-        arrays = [step.ids] if step.held_ids is None else [step.held_ids, step.ids]
-        if step.count is not None:  # (its misses counted on the device: ``device_count``)
-            arrays.append(step.count)
-            if step.joined_here is not None:
-                arrays.append(step.joined_here)
-        return arrays
+        return [step.ids] if step.held_ids is None else [step.held_ids, step.ids]
 
 
 class StepRunner:
@@ -120,21 +113,11 @@ class StepRunner:
         self.in_pass = cuda if tuning.reads_in_pass is None else tuning.reads_in_pass
         # a first MoE call's reads issued as it is built (``CacheTuning.first_call_reads``)
         self.look_first = cuda if tuning.first_call_reads is None else tuning.first_call_reads
-        # a held step's misses counted on the device, its host work left for a window's flush
-        # (``CacheTuning.count_on_device``, ``device_count``): the steps found complete whose
-        # commit waits (older than ``pending``), the decode thread's window, the stacked maps
-        self.count_on_device = bool(tuning.count_on_device)
-        self.deferred: list = []
-        self.count_window: list = []
-        self.count_maps = None
 
     def flush(self) -> None:
-        """Do the host work of the verified steps found complete and not yet committed, in order
-        (before any load can evict, and before the counters are read)."""
+        """Do the host work of the last complete verified step (before any load can evict, and
+        before the counters are read)."""
         with self.commit_lock:
-            deferred, self.deferred = self.deferred, []
-            if deferred:
-                commit_deferred(deferred, self.state.cache)
             pending, self.pending = self.pending, None
             if pending is not None:
                 pending.commit(self.state.cache)
@@ -156,7 +139,7 @@ class StepRunner:
         if cache.budget_due is not None:  # free memory moved the budget (``moving_budget``)
             cache.follow_budget()
         if cache.all_complete:  # every bank complete: stock's graph, nothing to verify
-            if self.pending is not None or self.deferred:
+            if self.pending is not None:
                 self.flush()
             if not cache.install(COMPLETE):
                 return call(*args, **kwargs)  # (another thread's call runs: its mode stays)
@@ -172,7 +155,7 @@ class StepRunner:
             self.moe = max(1, len(cache.banks))
         if self.per_layer_calls or not self._may_verify(tokens, kv):
             self.per_layer_calls = max(0, self.per_layer_calls - 1)
-            if self.pending is not None or self.deferred:
+            if self.pending is not None:
                 self.flush()
             banks = cache.banks
             before = list(map(_MISSES, banks))  # (C loops: no Python call per bank)
@@ -270,7 +253,7 @@ class StepRunner:
                     step.replay_below = layer
                     self.replays += 1
                     out = call(*args, **kwargs)
-                if self.pending is not None or self.deferred:  # (the first check's, unless none)
+                if self.pending is not None:  # (the first check did it, unless none ran)
                     self.flush()
                 if cache.recorder is not None:
                     step.commit(cache)  # the routing record holds every token once its call ends
@@ -328,28 +311,15 @@ class StepRunner:
     def _check(self, held: Held) -> bool:
         """``check``'s wait and host work, on whichever thread runs it."""
         step = held.step
-        if step.count is not None:  # (one host sync: a 4-byte count; ``device_count``)
-            count, step.count, step.joined_here = step.count, None, None
-            if not count.item():
-                step.calls, step.outputs, step.inputs, step.held_ids = [], {}, {}, None
-                with self.commit_lock:
-                    if self.pending is not None:
-                        self.flush()
-                    self.deferred.append(step)
-                    if step.joined is not None and step.joined[2] is step:
-                        self.flush()  # (the window's ids: one read)
-                return True
         # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
         ids, step.held_ids = step.held_ids, None
         step.rows, step.counts = host_counts(step.calls, ids, self.read_ids)
         step.rows_of, step.held = ids, True
         if step.counts.any():
-            if self.deferred:  # (the steps found complete before it: recorded before its loads)
-                self.flush()
             return False
         step.calls = []
         with self.commit_lock:  # (the step before's first, if the decode thread has not)
-            if self.pending is not None or self.deferred:
+            if self.pending is not None:
                 self.flush()
             step.commit(self.state.cache)  # (nothing evicts before the caller takes the answer)
         return True

@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..bank import load_together
-from . import device_count, schedules, share_limits
+from . import schedules, share_limits
 from .modes import Mode
 from .named_reads import LOOK_SHARE, call_ids, count_as_named, guess, host_counts
 from .named_reads import issue_after_first, look_first, may_read_in_pass
@@ -114,9 +114,6 @@ class VerifiedStep(Mode):
         # (``StepRunner.check``) reads them
         self.held_ids: Optional[mx.array] = None
         self.held = False  # ``counts`` are a held step's, made by ``StepRunner.check``
-        # its misses counted on the device (``device_count``: lazy), where its ids are in a
-        # window's joined array, and the window's array its token makes
-        self.count = self.joined = self.joined_here = None
         self.restarted = False  # run again whole after its misses were read (``restart``)
         # banks whose landings its MoE calls take (``CacheTuning.replay_as_landed``); the reads
         # its last check issued as the pass named them (``named_reads``), not yet handed on
@@ -341,8 +338,6 @@ class VerifiedStep(Mode):
         ``commit``, the unchecked calls' ids)."""
         self.held_ids, rows = call_ids(self.calls, self.runner.join)
         self.ids = self.flat_ids(rows)
-        if self.runner.count_on_device:
-            device_count.hold(self, rows)
 
     def first_miss(self, out=None) -> Optional[int]:
         """The index in ``calls`` of the first MoE call with a missing expert, or None: a host
@@ -394,20 +389,19 @@ class VerifiedStep(Mode):
                 return rows.reshape(-1)
         return mx.concatenate(list(map(mx.flatten, map(_IDS, kept.values()))))
 
-    def commit(self, cache, flat=None) -> None:
+    def commit(self, cache) -> None:
         """The host work of a step found complete: each kept MoE call's uses told to its policy and
         counted as hits (unless a load in this step counted them), the routing recorded, identity
-        banks' fill asked for. ``flat``: its kept calls' ids, read already (``device_count``)."""
+        banks' fill asked for."""
         hits = misses = named = used = 0
         kept = self.kept
         # the kept calls' ids, in ``kept``'s order: the rows the check read where ``ids`` is
         # them flattened (no second read: with ``read_ids``, a second copy), else one read
         read = self.runner.read_ids
-        if flat is None:
-            if self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
-                flat = self.rows
-            else:
-                flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
+        if self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
+            flat = self.rows
+        else:
+            flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
         flat = flat.reshape(-1).astype(np.int64)
         distinct = distinct_per_call(flat, list(map(_SIZE, kept.values())))
         at = j = 0

@@ -84,13 +84,8 @@ class CacheTuning:
     # reads them. Off: alone it was no faster on an H100 (docs/benchmarks/streaming-path.md), and
     # it cannot do what it was for: a kernel's output lives in device memory (mlx-cuda 0.32), and
     # the numpy view that gives its address makes MLX move it to managed memory first, as a host
-    # read does (``decode.device_count`` says what that costs and what avoids it)
+    # read does (docs/benchmarks/streaming-path.md, "The eighteenth session": what that costs)
     ids_by_copy: Optional[bool] = False
-    # a held step's misses counted on the device and read as one 4-byte count, its ids read for
-    # the policies a window of 16 steps at a time (``decode.device_count``: on mlx-cuda a host
-    # read of a kernel's array longer than 8 bytes moves it to managed memory first); exact, the
-    # cache's state unchanged; off until a GPU run measures it (docs/benchmarks/streaming-path.md)
-    count_on_device: bool = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
