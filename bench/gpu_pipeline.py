@@ -548,10 +548,10 @@ def text_tokens(path, prompt_len: int):
 
 def step_profile(cfg, n):
     """After the rounds, ``cfg`` rewound to their start (the same ids: a hit regime's hits) and
-    ``n`` steps timed twice: ms per step on the host building the graph (the model's call),
-    launching it (``mx.async_eval``) and checking it (``StepRunner.check``); then, where torch
-    is installed, its CUPTI trace of the device: kernels per step and their busy ms (stock on
-    mlx-cuda is host-bound: docs/benchmarks/streaming-path.md, issue 46)."""
+    ``n`` steps timed twice: host ms per step building the graph (the model's call), launching it
+    (``mx.async_eval``), checking it (``StepRunner.check``), the step, the decode thread's CPU in
+    it (near the step's: the host bounds it); then, where torch is installed, its CUPTI trace of
+    the device: kernels per step, their busy ms (issue 46: docs/benchmarks/streaming-path.md)."""
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
@@ -580,9 +580,9 @@ def step_profile(cfg, n):
     if runner is not None:
         runner.check = timed("check", runner.check)
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()  # (this thread's CPU)
         decode_block(cfg, n)
-        spent["step"] = time.perf_counter() - start
+        spent["step"], spent["step_cpu"] = time.perf_counter() - start, time.thread_time() - cpu
     finally:
         cls.__call__, mx.async_eval = call, launch
         if runner is not None:
