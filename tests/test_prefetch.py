@@ -160,7 +160,7 @@ def test_complete_banks_skip_the_host_sync(q3):
     model, _ = load_streaming(path)  # default budget: every expert here
     cache = model.expert_streaming.cache
     assert same(want, decode(model, tokens))
-    deadline = time.time() + 30
+    deadline = time.time() + 90  # (the fill's threads: slow where other suites share the CPU)
     while not all(b.complete for b in cache.banks) and time.time() < deadline:
         decode(model, tokens[:, :2], steps=0)  # loads install what the fill staged
         time.sleep(0.01)
