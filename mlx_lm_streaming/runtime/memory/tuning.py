@@ -81,10 +81,10 @@ class CacheTuning:
     join_kernel: Optional[bool] = False
     # on mlx-cuda, a check's ids (and the tiers' batch) read to the host by the copy engine into
     # page-locked memory (``cuda_copy.IdsReader``); None or True: on mlx-cuda; False: the host
-    # reads them. Off: alone it was no faster on an H100 (docs/benchmarks/streaming-path.md), and
-    # it cannot do what it was for: a kernel's output lives in device memory (mlx-cuda 0.32), and
-    # the numpy view that gives its address makes MLX move it to managed memory first, as a host
-    # read does (docs/benchmarks/streaming-path.md, "The eighteenth session": what that costs)
+    # reads them. Off: alone it was no faster on an H100, and it cannot do what it was for: a
+    # kernel's output lives in device memory (mlx-cuda 0.32), and the numpy view that gives its
+    # address makes MLX move it to managed memory first, as a host read does
+    # (docs/benchmarks/streaming-path.md: the sixteenth and eighteenth sessions)
     ids_by_copy: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
