@@ -253,35 +253,6 @@ def _piece(ref, start: int, nbytes: int):
     return dataclasses.replace(ref, offset=ref.offset + start, nbytes=nbytes)
 
 
-class IdsReader:
-    """Small device arrays (a check's ids, the tiers' batch) read into the calling thread's
-    page-locked buffer by the copy engine (``read``), not by the host: written for arrays in
-    managed memory, whose host read migrates their page. A kernel's output on mlx-cuda 0.32
-    lives in device memory, and the numpy view taken here for its address makes MLX move it to
-    managed memory first (``Buffer::raw_ptr``), so this saves the page's migration only, not the
-    move (docs/benchmarks/streaming-path.md). ``CacheTuning.ids_by_copy``: off."""
-
-    def __init__(self, copier: SlotCopier):
-        self.copier = copier
-
-    def __call__(self, arr) -> np.ndarray:
-        """``arr`` (an MLX array) on the host: a copy of its bytes, its shape and dtype."""
-        import mlx.core as mx
-
-        mx.eval(arr)  # (a wait for it: none of its bytes read)
-        view = np.array(arr, copy=False)  # (its memory, not read)
-        nbytes = view.nbytes
-        if nbytes > self.copier.buffer_bytes or not view.flags.c_contiguous:
-            return view.copy()
-        buffer = self.copier._buffer()
-        lib = self.copier.lib
-        if lib.cudaMemcpyAsync(buffer.pointer, view.ctypes.data, nbytes, _MEMCPY_DEFAULT,
-                               buffer.stream) != 0:  # fmt: skip
-            raise ExpertIOError("cudaMemcpyAsync of a check's ids failed")
-        lib.cudaStreamSynchronize(buffer.stream)
-        return buffer.array[:nbytes].view(view.dtype).reshape(view.shape).copy()
-
-
 _COPIER: Optional[SlotCopier] = None
 _CHECKED = False
 _LOCK = threading.Lock()
@@ -294,12 +265,6 @@ def copier_for(addresses) -> Optional[SlotCopier]:
     if copier is None or not all(copier.manages(a) for a in addresses):
         return None
     return copier
-
-
-def ids_reader() -> Optional[IdsReader]:
-    """An ``IdsReader`` where the copier's checks pass (mlx-cuda, the runtime loads), else None."""
-    copier = _shared_copier()
-    return IdsReader(copier) if copier is not None else None
 
 
 def _shared_copier() -> Optional[SlotCopier]:

@@ -209,16 +209,15 @@ def call_ids(calls, join: bool = False) -> tuple:
     return mx.concatenate([i.reshape(-1) for i in ids]), None
 
 
-def host_counts(calls, ids, read=None) -> tuple:
+def host_counts(calls, ids) -> tuple:
     """``(the ids read, counts)``: ``ids``, ``call_ids``' (read back here: the one host sync of
     a check; None: no calls), as a host array (None where None; a row per call where stacked:
     ``VerifiedStep.call_row``), and per MoE call ``(layer, bank, ids, missing)`` how many of its
     ids its bank's host map of missing experts (``LayerBank.device_map``, as the call saw it)
-    marks, ``missing[ids].sum()``. ``read``: reads ``ids`` to the host (``StepRunner.read_ids``;
-    None: numpy reads them)."""
+    marks, ``missing[ids].sum()``."""
     if ids is None:
         return None, np.zeros(0, dtype=np.int64)
-    rows = np.array(ids, copy=False) if read is None else read(ids)
+    rows = np.array(ids, copy=False)
     maps = list(map(_MAP, calls))  # (C loops: no Python call per MoE call)
     if rows.ndim == 2 and len(set(map(len, maps))) == 1:
         return rows, np.stack(maps)[np.arange(len(maps))[:, None], rows].sum(axis=1)

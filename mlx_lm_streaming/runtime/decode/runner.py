@@ -23,7 +23,6 @@ from threading import get_ident
 from typing import Optional
 
 from .. import mlx_shims
-from ..bank.cuda_copy import ids_reader
 from . import share_limits
 from .modes import COMPLETE, PER_LAYER
 from .verified_step import VerifiedStep, _Again, host_counts
@@ -102,10 +101,8 @@ class StepRunner:
         self.checker: Optional[ThreadPoolExecutor] = None
         self.commit_lock = threading.RLock()
         tuning, cuda = state.cache.tuning, state.selector.backend == "cuda"
-        # a check's ids joined by one kernel (``CacheTuning.join_kernel``: mlx-cuda only), and
-        # read to the host by the copy engine (``CacheTuning.ids_by_copy``; None: the host reads)
+        # a check's ids joined by one kernel (``CacheTuning.join_kernel``: mlx-cuda only)
         self.join = tuning.cuda_only("join_kernel", cuda)
-        self.read_ids = ids_reader() if tuning.cuda_only("ids_by_copy", cuda) else None
         self.check_thread = cuda if tuning.check_on_thread is None else tuning.check_on_thread
         # a miss's landings taken as the layers run again (``CacheTuning.replay_as_landed``)
         self.as_landed = cuda if tuning.replay_as_landed is None else tuning.replay_as_landed
@@ -313,7 +310,7 @@ class StepRunner:
         step = held.step
         # (one host sync: its calls' ids; the counts kept for ``first_miss`` on a miss)
         ids, step.held_ids = step.held_ids, None
-        step.rows, step.counts = host_counts(step.calls, ids, self.read_ids)
+        step.rows, step.counts = host_counts(step.calls, ids)
         step.rows_of, step.held = ids, True
         if step.counts.any():
             return False

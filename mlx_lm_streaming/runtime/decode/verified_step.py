@@ -365,7 +365,7 @@ class VerifiedStep(Mode):
             self.rows = None
             counts = self.counts = count_as_named(self)
         else:  # (the ids read back, the one host sync, kept for ``call_row`` and ``commit``)
-            self.rows, self.counts = host_counts(self.calls, ids, self.runner.read_ids)
+            self.rows, self.counts = host_counts(self.calls, ids)
             self.rows_of = ids
             counts = self.counts
         tl.span("verify", start, "sync", calls=len(self.calls))
@@ -396,12 +396,11 @@ class VerifiedStep(Mode):
         hits = misses = named = used = 0
         kept = self.kept
         # the kept calls' ids, in ``kept``'s order: the rows the check read where ``ids`` is
-        # them flattened (no second read: with ``read_ids``, a second copy), else one read
-        read = self.runner.read_ids
+        # them flattened (no second read), else one read
         if self.rows is not None and self.ids_of is not None and self.ids_of is self.rows_of:
             flat = self.rows
         else:
-            flat = np.array(self.ids, copy=False) if read is None else read(self.ids)
+            flat = np.array(self.ids, copy=False)
         flat = flat.reshape(-1).astype(np.int64)
         distinct = distinct_per_call(flat, list(map(_SIZE, kept.values())))
         at = j = 0

@@ -115,10 +115,9 @@ class Tiers:
     """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
-    def __init__(self, placer, device_bytes: int, host_bytes: int, join=False, read=None):
+    def __init__(self, placer, device_bytes: int, host_bytes: int, join=False):
         self.placer = placer
         self.join = join  # a batch's ids joined by one kernel (``CacheTuning.join_kernel``)
-        self.read = read  # reads them to the host (``CacheTuning.ids_by_copy``; None: numpy)
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
@@ -299,7 +298,7 @@ class Tiers:
         self.gathered = None
         flat = None
         if joined is not None:
-            flat = np.array(joined) if self.read is None else self.read(joined)
+            flat = np.array(joined)
             flat = flat.reshape(-1).astype(np.int64)
         for tier in self.table.tiers:
             if tier.prompt:
@@ -410,9 +409,6 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
             host_cache.set_up(cache, min(int(given_gb * GB), total - slots), placer)
         return
     cache.host_bytes = host
-    from ..bank.cuda_copy import ids_reader
-
     tuning = cache.tuning  # (mlx-cuda here)
-    read = ids_reader() if tuning.cuda_only("ids_by_copy", True) else None
-    cache.tiers = Tiers(placer, device, host, join=tuning.cuda_only("join_kernel", True), read=read)
+    cache.tiers = Tiers(placer, device, host, join=tuning.cuda_only("join_kernel", True))
     cache.planned = False

@@ -75,17 +75,11 @@ class CacheTuning:
     # on mlx-cuda, a step's MoE calls' ids joined by one kernel (``bank.join_ids``: a held step's
     # check, the tiers' batches) instead of a copy kernel each; None or True: on mlx-cuda (never
     # elsewhere); False: MLX's own stack. Exact on an H100 (its bytes are the stack's; 15 kernels
-    # a step fewer), but with ``ids_by_copy`` faster in 12 of 20 rounds of the hit regime and 7 of
-    # 10 of the tiers at 99%, medians 1.008x and 1.018x: within the noise, so off
-    # (docs/benchmarks/streaming-path.md, tiers.md: "The sixteenth session")
+    # a step fewer), but with the ids read by the copy engine (``ids_by_copy``, since removed: a
+    # host read it was) faster in 12 of 20 rounds of the hit regime and 7 of 10 of the tiers at
+    # 99%, medians 1.008x and 1.018x: within the noise, so off (docs/benchmarks/streaming-path.md,
+    # tiers.md: "The sixteenth session")
     join_kernel: Optional[bool] = False
-    # on mlx-cuda, a check's ids (and the tiers' batch) read to the host by the copy engine into
-    # page-locked memory (``cuda_copy.IdsReader``); None or True: on mlx-cuda; False: the host
-    # reads them. Off: alone it was no faster on an H100, and it cannot do what it was for: a
-    # kernel's output lives in device memory (mlx-cuda 0.32), and the numpy view that gives its
-    # address makes MLX move it to managed memory first, as a host read does
-    # (docs/benchmarks/streaming-path.md: the sixteenth and eighteenth sessions)
-    ids_by_copy: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
@@ -137,7 +131,7 @@ class CacheTuning:
     budget_check_seconds: Optional[float] = CHECK_SECONDS
 
     def cuda_only(self, field: str, cuda: bool) -> bool:
-        """Whether ``field`` (``join_kernel``, ``ids_by_copy``: CUDA runtime paths) is on: on
+        """Whether ``field`` (``join_kernel``: a CUDA runtime path) is on: on
         mlx-cuda (``cuda``) unless it is False, never elsewhere."""
         return cuda and getattr(self, field) is not False
 
