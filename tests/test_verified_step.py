@@ -703,3 +703,37 @@ def test_complete_banks_run_stocks_graph_whole(q3, monkeypatch):
     cache.banks[0].allocate(cache.banks[0].num_experts)
     assert not cache.all_complete and cache.banks[0].stock_call is None
     assert same(want, decode(model, tokens))
+
+
+def test_a_step_found_complete_commits_the_rows_its_check_read(q3, monkeypatch):
+    # the ids a check read back (a row per MoE layer) are what a step found complete commits: no
+    # second read of the same ids (on mlx-cuda a second host read of device memory); only a step
+    # run again from the layer that missed reads its kept ids once more, flat. Decode is stock's
+    path, tokens, want = q3
+    model = with_slots(path, 8, tuning=CacheTuning(verify_choice="always"))
+    runner, flat = model.expert_streaming.steps, []
+
+    class Numpy:  # numpy as the module sees it, its reads of flat MLX arrays counted
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def array(self, a, *args, **kwargs):
+            if isinstance(a, mx.array) and a.ndim == 1:
+                flat.append(a.shape)
+            return np.array(a, *args, **kwargs)
+
+    monkeypatch.setattr(verified_step, "np", Numpy())
+    commit, commits = verified_step.VerifiedStep.commit, []
+
+    def counted(step, cache):  # (reads during the commit; whether it had the check's rows)
+        before = len(flat)
+        rows = step.rows is not None and step.ids_of is not None and step.ids_of is step.rows_of
+        commit(step, cache)
+        commits.append((len(flat) - before, rows))
+
+    monkeypatch.setattr(verified_step.VerifiedStep, "commit", counted)
+    assert same(want, decode(model, tokens))
+    assert runner.verified > 0 and runner.replays + runner.recomputed > 0  # (8 of 16: misses)
+    assert any(rows for _, rows in commits) and not all(rows for _, rows in commits), commits
+    assert all(reads == (0 if rows else 1) for reads, rows in commits), commits
+    model.expert_streaming.close()
