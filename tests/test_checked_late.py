@@ -277,54 +277,6 @@ def test_the_checks_thread_and_landings_as_the_layers_run_are_mlx_cudas_unless_s
             assert getattr(StepRunner(state), attr) is want, (field, backend, said)
 
 
-def test_chained_ids_are_read_from_two_buffers_and_the_text_is_stocks(
-    q3_path, stock_q3, monkeypatch
-):
-    # ``ids_chain``: once the tokens hit, each held step's ids are written into the memory a
-    # check two tokens before read (``named_reads.chained``), so the checks read two buffers in
-    # turn; without it MLX hands them a new buffer every few tokens. A miss ends the chain (its
-    # ids are kept for the step run again). The text stock's either way, greedy and sampled
-    from mlx_lm_streaming.runtime.decode import runner as runner_module
-
-    read, counts = [], runner_module.host_counts
-
-    def recorded(calls, ids):
-        rows, counted = counts(calls, ids)
-        read.append((rows.ctypes.data, int(counted.sum())))
-        return rows, counted
-
-    monkeypatch.setattr(runner_module, "host_counts", recorded)
-    prompt = prompt_of(2)
-    distinct = []
-    for chain in (True, False):
-        for seed in (5, None):  # (greedy last: its last tokens all hit)
-            read.clear()
-            tuning = CacheTuning(verify_choice="always", checked_late=1.0, ids_chain=chain)
-            model = with_slots(q3_path, 14, tuning=tuning)
-            expected = generated(stock_q3, prompt, seed, steps=48)
-            assert_same(expected, generated(model, prompt, seed, steps=48))
-            runner = model.expert_streaming.steps
-            assert (runner.spare is not None) == chain
-            assert runner.checked_late == len(read) > 40
-        assert not any(missed for _, missed in read[-16:])  # (greedy: the last 16 hit)
-        distinct.append(len({at for at, _ in read[-16:]}))
-    assert distinct[0] == 2 < distinct[1]
-
-
-def test_chained_ids_are_mlx_cudas_unless_said_and_never_with_the_join_kernel():
-    from types import SimpleNamespace as NS
-
-    from mlx_lm_streaming.runtime.decode.runner import StepRunner
-
-    assert CacheTuning().ids_chain is False  # (off until a GPU run says otherwise)
-    for backend, said, join, want in [("cuda", None, False, True), ("cpu", None, False, False),
-                                      ("cpu", True, False, True), ("cuda", False, False, False),
-                                      ("cuda", True, None, False)]:  # fmt: skip
-        tuning = CacheTuning(ids_chain=said, join_kernel=join)
-        state = NS(cache=NS(tuning=tuning), selector=NS(backend=backend))
-        assert (StepRunner(state).spare is not None) is want, (backend, said, join)
-
-
 # -- other architectures, hybrids among them -------------------------------------------------------
 
 # qwen3_next: linear attention (ArraysCache) in layers 0 and 2; nemotron_h: Mamba-2 layers between

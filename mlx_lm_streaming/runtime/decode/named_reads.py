@@ -39,7 +39,6 @@ shorter; so on by default on mlx-cuda. The CPU gained 1-5% (its step is its comp
 (Metal: no Mac here) is unmeasured, so off there."""
 
 from operator import itemgetter
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -49,7 +48,6 @@ from ..bank.later_landings import LaterLandings
 from ..reads.prefetch import WAVE
 
 _MAP = itemgetter(3)  # (an unchecked call's host map of missing experts)
-_NO = mx.array(False)  # (``chained``'s condition)
 # the running share of checked steps whose first MoE call missed from which the next steps read
 # that call's ids as it is built (``look_first``): a wait for them (~0.3 ms) is lost where the
 # call hits, the 3-5 ms its reads start sooner gained where it misses
@@ -194,13 +192,11 @@ def issue_after_first(step, first: int, early) -> bool:
     return whole
 
 
-def call_ids(calls, join: bool = False, spare: Optional[list] = None) -> tuple:
+def call_ids(calls, join: bool = False) -> tuple:
     """``(ids, rows)`` of the MoE calls ``(layer, bank, ids, missing)``: their ids for the check,
     lazy: stacked, a row each, where they have the same shapes (a token's layers; with ``join``,
     ``StepRunner.join``, by one kernel: ``bank.join_ids``), else each call's flattened one after
-    another; ``rows``: the stacked ids, or None. ``spare`` (``CacheTuning.ids_chain``): stacked
-    ids an earlier check read and is done with (``StepRunner.spare``); where the last one has
-    the rows' shape, the rows are written into its memory (``chained``)."""
+    another; ``rows``: the stacked ids, or None."""
     ids, same = [], True  # one loop: on Python 3.11 a comprehension is a call
     for _, _, i, _ in calls:  # (``i``: a call's ids, as the router gave them)
         ids.append(i)
@@ -209,25 +205,8 @@ def call_ids(calls, join: bool = False, spare: Optional[list] = None) -> tuple:
         return None, None
     if same:  # (``join_rows`` called for the kernel only: one call fewer a step elsewhere)
         rows = join_rows(ids, True) if join else mx.stack(ids).reshape(len(ids), -1)
-        if spare:
-            rows = chained(spare, rows)
         return rows, rows
     return mx.concatenate([i.reshape(-1) for i in ids]), None
-
-
-def chained(spare: list, rows: mx.array) -> mx.array:
-    """``rows``, written into the memory of the last of ``spare`` where it has their shape and
-    type (taken from ``spare``; else ``rows`` as they are): ``mx.where(False, donor, rows)``, whose
-    output MLX puts in its input's memory where nothing else holds that input (``is_donatable``),
-    bit for bit ``rows``. On mlx-cuda a host read moves a kernel's output to managed memory (a
-    ``cudaMallocManaged`` and a copy), and freed it goes back to MLX's one buffer cache, where the
-    next outputs of its size (a router's logits) are written into pages the host touched last; a
-    check that reads its ids from the memory an earlier check read keeps that move, and the pages
-    it leaves, to one buffer (docs/benchmarks/streaming-path.md)."""
-    donor = spare.pop()
-    if donor.shape != rows.shape or donor.dtype != rows.dtype:
-        return rows  # (not the step's shape: dropped, its memory back to MLX)
-    return mx.where(_NO, donor, rows)
 
 
 def host_counts(calls, ids) -> tuple:

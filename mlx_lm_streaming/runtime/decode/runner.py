@@ -110,11 +110,6 @@ class StepRunner:
         self.in_pass = cuda if tuning.reads_in_pass is None else tuning.reads_in_pass
         # a first MoE call's reads issued as it is built (``CacheTuning.first_call_reads``)
         self.look_first = cuda if tuning.first_call_reads is None else tuning.first_call_reads
-        # held steps' ids written into the memory an earlier check read (``CacheTuning.
-        # ids_chain``: ``named_reads.chained``): the stacked ids of checks done with them, the
-        # last one's taken by the next step held (None: off)
-        chain = cuda if tuning.ids_chain is None else tuning.ids_chain
-        self.spare: Optional[list] = [] if chain and not self.join else None
 
     def flush(self) -> None:
         """Do the host work of the last complete verified step (before any load can evict, and
@@ -324,10 +319,6 @@ class StepRunner:
             if self.pending is not None:
                 self.flush()
             step.commit(self.state.cache)  # (nothing evicts before the caller takes the answer)
-        if self.spare is not None and step.ids_of is ids:
-            # read and done with: its memory for a later step's ids (no view of it kept)
-            step.rows = step.rows_of = step.ids = step.ids_of = None
-            self.spare[:] = (*self.spare[-1:], ids)
         return True
 
     def redo(self, held: Held):

@@ -336,8 +336,7 @@ class VerifiedStep(Mode):
         """The forward is built and handed back unchecked (``StepRunner.defer``): the arrays its
         check reads, made lazily, to be evaluated with the caller's next arrays (the ids for
         ``commit``, the unchecked calls' ids)."""
-        runner = self.runner
-        self.held_ids, rows = call_ids(self.calls, runner.join, runner.spare)
+        self.held_ids, rows = call_ids(self.calls, self.runner.join)
         self.ids = self.flat_ids(rows)
 
     def first_miss(self, out=None) -> Optional[int]:

@@ -80,10 +80,6 @@ class CacheTuning:
     # 99%, medians 1.008x and 1.018x: within the noise, so off (docs/benchmarks/streaming-path.md,
     # tiers.md: "The sixteenth session")
     join_kernel: Optional[bool] = False
-    # a held step's stacked ids written into the memory of those an earlier check read and is
-    # done with (``named_reads.chained``: one kernel, exact), so that on mlx-cuda the check's host
-    # read moves no new buffer to managed memory each token; None: on mlx-cuda only; False: off
-    ids_chain: Optional[bool] = False
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
