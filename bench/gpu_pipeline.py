@@ -1,4 +1,4 @@
-"""Decode in three regimes (hit, ram, cold) against stock or the disk's limit, stock floors beside.
+"""Decode in three regimes (hit, ram, cold) against stock or the disk's limit, stock beside.
 
 How fast does the streaming model decode when every expert it uses is resident (hit), when its
 misses are copies from the page cache (ram) and when they come from the disk (cold), against stock
@@ -6,7 +6,7 @@ on the same checkpoint, every step compared with stock's bit for bit? The H200 r
 bf16, the Qwen3-30B-A3B expert shape; or ``BENCH=pipeline bash bench/gpu.sh <the same arguments>``):
 
     python3 bench/gpu_pipeline.py --ckpt-dir /root/ckpt --out $OUT --layers 16 \
-        --regimes hit,ram,cold --floors \
+        --regimes hit,ram,cold \
         --routings uniform,trace:tests/data/routing/qwen3-30b-a3b.jsonl \
         --variants default,default_tl --rounds 4
 
@@ -16,10 +16,10 @@ most used experts placed on the device by ``cudaMemAdvise`` alone, the placement
 ``default``, ``tl`` (records a timeline) and the words ``--tuning-variant NAME:field=value,...``
 defines (``CacheTuning`` fields: ``--tuning-variant nocopy:device_copies=false --variants
 default,nocopy``). On the CPU, everything at tiny size in ~10 s:
-``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --floors --out /tmp/q``.
+``python3 bench/gpu_pipeline.py --quick --regimes hit,ram,cold --out /tmp/q``.
 
 Writes ``<out>/<tag>.json`` (after every group) and ``<out>/<tag>.md`` (a table per regime). What
-the regimes, ratios, limits, floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).
+the regimes, ratios, limits and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).
 """
 
 import argparse
@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import harness
 import routing_replay
@@ -104,47 +105,6 @@ def variant_tuning(name: str):
     load = dict(store_options={"direct": tuning.pop("direct")} if "direct" in tuning else {})
     load.update({k: tuning.pop(k) for k in ("pack", "direct_reads") if k in tuning})  # (load's)
     return timeline, CacheTuning(**tuning) if tuning else None, load
-
-
-# -- the stock floors (bench only: they patch stock models in this process, never the package) ---
-
-FLOORS = ("stock_synclayer", "stock_synctoken")
-
-
-def sync_per_layer(places) -> None:
-    """Wrap the module at each ``(parent, name)`` of ``places`` (a stock model's expert modules,
-    routed or not) in one host readback of the router's own ids, ``np.array(indices)``."""
-    import mlx.nn as nn
-    import numpy as np
-
-    class SyncLayer(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner  # a child, so ``wrap`` still finds the routed module
-
-        def __call__(self, x, indices):
-            np.array(indices)
-            return self.inner(x, indices)
-
-    for parent, name, _ in places:
-        parent[name] = SyncLayer(parent[name])
-
-
-def sync_per_token(model) -> None:
-    """Stock ``model`` with one host wait per token: its ``__call__`` evaluates the logits before
-    returning (mlx-lm's ``generate_step`` then cannot build step t+1 while step t runs)."""
-    import mlx.core as mx
-
-    base = type(model)
-
-    class SyncToken(base):
-        def __call__(self, *a, **k):
-            out = base.__call__(self, *a, **k)
-            mx.eval(out)
-            return out
-
-    SyncToken.__name__ = SyncToken.__qualname__ = base.__name__
-    model.__class__ = SyncToken
 
 
 # -- the placement's limit (issue 49): stock, its experts placed by cudaMemAdvise alone -----------
@@ -356,10 +316,12 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         if cfg.cache is not None and cfg.cache.timeline:
             timeline_figures(entry, cfg, timelines[key])
         out["configs"][key] = entry
-    for key, cfg in configs.items() if args.profile else ():  # (its steps in no figure above)
-        out["configs"][key]["step_profile"] = p = step_profile(cfg, args.profile)
+    profiles = step_profiles(configs, args.profile, args.profile_blocks) if args.profile else {}
+    for key, p in profiles.items():  # (their steps in no figure above)
+        out["configs"][key]["step_profile"] = p
         log(f"[{regime} {spec} {budget}] {key} profile: {json.dumps(p)}")
     out["stock_vs_stock"] = out["configs"]["stock_again"]["ratio_to_harness_stock"]
+    out["stock_differs_at"] = exact_to_stocks_own(out["configs"])
     if "stock_placed" in configs:  # every row against the placement's limit too
         for key, entry in out["configs"].items():
             entry["of_placed"] = statistics.median(r["stock_placed"] / r[key] for r in rounds)
@@ -409,6 +371,18 @@ def basis_line(g) -> str:
         user += f" (the default so: {g['default_user_of_stock_user']:.3f} of it)"
     return (line + f"; as a user sees it (stream_generate) {user}; stock/stock "
             f"{g['stock_vs_stock']:.3f}; ratios against {b['used']}: {b['why']}")
+
+
+def exact_to_stocks_own(entries) -> Optional[int]:
+    """The first step where ``stock_again`` is not stock's (stock's own run-to-run: mlx-cuda's
+    cuDNN attention past 256 KV entries, methods.md), or None; where there is one, each compared
+    entry of ``entries`` is ``exact`` if it is stock's at every step before it."""
+    again = entries["stock_again"]["same_as_stock"]
+    differs = again.index(False) if False in again else None
+    for entry in entries.values() if differs is not None else ():
+        if entry["exact"] is not None:
+            entry["exact"] = all(entry["same_as_stock"][:differs])
+    return differs
 
 
 def config_figures(cfg, stock, rounds, regime, ck, basis="stock"):
@@ -546,62 +520,90 @@ def text_tokens(path, prompt_len: int):
 # -- where a decode step's time goes (``--profile N``) ---------------------------------------------
 
 
-def step_profile(cfg, n):
-    """After the rounds, ``cfg`` rewound to their start (the same ids: a hit regime's hits) and
-    ``n`` steps timed twice: host ms per step building the graph (the model's call), launching it
-    (``mx.async_eval``), checking it (``StepRunner.check``), the step, the decode thread's CPU in
-    it (near the step's: the host bounds it); then, where torch is installed, its CUPTI trace of
-    the device: kernels per step, their busy ms (issue 46: docs/benchmarks/streaming-path.md)."""
+def step_profiles(configs, n, blocks):
+    """After the rounds, ``blocks`` passes over ``configs`` (in turn, every other pass reversed),
+    each of ``n`` steps from the rounds' start (the same ids: a hit regime's hits): host ms per
+    step building the graph (the model's call; ``call_ms``: the median call but the first, which
+    checks in itself), launching it (``mx.async_eval``), checking it (``StepRunner.check``), the
+    step, the decode thread's CPU (near the step's where the host bounds it); medians of the
+    passes, and of each pass's difference from stock's (``minus_stock``: the host's speed moves
+    between passes, less within one); then, where torch is installed, its CUPTI trace of the
+    device: kernels per step, their busy ms (docs/benchmarks/methods.md)."""
     import mlx.core as mx
+
+    def timed_block(cfg):
+        back_to_start(cfg)
+        spent, calls = dict(build=0.0, launch=0.0, check=0.0), []
+
+        def timed(key, f):
+            def run(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    took = time.perf_counter() - start
+                    spent[key] += took
+                    if key == "build":
+                        calls.append(took)
+            return run
+
+        cls, launch = type(cfg.model), mx.async_eval
+        call, runner = cls.__call__, getattr(cfg.model, "expert_streaming", None)
+        runner = getattr(runner, "steps", None)
+        cls.__call__, mx.async_eval = timed("build", call), timed("launch", launch)
+        if runner is not None:
+            runner.check = timed("check", runner.check)
+        try:
+            start, cpu = time.perf_counter(), time.thread_time()  # (this thread's CPU)
+            decode_block(cfg, n)
+            spent["step"], spent["step_cpu"] = time.perf_counter() - start, time.thread_time() - cpu
+        finally:
+            cls.__call__, mx.async_eval = call, launch
+            if runner is not None:
+                del runner.check
+        out = {f"{k}_ms": 1e3 * v / (n + 1) for k, v in spent.items()}
+        return dict(out, call_ms=1e3 * statistics.median(calls[1:] or calls))
+
+    blocks_of = {name: [] for name in configs}
+    for b in range(blocks):  # (in turn, every other pass the other way round)
+        for name in list(configs)[:: 1 if b % 2 == 0 else -1]:
+            blocks_of[name].append(timed_block(configs[name]))
+    res, stock = {}, blocks_of["stock"]
+    for name, mine in blocks_of.items():
+        out = {k: round(statistics.median(m[k] for m in mine), 3) for k in mine[0]}
+        less = {k: statistics.median(m[k] - s[k] for m, s in zip(mine, stock)) for k in mine[0]}
+        out["minus_stock"] = {k: round(v, 3) for k, v in less.items()}
+        res[name] = dict(out, **device_trace(configs[name], n))
+    return res
+
+
+def back_to_start(cfg) -> None:
+    """``cfg``'s KV cache trimmed and its routing's cursor put back to where its rounds began."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    def rewind():
-        cursor, pos = cfg.start
-        trim_prompt_cache(cfg.kv, cfg.pos - pos)
-        cfg.pos = pos
-        if cursor is not None:
-            cfg.routing.cursor = dict(cursor)
+    cursor, pos = cfg.start
+    trim_prompt_cache(cfg.kv, cfg.pos - pos)
+    cfg.pos = pos
+    if cursor is not None:
+        cfg.routing.cursor = dict(cursor)
 
-    spent = dict(build=0.0, launch=0.0, check=0.0)
 
-    def timed(key, f):
-        def run(*a, **k):
-            start = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - start
-        return run
-
-    cls, launch = type(cfg.model), mx.async_eval
-    call, runner = cls.__call__, getattr(getattr(cfg.model, "expert_streaming", None), "steps", None)
-    rewind()
-    cls.__call__, mx.async_eval = timed("build", call), timed("launch", launch)
-    if runner is not None:
-        runner.check = timed("check", runner.check)
-    try:
-        start, cpu = time.perf_counter(), time.thread_time()  # (this thread's CPU)
-        decode_block(cfg, n)
-        spent["step"], spent["step_cpu"] = time.perf_counter() - start, time.thread_time() - cpu
-    finally:
-        cls.__call__, mx.async_eval = call, launch
-        if runner is not None:
-            del runner.check
-    out = {f"{k}_ms": round(1e3 * v / (n + 1), 3) for k, v in spent.items()}
+def device_trace(cfg, n) -> dict:
+    """Kernels per step and their busy ms over ``n`` steps from the rounds' start, under torch's
+    CUPTI profiler ({} where torch is not installed)."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        return out
-    rewind()
+        return {}
+    back_to_start(cfg)
     try:  # (a profiler that cannot trace this device says so in the entry)
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             decode_block(cfg, n)
         kernels = [e for e in trace.events() if str(e.device_type).endswith("CUDA")]
     except Exception as e:  # noqa: BLE001 (torch's errors are many)
-        return dict(out, kernels_error=repr(e))
-    out["kernels"] = round(len(kernels) / (n + 1), 1)
-    out["kernel_ms"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / (n + 1), 3)
-    return out
+        return dict(kernels_error=repr(e))
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    return dict(kernels=round(len(kernels) / (n + 1), 1), kernel_ms=round(busy / (n + 1), 3))
 
 
 # -- a checkpoint: its figures, probes and stock models -------------------------------------------
@@ -625,17 +627,12 @@ def open_checkpoint(path, args, first_routing):
     stocks = {}
     own = () if first_routing.startswith("model:") else ("stock_own",)
     placed = ("stock_placed",) if args.placed else ()
-    for name in ("stock", "stock_again") + own + (FLOORS if args.floors else ()) + placed:
+    for name in ("stock", "stock_again") + own + placed:
         model, config = harness.load_stock(path)
         places = routing_replay.expert_modules(model)
         routing = harness.make_routing(first_routing, ck["experts"], ck["moe_layers"])
         if routing is not None and name != "stock_own":
-            # before the floors: their readback is of the router's real ids
             routing_replay.wrap(model, routing)
-        if name == "stock_synclayer":
-            sync_per_layer(places)
-        if name == "stock_synctoken":
-            sync_per_token(model)
         if name == "stock_placed":
             count_uses(model, places)
         stocks[name] = model
@@ -724,7 +721,6 @@ def parse_args(argv):
     add("--budgets", type=_list(float), default="0.25,0.5", help="the cold regime's budgets")
     add("--hit-budget", type=float, default=0.99)
     add("--ram-budget", type=_list(float), default="0.90", help="(the ram probe: at the first)")
-    add("--floors", action="store_true", help="also time stock_synclayer and stock_synctoken")
     add("--placed", action="store_true", help="also time stock_placed: the placement's limit")
     add("--routings", type=_list(str), default=None,
         help="uniform, trace:FILE, model:DIR (default: uniform and the shape's trace if any)")
@@ -746,6 +742,7 @@ def parse_args(argv):
     add("--ram-probe-mb", type=int, default=256, help="MB (decimal) per figure (0: no probe)")
     add("--ram-probe-k", type=_list(int), default="2,4,8", help="experts read at once")
     add("--profile", type=int, default=0, help="steps of each configuration's step_profile")
+    add("--profile-blocks", type=int, default=8, help="step_profile's passes over them all")
     add("--quick", action="store_true", help="a CPU try of everything in well under a minute: "
         + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags given still win)")
     args = ap.parse_args(argv)
@@ -877,6 +874,8 @@ def regime_tables(res):
                     cells += ["", ""]
                 user = g["stock_basis"]["user_tok_s"]
                 exact = "-" if c["exact"] is None else f"{c['exact_steps']}/{c['total_steps']}"
+                if g.get("stock_differs_at") is not None and c["exact"] is not None:
+                    exact += f" ({'' if c['exact'] else 'NOT '}stock's to {g['stock_differs_at']})"
                 cells += [f"{g['stock_vs_stock']:.3f}", "-" if user is None else f"{user:.1f}",
                           exact, "" if hit is None else f"{hit:.3f}",
                           f"{c['read_over_needed']:.2f}" if c.get("read_over_needed") else "",
@@ -897,8 +896,8 @@ def markdown(res):
         f"{res['device']} (mlx {res['mlx']})", "",
         f"`{res['command']}` ({res['date']}; {res['rounds']} rounds of {res['block'] + 1} decode "
         f"steps per configuration after {res.get('warmup')} untimed; stock as a user sees it: "
-        f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios, "
-        "floors and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).", "",
+        f"{res.get('user_tokens')} tokens of stream_generate a round). What the regimes, ratios "
+        "and columns are: docs/benchmarks/methods.md (gpu_pipeline.py).", "",
     ]
     for name, ck in res["checkpoints"].items():
         head += [f"Checkpoint {name}: {ck['moe_layers']} MoE layers x {ck['experts']} experts, "
