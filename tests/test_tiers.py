@@ -15,6 +15,7 @@ from support import (
     per_slot,
     same,
 )
+from synthetic import build_checkpoint
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
@@ -119,6 +120,23 @@ def test_identity_banks_across_two_tiers_compute_stocks_bits(q3):
     assert s["tier_device_gb"] == pytest.approx(4 * per_slot(model) / GB)
     assert s["tier_host_gb"] == pytest.approx(12 * per_slot(model) / GB)
 
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_5_moe", "deepseek_v3"])
+def test_two_tiers_decode_stocks_bits_across_architectures(tmp_path, arch):
+    # issue 49's other shapes on the CPU (the placement recorded): gemma-4's layers give tuples,
+    # Qwen3.6's mix linear attention in, deepseek's have shared experts. A quarter of each layer's
+    # experts on the device, greedy decode through mlx-lm's own generate_step, bit for bit stock's
+    overrides = {"experts": 16, **({"sliding_window": 64} if arch == "gemma4_text" else {})}
+    path = build_checkpoint(tmp_path / arch, arch, num_layers=4, overrides=overrides)
+    prompt = mx.array([3, 17, 42, 5, 9, 101, 7, 64])
+    expected = generate_steps(load_stock(path)[0], prompt, 16)
+    placer = Recorder()
+    model, cache = tiered(path, 4, placer)
+    assert_same_steps(expected, generate_steps(model, prompt, 16))
+    cache.tiers.drain()
+    assert placer.placed and cache.banks
+    assert [int(t.device.sum()) for t in cache.tiers.banks.values()] == [4] * len(cache.banks)
 
 
 def test_a_closed_models_banks_are_given_back_without_their_advice(q3):
