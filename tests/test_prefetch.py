@@ -303,3 +303,14 @@ def test_find_router_ignores_modules_without_one():
 
     assert find_router(Block(), 4) is None
     assert find_router(None, 4) is None
+
+
+def test_a_staging_buffer_is_zeroed_mlx_memory_that_its_view_writes():
+    # ``host_views.staging_buffer``: an MLX array made from host memory (no evaluation on the
+    # stream the model's work is queued on) and a numpy view of that array's own memory
+    from mlx_lm_streaming.runtime.reads.host_views import staging_buffer
+
+    arr, view = staging_buffer(3, 64)
+    assert arr is not None and arr.dtype == mx.uint8 and view.shape == (3, 64) and not view.any()
+    view[1, 5] = 7
+    assert arr[1, 5].item() == 7 and int(arr.sum().item()) == 7

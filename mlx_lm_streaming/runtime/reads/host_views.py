@@ -15,11 +15,13 @@ _HOST_VIEWS = None  # whether MLX arrays give writable host views here (checked 
 
 
 def staging_buffer(rows: int, nbytes: int):
-    """``(mlx array or None, writable numpy array)`` of ``rows x nbytes`` bytes."""
+    """``(mlx array or None, writable numpy array)`` of ``rows x nbytes`` bytes. The MLX array is
+    made from host memory (``mx.array`` of zeros: MLX copies them into memory of its own, with no
+    evaluation), not by ``mx.zeros``, whose evaluation waits on the stream behind the model's
+    pending work (a staging buffer is made where a layer misses, mid-forward)."""
     global _HOST_VIEWS
     if _HOST_VIEWS is not False and rows * nbytes > 0:
-        arr = mx.zeros((rows, nbytes), dtype=mx.uint8)
-        mx.eval(arr)
+        arr = mx.array(np.zeros((rows, nbytes), dtype=np.uint8))
         try:
             view = np.array(arr, copy=False)
             ok = view.flags.writeable and view.ctypes.data != 0 and view.shape == (rows, nbytes)
@@ -29,6 +31,7 @@ def staging_buffer(rows: int, nbytes: int):
             # a write through the view must be what MLX sees
             view[0, :1] = 1
             ok = arr[0, 0].item() == 1
+            view[0, :1] = 0
         _HOST_VIEWS = bool(ok)
         if ok:
             return arr, view

@@ -44,8 +44,9 @@ IDLE_EXIT_S = 30.0
 class StagedBatch:
     """Experts of one layer read (or being read) into staging buffers, one array per part.
 
-    The buffers are MLX arrays, allocated and evaluated by the thread that makes the batch; reads
-    fill them through writable numpy views of their memory. Writing them into a bank is then one
+    The buffers are MLX arrays made from host memory (``host_views.staging_buffer``: no evaluation,
+    so no wait behind the model's pending work, and no stream of any thread); reads fill them
+    through writable numpy views of their memory. Writing them into a bank is then one
     slice copy per run of slots; going through ``mx.array(numpy)`` instead copies several times
     slower on the CPU backend (docs/benchmarks/README.md, "What won"). Where MLX memory has no
     writable host view, numpy buffers are used.
