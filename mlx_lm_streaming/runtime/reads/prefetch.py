@@ -47,9 +47,9 @@ class StagedBatch:
     The buffers are MLX arrays made from host memory (``host_views.staging_buffer``: no evaluation,
     so no wait behind the model's pending work, and no stream of any thread); reads fill them
     through writable numpy views of their memory. Writing them into a bank is then one
-    slice copy per run of slots; going through ``mx.array(numpy)`` instead copies several times
-    slower on the CPU backend (docs/benchmarks/README.md, "What won"). Where MLX memory has no
-    writable host view, numpy buffers are used.
+    slice copy per run of slots; filling numpy buffers and making MLX arrays of them only when
+    they are written in copies several times slower on the CPU backend (docs/benchmarks/README.md,
+    "What won"). Where MLX memory has no writable host view, numpy buffers are used.
     """
 
     def __init__(self, layer, experts: np.ndarray, kind: str, host: bool = False):
