@@ -693,7 +693,7 @@ def test_complete_banks_run_stocks_graph_whole(q3, monkeypatch):
         bank.load(np.arange(bank.num_experts))
     assert cache.all_complete
     assert same(want, decode(model, tokens))
-    assert all(b.stock_call is b.glu for b in cache.banks)  # set by the first call's choice
+    assert all(b.stock_call is b.glu_call for b in cache.banks)  # set by the first call's choice
     steps = []  # no verified step is even set up once every bank is complete
     run = StepRunner._verified
     monkeypatch.setattr(StepRunner, "_verified",

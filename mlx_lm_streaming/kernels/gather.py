@@ -22,4 +22,4 @@ class GatherKernel(ExpertKernel):
         return 10.0
 
     def __call__(self, x, slots, slots_np, bank):
-        return bank.glu(x, slots)
+        return bank.glu_call(x, slots)

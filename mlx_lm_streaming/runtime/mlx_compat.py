@@ -210,6 +210,49 @@ def switch_glu_problem(switch_glu=None) -> Optional[str]:
     return None
 
 
+# the bodies (whitespace removed) of the switch projections' ``__call__`` that
+# ``mlx_shims.switch_linear`` repeats below SORT_THRESHOLD indices with each call's rows of ``x``
+# given (``lhs_indices``) instead of the ``arange`` MLX builds when none are: mlx-lm 0.32
+# (``global_scale``) and 0.30-0.31; a class whose body is neither keeps its own call
+_LINEAR_CALL = "def__call__(self,x,indices,sorted_indices=False):x=mx."
+_LINEAR_BIAS = 'if"bias"inself:x=x+mx.expand_dims(self["bias"][indices],-2)returnx'
+_QUANTIZED_ARGS = (
+    'gather_qmm(x,self["weight"],self["scales"],self.get("biases"),rhs_indices=indices,'
+    "transpose=True,group_size=self.group_size,bits=self.bits,mode=self.mode,"
+)
+SWITCH_LINEAR_BODIES = {
+    _LINEAR_CALL + _QUANTIZED_ARGS + "global_scale=self.global_scale,"
+    "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: ("QuantizedSwitchLinear", "global"),
+    _LINEAR_CALL + _QUANTIZED_ARGS + "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: (
+        "QuantizedSwitchLinear",
+        "quantized",
+    ),
+    _LINEAR_CALL + 'gather_mm(x,self["weight"].swapaxes(-1,-2),rhs_indices=indices,'
+    "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: ("SwitchLinear", "plain"),
+}
+
+
+def switch_linears() -> dict:
+    """mlx-lm's switch projection classes whose ``__call__`` is one of ``SWITCH_LINEAR_BODIES``:
+    class -> its kind there ("global": ``gather_qmm`` with ``global_scale``, "quantized":
+    without, "plain": ``gather_mm``); none where the module cannot be read."""
+    try:
+        from mlx_lm.models import switch_layers
+    except ImportError:
+        return {}
+    found = {}
+    for name in ("QuantizedSwitchLinear", "SwitchLinear"):
+        cls = getattr(switch_layers, name, None)
+        try:
+            body = re.sub(r"\s+", "", inspect.getsource(cls.__call__))
+        except (AttributeError, OSError, TypeError):
+            continue
+        known = SWITCH_LINEAR_BODIES.get(body)
+        if known is not None and known[0] == name:
+            found[cls] = known[1]
+    return found
+
+
 # SwitchGLU.__call__ below SORT_THRESHOLD indices, one step at a time (streaming computes a read
 # expert's gate and up projections while its down projection is still read: schedules.ByProjection)
 

@@ -11,8 +11,13 @@ version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``gener
 
 import contextlib
 import functools
+import threading
 from threading import get_ident
 from typing import Optional
+
+import mlx.core as mx
+
+from .mlx_compat import SORT_THRESHOLD
 
 def is_stock_switch_glu(module) -> bool:
     """Whether ``module`` is mlx-lm's own ``SwitchGLU`` (a subclass may call differently)."""
@@ -23,8 +28,6 @@ def is_stock_switch_glu(module) -> bool:
 
 def switch_glu_input(x):
     """``x`` as SwitchGLU.__call__ hands it to its projections."""
-    import mlx.core as mx
-
     return mx.expand_dims(x, (-2, -3))
 
 
@@ -36,6 +39,79 @@ def switch_glu_projection(glu, proj: str, x, indices):
 def switch_glu_output(glu, up, gate, indices):
     """The rest of the call: activation, ``down_proj``, the squeeze."""
     return glu.down_proj(glu.activation(up, gate), indices, sorted_indices=False).squeeze(-2)
+
+
+_LINEARS: Optional[dict] = None  # ``mlx_compat.switch_linears()``, read at the first use
+_ROWS: dict = {}  # a batch shape -> its rows' indices (``row_indices``)
+_ROWS_STREAM = threading.local()  # each thread's stream they are made on (MLX's are per thread)
+
+
+def rows_kept(glu) -> bool:
+    """Whether ``switch_glu`` may call ``glu`` with its rows' indices given: mlx-lm's own
+    ``SwitchGLU`` whose projections are of classes whose call ``mlx_compat.switch_linears``
+    found as it repeats them."""
+    global _LINEARS
+    if _LINEARS is None:
+        from .mlx_compat import switch_linears
+
+        _LINEARS = switch_linears()
+    projections = (getattr(glu, p, None) for p in ("gate_proj", "up_proj", "down_proj"))
+    return is_stock_switch_glu(glu) and all(type(p) in _LINEARS for p in projections)
+
+
+def switch_glu(glu, x, indices):
+    """``glu(x, indices)`` for a ``glu`` that ``rows_kept`` accepts. Below the sort threshold,
+    ``SwitchGLU.__call__``'s statements and its projections' (``mlx_compat.switch_linears``),
+    unsorted, with each projection's rows of ``x`` given (``row_indices``): MLX's ``gather_qmm``
+    and ``gather_mm`` build an ``arange`` for them in each call when none are (three kernels a MoE
+    call, each launched on a GPU), and with ``sorted_indices`` off the primitive and its inputs'
+    values are the same, so the bits are stock's. At the threshold and above (sorted calls, whose
+    primitive would differ): ``glu``. (One function: the hot path's calls are counted.)"""
+    if indices.size >= SORT_THRESHOLD:
+        return glu(x, indices)
+    x = mx.expand_dims(x, (-2, -3))
+    out = []
+    for proj in (glu.up_proj, glu.gate_proj, glu.down_proj):
+        if len(out) == 2:
+            x = glu.activation(out[0], out[1])
+        shape = x.shape[:-2]
+        rows = _ROWS.get(shape)
+        if rows is None:
+            rows = row_indices(shape)
+        kind = _LINEARS[type(proj)]
+        if kind == "plain":
+            y = mx.gather_mm(x, proj["weight"].swapaxes(-1, -2), rows, indices)
+        else:
+            more = {"global_scale": proj.global_scale} if kind == "global" else {}
+            y = mx.gather_qmm(
+                x, proj["weight"], proj["scales"], proj.get("biases"), lhs_indices=rows,
+                rhs_indices=indices, transpose=True, group_size=proj.group_size,
+                bits=proj.bits, mode=proj.mode, **more,
+            )  # fmt: skip
+        if "bias" in proj:
+            y = y + mx.expand_dims(proj["bias"][indices], -2)
+        out.append(y)
+    return out[2].squeeze(-2)
+
+
+def row_indices(shape):
+    """``arange(prod(shape)).reshape(shape)`` in uint32, what ``gather_qmm`` makes when given no
+    ``lhs_indices``: made once per shape and evaluated on a stream of the thread's own (an
+    evaluation on the model's stream would wait behind its queued work), in memory its kernel
+    wrote; then any thread's."""
+    rows = _ROWS.get(shape)
+    if rows is None:
+        stream = getattr(_ROWS_STREAM, "stream", None)
+        if stream is None:
+            stream = _ROWS_STREAM.stream = mx.new_stream(mx.default_device())
+        n = 1
+        for size in shape:
+            n *= size
+        with mx.stream(stream):
+            rows = mx.arange(n, dtype=mx.uint32).reshape(shape)
+            mx.eval(rows)
+        rows = _ROWS.setdefault(shape, rows)
+    return rows
 
 
 def wrap_call(module, around) -> None:

@@ -1,5 +1,6 @@
 """``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
+import functools
 import threading
 import time
 from typing import Dict, List, Optional
@@ -7,6 +8,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import mlx_shims
 from ..policy import SlotTable
 from ..reads import lookahead
 from ..reads.bank_reads import NOTHING_TO_READ, install_finished, landings
@@ -26,6 +28,11 @@ class LayerBank:
         self.layer = layer
         self.path = layer.path  # (an attribute: the timeline's hooks read it on every call)
         self.glu = glu  # the stock SwitchGLU whose arrays become our banks
+        # its call (``CacheTuning.kept_row_indices``: with its rows' indices given below the sort
+        # threshold, ``mlx_shims.switch_glu``)
+        self.glu_call = glu
+        if cache.tuning.kept_row_indices and mlx_shims.rows_kept(glu):
+            self.glu_call = functools.partial(mlx_shims.switch_glu, glu)
         self.num_experts = layer.num_experts
         self.slots = 0
         # which expert is in which slot, and the eviction policy (``policy.py``)
@@ -303,7 +310,7 @@ class LayerBank:
         the bank with the router's ids, as ``StockGraph`` runs it; with two tiers the ids kept
         first for the device tier's count (``tiers.Tiers.caller``)."""
         tiers = self.cache.tiers
-        return self.glu if tiers is None else tiers.caller(self, self.glu)
+        return self.glu_call if tiers is None else tiers.caller(self, self.glu_call)
 
     def summary(self) -> dict:
         """This layer's counters: hits, misses, and the GB (decimal) of the experts it missed."""

@@ -154,7 +154,10 @@ class VerifiedStep(Mode):
                 slots, missing = made[2], made[3]  # (``device_map``'s check, inline)
             else:
                 slots, missing = bank.device_map()
-            y = kernel(x, slots[indices], None, bank)
+            if kernel.runs_switch_glu:  # (its bits are the layer's own call's: that call)
+                y = bank.glu_call(x, slots[indices])
+            else:
+                y = kernel(x, slots[indices], None, bank)
         # (its ids as the router gave them: the check flattens every call's at once)
         self.calls.append((self.layer, bank, indices, missing))
         self.kept[id(bank)] = (bank, indices, size)

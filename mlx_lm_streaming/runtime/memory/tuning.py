@@ -80,6 +80,12 @@ class CacheTuning:
     # 99%, medians 1.008x and 1.018x: within the noise, so off (docs/benchmarks/streaming-path.md,
     # tiers.md: "The sixteenth session")
     join_kernel: Optional[bool] = False
+    # decode-sized expert calls over mlx-lm's own SwitchGLU (``mlx_shims.switch_glu``: a verified
+    # step's, a complete bank's, the tiers') give each projection's rows of ``x`` to
+    # ``gather_qmm`` as an index array made once per shape, where MLX builds an ``arange`` in each
+    # call: three kernels a MoE call fewer, the same primitive over the same values (stock's
+    # bits); False: the module's own call
+    kept_row_indices: bool = True
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"

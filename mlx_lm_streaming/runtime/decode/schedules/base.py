@@ -100,7 +100,11 @@ class ExpertRows(PerLayer):
                 # through the wave engine (an identity bank's landed fill: ``take_staged``)
                 bank.reads(experts)
                 slots_np = bank.slot_of[idx]
-                y = self.kernel(self.x, mx.array(slots_np.astype(np.uint32)), slots_np, bank)
+                slots = mx.array(slots_np.astype(np.uint32))
+                if self.kernel.runs_switch_glu:  # (its bits are the layer's own call's)
+                    y = bank.glu_call(self.x, slots)
+                else:
+                    y = self.kernel(self.x, slots, slots_np, bank)
                 outs.append(y)
                 rows_done.append(None)
                 mx.async_eval(y)  # (``submit``, spelt out)
