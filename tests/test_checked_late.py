@@ -83,6 +83,34 @@ def test_late_checks_are_stock_across_misses(q3_path, stock_q3, slots, seed, pro
     assert runner.recomputed == 0
 
 
+@pytest.mark.parametrize("chunk", [2, 2048])
+def test_the_first_tokens_step_is_held_too_and_the_prompts_progress_is_stocks(
+    q3_path, stock_q3, chunk
+):
+    # the prompt's last token's step (stock's code up to its draw) is held like every later one,
+    # so the second token is built before the first is checked, and the progress callback gets
+    # stock's calls; after a layer-major prefill (chunks of 2) that step runs per layer
+    # (``StepRunner.per_layer_calls``) and the callback counts the prefill's own way, its last
+    # call stock's
+    prompt = prompt_of(2)
+
+    def run(model):
+        calls = []
+        out = generated(model, prompt, 0, prefill_step_size=chunk,
+                        prompt_progress_callback=lambda *c: calls.append(c))  # fmt: skip
+        return out, calls
+
+    expected, stock_calls = run(stock_q3)
+    model = with_slots(q3_path, 15, tuning=ALWAYS)
+    got, calls = run(model)
+    assert_same(expected, got)
+    assert calls[-1] == stock_calls[-1] == (len(prompt), len(prompt))
+    layer_major = model.expert_streaming.prefill.prompts == 1
+    assert layer_major == (chunk == 2) and (calls == stock_calls) != layer_major
+    # every step built held (the one built ahead of the last too), the first but after a prefill
+    assert model.expert_streaming.steps.checked_late == STEPS + 1 - layer_major
+
+
 @pytest.mark.parametrize("seed,in_pass", [(None, False), (5, False), (None, True), (5, True)])
 def test_held_steps_redone_as_their_reads_land_are_stock(q3_path, stock_q3, seed, in_pass):
     # ``replay_as_landed``: a held step that missed is redone with each bank's landings taken by
@@ -234,8 +262,8 @@ def test_checks_on_the_runners_thread_take_the_same_path_as_on_the_decode_thread
     q3_path, stock_q3, monkeypatch, seed
 ):
     # 8 slots of 16: held steps hit and miss; the host work of those that hit runs on the
-    # runner's thread (the first token's, checked in its own call, on the decode thread), and
-    # every count of the path taken is the one the decode thread's checks give, the text stock's
+    # runner's thread, and every count of the path taken is the one the decode thread's checks
+    # give, the text stock's
     from mlx_lm_streaming.runtime.decode.verified_step import VerifiedStep
 
     threads, commit = set(), VerifiedStep.commit

@@ -150,3 +150,20 @@ def test_rows_made_on_one_thread_serve_another():
     thread.join()
     assert mx.array_equal(out["y"], want).item()
     assert mx.array_equal(mlx_shims.switch_glu(glu, x, idx), want).item()  # (here, made there)
+
+
+def test_only_the_gather_kernels_own_call_is_made_by_the_layer():
+    # a kernel whose call is ``bank.glu_call`` alone is called so by the layer (a call fewer); a
+    # subclass with a call of its own (a plugin's counting kernel) keeps being called
+    from mlx_lm_streaming.kernels.base import ExpertKernel
+    from mlx_lm_streaming.kernels.gather import GatherKernel
+
+    class Renamed(GatherKernel):
+        name = "renamed"
+
+    class Counting(GatherKernel):
+        def __call__(self, x, slots, slots_np, bank):
+            return super().__call__(x, slots, slots_np, bank)
+
+    assert GatherKernel.calls_only_glu and Renamed.calls_only_glu
+    assert not Counting.calls_only_glu and not ExpertKernel.calls_only_glu

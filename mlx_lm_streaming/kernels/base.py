@@ -34,6 +34,10 @@ class ExpertKernel:
     # run a projection at a time (``mlx_shims.switch_glu_*``, in runtime/) gives the kernel's bits,
     # and the layer may compute a read expert's first projections while its last one is still read
     runs_switch_glu = False
+    # whether its call is ``bank.glu_call(x, slots)`` and nothing else: the layer may then make
+    # that call itself, a Python call fewer a MoE call (``gather``, not a subclass that overrides
+    # its call)
+    calls_only_glu = False
 
     def available(self) -> bool:
         return True

@@ -211,24 +211,19 @@ def switch_glu_problem(switch_glu=None) -> Optional[str]:
 
 
 # the bodies (whitespace removed) of the switch projections' ``__call__`` that
-# ``mlx_shims.switch_linear`` repeats below SORT_THRESHOLD indices with each call's rows of ``x``
-# given (``lhs_indices``) instead of the ``arange`` MLX builds when none are: mlx-lm 0.32
-# (``global_scale``) and 0.30-0.31; a class whose body is neither keeps its own call
-_LINEAR_CALL = "def__call__(self,x,indices,sorted_indices=False):x=mx."
-_LINEAR_BIAS = 'if"bias"inself:x=x+mx.expand_dims(self["bias"][indices],-2)returnx'
-_QUANTIZED_ARGS = (
-    'gather_qmm(x,self["weight"],self["scales"],self.get("biases"),rhs_indices=indices,'
-    "transpose=True,group_size=self.group_size,bits=self.bits,mode=self.mode,"
-)
+# ``mlx_shims.switch_glu`` repeats below SORT_THRESHOLD indices, each call's rows of ``x`` given
+# (mlx-lm 0.32, with ``global_scale``, and 0.30-0.31); a class whose body is neither keeps its call
+_CALL = "def__call__(self,x,indices,sorted_indices=False):x=mx."
+_END = "sorted_indices=sorted_indices,)"
+_BIAS = 'if"bias"inself:x=x+mx.expand_dims(self["bias"][indices],-2)returnx'
+_QMM = ('gather_qmm(x,self["weight"],self["scales"],self.get("biases"),rhs_indices=indices,'
+        "transpose=True,group_size=self.group_size,bits=self.bits,mode=self.mode,")  # fmt: skip
 SWITCH_LINEAR_BODIES = {
-    _LINEAR_CALL + _QUANTIZED_ARGS + "global_scale=self.global_scale,"
-    "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: ("QuantizedSwitchLinear", "global"),
-    _LINEAR_CALL + _QUANTIZED_ARGS + "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: (
-        "QuantizedSwitchLinear",
-        "quantized",
+    _CALL + _QMM + "global_scale=self.global_scale," + _END + _BIAS: "global",
+    _CALL + _QMM + _END + _BIAS: "quantized",
+    _CALL + 'gather_mm(x,self["weight"].swapaxes(-1,-2),rhs_indices=indices,' + _END + _BIAS: (
+        "plain"
     ),
-    _LINEAR_CALL + 'gather_mm(x,self["weight"].swapaxes(-1,-2),rhs_indices=indices,'
-    "sorted_indices=sorted_indices,)" + _LINEAR_BIAS: ("SwitchLinear", "plain"),
 }
 
 
@@ -247,9 +242,9 @@ def switch_linears() -> dict:
             body = re.sub(r"\s+", "", inspect.getsource(cls.__call__))
         except (AttributeError, OSError, TypeError):
             continue
-        known = SWITCH_LINEAR_BODIES.get(body)
-        if known is not None and known[0] == name:
-            found[cls] = known[1]
+        kind = SWITCH_LINEAR_BODIES.get(body)
+        if kind is not None and (kind == "plain") == (name == "SwitchLinear"):
+            found[cls] = kind
     return found
 
 
@@ -292,9 +287,6 @@ def say_refusal(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-# -- the model's forward and its KV caches (verified_step.py) ----------------------------------------
-
-
 # -- the prompt's prefill (layer_major.py) -----------------------------------------------------------
 
 # parameters of mlx_lm.generate.generate_step that layer-major prefill reads or passes on
@@ -327,7 +319,9 @@ GENERATE_STEP_BODY = (
 
 # the statements of generate_step (whitespace removed) that the decode loop with late checks
 # (checked_late.py) does itself after stock's first step: a step's sampling, the loop's order, the
-# first step as the place where max_tokens=0 stops, and KV quantization as a no-op without kv_bits
+# first step as the place where max_tokens=0 stops (its draw ends stock's run; the progress
+# callback's calls before it, the call after it made by the loop), and KV quantization as a
+# no-op without kv_bits
 DECODE_LOOP_BODY = (
     "logits=logits[:,-1,:]",
     "iflogits_processorsandlen(input_tokens)>0:",
@@ -335,6 +329,9 @@ DECODE_LOOP_BODY = (
     "sampled=sampler(logprobs)",
     "returnsampled,logprobs.squeeze(0)",
     "y,logprobs=_step(input_tokens=prompt,input_embeddings=input_embeddings)",
+    "prompt_progress_callback(prompt_processed_tokens,total_prompt_tokens)",  # (before it)
+    "whiletotal_prompt_tokens-prompt_processed_tokens>1:",
+    "ifn==0:mx.eval(y)prompt_progress_callback(total_prompt_tokens,total_prompt_tokens)",
     "ifn!=max_tokens:next_y,next_logprobs=_step(y)",
     "ifn==max_tokens:break",
     "yieldy.item(),logprobs",

@@ -16,9 +16,13 @@ t+1's graph built on that sample before the host waits for t's counts. Then:
   redo``), is sampled again, and t+1 is built again on the new sample. So the draws, and the text,
   are stock's, greedy or sampled.
 
-The prompt and the first token are stock's own code (``generate_step`` with ``max_tokens=0`` stops
-right after the first token's step, which is checked as it runs); the decode loop after it does
-what stock's does (``mlx_compat.DECODE_LOOP_BODY``, checked against the installed mlx-lm). When the
+The prompt and the first token's step are stock's own code (``generate_step`` with ``max_tokens=0``,
+its progress callback and sampler wrapped): the step is held as every later one (the callback's
+call for the prompt's last chunk sets ``defer``), and the first token's draw, made by the wrapped
+sampler, ends stock's run there (``_FirstToken``), before stock would wait for that token, so the
+second token is built before the first is checked; the callback's last call, stock's after the
+first token, is made by the loop. The decode loop after it does what stock's does
+(``mlx_compat.DECODE_LOOP_BODY``, checked against the installed mlx-lm). When the
 generator is closed with a step still held, that step is checked and, if it missed, run again, so
 a prompt cache kept by the caller (the server's, chat's) holds stock's entries.
 
@@ -111,12 +115,27 @@ def generate(stock, a):
     processors = list(a["logits_processors"] or [])
     max_tokens, stream = a["max_tokens"], a["stream"]
 
-    # the prompt and the first token's step: stock's code, its sample and what its processors saw
+    # the prompt and the first token's step: stock's code up to the first token's draw, made here
+    # (``_FirstToken`` then ends stock's run before it waits for that token): the step held where
+    # it may be, as every later one, so that the second token is built before the first is checked
     first = {}
+    progress = a["prompt_progress_callback"] or (lambda *_: None)
+
+    def before_first(done, total):
+        progress(done, total)
+        first["total"] = total
+        if done == total - 1:  # (stock's next model call is the first token's step)
+            runner.defer = get_ident() if runner.defers(kv) else None
 
     def first_sampler(logprobs):
-        first["y"], first["logprobs"] = sampler(logprobs), logprobs.squeeze(0)
-        return first["y"]
+        runner.defer = None
+        held, key, toks = runner.take_held(), mx.random.state[0], first.get("tokens")
+        before = toks[:-1] if toks is not None and toks.size > 1 else None
+        last = toks[-1:] if toks is not None else None
+        y, logprobs = sampler(logprobs), logprobs.squeeze(0)
+        first["token"] = Token(y, logprobs, held, key, before, last)
+        mx.async_eval(y, logprobs, *(held.arrays() if held is not None else ()))
+        raise _FirstToken
 
     def seen(processor):
         def process(toks, logits):
@@ -125,10 +144,15 @@ def generate(stock, a):
 
         return process
 
-    a["max_tokens"], a["sampler"] = 0, first_sampler
+    a["max_tokens"], a["sampler"], a["prompt_progress_callback"] = 0, first_sampler, before_first
     a["logits_processors"] = [seen(p) for p in processors] or None
-    for _ in stock(**a):  # (yields nothing: it stops after the first token's step)
+    try:
+        for _ in stock(**a):  # (yields nothing: its first draw raises)
+            pass
+    except _FirstToken:
         pass
+    finally:
+        runner.defer = None
     tokens = first.get("tokens")
 
     def step(prev: Token, hold: bool) -> Token:
@@ -172,7 +196,7 @@ def generate(stock, a):
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return Token(sampler(logprobs), logprobs.squeeze(0))
 
-    current = Token(first["y"], first["logprobs"])
+    current = first["token"]
     after = None
     n = 0
     with mx.stream(stream):
@@ -194,6 +218,8 @@ def generate(stock, a):
                         after = step(current, runner.defers(kv)) if after is not None else None
                 if n == max_tokens:
                     break
+                if n == 0:  # (stock's, once its first token is computed)
+                    progress(first["total"], first["total"])
                 yield current.y.item(), current.logprobs
                 if n % 256 == 0:
                     mx.clear_cache()
@@ -208,6 +234,10 @@ def generate(stock, a):
                 if not runner.check(t.held):
                     runner.redo(t.held)
                 t.held = None
+
+
+class _FirstToken(Exception):
+    """Raised by the first token's draw to end stock's ``generate_step`` there."""
 
 
 def _take_back(kv, token: Token) -> None:

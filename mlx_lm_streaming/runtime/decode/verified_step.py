@@ -154,7 +154,7 @@ class VerifiedStep(Mode):
                 slots, missing = made[2], made[3]  # (``device_map``'s check, inline)
             else:
                 slots, missing = bank.device_map()
-            if kernel.runs_switch_glu:  # (its bits are the layer's own call's: that call)
+            if kernel.calls_only_glu:  # (its call: the layer's own code over the bank)
                 y = bank.glu_call(x, slots[indices])
             else:
                 y = kernel(x, slots[indices], None, bank)

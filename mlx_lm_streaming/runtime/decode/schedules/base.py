@@ -101,7 +101,7 @@ class ExpertRows(PerLayer):
                 bank.reads(experts)
                 slots_np = bank.slot_of[idx]
                 slots = mx.array(slots_np.astype(np.uint32))
-                if self.kernel.runs_switch_glu:  # (its bits are the layer's own call's)
+                if self.kernel.calls_only_glu:  # (its call: the layer's own code)
                     y = bank.glu_call(self.x, slots)
                 else:
                     y = self.kernel(self.x, slots, slots_np, bank)
