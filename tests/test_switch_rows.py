@@ -65,7 +65,7 @@ def test_the_modules_bits_below_and_at_the_sort_threshold(mode, shape):
     b, t, k = shape
     x = mx.random.normal((b, t, H), key=mx.random.key(3)).astype(mx.bfloat16)
     idx = mx.random.randint(0, E, shape, key=mx.random.key(4)).astype(mx.uint32)
-    want, got = glu(x, idx), mlx_shims.switch_glu(glu, x, idx)
+    want, got = glu(x, idx), mlx_shims.switch_glu(glu)(x, idx)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert mx.array_equal(got, want).item(), (mode, shape)
     assert np.array_equal(_bits(got), _bits(want))
@@ -77,7 +77,7 @@ def test_no_arange_in_the_graph_and_the_rows_made_once(tmp_path):
     x = mx.random.normal((1, 1, H)).astype(mx.bfloat16)
     idx = mx.array([[[1, 5, 2, 7, 0, 3, 6, 4]]], dtype=mx.uint32)
     stock = _nodes(tmp_path, glu(x, idx), "stock")
-    ours = _nodes(tmp_path, mlx_shims.switch_glu(glu, x, idx), "ours")
+    ours = _nodes(tmp_path, mlx_shims.switch_glu(glu)(x, idx), "ours")
     assert stock.get("Arange") == 3 and "Arange" not in ours
     assert ours["GatherQMM"] == stock["GatherQMM"] == 3
     assert sum(ours.values()) < sum(stock.values())
@@ -93,7 +93,7 @@ def test_sorted_calls_are_the_modules_own(monkeypatch):
     calls = []
     monkeypatch.setattr(SwitchGLU, "__call__", lambda self, x, i: calls.append(i.size) or x)
     x = mx.zeros((1, 8, H))
-    mlx_shims.switch_glu(glu, x, mx.zeros((1, 8, 8), dtype=mx.uint32))
+    mlx_shims.switch_glu(glu)(x, mx.zeros((1, 8, 8), dtype=mx.uint32))
     assert calls == [64]
 
 
@@ -142,14 +142,14 @@ def test_rows_made_on_one_thread_serve_another():
     mx.eval(x, idx, want)  # (an array is evaluated on its own thread's streams)
 
     def run():
-        out["y"] = mlx_shims.switch_glu(glu, x, idx)  # (its rows made on this thread)
+        out["y"] = mlx_shims.switch_glu(glu)(x, idx)  # (its rows made on this thread)
         mx.eval(out["y"])
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     assert mx.array_equal(out["y"], want).item()
-    assert mx.array_equal(mlx_shims.switch_glu(glu, x, idx), want).item()  # (here, made there)
+    assert mx.array_equal(mlx_shims.switch_glu(glu)(x, idx), want).item()  # (here, made there)
 
 
 def test_only_the_gather_kernels_own_call_is_made_by_the_layer():

@@ -47,7 +47,7 @@ _ROWS_STREAM = threading.local()  # each thread's stream they are made on (MLX's
 
 
 def rows_kept(glu) -> bool:
-    """Whether ``switch_glu`` may call ``glu`` with its rows' indices given: mlx-lm's own
+    """Whether ``switch_glu`` may make ``glu``'s call with its rows' indices given: mlx-lm's own
     ``SwitchGLU`` whose projections are of classes whose call ``mlx_compat.switch_linears``
     found as it repeats them."""
     global _LINEARS
@@ -59,39 +59,49 @@ def rows_kept(glu) -> bool:
     return is_stock_switch_glu(glu) and all(type(p) in _LINEARS for p in projections)
 
 
-def switch_glu(glu, x, indices):
-    """``glu(x, indices)`` for a ``glu`` that ``rows_kept`` accepts. Below the sort threshold,
-    ``SwitchGLU.__call__``'s statements and its projections' (``mlx_compat.switch_linears``),
-    unsorted, with each projection's rows of ``x`` given (``row_indices``): MLX's ``gather_qmm``
-    and ``gather_mm`` build an ``arange`` for them in each call when none are (three kernels a MoE
-    call, each launched on a GPU), and with ``sorted_indices`` off the primitive and its inputs'
-    values are the same, so the bits are stock's. At the threshold and above (sorted calls, whose
-    primitive would differ): ``glu``. (One function: the hot path's calls are counted.)"""
-    if indices.size >= SORT_THRESHOLD:
-        return glu(x, indices)
-    x = mx.expand_dims(x, (-2, -3))
-    out = []
+def switch_glu(glu):
+    """``glu``'s call, ``(x, indices) -> glu(x, indices)``, for a ``glu`` that ``rows_kept``
+    accepts. Below the sort threshold, ``SwitchGLU.__call__``'s statements and its projections'
+    (``mlx_compat.switch_linears``), unsorted, with each projection's rows of ``x`` given
+    (``row_indices``): MLX's ``gather_qmm`` and ``gather_mm`` build an ``arange`` for them in each
+    call when none are (three kernels a MoE call, each launched on a GPU), and with
+    ``sorted_indices`` off the primitive and its inputs' values are the same, so the bits are
+    stock's. At the threshold and above (sorted calls, whose primitive would differ): ``glu``.
+    Each projection's fixed arguments are bound here, its arrays read at each call (a bank's are
+    swapped in place); one function a call (the hot path's calls are counted)."""
+    act, specs = glu.activation, []
     for proj in (glu.up_proj, glu.gate_proj, glu.down_proj):
-        if len(out) == 2:
-            x = glu.activation(out[0], out[1])
-        shape = x.shape[:-2]
-        rows = _ROWS.get(shape)
-        if rows is None:
-            rows = row_indices(shape)
         kind = _LINEARS[type(proj)]
-        if kind == "plain":
-            y = mx.gather_mm(x, proj["weight"].swapaxes(-1, -2), rows, indices)
-        else:
-            more = {"global_scale": proj.global_scale} if kind == "global" else {}
-            y = mx.gather_qmm(
-                x, proj["weight"], proj["scales"], proj.get("biases"), lhs_indices=rows,
-                rhs_indices=indices, transpose=True, group_size=proj.group_size,
-                bits=proj.bits, mode=proj.mode, **more,
-            )  # fmt: skip
-        if "bias" in proj:
-            y = y + mx.expand_dims(proj["bias"][indices], -2)
-        out.append(y)
-    return out[2].squeeze(-2)
+        qmm = None
+        if kind != "plain":
+            qmm = functools.partial(mx.gather_qmm, transpose=True, group_size=proj.group_size,
+                                    bits=proj.bits, mode=proj.mode)  # fmt: skip
+        specs.append((proj, qmm, kind == "global"))
+
+    def call(x, indices):
+        if indices.size >= SORT_THRESHOLD:
+            return glu(x, indices)
+        x = mx.expand_dims(x, (-2, -3))
+        out = []
+        for proj, qmm, scaled in specs:
+            if len(out) == 2:
+                x = act(out[0], out[1])
+            rows = _ROWS.get(x.shape[:-2])
+            if rows is None:
+                rows = row_indices(x.shape[:-2])
+            if qmm is None:
+                y = mx.gather_mm(x, proj["weight"].swapaxes(-1, -2), rows, indices)
+            elif scaled:
+                y = qmm(x, proj["weight"], proj["scales"], proj.get("biases"), rows, indices,
+                        global_scale=proj.global_scale)  # fmt: skip
+            else:
+                y = qmm(x, proj["weight"], proj["scales"], proj.get("biases"), rows, indices)
+            if "bias" in proj:
+                y = y + mx.expand_dims(proj["bias"][indices], -2)
+            out.append(y)
+        return out[2].squeeze(-2)
+
+    return call
 
 
 def row_indices(shape):

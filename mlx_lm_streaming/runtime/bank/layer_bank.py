@@ -1,6 +1,5 @@
 """``LayerBank``: one MoE layer's slot bank (the unit's docstring, ``mlx_lm_streaming.runtime.bank``)."""
 
-import functools
 import threading
 import time
 from typing import Dict, List, Optional
@@ -32,7 +31,7 @@ class LayerBank:
         # threshold, ``mlx_shims.switch_glu``)
         self.glu_call = glu
         if cache.tuning.kept_row_indices and mlx_shims.rows_kept(glu):
-            self.glu_call = functools.partial(mlx_shims.switch_glu, glu)
+            self.glu_call = mlx_shims.switch_glu(glu)
         self.num_experts = layer.num_experts
         self.slots = 0
         # which expert is in which slot, and the eviction policy (``policy.py``)
