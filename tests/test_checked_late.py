@@ -180,6 +180,36 @@ def test_a_closed_generator_leaves_the_prompt_cache_as_stock(q3_path, stock_q3, 
     assert all(np.array_equal(a, b) for a, b in zip(ref_keys, keys))
 
 
+def test_a_first_draw_that_raises_leaves_the_prompt_cache_as_stock(q3_path, stock_q3):
+    # the first token's step is held: a sampler that raises at its first draw must not leave that
+    # step's cache entries unchecked (three slots: the step misses)
+    prompt = prompt_of(3)
+
+    class Raises:  # (it says how to take draws back: late checks apply)
+        def take_back(self, n):
+            pass
+
+        def __call__(self, logprobs):
+            raise ValueError("the sampler's own error")
+
+    raises = Raises()
+
+    def cache_after(model):
+        step = generate_module().generate_step
+        if not hasattr(model, "expert_streaming"):
+            step = step.stock
+        kv = make_prompt_cache(model)
+        with pytest.raises(ValueError, match="own error"):
+            next(step(prompt, model, max_tokens=STEPS, prompt_cache=kv, sampler=raises))
+        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
+
+    want = cache_after(stock_q3)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    got = cache_after(model)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got))
+    assert model.expert_streaming.steps.checked_late == 1
+
+
 class TakesBack:
     """A sampler with state of its own (the draws it made), which says how to take draws back."""
 

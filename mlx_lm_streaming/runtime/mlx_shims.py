@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from .mlx_compat import SORT_THRESHOLD
 
+
 def is_stock_switch_glu(module) -> bool:
     """Whether ``module`` is mlx-lm's own ``SwitchGLU`` (a subclass may call differently)."""
     from mlx_lm.models.switch_layers import SwitchGLU

@@ -132,7 +132,12 @@ def generate(stock, a):
         held, key, toks = runner.take_held(), mx.random.state[0], first.get("tokens")
         before = toks[:-1] if toks is not None and toks.size > 1 else None
         last = toks[-1:] if toks is not None else None
-        y, logprobs = sampler(logprobs), logprobs.squeeze(0)
+        try:
+            y, logprobs = sampler(logprobs), logprobs.squeeze(0)
+        except BaseException:  # (the prompt cache left as stock's: its step checked first)
+            if held is not None and not runner.check(held):
+                runner.redo(held)
+            raise
         first["token"] = Token(y, logprobs, held, key, before, last)
         mx.async_eval(y, logprobs, *(held.arrays() if held is not None else ()))
         raise _FirstToken
