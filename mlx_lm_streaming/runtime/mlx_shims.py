@@ -17,7 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .mlx_compat import SORT_THRESHOLD
+from .mlx_compat import SORT_THRESHOLD, switch_linears
 
 
 def is_stock_switch_glu(module) -> bool:
@@ -42,7 +42,6 @@ def switch_glu_output(glu, up, gate, indices):
     return glu.down_proj(glu.activation(up, gate), indices, sorted_indices=False).squeeze(-2)
 
 
-_LINEARS: Optional[dict] = None  # ``mlx_compat.switch_linears()``, read at the first use
 _ROWS: dict = {}  # a batch shape -> its rows' indices (``row_indices``)
 _ROWS_STREAM = threading.local()  # each thread's stream they are made on (MLX's are per thread)
 
@@ -51,13 +50,14 @@ def rows_kept(glu) -> bool:
     """Whether ``switch_glu`` may make ``glu``'s call with its rows' indices given: mlx-lm's own
     ``SwitchGLU`` whose projections are of classes whose call ``mlx_compat.switch_linears``
     found as it repeats them."""
-    global _LINEARS
-    if _LINEARS is None:
-        from .mlx_compat import switch_linears
-
-        _LINEARS = switch_linears()
     projections = (getattr(glu, p, None) for p in ("gate_proj", "up_proj", "down_proj"))
-    return is_stock_switch_glu(glu) and all(type(p) in _LINEARS for p in projections)
+    return is_stock_switch_glu(glu) and all(type(p) in _linears() for p in projections)
+
+
+@functools.lru_cache(maxsize=None)
+def _linears() -> dict:
+    """``mlx_compat.switch_linears()``, read once (the installed mlx-lm's sources)."""
+    return switch_linears()
 
 
 def switch_glu(glu):
@@ -72,7 +72,7 @@ def switch_glu(glu):
     swapped in place); one function a call (the hot path's calls are counted)."""
     act, specs = glu.activation, []
     for proj in (glu.up_proj, glu.gate_proj, glu.down_proj):
-        kind = _LINEARS[type(proj)]
+        kind = _linears()[type(proj)]
         qmm = None
         if kind != "plain":
             qmm = functools.partial(mx.gather_qmm, transpose=True, group_size=proj.group_size,
