@@ -400,3 +400,70 @@ def test_stream_generate_sampled_with_a_prompt_cache_is_stock(q3_path, stock_q3)
     assert_same(expected, turns(model))
     runner = model.expert_streaming.steps
     assert runner.checked_late > 0 and runner.dropped > 0
+
+
+@pytest.mark.parametrize("at,thread", [(3, False), (6, False), (11, False), (6, True)])
+def test_a_later_draw_that_raises_leaves_the_prompt_cache_as_stock(q3_path, stock_q3, at, thread):
+    # a sampler that raises at a later draw (draws taken back with the tokens dropped, as
+    # ``TakesBack``): the steps held then (the token before, and the step whose draw raised) are
+    # settled before the error goes on, so every entry the prompt cache keeps is stock's; where the
+    # token before missed, the raising step's entries go with its draw (one entry short of stock's);
+    # ``thread``: the token before's check started on the runner's thread (mlx-cuda's way)
+    prompt = prompt_of(3)
+
+    class RaisesAt:
+        def __init__(self):
+            self.draws = 0
+
+        def take_back(self, n):
+            self.draws -= n
+
+        def __call__(self, logprobs):
+            self.draws += 1
+            if self.draws == at:
+                raise ValueError("the sampler's own error")
+            return mx.argmax(logprobs, axis=-1)
+
+    def cache_after(model):
+        step = generate_module().generate_step
+        if not hasattr(model, "expert_streaming"):
+            step = step.stock
+        kv = make_prompt_cache(model)
+        with pytest.raises(ValueError, match="own error"):
+            for _ in step(prompt, model, max_tokens=STEPS, prompt_cache=kv, sampler=RaisesAt()):
+                pass
+        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
+
+    want = cache_after(stock_q3)
+    tuning = CacheTuning(verify_choice="always", checked_late=1.0, check_on_thread=thread)
+    model = with_slots(q3_path, 3, tuning=tuning)
+    got = cache_after(model)
+    assert model.expert_streaming.steps.checked_late > 1
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        assert b.shape[-2] in (a.shape[-2], a.shape[-2] - 1)
+        assert np.array_equal(a[..., : b.shape[-2], :], b)
+
+
+def test_an_error_thrown_in_at_a_yield_leaves_the_prompt_cache_as_stock(q3_path, stock_q3):
+    # the caller's own error, thrown into the generator where it waits (``generator.throw``): the
+    # step built ahead and still held is settled as when it is closed
+    prompt = prompt_of(3)
+
+    def cache_after(model):
+        step = generate_module().generate_step
+        if not hasattr(model, "expert_streaming"):
+            step = step.stock
+        kv = make_prompt_cache(model)
+        tokens = step(prompt, model, max_tokens=STEPS, prompt_cache=kv)
+        for _ in range(7):
+            next(tokens)
+        with pytest.raises(KeyError, match="caller"):
+            tokens.throw(KeyError("the caller's own error"))
+        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
+
+    want = cache_after(stock_q3)
+    model = with_slots(q3_path, 3, tuning=ALWAYS)
+    got = cache_after(model)
+    assert model.expert_streaming.steps.checked_late > 1
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got))

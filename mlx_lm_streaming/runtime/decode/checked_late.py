@@ -23,8 +23,12 @@ sampler, ends stock's run there (``_FirstToken``), before stock would wait for t
 second token is built before the first is checked; the callback's last call, stock's after the
 first token, is made by the loop. The decode loop after it does what stock's does
 (``mlx_compat.DECODE_LOOP_BODY``, checked against the installed mlx-lm). When the
-generator is closed with a step still held, that step is checked and, if it missed, run again, so
-a prompt cache kept by the caller (the server's, chat's) holds stock's entries.
+generator is closed with a step still held, or ended by an error (a logits processor's or the
+sampler's, or the caller's thrown in where it waits), the steps still held are checked in turn and
+the first that missed is run again, what was built on it taken back (``_settle``), so a prompt
+cache kept by the caller (the server's, chat's) holds stock's entries: all of them, or all but
+those of a step whose draw raised after the token before it missed (its input was that token's
+wrong sample).
 
 The check of t (its wait for t's ids, and on a hit the policies' records of its uses) runs on the
 runner's own thread (``StepRunner.check_soon``, ``CacheTuning.check_on_thread``), started before
@@ -160,9 +164,9 @@ def generate(stock, a):
         runner.defer = None
     tokens = first.get("tokens")
 
-    def step(prev: Token, hold: bool) -> Token:
+    def step(prev: Token, hold: bool, soon=None) -> Token:
         """The step on ``prev``'s sample; ``hold``: its verified step held unchecked (where the
-        call is one)."""
+        call is one); ``soon``: ``prev``'s check, started."""
         nonlocal tokens
         # (marks only where it may be taken back: the token before it is held only if this one
         # is, and then the caches can be taken back, ``StepRunner.defers``)
@@ -173,9 +177,14 @@ def generate(stock, a):
         finally:
             runner.defer = None
         held = runner.take_held()
-        logits, tokens = _processed(logits[:, -1, :], processors, tokens, prev.y)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token = Token(sampler(logprobs), logprobs.squeeze(0), held, key, before, prev.y, marks)
+        try:
+            logits, tokens = _processed(logits[:, -1, :], processors, tokens, prev.y)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            y = sampler(logprobs)
+        except BaseException:  # (a processor's or the draw's: the prompt cache left stock's)
+            _settle(runner, kv, [prev, Token(None, None, held, marks=marks)], soon)
+            raise
+        token = Token(y, logprobs.squeeze(0), held, key, before, prev.y, marks)
         mx.async_eval(token.y, token.logprobs, *(held.arrays() if held is not None else ()))
         return token
 
@@ -190,13 +199,14 @@ def generate(stock, a):
         if after is not None:  # no pending work may read a slot that t's reads write
             mx.eval(after.y, after.logprobs)
             _take_back(kv, after)
+            after.held = None  # (dropped: never checked)
             runner.dropped += 1
         draws = 1 + (after is not None)
         for f in (sampler, *processors):
             if callable(getattr(f, "take_back", None)):
                 f.take_back(draws)
         _put_back_key(t.key)
-        logits = runner.redo(t.held)
+        logits, t.held = runner.redo(t.held), None
         logits, tokens = _processed(logits[:, -1, :], processors, t.tokens, t.input)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return Token(sampler(logprobs), logprobs.squeeze(0))
@@ -215,7 +225,7 @@ def generate(stock, a):
                         hold = runner.defers(kv)
                     if current.held is not None:  # (its wait and host work: while t+1 launches)
                         soon = runner.check_soon(current.held)
-                    after = step(current, hold)
+                    after = step(current, hold, soon)
                 if current.held is not None:
                     redone, soon = checked(current, after, soon), None
                     if redone is not current:  # t missed: t+1 was taken back, built again
@@ -232,17 +242,38 @@ def generate(stock, a):
                 n += 1
         except GeneratorExit:
             pass
+        except BaseException:  # (raised by the caller at a yield, or by its progress callback)
+            if current.held is None:  # (else the check's own error: nothing more is settled)
+                _settle(runner, kv, [after])
+            raise
         # a step still held: checked, and run again if it missed, so that the prompt cache
         # holds stock's entries
-        for t in (current, after):
-            if t is not None and t.held is not None:
-                if not runner.check(t.held):
-                    runner.redo(t.held)
-                t.held = None
+        _settle(runner, kv, [current, after])
 
 
 class _FirstToken(Exception):
     """Raised by the first token's draw to end stock's ``generate_step`` there."""
+
+
+def _settle(runner, kv, chain: list, soon=None) -> None:
+    """The held steps of ``chain`` (a token, then the one built on its sample; None: none)
+    checked in turn (``soon``: the first one's check, started), and the first that missed run
+    again, what came after it taken back and dropped: the prompt cache keeps only checked entries
+    (a generation that ends early, closed or by an error)."""
+    for i, t in enumerate(chain):
+        if t is None or t.held is None:
+            continue
+        held, t.held = t.held, None
+        if runner.check(held, soon if i == 0 else None):
+            continue
+        mx.synchronize()  # (no launched work may read a slot that its reads write)
+        for later in chain[i + 1 :]:
+            if later is not None and later.marks is not None:
+                _take_back(kv, later)
+                later.held = None
+                break
+        runner.redo(held)
+        return
 
 
 def _take_back(kv, token: Token) -> None:
