@@ -61,6 +61,18 @@ def prompt_of(seed: int, n: int = 8) -> mx.array:
     return mx.array(np.random.default_rng(seed).integers(0, 512, n).astype(np.int32))
 
 
+def cache_after(model, prompt, use, **kwargs):
+    """The prompt cache's keys (each entry's, to its offset) after ``use(generator)`` of a
+    ``generate_step`` over ``model`` (the wrapped one for a streaming model, stock's else) and a new
+    cache, and what ``use`` returned."""
+    step = generate_module().generate_step
+    if not hasattr(model, "expert_streaming"):
+        step = step.stock
+    kv = make_prompt_cache(model)
+    out = use(step(prompt, model, max_tokens=STEPS, prompt_cache=kv, **kwargs), kv)
+    return [np.array(c.keys[..., : c.offset, :]) for c in kv], out
+
+
 @pytest.fixture(scope="module")
 def stock_q3(q3_path):
     return load_stock(q3_path)[0]
@@ -154,30 +166,34 @@ def test_without_the_next_tokens_cache_taken_back_text_is_not_stock(
     assert any(not np.array_equal(a, b) for (_, a), (_, b) in zip(expected, got))
 
 
-@pytest.mark.parametrize("stop", [1, 2, 3, 5, 8])
-def test_a_closed_generator_leaves_the_prompt_cache_as_stock(q3_path, stock_q3, stop):
-    # the server and chat keep the prompt cache: the step held when the caller stops must be
-    # checked, and run again if it missed, before the cache is used again
+@pytest.mark.parametrize("stop,end", [(1, "close"), (2, "close"), (3, "close"), (5, "close"),
+                                      (8, "close"), (7, "throw")])  # fmt: skip
+def test_a_closed_generator_leaves_the_prompt_cache_as_stock(q3_path, stock_q3, stop, end):
+    # the server and chat keep the prompt cache: the step held when the caller stops (closes the
+    # generator, or throws its own error in where it waits) must be checked, and run again if it
+    # missed, before the cache is used again
     prompt = prompt_of(3)
 
-    def cache_after(model):
-        step = generate_module().generate_step
-        if not hasattr(model, "expert_streaming"):
-            step = step.stock
-        kv = make_prompt_cache(model)
-        gen = step(prompt, model, max_tokens=STEPS, prompt_cache=kv)
-        for _ in range(stop):
-            next(gen)
-        gen.close()
-        # the next generation over that cache, and the cache's own entries
-        after = generated(model, mx.array([7]), steps=4, prompt_cache=kv)
-        return after, [np.array(c.keys[..., : c.offset, :]) for c in kv]
+    def run(model):
+        def use(gen, kv):
+            for _ in range(stop):
+                next(gen)
+            if end == "close":
+                gen.close()
+            else:
+                with pytest.raises(KeyError, match="caller"):
+                    gen.throw(KeyError("the caller's own error"))
+            # the next generation over that cache
+            return generated(model, mx.array([7]), steps=4, prompt_cache=kv)
 
-    ref_after, ref_keys = cache_after(stock_q3)
+        return cache_after(model, prompt, use)
+
+    ref_keys, ref_after = run(stock_q3)
     model = with_slots(q3_path, 3, tuning=ALWAYS)
-    after, keys = cache_after(model)
+    keys, after = run(model)
     assert_same(ref_after, after)
     assert all(np.array_equal(a, b) for a, b in zip(ref_keys, keys))
+    assert model.expert_streaming.steps.checked_late > 1
 
 
 def test_a_first_draw_that_raises_leaves_the_prompt_cache_as_stock(q3_path, stock_q3):
@@ -194,18 +210,13 @@ def test_a_first_draw_that_raises_leaves_the_prompt_cache_as_stock(q3_path, stoc
 
     raises = Raises()
 
-    def cache_after(model):
-        step = generate_module().generate_step
-        if not hasattr(model, "expert_streaming"):
-            step = step.stock
-        kv = make_prompt_cache(model)
+    def use(gen, kv):
         with pytest.raises(ValueError, match="own error"):
-            next(step(prompt, model, max_tokens=STEPS, prompt_cache=kv, sampler=raises))
-        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
+            next(gen)
 
-    want = cache_after(stock_q3)
+    want = cache_after(stock_q3, prompt, use, sampler=raises)[0]
     model = with_slots(q3_path, 3, tuning=ALWAYS)
-    got = cache_after(model)
+    got = cache_after(model, prompt, use, sampler=raises)[0]
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got))
     assert model.expert_streaming.steps.checked_late == 1
 
@@ -424,46 +435,17 @@ def test_a_later_draw_that_raises_leaves_the_prompt_cache_as_stock(q3_path, stoc
                 raise ValueError("the sampler's own error")
             return mx.argmax(logprobs, axis=-1)
 
-    def cache_after(model):
-        step = generate_module().generate_step
-        if not hasattr(model, "expert_streaming"):
-            step = step.stock
-        kv = make_prompt_cache(model)
+    def use(gen, kv):
         with pytest.raises(ValueError, match="own error"):
-            for _ in step(prompt, model, max_tokens=STEPS, prompt_cache=kv, sampler=RaisesAt()):
+            for _ in gen:
                 pass
-        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
 
-    want = cache_after(stock_q3)
+    want = cache_after(stock_q3, prompt, use, sampler=RaisesAt())[0]
     tuning = CacheTuning(verify_choice="always", checked_late=1.0, check_on_thread=thread)
     model = with_slots(q3_path, 3, tuning=tuning)
-    got = cache_after(model)
+    got = cache_after(model, prompt, use, sampler=RaisesAt())[0]
     assert model.expert_streaming.steps.checked_late > 1
     assert len(got) == len(want)
     for a, b in zip(want, got):
         assert b.shape[-2] in (a.shape[-2], a.shape[-2] - 1)
         assert np.array_equal(a[..., : b.shape[-2], :], b)
-
-
-def test_an_error_thrown_in_at_a_yield_leaves_the_prompt_cache_as_stock(q3_path, stock_q3):
-    # the caller's own error, thrown into the generator where it waits (``generator.throw``): the
-    # step built ahead and still held is settled as when it is closed
-    prompt = prompt_of(3)
-
-    def cache_after(model):
-        step = generate_module().generate_step
-        if not hasattr(model, "expert_streaming"):
-            step = step.stock
-        kv = make_prompt_cache(model)
-        tokens = step(prompt, model, max_tokens=STEPS, prompt_cache=kv)
-        for _ in range(7):
-            next(tokens)
-        with pytest.raises(KeyError, match="caller"):
-            tokens.throw(KeyError("the caller's own error"))
-        return [np.array(c.keys[..., : c.offset, :]) for c in kv]
-
-    want = cache_after(stock_q3)
-    model = with_slots(q3_path, 3, tuning=ALWAYS)
-    got = cache_after(model)
-    assert model.expert_streaming.steps.checked_late > 1
-    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got))
