@@ -86,11 +86,12 @@ class SafetensorsStore(ExpertStore):
         into their buffers (``runs``)."""
         ref = run[0][0]
         fd = self._fd(ref.file)
-        views = [memoryview(out)[: r.nbytes] for r, out in run]
-        end = sum(r.nbytes for r, _ in run)
-        what = f"tensor {ref.name!r}"
-        if len(run) > 1:
-            what += f" and the {len(run) - 1} after it"
+        if len(run) == 1:  # (most runs: one tensor's range; the loops below cost per read)
+            end = ref.nbytes
+            views = [memoryview(run[0][1])[:end]]
+        else:
+            views = [memoryview(out)[: r.nbytes] for r, out in run]
+            end = sum(r.nbytes for r, _ in run)
         done, retries = 0, 0
         if self.uncached is not None:
             done = self.uncached.read(fd, ref.file, views, ref.offset, end)
@@ -98,21 +99,24 @@ class SafetensorsStore(ExpertStore):
                 self.stats.add_counts(uncached_bytes=done)
         while done < end:
             try:
-                n = os.preadv(fd, after(views, done), ref.offset + done)
+                n = os.preadv(fd, after(views, done) if done else views, ref.offset + done)
             except InterruptedError:
                 retries += 1
                 if retries > MAX_RETRIES:
                     raise ExpertIOError(
-                        f"{ref.file}: reading {what} was interrupted {MAX_RETRIES} times in a row"
+                        f"{ref.file}: reading {_what(run)} was interrupted {MAX_RETRIES} times "
+                        "in a row"
                     )
                 continue
             except OSError as e:
                 raise ExpertIOError(
-                    f"{ref.file}: reading {what} ({end} bytes at offset {ref.offset}) failed: {e}"
+                    f"{ref.file}: reading {_what(run)} ({end} bytes at offset {ref.offset}) "
+                    f"failed: {e}"
                 ) from e
             if n == 0:
                 raise CheckpointChangedError(
-                    f"{ref.file}: ended early while reading {what} (file truncated after load?)"
+                    f"{ref.file}: ended early while reading {_what(run)} (file truncated after "
+                    "load?)"
                 )
             # a short read is progress: ask again for the rest
             done += n
@@ -160,6 +164,12 @@ class SafetensorsStore(ExpertStore):
             os.close(fd)
         if self.uncached is not None:
             self.uncached.close()
+
+
+def _what(run) -> str:
+    """The tensors of a run, as an error names them."""
+    what = f"tensor {run[0][0].name!r}"
+    return what + (f" and the {len(run) - 1} after it" if len(run) > 1 else "")
 
 
 def direct_option(value) -> bool:
