@@ -139,8 +139,7 @@ def generate(stock, a):
         try:
             y, logprobs = sampler(logprobs), logprobs.squeeze(0)
         except BaseException:  # (the prompt cache left as stock's: its step checked first)
-            if held is not None and not runner.check(held):
-                runner.redo(held)
+            _settle(runner, kv, [Token(None, None, held)])
             raise
         first["token"] = Token(y, logprobs, held, key, before, last)
         mx.async_eval(y, logprobs, *(held.arrays() if held is not None else ()))
