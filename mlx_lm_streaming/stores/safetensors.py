@@ -99,7 +99,7 @@ class SafetensorsStore(ExpertStore):
                 self.stats.add_counts(uncached_bytes=done)
         while done < end:
             try:
-                n = os.preadv(fd, after(views, done) if done else views, ref.offset + done)
+                n = os.preadv(fd, after(views, done), ref.offset + done)
             except InterruptedError:
                 retries += 1
                 if retries > MAX_RETRIES:
