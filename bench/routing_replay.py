@@ -12,6 +12,7 @@ docs/benchmarks/methods.md (harness.py).
 import functools
 import math
 import time
+import types
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -165,8 +166,8 @@ def expert_modules(model):
 def _expert_counts(model):
     """(experts per layer, experts per token) from the model's arguments."""
     args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    for source in (args, text if not isinstance(text, dict) else None):
+    text = getattr(args, "text_config", None)  # a dict in some (qwen3_5_moe)
+    for source in (args, types.SimpleNamespace(**text) if isinstance(text, dict) else text):
         if source is None:
             continue
         experts = _first(source, ("num_experts", "num_local_experts", "n_routed_experts"))
