@@ -504,6 +504,58 @@ def test_a_quarters_chance_dips_are_no_routing_shift(name):
     assert served >= 0.965 * top, (served, top)
 
 
+@pytest.mark.parametrize("experts", [256, 128])
+def test_routing_that_favours_no_expert_moves_nothing_once_counted(experts):
+    # fresh uniformly random ids (no expert favoured, as a random-weight router gives; 16 layers,
+    # top-8, a quarter of the experts on the device): after 25 batches the device tier moves
+    # nothing, and serves the quarter it would either way; without the skew asked for (0) the
+    # margins alone moved 9.7 (256 experts) and 5.5 (128) experts a token, serving no more
+    rng = np.random.default_rng(1)
+    rows = [[mx.array(rng.choice(experts, 8, replace=False)[None].astype(np.uint32))
+             for _ in range(16)] for _ in range(400)]  # fmt: skip
+    for min_skew in (tiers.MIN_SKEW, 0):
+        on_device = experts // 4
+        t = tiers.Tiers(Recorder(), device_bytes=16 * on_device * 1000,
+                        host_bytes=16 * (experts - on_device) * 1000, min_skew=min_skew)  # fmt: skip
+        banks = [_Bank(experts) for _ in range(16)]
+        t.plan(banks)
+        calls = [t.caller(b, lambda x, i: i) for b in banks]
+        on = used = 0
+        for n, row in enumerate(rows):
+            if n == 200:
+                moves = t.moves
+            for bank, call, ids in zip(banks, calls, row):
+                call(None, ids)
+                if n >= 200:
+                    on += int(t.banks[id(bank)].device[np.array(ids).reshape(-1)].sum())
+                    used += ids.size
+        per_token = (t.moves - moves) / 200
+        assert 0.22 < on / used < 0.28, on / used
+        assert per_token == 0 if min_skew else per_token > 3, (min_skew, per_token)
+
+
+def test_a_bank_whose_counts_are_as_even_as_chance_swaps_nothing():
+    # two banks of 8 experts, 2 on the device, the same hottest host expert against the same
+    # coldest device one: the bank whose counts vary as chance makes them (skew near 1) keeps
+    # its device tier, the uneven one swaps; with no skew asked for both swap
+    for min_skew, want in ((tiers.MIN_SKEW, [False, True]), (0, [True, True])):
+        t = tiers.Tiers(Recorder(), device_bytes=4 * 1000, host_bytes=12 * 1000,
+                        min_skew=min_skew)  # fmt: skip
+        banks = [_Bank(8), _Bank(8)]
+        t.plan(banks)
+        even, uneven = (t.banks[id(b)] for b in banks)
+        even.counts[:] = [3, 4, 5, 6, 3, 4, 5, 9]  # skew (1.9 x variance / mean): 1.3
+        uneven.counts[:] = [3, 30, 0, 0, 0, 0, 0, 9]  # 34.8
+        assert t.table.skew(tiers.DECAY)[0] < tiers.MIN_SKEW < t.table.skew(tiers.DECAY)[1]
+        t.rebalance()
+        assert [bool(tier.device[7]) for tier in (even, uneven)] == want
+
+
+def test_the_skew_asked_for_is_checked():
+    with pytest.raises(ConfigurationError, match="tier_min_skew"):
+        CacheTuning(tier_min_skew=-1)
+
+
 def test_a_used_expert_takes_the_place_of_one_never_used_without_the_margin():
     # an expert on the device that no decode call has named since loading (count 0) gives its
     # place to any expert used (count > 0) at the next batch: the margin (SWAP_RATIO, SWAP_MIN)

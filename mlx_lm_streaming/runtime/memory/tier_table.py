@@ -65,18 +65,21 @@ class TierTable:
         """A routing shift: the counts before the last batch weigh ``keep``."""
         self.counts[:] = self.fresh + keep * (self.counts - self.fresh)
 
-    def swaps(self, ratio: float, margin: float, decay: float) -> List[tuple]:
+    def swaps(self, ratio: float, margin: float, decay: float, min_skew: float = 0.0) -> List:
         """Each row's hottest experts outside the device tier swap places with the coldest in it,
         pair by pair (ties by expert order), while the one coming in beats the one going out by
         ``ratio`` and ``margin`` (by any count where that one was never used); the counts then
-        keep ``decay``. ``device`` changed; ``(row, the experts that swap)`` of each row that
-        swaps, in order."""
+        keep ``decay``. A row whose counts are as even as chance makes them (``skew`` below
+        ``min_skew``) swaps nothing. ``device`` changed; ``(row, the experts that swap)`` of
+        each row that swaps, in order."""
         counts, device, out = self.counts, self.device, []
         # the first pair of a row (its hottest host expert, its coldest device one) decides
         # whether any pair of it wins: only rows where it does are sorted
         hottest = np.where(~device & self.real, counts, -np.inf).max(axis=1, initial=-np.inf)
         coldest = np.where(device, counts, np.inf).min(axis=1, initial=np.inf)
         first = _beats(hottest, coldest, ratio, margin)
+        if min_skew:
+            first &= self.skew(decay) >= min_skew
         rows = np.flatnonzero(first & (self.pairs > 0))
         if len(rows):
             c, d, most = counts[rows], device[rows], int(self.pairs[rows].max())
@@ -96,6 +99,19 @@ class TierTable:
                 out.append((i, np.concatenate([cold[j, :n], hot[j, :n]])))
         counts *= decay
         return out
+
+
+    def skew(self, decay: float) -> np.ndarray:
+        """Each row's index of dispersion: its counts' variance over their mean, times ``1 +
+        decay``. A batch's uses of an expert are about Poisson, and counts kept ``decay`` a batch
+        then vary by their mean over ``1 + decay``: routing that favours no expert (uniform, as a
+        random-weight router's) gives about 1, where every swap follows chance and serves nothing
+        more (the Qwen3.6 shape at a quarter: 10 moves a token, the device serving 0.25 of uses
+        either way); the real traces' layers give 5-60 once counted (tests/test_tiers.py)."""
+        n = self.real.sum(axis=1)
+        mean = np.where(self.real, self.counts, 0.0).sum(axis=1) / np.maximum(n, 1)
+        var = np.where(self.real, (self.counts - mean[:, None]) ** 2, 0.0).sum(axis=1)
+        return var / np.maximum(n, 1) / np.where(mean > 0, mean, np.inf) * (1 + decay)
 
 
 def _beats(hot, cold, ratio: float, margin: float):

@@ -78,6 +78,11 @@ FAST_DECAY = 0.5
 SHARE_WEIGHT = 0.3
 FAST_BATCHES = 3
 SWAP_MIN_FAST = 0.5
+# a bank whose counts are as even as chance leaves them (``TierTable.skew`` below MIN_SKEW) moves
+# nothing: uniform routing at a quarter of 256 experts made 9.7 moves a token (10.1 on an H100,
+# the Qwen3.6 shape), none serving more; its skew stays under 1.5 once counted, the real traces'
+# layers at 4.9 and over (``CacheTuning.tier_min_skew``)
+MIN_SKEW = 2.0
 
 
 def device_slots(banks, device_bytes: int) -> List[int]:
@@ -115,9 +120,11 @@ class Tiers:
     """The two tiers of one model's banks (module docstring). ``placer``: ``cuda_placer.CudaPlacer`` or any
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
-    def __init__(self, placer, device_bytes: int, host_bytes: int, join=False):
+    def __init__(self, placer, device_bytes: int, host_bytes: int, join=False,
+                 min_skew=MIN_SKEW):  # fmt: skip
         self.placer = placer
         self.join = join  # a batch's ids joined by one kernel (``CacheTuning.join_kernel``)
+        self.min_skew = min_skew  # (``MIN_SKEW``; 0: a bank's counts may be as even as chance)
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
@@ -277,10 +284,9 @@ class Tiers:
         ``TierTable.swaps``: one table, not a loop over banks), the moves of all the banks
         submitted as one job."""
         self.prompted = False
-        margin, decay = self.follow()
-        tiers = self.table.tiers
-        moves = [(tiers[i].bank, changed, tiers[i].device[changed])
-                 for i, changed in self.table.swaps(SWAP_RATIO, margin, decay)]  # fmt: skip
+        margin, decay, skew = self.follow()
+        tiers, swaps = self.table.tiers, self.table.swaps(SWAP_RATIO, margin, decay, skew)
+        moves = [(tiers[i].bank, changed, tiers[i].device[changed]) for i, changed in swaps]
         self.moves += sum(len(c) for _, c, _ in moves)
         if moves:
             self.batches += 1
@@ -290,9 +296,10 @@ class Tiers:
         """The ids ``gather`` joined, read once and counted (``TierTable.count``), after a
         prompt's uses per expert, which count where the device tier goes but are no decode's
         uses served (its most used expert weighs as one every token of PROMPT_TOKENS); ``(margin,
-        decay)`` this batch swaps by and keeps its counts by: ``SWAP_MIN`` and ``DECAY``, or
-        ``SWAP_MIN_FAST`` and ``FAST_DECAY`` for ``FAST_BATCHES`` batches from one whose uses the
-        device served at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts
+        decay, min_skew)`` this batch swaps by and keeps its counts by: ``SWAP_MIN``, ``DECAY``
+        and ``min_skew``, or ``SWAP_MIN_FAST``, ``FAST_DECAY`` and no skew asked for (the shift is
+        the routing's unevenness) for ``FAST_BATCHES`` batches from one whose uses the device
+        served at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts
         before it then weigh ``SHIFT_KEEP``)."""
         joined, spans = self.gathered or (None, {})
         self.gathered = None
@@ -320,8 +327,8 @@ class Tiers:
             self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
         if self.fast:
             self.fast -= 1
-            return SWAP_MIN_FAST, FAST_DECAY
-        return SWAP_MIN, DECAY
+            return SWAP_MIN_FAST, FAST_DECAY, 0.0
+        return SWAP_MIN, DECAY, self.min_skew
 
     # -- the figures -------------------------------------------------------------------------
 
@@ -410,5 +417,6 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
         return
     cache.host_bytes = host
     tuning = cache.tuning  # (mlx-cuda here)
-    cache.tiers = Tiers(placer, device, host, join=tuning.cuda_only("join_kernel", True))
+    skew = MIN_SKEW if tuning.tier_min_skew is None else tuning.tier_min_skew
+    cache.tiers = Tiers(placer, device, host, tuning.cuda_only("join_kernel", True), skew)
     cache.planned = False

@@ -143,6 +143,10 @@ class CacheTuning:
     # 25%: 2.61x / 2.59x stock's first token over sets, 4.28x / 8.89x over copies of the banks,
     # the same bits (docs/benchmarks/tiers.md)
     tier_layer_sets: bool = True
+    # over two tiers, a bank's device tier moves only where its use counts are more uneven than
+    # chance makes them (``tiers.MIN_SKEW``, their index of dispersion; None: that); 0: wherever
+    # the margins say
+    tier_min_skew: Optional[float] = None
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS
@@ -157,6 +161,11 @@ class CacheTuning:
         if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
             raise ConfigurationError(
                 f"CacheTuning.read_switch_interval={interval!r}: seconds, more than 0, or None"
+            )
+        skew = self.tier_min_skew
+        if skew is not None and not (isinstance(skew, (int, float)) and skew >= 0):
+            raise ConfigurationError(
+                f"CacheTuning.tier_min_skew={skew!r}: a number, 0 or more, or None"
             )
         if self.set_stage not in SET_STAGES:
             raise ConfigurationError(
