@@ -412,43 +412,6 @@ def test_landings_taken_as_the_layers_run_again_stay_exact(q3_path, expected, mo
     model.expert_streaming.close()
 
 
-@pytest.mark.parametrize("first", [False, True])
-def test_the_switch_interval_is_lowered_while_a_steps_reads_are_in_flight(
-    q3_path, expected, monkeypatch, first
-):
-    # ``read_switch_interval``: while a miss's batched reads are in flight (``first``: the first
-    # MoE call's, issued as it is built, too) the interpreter switches threads at most that often,
-    # and the interval it had is back once they have ended; the steps are stock's bits
-    import sys
-
-    from mlx_lm_streaming.runtime.bank import later_landings
-
-    seen, real_issue, real_close = [], later_landings.LaterLandings.issue, later_landings.LaterLandings.close
-
-    def issue(self, loads):
-        out = real_issue(self, loads)
-        seen.append(sys.getswitchinterval())
-        return out
-
-    def close(self):
-        real_close(self)
-        seen.append(("closed", later_landings._switched[0]))
-
-    monkeypatch.setattr(later_landings.LaterLandings, "issue", issue)
-    monkeypatch.setattr(later_landings.LaterLandings, "close", close)
-    before = sys.getswitchinterval()
-    model, _, _, _ = _misses_exact_and_counted(
-        q3_path, expected, replay_as_landed=True, first_call_reads=first, read_switch_interval=2e-4
-    )
-    assert sys.getswitchinterval() == before and later_landings._switched[0] == 0
-    issued = [v for v in seen if not isinstance(v, tuple)]
-    assert issued and all(v == pytest.approx(2e-4) for v in issued)
-    assert ("closed", 0) in seen
-    model.expert_streaming.close()
-    with pytest.raises(ConfigurationError, match="read_switch_interval"):
-        CacheTuning(read_switch_interval=0)
-
-
 @pytest.mark.parametrize("as_landed", [True, False])
 def test_reads_issued_as_the_pass_names_them_stay_exact(q3_path, expected, monkeypatch, as_landed):
     # ``reads_in_pass``: the check reads each MoE call's ids back in turn and issues a miss's

@@ -13,29 +13,7 @@ issued, and a layer run again reads only its own bank. Verified bit-exact on the
 median of 18 cold rounds: on by default on mlx-cuda only; Metal (staged writes) unmeasured.
 """
 
-import sys
-import threading
 from typing import Dict
-
-# ``CacheTuning.read_switch_interval``: the batches in flight that lowered the interpreter's switch
-# interval, and the interval before the first of them (put back when the last ends)
-_SWITCH = threading.Lock()
-_switched = [0, None]
-
-
-def _lower(interval: float) -> None:
-    with _SWITCH:
-        if _switched[0] == 0:
-            _switched[1] = sys.getswitchinterval()
-            sys.setswitchinterval(interval)
-        _switched[0] += 1
-
-
-def _restore() -> None:
-    with _SWITCH:
-        _switched[0] -= 1
-        if _switched[0] == 0:
-            sys.setswitchinterval(_switched[1])
 
 
 class LaterLandings:
@@ -43,17 +21,10 @@ class LaterLandings:
 
     def __init__(self):
         self.pending: Dict[int, tuple] = {}  # id(bank) -> (bank, landings, ahead)
-        self.switched = False  # it lowered the switch interval (``read_switch_interval``)
 
     def issue(self, loads) -> "LaterLandings":
         """Every bank's lock taken and its reads issued, in ``loads``' order; where one fails,
-        the reads already issued end and every lock goes before the error is raised. With
-        ``CacheTuning.read_switch_interval``, the interpreter's switch interval lowered until
-        ``close``."""
-        interval = loads[0][0].cache.tuning.read_switch_interval if loads else None
-        if interval is not None and not self.switched:
-            _lower(interval)
-            self.switched = True
+        the reads already issued end and every lock goes before the error is raised."""
         try:
             for bank, experts, options in loads:
                 bank.lock.acquire()
@@ -109,6 +80,3 @@ class LaterLandings:
         finally:
             for bank, _, _ in pending:
                 bank.lock.release()
-            if self.switched:
-                self.switched = False
-                _restore()

@@ -97,15 +97,6 @@ class CacheTuning:
     # thread hand-offs: docs/history.md, "A token's misses read together"); None: always
     # spread
     spread_reads_upto: Optional[int] = 1
-    # seconds: Python's thread switch interval while a verified step's batched reads are in
-    # flight (``bank.later_landings``), so that the demand threads, which take the interpreter
-    # between their reads' system calls, wait at most this long for it while the decode thread
-    # builds the forward (the interpreter's default, 5 ms, is longer than a forward's build).
-    # Process-wide while lowered: the value before is put back once the last batch has ended.
-    # None: unchanged. Off: an H100's cold timeline showed the reads a check issued beginning 1-2
-    # ms after it, one after another, but the change is not yet measured on a GPU
-    # (docs/benchmarks/streaming-path.md, "The twenty-second session")
-    read_switch_interval: Optional[float] = None
     # demand reads in flight at once (the demand threads, each reading one expert): a token's
     # misses read together keep this many reads queued at the disk
     # (docs/benchmarks/streaming-path.md, "The reads' queue depth"); None: the store's threads
@@ -157,11 +148,6 @@ class CacheTuning:
         return cuda and getattr(self, field) is not False
 
     def __post_init__(self):
-        interval = self.read_switch_interval
-        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
-            raise ConfigurationError(
-                f"CacheTuning.read_switch_interval={interval!r}: seconds, more than 0, or None"
-            )
         skew = self.tier_min_skew
         if skew is not None and not (isinstance(skew, (int, float)) and skew >= 0):
             raise ConfigurationError(
