@@ -268,6 +268,7 @@ def run_group(stocks, path, spec, budget, regime, args, ck, files, prompt, strea
         cursor = getattr(cfg.routing, "cursor", None)  # (where ``--profile`` rewinds to)
         cfg.start = (dict(cursor) if cursor is not None else None, cfg.pos)
         cfg.stats0 = cfg.counters()
+        log(f"[{regime} {spec} {budget}] {cfg.name} warmed")  # (how far a run cut short got)
     # stock as a user sees it: the own-router stock (model:DIR: stock) through stream_generate,
     # warmed like the others, then timed once a round among them
     user_model = configs["stock_own" if "stock_own" in configs else "stock"].model

@@ -12,7 +12,6 @@ docs/benchmarks/methods.md (harness.py).
 import functools
 import math
 import time
-import types
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -166,8 +165,7 @@ def expert_modules(model):
 def _expert_counts(model):
     """(experts per layer, experts per token) from the model's arguments."""
     args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)  # a dict in some (qwen3_5_moe)
-    for source in (args, types.SimpleNamespace(**text) if isinstance(text, dict) else text):
+    for source in (args, getattr(args, "text_config", None)):  # (a dict in qwen3_5_moe's)
         if source is None:
             continue
         experts = _first(source, ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -180,7 +178,7 @@ def _expert_counts(model):
 
 def _first(obj, names):
     for name in names:
-        value = getattr(obj, name, None)
+        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
