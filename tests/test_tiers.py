@@ -556,6 +556,34 @@ def test_the_skew_asked_for_is_checked():
         CacheTuning(tier_min_skew=-1)
 
 
+class _SlowWhere(Recorder):
+    """A placer that takes its time to place, and says where each range was placed last."""
+
+    def place(self, ranges, on_device):
+        import time
+
+        time.sleep(0.2)
+        super().place(ranges, on_device)
+
+    def where(self, address, nbytes):
+        last = [flag for a, n, flag in self.placed if a <= address < a + n]
+        return (("device",) * 2 if last[-1] else ("host",) * 2) if last else (None, None)
+
+
+def test_where_the_experts_live_is_read_once_the_moves_queued_are_issued():
+    # a batch of moves queued just before the check (the last batch of a run): the check reads
+    # where the runtime has the experts once the worker has issued them, not while the device
+    # flags already say where they go and the runtime where they were
+    t = tiers.Tiers(_SlowWhere(), device_bytes=2 * 1000, host_bytes=6 * 1000)
+    bank = _PlacedBank(8, 100_000)
+    t.plan([bank])
+    tier = t.banks[id(bank)]
+    tier.counts[:] = [0, 0, 0, 0, 0, 0, 9, 8]  # 6 and 7 come in, 0 and 1 go out
+    t.rebalance()
+    assert t.moves == 4
+    assert t.check() == "2 of 2 as planned"
+
+
 def test_a_used_expert_takes_the_place_of_one_never_used_without_the_margin():
     # an expert on the device that no decode call has named since loading (count 0) gives its
     # place to any expert used (count > 0) at the next batch: the margin (SWAP_RATIO, SWAP_MIN)

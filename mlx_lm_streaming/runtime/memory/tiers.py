@@ -335,10 +335,13 @@ class Tiers:
     def check(self) -> Optional[str]:
         """Where the runtime says each bank's first device-tier and first host-tier expert live
         (their first part's range), against the tier each is in: "k of n as planned" (a placer
-        that cannot tell: None). On the model's thread (``ranges``)."""
+        that cannot tell: None), once the moves queued are issued (a batch queued just before:
+        its experts' flags say where they go, the runtime where they were). On the model's
+        thread (``ranges``)."""
         where = getattr(self.placer, "where", None)
         if where is None:
             return None
+        self._moves.join()
         ok = n = 0
         for tier in self.banks.values():
             for flag in (True, False):
