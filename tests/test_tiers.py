@@ -19,7 +19,6 @@ from synthetic import build_checkpoint
 
 from mlx_lm_streaming.errors import ConfigurationError
 from mlx_lm_streaming.option_table import BY_NAME
-from mlx_lm_streaming.runtime.bank import device_copy
 from mlx_lm_streaming.runtime.memory import host_split, machine as memory, report, tiers
 from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
 from mlx_lm_streaming.runtime.options import StreamingOptions
