@@ -100,14 +100,13 @@ class TierTable:
         counts *= decay
         return out
 
-
     def skew(self, decay: float) -> np.ndarray:
         """Each row's index of dispersion: its counts' variance over their mean, times ``1 +
         decay``. A batch's uses of an expert are about Poisson, and counts kept ``decay`` a batch
         then vary by their mean over ``1 + decay``: routing that favours no expert (uniform, as a
         random-weight router's) gives about 1, where every swap follows chance and serves nothing
         more (the Qwen3.6 shape at a quarter: 10 moves a token, the device serving 0.25 of uses
-        either way); the real traces' layers give 5-60 once counted (tests/test_tiers.py)."""
+        either way); the real traces' layers give 5 and more once counted (tests/test_tiers.py)."""
         n = self.real.sum(axis=1)
         mean = np.where(self.real, self.counts, 0.0).sum(axis=1) / np.maximum(n, 1)
         var = np.where(self.real, (self.counts - mean[:, None]) ** 2, 0.0).sum(axis=1)
