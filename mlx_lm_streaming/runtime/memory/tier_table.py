@@ -65,19 +65,20 @@ class TierTable:
         """A routing shift: the counts before the last batch weigh ``keep``."""
         self.counts[:] = self.fresh + keep * (self.counts - self.fresh)
 
-    def swaps(self, ratio: float, margin: float, decay: float, min_skew: float = 0.0) -> List:
+    def swaps(self, ratio, margin, decay, min_skew=0.0, z=0.0) -> List:
         """Each row's hottest experts outside the device tier swap places with the coldest in it,
         pair by pair (ties by expert order), while the one coming in beats the one going out by
-        ``ratio`` and ``margin`` (by any count where that one was never used); the counts then
-        keep ``decay``. A row whose counts are as even as chance makes them (``skew`` below
-        ``min_skew``) swaps nothing. ``device`` changed; ``(row, the experts that swap)`` of
+        ``ratio`` and ``margin`` and by ``z`` standard deviations of the difference chance makes
+        between counts kept ``decay`` a batch (by any count where that one was never used); the
+        counts then keep ``decay``. A row whose counts are as even as chance makes them (``skew``
+        below ``min_skew``) swaps nothing. ``device`` changed; ``(row, the experts that swap)`` of
         each row that swaps, in order."""
         counts, device, out = self.counts, self.device, []
         # the first pair of a row (its hottest host expert, its coldest device one) decides
         # whether any pair of it wins: only rows where it does are sorted
         hottest = np.where(~device & self.real, counts, -np.inf).max(axis=1, initial=-np.inf)
         coldest = np.where(device, counts, np.inf).min(axis=1, initial=np.inf)
-        first = _beats(hottest, coldest, ratio, margin)
+        first = _beats(hottest, coldest, ratio, margin, z * z / (1 + decay))
         if min_skew:
             first &= self.skew(decay) >= min_skew
         rows = np.flatnonzero(first & (self.pairs > 0))
@@ -88,7 +89,7 @@ class TierTable:
             hot = hot[:, :most]
             c_cold = np.take_along_axis(c, cold, axis=1)
             c_hot = np.take_along_axis(c, hot, axis=1)
-            wins = _beats(c_hot, c_cold, ratio, margin)
+            wins = _beats(c_hot, c_cold, ratio, margin, z * z / (1 + decay))
             wins &= np.arange(most) < self.pairs[rows, None]
             # pairs while each wins: up to the first that does not
             k = np.where(wins.all(axis=1), most, np.argmin(wins, axis=1))
@@ -113,7 +114,12 @@ class TierTable:
         return var / np.maximum(n, 1) / np.where(mean > 0, mean, np.inf) * (1 + decay)
 
 
-def _beats(hot, cold, ratio: float, margin: float):
-    """Where a count ``hot`` beats ``cold`` by ``ratio`` and ``margin`` (by any count where
-    ``cold`` is 0: an expert never used since loading)."""
-    return hot > cold * ratio + np.where(cold != 0, margin, 0.0)
+def _beats(hot, cold, ratio: float, margin: float, noise: float = 0.0):
+    """Where a count ``hot`` beats ``cold`` by ``ratio`` and ``margin``, and by more than chance
+    (``(hot - cold)^2 > noise * (hot + cold)``: Poisson uses, ``noise`` z^2 over 1 + the decay),
+    or by any count where ``cold`` is 0 (an expert never used since loading)."""
+    used = cold != 0
+    beats = hot > cold * ratio + np.where(used, margin, 0.0)
+    if noise:
+        beats &= ~used | ((hot - cold) ** 2 > noise * (hot + cold))
+    return beats

@@ -83,6 +83,16 @@ SWAP_MIN_FAST = 0.5
 # the Qwen3.6 shape), none serving more; its skew stays under 1.5 once counted, the real traces'
 # layers at 4.9 and over (``CacheTuning.tier_min_skew``)
 MIN_SKEW = 2.0
+# ``CacheTuning.tier_swap_z`` (off until a GPU times it): a pair swaps only where the one coming
+# in beats the one going out by that many standard deviations of their counts' difference were
+# both used alike ((hot - cold)^2 > z^2 (hot + cold) / (1 + DECAY); one never used gives way as
+# before). At SWAP_Z the traces replayed at a quarter (16 layers) moved 0.20 and 0.14 experts a
+# token where the margins alone moved 1.09 and 0.65, serving 0.815 / 0.859 of uses against 0.804 /
+# 0.855; at a tenth 0.12 / 0.07 against 0.83 / 0.44; at half the same shares; the first pass from
+# a cold load 0.722 against 0.727 (Qwen3, a quarter), the others within 0.008; shifts back in 32
+# tokens as before. Each move cost an H200 ~1.5-6.5% of a token's time a move a token (uniform
+# routing, moves 5.3-6.9 a token against none: 1.08-1.35x)
+SWAP_Z = 2.0
 
 
 def device_slots(banks, device_bytes: int) -> List[int]:
@@ -121,10 +131,11 @@ class Tiers:
     object with ``place(ranges, on_device)``; moves run on one background thread."""
 
     def __init__(self, placer, device_bytes: int, host_bytes: int, join=False,
-                 min_skew=MIN_SKEW):  # fmt: skip
+                 min_skew=MIN_SKEW, swap_z=0.0):  # fmt: skip
         self.placer = placer
         self.join = join  # a batch's ids joined by one kernel (``CacheTuning.join_kernel``)
         self.min_skew = min_skew  # (``MIN_SKEW``; 0: a bank's counts may be as even as chance)
+        self.swap_z = swap_z  # (0: a pair's counts may differ by chance; ``SWAP_Z``: not)
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.banks: Dict[int, BankTier] = {}
@@ -284,23 +295,26 @@ class Tiers:
         ``TierTable.swaps``: one table, not a loop over banks), the moves of all the banks
         submitted as one job."""
         self.prompted = False
-        margin, decay, skew = self.follow()
-        tiers, swaps = self.table.tiers, self.table.swaps(SWAP_RATIO, margin, decay, skew)
+        if self.follow():  # (a fast batch: the shift is the routing's unevenness)
+            rule = (SWAP_MIN_FAST, FAST_DECAY, 0.0, 0.0)
+        else:
+            rule = (SWAP_MIN, DECAY, self.min_skew, self.swap_z)
+        tiers, swaps = self.table.tiers, self.table.swaps(SWAP_RATIO, *rule)
         moves = [(tiers[i].bank, changed, tiers[i].device[changed]) for i, changed in swaps]
         self.moves += sum(len(c) for _, c, _ in moves)
         if moves:
             self.batches += 1
             self._submit(moves)
 
-    def follow(self) -> tuple:
+    def follow(self) -> bool:
         """The ids ``gather`` joined, read once and counted (``TierTable.count``), after a
         prompt's uses per expert, which count where the device tier goes but are no decode's
-        uses served (its most used expert weighs as one every token of PROMPT_TOKENS); ``(margin,
-        decay, min_skew)`` this batch swaps by and keeps its counts by: ``SWAP_MIN``, ``DECAY``
-        and ``min_skew``, or ``SWAP_MIN_FAST``, ``FAST_DECAY`` and no skew asked for (the shift is
-        the routing's unevenness) for ``FAST_BATCHES`` batches from one whose uses the device
-        served at a share ``SHIFT_DROP`` below the running share (a routing shift: the counts
-        before it then weigh ``SHIFT_KEEP``)."""
+        uses served (its most used expert weighs as one every token of PROMPT_TOKENS); whether
+        this batch is a fast one, which swaps by ``SWAP_MIN_FAST`` and keeps ``FAST_DECAY`` of its
+        counts (else ``SWAP_MIN``, ``DECAY``, the skew and the pairs' noise asked for): the
+        ``FAST_BATCHES`` batches from one whose uses the device served at a share ``SHIFT_DROP``
+        below the running share (a routing shift: the counts before it then weigh
+        ``SHIFT_KEEP``)."""
         joined, spans = self.gathered or (None, {})
         self.gathered = None
         flat = None
@@ -327,8 +341,8 @@ class Tiers:
             self.served = share if served is None else served + SHARE_WEIGHT * (share - served)
         if self.fast:
             self.fast -= 1
-            return SWAP_MIN_FAST, FAST_DECAY, 0.0
-        return SWAP_MIN, DECAY, self.min_skew
+            return True
+        return False
 
     # -- the figures -------------------------------------------------------------------------
 
@@ -421,5 +435,6 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     cache.host_bytes = host
     tuning = cache.tuning  # (mlx-cuda here)
     skew = MIN_SKEW if tuning.tier_min_skew is None else tuning.tier_min_skew
-    cache.tiers = Tiers(placer, device, host, tuning.cuda_only("join_kernel", True), skew)
+    z = tuning.tier_swap_z or 0.0
+    cache.tiers = Tiers(placer, device, host, tuning.cuda_only("join_kernel", True), skew, z)
     cache.planned = False

@@ -139,6 +139,11 @@ class CacheTuning:
     # the margins say. An H200, uniform routing (every move chasing chance): 1.08-1.35x at a
     # quarter of the experts on the device, 1.12x at half (docs/benchmarks/tiers.md)
     tier_min_skew: Optional[float] = None
+    # a pair of experts swaps only where their counts differ by more than this many standard
+    # deviations of chance (``tiers.SWAP_Z``: 2); None or 0: by the margins alone. Off until a GPU
+    # times it: on the traces' replays (the CPU) a fifth to a seventh of the moves at a tenth and a
+    # quarter of the experts on the device, as many uses served or more (docs/design.md)
+    tier_swap_z: Optional[float] = None
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
     budget_check_seconds: Optional[float] = CHECK_SECONDS
@@ -149,11 +154,12 @@ class CacheTuning:
         return cuda and getattr(self, field) is not False
 
     def __post_init__(self):
-        skew = self.tier_min_skew
-        if skew is not None and not (isinstance(skew, (int, float)) and skew >= 0):
-            raise ConfigurationError(
-                f"CacheTuning.tier_min_skew={skew!r}: a number, 0 or more, or None"
-            )
+        for field in ("tier_min_skew", "tier_swap_z"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+                raise ConfigurationError(
+                    f"CacheTuning.{field}={value!r}: a number, 0 or more, or None"
+                )
         if self.set_stage not in SET_STAGES:
             raise ConfigurationError(
                 f"CacheTuning.set_stage={self.set_stage!r}: one of "
