@@ -563,9 +563,12 @@ def test_a_bank_whose_counts_are_as_even_as_chance_swaps_nothing():
         assert [bool(tier.device[7]) for tier in (even, uneven)] == want
 
 
-def test_the_skew_asked_for_is_checked():
-    with pytest.raises(ConfigurationError, match="tier_min_skew"):
-        CacheTuning(tier_min_skew=-1)
+@pytest.mark.parametrize("field", ["tier_min_skew", "tier_swap_z"])
+def test_the_noise_asked_for_is_checked(field):
+    with pytest.raises(ConfigurationError, match=field):
+        CacheTuning(**{field: -1})
+    with pytest.raises(ConfigurationError, match=field):
+        CacheTuning(**{field: "2"})
 
 
 class _SlowWhere(Recorder):
