@@ -74,11 +74,12 @@ class TierTable:
         below ``min_skew``) swaps nothing. ``device`` changed; ``(row, the experts that swap)`` of
         each row that swaps, in order."""
         counts, device, out = self.counts, self.device, []
+        noise = z * z / (1 + decay)  # (``_beats``' chance, for counts kept ``decay`` a batch)
         # the first pair of a row (its hottest host expert, its coldest device one) decides
         # whether any pair of it wins: only rows where it does are sorted
         hottest = np.where(~device & self.real, counts, -np.inf).max(axis=1, initial=-np.inf)
         coldest = np.where(device, counts, np.inf).min(axis=1, initial=np.inf)
-        first = _beats(hottest, coldest, ratio, margin, z * z / (1 + decay))
+        first = _beats(hottest, coldest, ratio, margin, noise)
         if min_skew:
             first &= self.skew(decay) >= min_skew
         rows = np.flatnonzero(first & (self.pairs > 0))
@@ -89,7 +90,7 @@ class TierTable:
             hot = hot[:, :most]
             c_cold = np.take_along_axis(c, cold, axis=1)
             c_hot = np.take_along_axis(c, hot, axis=1)
-            wins = _beats(c_hot, c_cold, ratio, margin, z * z / (1 + decay))
+            wins = _beats(c_hot, c_cold, ratio, margin, noise)
             wins &= np.arange(most) < self.pairs[rows, None]
             # pairs while each wins: up to the first that does not
             k = np.where(wins.all(axis=1), most, np.argmin(wins, axis=1))
