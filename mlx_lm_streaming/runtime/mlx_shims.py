@@ -42,7 +42,7 @@ def switch_glu_output(glu, up, gate, indices):
     return glu.down_proj(glu.activation(up, gate), indices, sorted_indices=False).squeeze(-2)
 
 
-_ROWS: dict = {}  # a batch shape -> its rows' indices (``row_indices``)
+ROWS: dict = {}  # a batch shape -> its rows' indices (``row_indices``)
 _ROWS_STREAM = threading.local()  # each thread's stream they are made on (MLX's are per thread)
 
 
@@ -51,11 +51,11 @@ def rows_kept(glu) -> bool:
     ``SwitchGLU`` whose projections are of classes whose call ``mlx_compat.switch_linears``
     found as it repeats them."""
     projections = (getattr(glu, p, None) for p in ("gate_proj", "up_proj", "down_proj"))
-    return is_stock_switch_glu(glu) and all(type(p) in _linears() for p in projections)
+    return is_stock_switch_glu(glu) and all(type(p) in linear_kinds() for p in projections)
 
 
 @functools.lru_cache(maxsize=None)
-def _linears() -> dict:
+def linear_kinds() -> dict:
     """``mlx_compat.switch_linears()``, read once (the installed mlx-lm's sources)."""
     return switch_linears()
 
@@ -72,7 +72,7 @@ def switch_glu(glu):
     swapped in place); one function a call (the hot path's calls are counted)."""
     act, specs = glu.activation, []
     for proj in (glu.up_proj, glu.gate_proj, glu.down_proj):
-        kind = _linears()[type(proj)]
+        kind = linear_kinds()[type(proj)]
         qmm = None
         if kind != "plain":
             qmm = functools.partial(mx.gather_qmm, transpose=True, group_size=proj.group_size,
@@ -87,7 +87,7 @@ def switch_glu(glu):
         for proj, qmm, scaled in specs:
             if len(out) == 2:
                 x = act(out[0], out[1])
-            rows = _ROWS.get(x.shape[:-2])
+            rows = ROWS.get(x.shape[:-2])
             if rows is None:
                 rows = row_indices(x.shape[:-2])
             if qmm is None:
@@ -110,7 +110,7 @@ def row_indices(shape):
     ``lhs_indices``: made once per shape and evaluated on a stream of the thread's own (an
     evaluation on the model's stream would wait behind its queued work), in memory its kernel
     wrote; then any thread's."""
-    rows = _ROWS.get(shape)
+    rows = ROWS.get(shape)
     if rows is None:
         stream = getattr(_ROWS_STREAM, "stream", None)
         if stream is None:
@@ -121,7 +121,7 @@ def row_indices(shape):
         with mx.stream(stream):
             rows = mx.arange(n, dtype=mx.uint32).reshape(shape)
             mx.eval(rows)
-        rows = _ROWS.setdefault(shape, rows)
+        rows = ROWS.setdefault(shape, rows)
     return rows
 
 

@@ -35,8 +35,9 @@ experts from the set after its layer.
 
 The room also holds a layer's slot bank: ``layer_bank`` (the slots, their table and a layer call's loads),
 ``layer_set`` (a layer's every expert for a long prompt), ``waves`` (a call's rows computed as
-their experts land), ``cuda_copy`` (copies into device slots on mlx-cuda) and ``device_copy``
-(a prompt's call over a device copy of a bank in host memory: two tiers).
+their experts land), ``cuda_copy`` (copies into device slots on mlx-cuda), ``device_copy``
+(a prompt's call over a device copy of a bank in host memory: two tiers) and ``compiled_glu`` (a
+decode-sized call's graph built once, ``mx.compile``).
 
 May import: runtime, reads
 """

@@ -15,7 +15,7 @@ from ..reads.host_views import host_address, host_bytes
 from ..reads.index import LayerExperts
 from ..reads.prefetch import WAVE, StagedBatch
 from ..reads.safetensors_header import mx_dtype
-from . import cuda_copy
+from . import compiled_glu, cuda_copy
 from .later_landings import LaterLandings
 
 
@@ -29,9 +29,12 @@ class LayerBank:
         self.glu = glu  # the stock SwitchGLU whose arrays become our banks
         # its call (``CacheTuning.kept_row_indices``: with its rows' indices given below the sort
         # threshold, ``mlx_shims.switch_glu``)
-        self.glu_call = glu
+        self.glu_call, self.glu_mapped = glu, None  # (mapped: ``glu_call(x, slots[ids])``)
         if cache.tuning.kept_row_indices and mlx_shims.rows_kept(glu):
             self.glu_call = mlx_shims.switch_glu(glu)
+            if compiled_glu.wanted(cache.tuning):
+                self.glu_call, self.glu_mapped = compiled_glu.compiled_calls(glu) or (
+                    self.glu_call, None)  # fmt: skip
         self.num_experts = layer.num_experts
         self.slots = 0
         # which expert is in which slot, and the eviction policy (``policy.py``)

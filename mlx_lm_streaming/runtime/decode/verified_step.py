@@ -155,7 +155,8 @@ class VerifiedStep(Mode):
             else:
                 slots, missing = bank.device_map()
             if kernel.calls_only_glu:  # (its call: the layer's own code over the bank)
-                y = bank.glu_call(x, slots[indices])
+                mapped = bank.glu_mapped  # (compiled: ``slots[indices]`` in its graph)
+                y = bank.glu_call(x, slots[indices]) if mapped is None else mapped(x, slots, indices)
             else:
                 y = kernel(x, slots[indices], None, bank)
         # (its ids as the router gave them: the check flattens every call's at once)

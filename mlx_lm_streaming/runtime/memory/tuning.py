@@ -88,6 +88,11 @@ class CacheTuning:
     # faster in five), the tiers at 99% 0.953 against 0.834 (docs/benchmarks/streaming-path.md,
     # tiers.md); False: the module's own call
     kept_row_indices: bool = True
+    # with them, that call and a verified step's (its slot map too) compiled by ``mx.compile``
+    # with every array an input (``bank.compiled_glu``: built once per shape, the same primitives
+    # and mlx-lm's own fused ``swiglu``); None: on the CPU only (verified bit for bit here; on
+    # mlx-cuda until a GPU run compares it with stock; Metal unverified)
+    compiled_glu: Optional[bool] = None
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
     # that missed; "always", a verified step wherever one may run; None: "limits"
