@@ -1,7 +1,8 @@
-"""``bank.compiled_glu``: a bank's decode-sized expert call, and a verified step's with its slot map,
-compiled by ``mx.compile`` (``CacheTuning.compiled_glu``): the module's bits for every projection
-kind, the arrays read at each call (a bank's are swapped in place), the module's own call at the
-sort threshold, not taken for an activation of other code, and the tuning's choice per backend."""
+"""``bank.compiled_glu``: a bank's decode-sized expert call, and a verified step's with its slot
+map, compiled by ``mx.compile`` (``CacheTuning.compiled_glu``): the module's bits for every
+projection kind, the arrays read at each call (a bank's are swapped in place), the module's own
+call at the sort threshold, not taken for an activation of other code, and the tuning's choice
+per backend."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,7 +96,7 @@ def test_the_banks_calls_follow_the_tuning(checkpoint, choice):
     model, _ = load_streaming(checkpoint("qwen3_moe"), tuning=CacheTuning(compiled_glu=choice))
     cache = model.expert_streaming.cache
     cache.ensure_planned()
-    on = devices.backend() == "cpu" if choice is None else choice
+    on = devices.backend() in ("cpu", "cuda") if choice is None else choice
     for bank in cache.banks:
         assert (bank.glu_mapped is not None) is on
         assert bank.glu_call is not bank.glu

@@ -1,21 +1,22 @@
-"""A bank's decode-sized expert call compiled (``CacheTuning.compiled_glu``): the graph built once.
+"""A bank's decode-sized expert call compiled (``CacheTuning.compiled_glu``): its graph built once.
 
 A decode step on a GPU (and on a Mac) is bound by the host: stock's own step is its graph's build
 and launch, and a verified step's extra over it is mostly Python per MoE layer
 (docs/benchmarks/streaming-path.md). ``mlx_shims.switch_glu``'s call (mlx-lm's ``SwitchGLU``
 statements below the sort threshold, each projection's rows given) builds the same few ops at
 every call; ``mx.compile`` builds them once per input shape and replays them from C++. Here that
-call, and a verified step's (the router's ids mapped to slot ids on the device first, ``slots[ids]``),
-are compiled with every array an input (a bank's arrays are swapped in place: nothing is baked in).
+call, and a verified step's (the router's ids mapped to slot ids on the device first,
+``slots[ids]``), are compiled with every array an input (a bank's arrays are swapped in place:
+nothing is baked in).
 
 Exact: the primitives and their inputs are ``switch_glu``'s; the one elementwise part is mlx-lm's
 ``SwiGLU``, itself compiled by mlx-lm (``swiglu``: one fused kernel), so the compiled graph fuses
-the same ops into the same kernel. Taken only for mlx-lm's own ``SwiGLU`` activation and the
+the same ops into the same kernel. Taken only for that activation (another's code, gemma-4's
+``GeGLU`` among them, is not compiled by mlx-lm: fused here its bits could differ) and the
 projection kinds ``mlx_compat.switch_linears`` knows (a global scale, where a projection has one,
-is an input too): an activation of other code, or one with arrays of its own, is not compiled. Verified bit for bit on the CPU
-(tests/test_compiled_glu.py, and every parity test through the default) and on mlx-cuda by the
-benchmark's every-step comparison (docs/benchmarks/streaming-path.md); not on Metal (no Mac here):
-off there by default.
+is an input too). Verified bit for bit on the CPU (tests/test_compiled_glu.py, and every parity
+test through the default) and on mlx-cuda by the benchmark's every-step comparison (an H100, five
+runs: docs/benchmarks/streaming-path.md); not on Metal (no Mac here): off there by default.
 
 May import: runtime (as the room's other modules)
 """
@@ -33,9 +34,10 @@ _KEYS = ("weight", "scales", "biases", "global_scale", "bias")
 
 
 def wanted(tuning) -> bool:
-    """Whether ``tuning.compiled_glu`` asks for the compiled calls here (None: the CPU only)."""
+    """Whether ``tuning.compiled_glu`` asks for the compiled calls here (None: on the CPU and on
+    mlx-cuda, where they were verified; not on Metal)."""
     if tuning.compiled_glu is None:
-        return devices.backend() == "cpu"
+        return devices.backend() in ("cpu", "cuda")
     return tuning.compiled_glu
 
 

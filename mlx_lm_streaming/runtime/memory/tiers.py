@@ -83,13 +83,14 @@ SWAP_MIN_FAST = 0.5
 # the Qwen3.6 shape), none serving more; its skew stays under 1.5 once counted, the real traces'
 # layers at 4.9 and over (``CacheTuning.tier_min_skew``)
 MIN_SKEW = 2.0
-# ``CacheTuning.tier_swap_z`` (off until a GPU times it): a pair swaps only where the one coming
-# in beats the one going out by that many standard deviations of their counts' difference were
-# both used alike ((hot - cold)^2 > z^2 (hot + cold) / (1 + DECAY); one never used gives way as
+# ``CacheTuning.tier_swap_z`` (None: this; an H100, the Qwen3 and gemma-4 traces: 1.11x and 1.46x at
+# a quarter, 1.58x and 1.03x at a tenth, docs/benchmarks/tiers.md): a pair swaps only where the one
+# coming in beats the one going out by that many standard deviations of their counts' difference
+# were both used alike ((hot - cold)^2 > z^2 (hot + cold) / (1 + DECAY); one never used gives way as
 # before). At SWAP_Z the traces replayed at a quarter (16 layers) moved 0.20 and 0.14 experts a
 # token where the margins alone moved 1.09 and 0.65, serving 0.815 / 0.859 of uses against 0.804 /
-# 0.855; at a tenth 0.12 / 0.07 against 0.83 / 0.44; at half the same shares; the first pass from
-# a cold load 0.722 against 0.727 (Qwen3, a quarter), the others within 0.008; shifts back in 32
+# 0.855; at a tenth 0.12 / 0.07 against 0.83 / 0.44; at half the same shares; the first pass from a
+# cold load 0.722 against 0.727 (Qwen3, a quarter), the others within 0.008; shifts back in 32
 # tokens as before. Each move cost an H200 ~1.5-6.5% of a token's time a move a token (uniform
 # routing, moves 5.3-6.9 a token against none: 1.08-1.35x)
 SWAP_Z = 2.0
@@ -435,6 +436,6 @@ def set_up(cache, given_gb, backend: str, placer=None, available=None) -> None:
     cache.host_bytes = host
     tuning = cache.tuning  # (mlx-cuda here)
     skew = MIN_SKEW if tuning.tier_min_skew is None else tuning.tier_min_skew
-    z = tuning.tier_swap_z or 0.0
+    z = SWAP_Z if tuning.tier_swap_z is None else tuning.tier_swap_z
     cache.tiers = Tiers(placer, device, host, tuning.cuda_only("join_kernel", True), skew, z)
     cache.planned = False

@@ -90,8 +90,9 @@ class CacheTuning:
     kept_row_indices: bool = True
     # with them, that call and a verified step's (its slot map too) compiled by ``mx.compile``
     # with every array an input (``bank.compiled_glu``: built once per shape, the same primitives
-    # and mlx-lm's own fused ``swiglu``); None: on the CPU only (verified bit for bit here; on
-    # mlx-cuda until a GPU run compares it with stock; Metal unverified)
+    # and mlx-lm's own fused ``swiglu``); None: on the CPU and mlx-cuda, bit for bit on both (an
+    # H100, 99% hits: the build 0.08-0.10 ms a step shorter, 1.03-1.06x in three runs side by
+    # side: docs/benchmarks/streaming-path.md); off on Metal (unverified)
     compiled_glu: Optional[bool] = None
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
@@ -145,10 +146,11 @@ class CacheTuning:
     # quarter of the experts on the device, 1.12x at half (docs/benchmarks/tiers.md)
     tier_min_skew: Optional[float] = None
     # a pair of experts swaps only where their counts differ by more than this many standard
-    # deviations of chance (``tiers.SWAP_Z``: 2); None or 0: by the margins alone. Off until a GPU
-    # times it: on the traces' replays (the CPU) a fifth to a seventh of the moves at a tenth and a
-    # quarter of the experts on the device, as many uses served or more; on the trained model's
-    # drifting routing 12-20% fewer moves and 0.5-0.9% fewer uses served (docs/design.md)
+    # deviations of chance (None: ``tiers.SWAP_Z``, 2); 0: by the margins alone. On the traces'
+    # replays (the CPU) a fifth to a seventh of the moves at a tenth and a quarter of the experts
+    # on the device, as many uses served or more (the trained model's drifting routing: 12-20%
+    # fewer moves, 0.5-0.9% fewer uses served); an H100, both traces: 1.11x and 1.46x at a
+    # quarter, 1.58x and 1.03x at a tenth (docs/design.md, docs/benchmarks/tiers.md)
     tier_swap_z: Optional[float] = None
     # seconds between two readings of free memory where the budget follows it
     # (``moving_budget``); None: no thread (tests take the readings themselves: ``budget_watch``)
