@@ -92,7 +92,8 @@ class CacheTuning:
     # with every array an input (``bank.compiled_glu``: built once per shape, the same primitives
     # and mlx-lm's own fused ``swiglu``); None: on the CPU and mlx-cuda, bit for bit on both (an
     # H100, 99% hits: the build 0.08-0.10 ms a step shorter, 1.03-1.06x in three runs side by
-    # side: docs/benchmarks/streaming-path.md); off on Metal (unverified)
+    # side; the CPU both ways, within its noise: docs/benchmarks/streaming-path.md); off on Metal
+    # (unverified)
     compiled_glu: Optional[bool] = None
     # how a decode-sized call chooses between a verified step and the per-layer schedule
     # (``share_limits.CHOICES``): "limits", by the per-backend limits on the share of MoE layers
