@@ -45,7 +45,7 @@ def compiled_calls(glu) -> Optional[Tuple[Callable, Callable]]:
     """``(call, mapped)`` for ``glu`` (one ``mlx_shims.rows_kept`` accepts): ``call(x, ids)`` as
     ``switch_glu(glu)(x, ids)`` and ``mapped(x, slots, ids)`` as ``switch_glu(glu)(x,
     slots[ids])``, their graphs compiled below the sort threshold; None where ``glu``'s
-    activation or projections are not the kinds above."""
+    activation is not mlx-lm's ``SwiGLU`` (its projections are kinds ``rows_kept`` knows)."""
     from mlx_lm.models.switch_layers import SwiGLU
 
     kinds = mlx_shims.linear_kinds()
