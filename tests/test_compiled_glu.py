@@ -91,6 +91,28 @@ def test_an_activation_of_other_code_is_not_compiled():
     assert compiled_glu.compiled_calls(glu) is None
 
 
+def test_a_changed_swiglu_is_not_compiled(monkeypatch):
+    # the fused kernel is stock's only while mlx-lm's SwiGLU calls its own compiled swiglu: a
+    # changed body (a future mlx-lm, a patch) leaves the call uncompiled
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    glu = _glu(MODES[0])
+    assert mlx_shims.stock_swiglu() is SwiGLU and compiled_glu.compiled_calls(glu) is not None
+
+    def changed(self, x, gate):
+        return nn.silu(gate) * x * 2
+
+    monkeypatch.setattr(SwiGLU, "__call__", changed)
+    mlx_shims.stock_swiglu.cache_clear()
+    try:
+        assert mlx_shims.stock_swiglu() is None
+        assert compiled_glu.compiled_calls(glu) is None
+    finally:
+        monkeypatch.undo()
+        mlx_shims.stock_swiglu.cache_clear()
+    assert mlx_shims.stock_swiglu() is SwiGLU
+
+
 @pytest.mark.parametrize("choice", [None, True, False])
 def test_the_banks_calls_follow_the_tuning(checkpoint, choice):
     model, _ = load_streaming(checkpoint("qwen3_moe"), tuning=CacheTuning(compiled_glu=choice))

@@ -11,6 +11,7 @@ version in ``SUPPORTED``, ``SwitchGLU``'s body (``switch_glu_problem``), ``gener
 
 import contextlib
 import functools
+import inspect
 import threading
 from threading import get_ident
 from typing import Optional
@@ -58,6 +59,31 @@ def rows_kept(glu) -> bool:
 def linear_kinds() -> dict:
     """``mlx_compat.switch_linears()``, read once (the installed mlx-lm's sources)."""
     return switch_linears()
+
+
+# mlx-lm's ``SwiGLU.__call__`` and the ``swiglu`` it calls (``activations.py``), whitespace
+# removed: a compiled ``silu(gate) * x``, which ``bank.compiled_glu`` may compile inside its graph
+_SWIGLU_CALL = "def__call__(self,x,gate):returnswiglu(gate,x)"
+_SWIGLU = "@partial(mx.compile,shapeless=True)defswiglu(gate,x):returnnn.silu(gate)*x"
+
+
+@functools.lru_cache(maxsize=None)
+def stock_swiglu():
+    """mlx-lm's ``SwiGLU`` class where its call is ``swiglu(gate, x)`` and that ``swiglu`` is
+    mlx-lm's own compiled ``silu(gate) * x`` (the installed sources read once); None where
+    either differs or cannot be read."""
+    import re
+
+    try:
+        from mlx_lm.models import activations, switch_layers
+
+        cls, fused = switch_layers.SwiGLU, switch_layers.swiglu
+        call = re.sub(r"\s+", "", inspect.getsource(cls.__call__))
+        source = re.sub(r"\s+", "", inspect.getsource(activations))
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    ok = call == _SWIGLU_CALL and _SWIGLU in source and fused is activations.swiglu
+    return cls if ok else None
 
 
 def switch_glu(glu):

@@ -45,12 +45,12 @@ def compiled_calls(glu) -> Optional[Tuple[Callable, Callable]]:
     """``(call, mapped)`` for ``glu`` (one ``mlx_shims.rows_kept`` accepts): ``call(x, ids)`` as
     ``switch_glu(glu)(x, ids)`` and ``mapped(x, slots, ids)`` as ``switch_glu(glu)(x,
     slots[ids])``, their graphs compiled below the sort threshold; None where ``glu``'s
-    activation is not mlx-lm's ``SwiGLU`` (its projections are kinds ``rows_kept`` knows)."""
-    from mlx_lm.models.switch_layers import SwiGLU
-
+    activation is not mlx-lm's ``SwiGLU`` as ``mlx_shims.stock_swiglu`` found it (its
+    projections are kinds ``rows_kept`` knows)."""
     kinds = mlx_shims.linear_kinds()
     projections = (glu.up_proj, glu.gate_proj, glu.down_proj)
-    if type(glu.activation) is not SwiGLU:
+    swiglu = mlx_shims.stock_swiglu()  # (its call and its ``swiglu`` checked: None otherwise)
+    if swiglu is None or type(glu.activation) is not swiglu:
         return None
     act = glu.activation
     # each projection: its gather (None: ``gather_mm``) and the keys of the arrays it reads
