@@ -61,7 +61,7 @@ def linear_kinds() -> dict:
     return switch_linears()
 
 
-# mlx-lm's ``SwiGLU.__call__`` and the ``swiglu`` it calls (``activations.py``), whitespace
+# mlx-lm's ``SwiGLU.__call__`` and the ``swiglu`` it calls (mlx_lm.models.activations), whitespace
 # removed: a compiled ``silu(gate) * x``, which ``bank.compiled_glu`` may compile inside its graph
 _SWIGLU_CALL = "def__call__(self,x,gate):returnswiglu(gate,x)"
 _SWIGLU = "@partial(mx.compile,shapeless=True)defswiglu(gate,x):returnnn.silu(gate)*x"
