@@ -11,8 +11,9 @@ nothing is baked in).
 
 Exact: the primitives and their inputs are ``switch_glu``'s; the one elementwise part is mlx-lm's
 ``SwiGLU``, itself compiled by mlx-lm (``swiglu``: one fused kernel), so the compiled graph fuses
-the same ops into the same kernel. Taken only for that activation (another's code, gemma-4's
-``GeGLU`` among them, is not compiled by mlx-lm: fused here its bits could differ) and the
+the same ops into the same kernel. Taken only for that activation (another's code could fuse
+to other bits; gemma-4's ``GeGLU``, which mlx-lm 0.32 compiles as ``geglu``, is left out: its
+build would save ~0.5% of a gemma-4 step and no GPU run compared it) and the
 projection kinds ``mlx_compat.switch_linears`` knows (a global scale, where a projection has one,
 is an input too). Verified bit for bit on the CPU (tests/test_compiled_glu.py, and every parity
 test through the default) and on mlx-cuda by the benchmark's every-step comparison (an H100, five
