@@ -28,6 +28,14 @@ sampled (temperature ``--temp``, seeded). Writes
         --prompts /root/routing-model/heldout.json --out $OUT \
         [--seqs 4 --decode 256]
 
+``--next-pass SHARE`` measures only what a cold token's reads could begin from before its own pass
+(issue 46): the next token's pass run on this token's unchecked sample while this token's reads
+are in flight, and how many of the next token's misses it names (``next_pass``; any mlx-lm
+``qwen3_moe`` model, the demo model on the CPU too):
+
+    python3 bench/routing_model_figures.py --model /root/routing-model/mlx \
+        --prompts /root/routing-model/heldout.json --out $OUT --next-pass 0.5 --decode 128
+
 ``--compare TRACE...`` (no model; the CPU is enough) compares traces instead: per layer, the decode
 hit rate of per-layer caches of 12.5%, 25% and 50% of the experts under LRU and Belady's offline
 optimum (``mlx_lm_streaming.tools.replay``, cold start, the whole trace in order), the share of a
@@ -71,6 +79,9 @@ class Tap(nn.Module):
                     _, e, r = swap
                     inds = mx.where(inds == e, r, inds)
                 tap.log["picks"][tap.no] = inds
+                remap = tap.log.get("remap")  # (--next-pass: missing experts from slot 0's)
+                if remap is not None:
+                    inds = remap[tap.no][inds]
                 return self.inner(x, inds)
 
         block.switch_mlp = Picks()
@@ -180,6 +191,101 @@ def compare(paths, out: Path) -> dict:
     return figures
 
 
+def _touch(resident: list, picks, slots: int) -> None:
+    """A per-layer LRU of ``slots`` experts (oldest first) after a call that used ``picks``."""
+    for e in map(int, picks):
+        if e in resident:
+            resident.remove(e)
+        resident.append(e)
+    while len(resident) > slots:
+        victim = next(e for e in resident if e not in set(map(int, picks)))
+        resident.remove(victim)
+
+
+def _table(resident: list, experts: int):
+    """A verified pass's slot map: a resident expert its own, a missing one slot 0's expert."""
+    table = np.full(experts, min(resident) if resident else 0, dtype=np.int32)
+    table[resident] = resident
+    return mx.array(table)
+
+
+def next_pass(model, tokenizer, prompts, args, log) -> dict:
+    """``--next-pass SHARE``: how well the next token's pass, run on this token's unchecked
+    sample while this token's reads are in flight, names the next token's misses. Per decode token
+    t, with per-layer LRU caches of SHARE of each layer's experts: the pass of t (missing experts
+    computed from slot 0's, as a verified step's pass is), its sample drawn with the key the true
+    sample uses; then the pass of t+1 on that sample, over the KV entries t's pass wrote, with the
+    experts t's pass named counted resident; then both taken back and t computed right. Scored:
+    how often the two samples agree, and the experts t+1's pass names missing against the experts
+    t+1 misses once computed right (recall: the share of t+1's missed experts named a token early;
+    precision: the share of those named that t+1 misses)."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    L, E = len(model.model.layers), model.args.num_experts
+    slots = max(model.args.num_experts_per_tok, round(args.next_pass * E))
+    tally = dict(tokens=0, agree=0, hit=0, named=0, missed=0, layers_missed=0, agreed_hit=0,
+                 agreed_missed=0)
+
+    def step(tokens, cache, tables=None):
+        log["picks"].clear(), log["moe_in"].clear(), log["out"].clear()
+        log["remap"] = tables
+        logits = model(mx.array(tokens)[None], cache=cache)
+        mx.eval(logits, log["picks"])
+        log["remap"] = None
+        return logits[0, -1].astype(mx.float32), [np.array(log["picks"][i][0]) for i in range(L)]
+
+    def draw(logits, n):
+        if args.temp <= 0:
+            return int(mx.argmax(logits))
+        return int(mx.random.categorical(logits / args.temp, key=mx.random.key(n)))
+
+    n_key, decoded = args.seed * 1_000_003, []
+    for text in prompts:
+        ids = tokenizer.encode(text)[: args.prompt_tokens]
+        cache = make_prompt_cache(model)
+        decoded.append([])
+        logits, picks = step(ids, cache)
+        resident = [[] for _ in range(L)]
+        for t in range(len(ids)):
+            for i in range(L):
+                _touch(resident[i], picks[i][t], slots)
+        tok, named = draw(logits, n_key), None
+        for _ in range(args.decode):
+            n_key += 1
+            p_logits, p_picks = step([tok], cache, [_table(r, E) for r in resident])
+            believed = [list(r) for r in resident]
+            for i in range(L):
+                _touch(believed[i], p_picks[i][-1], slots)
+            guess = draw(p_logits, n_key)
+            _, g_picks = step([guess], cache, [_table(r, E) for r in believed])
+            trim_prompt_cache(cache, 2)
+            logits, true = step([tok], cache)
+            missed = [set(map(int, true[i][-1])) - set(resident[i]) for i in range(L)]
+            if named is not None:
+                tally["tokens"] += 1
+                tally["missed"] += sum(map(len, missed))
+                tally["named"] += sum(map(len, named))
+                tally["hit"] += sum(len(a & b) for a, b in zip(named, missed))
+                tally["layers_missed"] += sum(1 for m in missed if m)
+                if agreed:  # (the guess was this token: what is left is the pass's KV entries)
+                    tally["agreed_hit"] += sum(len(a & b) for a, b in zip(named, missed))
+                    tally["agreed_missed"] += sum(map(len, missed))
+            for i in range(L):
+                _touch(resident[i], true[i][-1], slots)
+            named = [set(map(int, g_picks[i][-1])) - set(believed[i]) for i in range(L)]
+            decoded[-1].append(tok)  # (the true token of this step: the stock decode's)
+            tok = draw(logits, n_key)
+            agreed = tok == guess
+            tally["agree"] += agreed
+    tokens = max(1, tally["tokens"])
+    return {"share": args.next_pass, "slots": slots, "temp": args.temp, **tally,
+            "samples_agree": tally["agree"] / max(1, args.decode * len(prompts)),
+            "misses_per_token": tally["missed"] / tokens,
+            "recall": tally["hit"] / max(1, tally["missed"]),
+            "recall_where_agreed": tally["agreed_hit"] / max(1, tally["agreed_missed"]),
+            "precision": tally["hit"] / max(1, tally["named"]), "decoded": decoded}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compare", nargs="+", default=None, help="traces to compare (no model)")
@@ -193,6 +299,9 @@ def main(argv=None):
     ap.add_argument("--swap-every", type=int, default=2, help="the one-expert-left-out pass on "
                     "every Nth decode token")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--next-pass", type=float, default=None, metavar="SHARE",
+                    help="only the next token's pass on this one's unchecked sample, with caches "
+                    "of SHARE of each layer's experts (writes routing-next-pass-SHARE.json)")
     args = ap.parse_args(argv)
     if args.compare:
         compare(args.compare, Path(args.out))
@@ -212,6 +321,12 @@ def main(argv=None):
     norms = [layer.post_attention_layernorm for layer in model.model.layers]
     log = instrument(model)
     prompts = json.loads(Path(args.prompts).read_text())["prompts"][: args.seqs]
+    if args.next_pass is not None:
+        figures = {"model": args.model, "seqs": len(prompts), "decode": args.decode,
+                   **next_pass(model, tokenizer, prompts, args, log)}
+        (out / f"routing-next-pass-{args.next_pass}.json").write_text(json.dumps(figures, indent=1))
+        print(json.dumps(figures))
+        return
     rng = np.random.default_rng(args.seed)
     mx.random.seed(args.seed)
     header = {"format": "moe-routing-trace", "version": 1,

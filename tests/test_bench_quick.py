@@ -214,6 +214,46 @@ def test_routing_model_figures(tmp_path):
     assert trace.num_layers == 4 and sum(r.phase == "decode" for r in trace.rows) == 4
 
 
+def test_routing_model_next_pass(tmp_path):
+    # --next-pass: the true tokens are stock's greedy decode (the passes before each are taken
+    # back); the counts are consistent, and a cache of every expert misses no more than one of
+    # half (the same tokens, so the same picks: LRU's stack property)
+    import importlib.util
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    spec = importlib.util.spec_from_file_location("figures", BENCH / "routing_model_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    resident = [3, 1, 5]
+    figures._touch(resident, [1, 7], 3)
+    assert resident == [5, 1, 7]  # 3 the oldest not used: evicted; 1 used again, 7 new
+    assert np.array(figures._table([5, 1, 7], 8)).tolist() == [1, 1, 1, 1, 1, 5, 1, 7]
+    text = "Return the value of the file named by path, or None when it does not exist."
+    prompts = tmp_path / "heldout.json"
+    prompts.write_text(json.dumps({"prompts": [text]}))
+    got = {}
+    for share in ("1.0", "0.5"):
+        bench(
+            BENCH / "routing_model_figures.py", "--model", ROOT / "docs" / "demo-model",
+            "--prompts", prompts, "--out", tmp_path, "--decode", "6", "--temp", "0",
+            "--next-pass", share,
+        )  # fmt: skip
+        got[share] = json.loads((tmp_path / f"routing-next-pass-{share}.json").read_text())
+    model, tokenizer = load(str(ROOT / "docs" / "demo-model"))
+    ids = mx.array(tokenizer.encode(text)[:96])
+    stock = [int(t) for t, _ in generate_step(ids, model, max_tokens=6)]
+    for share, fig in got.items():
+        assert fig["decoded"] == [stock], share
+    full, half = got["1.0"], got["0.5"]
+    assert full["slots"] == 8 and half["slots"] == 4 and half["tokens"] == full["tokens"] == 5
+    assert full["missed"] <= half["missed"]
+    assert 0 <= half["hit"] <= min(half["named"], half["missed"]) and half["missed"] > 0
+
+
 def test_train_routing_model_without_torch():
     # the parts that need no torch (the corpus, the tokenizer, the batches) at a tiny size; the
     # training itself needs torch and transformers' models (on the H200)
