@@ -249,7 +249,7 @@ def next_pass(model, tokenizer, prompts, args, log) -> dict:
         for t in range(len(ids)):
             for i in range(L):
                 _touch(resident[i], picks[i][t], slots)
-        tok, named = draw(logits, n_key), None
+        tok, named, agreed = draw(logits, n_key), None, False
         for _ in range(args.decode):
             n_key += 1
             p_logits, p_picks = step([tok], cache, [_table(r, E) for r in resident])
