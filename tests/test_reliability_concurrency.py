@@ -175,6 +175,31 @@ def test_dropping_the_model_closes_the_store(setup):
     assert opened_since(fds, settle=2.0) == {}
 
 
+@pytest.mark.parametrize("dropped", [False, True])
+def test_closing_asks_for_no_background_fill(checkpoint, dropped):
+    # a model closed (or dropped: its finalizer closes it) with its first verified step's host work
+    # still to do: that work, done by the close, asked for its identity banks' background fill,
+    # whose thread then outlived the model (a finalizer joins no thread; seen as a stray
+    # "mlx-lm-streaming-fill" thread in test_concurrent_forward_passes_match_serial)
+    from mlx_lm_streaming.runtime.memory.expert_cache import CacheTuning
+
+    path = checkpoint("qwen3_moe", "affine4")
+    model, _ = load_streaming(path, tuning=CacheTuning(verify_choice="always"))
+    state = model.expert_streaming
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
+    banks = state.cache.banks
+    assert state.steps.pending is not None and any(b.identity for b in banks)
+    assert not any(b.fill_requested for b in banks)
+    if dropped:
+        del model, cache
+        gc.collect()
+    else:
+        state.close()
+    assert state.closed and state.steps.pending is None  # (its host work done by the close)
+    assert not any(b.fill_requested for b in banks) and state.cache._fills.started == []
+
+
 def test_model_loaded_in_one_thread_runs_in_another(setup):
     """The usual server shape: load on the main thread, generate on a worker thread. Slot banks left
     lazy by the loading thread used to fail there ("There is no Stream(cpu, N) in current thread")."""

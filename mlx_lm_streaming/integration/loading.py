@@ -162,6 +162,7 @@ class StreamingState:
         """Stop background reads, then close the store. ``wait=False`` (the finalizer of a model
         that was garbage collected): join no thread (see ``ExpertCache.close``)."""
         self.closed = True
+        self.cache.stop_fills()  # (the flush's host work would ask for fills)
         if self.steps is not None:
             self.steps.flush()  # the last verified step's counts and routing record
         self.cache.close(wait=wait)  # background reads first

@@ -248,7 +248,7 @@ class ExpertCache:
 
     def request_fill(self, bank: LayerBank) -> None:
         """Read the rest of an identity bank's experts in the background (low priority)."""
-        if bank.fill_requested or self._closed:
+        if bank.fill_requested or self._closed or self._fills.closed:
             return
         bank.fill_requested = True
         self._fills.put(bank)
@@ -264,6 +264,12 @@ class ExpertCache:
             if self._closed or not bank.identity:
                 break
             bank.stage(np.array(todo[i : i + chunk]), "fill", FILL, block=True)
+
+    def stop_fills(self) -> None:
+        """No background fill asked for from now on: a model being closed (its close does its
+        last step's host work, which would ask for its identity banks' fill, and a finalizer's
+        close joins no thread: the fill would outlive the model)."""
+        self._fills.close()
 
     def close(self, wait: bool = True) -> None:
         """Stop background reads (the store is closed by its owner). ``wait=False`` joins no thread:
