@@ -114,6 +114,18 @@ def instrument(model):
     return log
 
 
+def forward(model, log, tokens, cache, remap=None):
+    """The model on ``tokens`` (one sequence) over ``cache``, its taps' record evaluated with its
+    logits; ``remap``: per layer, the slot map its experts are computed through (``--next-pass``)."""
+    for key in ("picks", "moe_in", "out"):
+        log[key].clear()
+    log["remap"] = remap
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits, log["picks"], log["moe_in"], log["out"])
+    log["remap"] = None
+    return logits
+
+
 def ranked(gate, x, inds):
     """``inds`` (rows x k) in the router's rank order (largest logit first)."""
     logits = np.array(gate(x).astype(mx.float32))
@@ -193,13 +205,13 @@ def compare(paths, out: Path) -> dict:
 
 def _touch(resident: list, picks, slots: int) -> None:
     """A per-layer LRU of ``slots`` experts (oldest first) after a call that used ``picks``."""
-    for e in map(int, picks):
+    used = list(map(int, picks))
+    for e in used:
         if e in resident:
             resident.remove(e)
         resident.append(e)
     while len(resident) > slots:
-        victim = next(e for e in resident if e not in set(map(int, picks)))
-        resident.remove(victim)
+        resident.remove(next(e for e in resident if e not in used))
 
 
 def _table(resident: list, experts: int):
@@ -227,11 +239,7 @@ def next_pass(model, tokenizer, prompts, args, log) -> dict:
                  agreed_missed=0)
 
     def step(tokens, cache, tables=None):
-        log["picks"].clear(), log["moe_in"].clear(), log["out"].clear()
-        log["remap"] = tables
-        logits = model(mx.array(tokens)[None], cache=cache)
-        mx.eval(logits, log["picks"])
-        log["remap"] = None
+        logits = forward(model, log, tokens, cache, tables)
         return logits[0, -1].astype(mx.float32), [np.array(log["picks"][i][0]) for i in range(L)]
 
     def draw(logits, n):
@@ -342,12 +350,7 @@ def main(argv=None):
     t0 = time.time()
 
     def step(tokens, cache):
-        log["picks"].clear()
-        log["moe_in"].clear()
-        log["out"].clear()
-        logits = model(mx.array(tokens)[None], cache=cache)
-        mx.eval(logits, log["picks"], log["moe_in"], log["out"])
-        return logits
+        return forward(model, log, tokens, cache)
 
     for seq, text in enumerate(prompts):
         ids = tokenizer.encode(text)[: args.prompt_tokens]

@@ -248,7 +248,7 @@ class ExpertCache:
 
     def request_fill(self, bank: LayerBank) -> None:
         """Read the rest of an identity bank's experts in the background (low priority)."""
-        if bank.fill_requested or self._closed or self._fills.closed:
+        if bank.fill_requested or self._fills.closed:  # (closed by ``stop_fills``, and ``close``)
             return
         bank.fill_requested = True
         self._fills.put(bank)
@@ -275,8 +275,8 @@ class ExpertCache:
         """Stop background reads (the store is closed by its owner). ``wait=False`` joins no thread:
         for the finalizer that runs when a model is garbage collected, which can run inside another
         thread's start-up, where joining a thread deadlocks (seen: a pytest run hung there)."""
+        self.stop_fills()
         self._closed = True
-        self._fills.close()
         if self.budget_watch is not None:
             self.budget_watch.close(wait=wait)
         if self.tiers is not None:
